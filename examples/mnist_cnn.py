@@ -1,0 +1,140 @@
+"""Train the reference guide's MNIST CNN with troupe.DistOpt.
+
+The same script runs under every launcher, unedited:
+
+    troupe run -n 2 examples/mnist_cnn.py --epochs 3
+    torchrun --nproc-per-node 2 examples/mnist_cnn.py
+    mpiexec -n 2 python examples/mnist_cnn.py
+    python examples/mnist_multiprocess.py 2        # the Ticket + multiprocessing pattern
+    python examples/mnist_cnn.py                   # one process
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import troupe
+from troupe.metrics import Throughput, accuracy, progress, reduce_variable
+
+
+class CNN(troupe.Model):
+    """conv 5x5x20 -> maxpool 2 -> conv 5x5x50 -> maxpool 2 -> fc 500 -> relu -> fc 10."""
+
+    def __init__(self, num_classes: int = 10, num_channels: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(num_channels, 20, 5)
+        self.conv2 = nn.Conv2d(20, 50, 5)
+        self.linear1 = nn.Linear(4 * 4 * 50, 500)
+        self.linear2 = nn.Linear(500, num_classes)
+
+    def forward(self, x):
+        y = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        y = F.max_pool2d(F.relu(self.conv2(y)), 2)
+        y = F.relu(self.linear1(y.flatten(1)))
+        return self.linear2(y)
+
+    def train_one_batch(self, x, y, dist_option="plain", spars=None):
+        out = self.forward(x)
+        loss = F.cross_entropy(out, y)
+        self.optimizer.update(loss, dist_option, spars)
+        return out, loss
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=64, help="per rank")
+    p.add_argument("--lr", type=float, default=0.005)
+    p.add_argument("--data", default=None, help="directory with the MNIST IDX files (default: offline copy)")
+    p.add_argument("--dist-option", default="plain", help=f"one of {sorted(troupe.DIST_OPTIONS)}")
+    p.add_argument("--spars", type=float, default=None)
+    p.add_argument("--max-steps", type=int, default=None, help="stop each epoch after this many steps")
+    p.add_argument("--train-size", type=int, default=None, help="use only the first N training samples")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process")
+    p.add_argument("--graph", action="store_true", help="run the forward through torch.compile")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
+    """The reference's training function; the Ticket arguments come from the multiprocessing launcher."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model = CNN()
+    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-5)
+    sgd = troupe.DistOpt(sgd, ticket=ticket, local_rank=local_rank, world_size=world_size)
+    model.set_optimizer(sgd)
+    dev = sgd.device
+    model.to(dev)
+    main = sgd.global_rank == 0
+
+    train_x, train_y, test_x, test_y = troupe.data.load_mnist(args.data)
+    if args.train_size:
+        train_x, train_y = train_x[: args.train_size], train_y[: args.train_size]
+    train_x, train_y = troupe.data.partition(train_x, train_y, sgd.global_rank, sgd.world_size)
+    test_x, test_y = troupe.data.partition(test_x, test_y, sgd.global_rank, sgd.world_size)
+    bs = args.batch_size
+    num_train_batch = len(train_x) // bs
+    if args.max_steps:
+        num_train_batch = min(num_train_batch, args.max_steps)
+    num_test_batch = max(len(test_x) // bs, 1)
+    if num_train_batch == 0:
+        raise ValueError(f"--batch-size {bs} is larger than this rank's {len(train_x)} training samples")
+    model.compile([train_x[:bs].to(dev)], is_train=True, use_graph=args.graph, sequential=True)
+    rng = np.random.default_rng(args.seed + sgd.global_rank)
+    if main:
+        print(f"{sgd}: {len(train_x)} training samples per rank, batch {bs}", flush=True)
+
+    history = []
+    for epoch in range(args.epochs):
+        if main:
+            print(f"Starting Epoch {epoch}:", flush=True)
+        model.train()
+        idx = torch.from_numpy(rng.permutation(len(train_x)))
+        train_correct, train_loss = 0, 0.0
+        speed = Throughput()
+        for b in progress(range(num_train_batch), desc=f"epoch {epoch}", enabled=main and not args.quiet):
+            sel = idx[b * bs : (b + 1) * bs]
+            tx, ty = train_x[sel].to(dev), train_y[sel].to(dev)
+            out, loss = model.train_one_batch(tx, ty, args.dist_option, args.spars)
+            train_correct += accuracy(out, ty)
+            train_loss += loss.item()
+            speed.add(bs)
+        rate = speed.rate()
+        train_correct = reduce_variable(train_correct)
+        train_loss = reduce_variable(train_loss)
+        train_acc = train_correct / (num_train_batch * bs * sgd.world_size)
+
+        model.eval()
+        test_correct = 0
+        with torch.no_grad():
+            for b in range(num_test_batch):
+                tx, ty = test_x[b * bs : (b + 1) * bs].to(dev), test_y[b * bs : (b + 1) * bs].to(dev)
+                test_correct += accuracy(model(tx), ty)
+        test_total = reduce_variable(min(num_test_batch * bs, len(test_x)))
+        test_acc = reduce_variable(test_correct) / test_total
+        if main:
+            print(f"Training loss = {train_loss:f}, training accuracy = {train_acc:f}", flush=True)
+            print(f"Evaluation accuracy = {test_acc:f}, {rate:.0f} samples/s", flush=True)
+        history.append({"epoch": epoch, "train_loss": train_loss, "train_acc": train_acc, "eval_acc": test_acc})
+    return model, history
+
+
+def main(argv=None):
+    start = time.perf_counter()
+    args = parse_args(argv)
+    _, history = train_mnist_cnn(args)
+    if troupe.info().global_rank == 0:
+        print(f"Finished {len(history)} epoch(s) in {time.perf_counter() - start:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

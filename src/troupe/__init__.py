@@ -1,0 +1,29 @@
+"""troupe: SINGA's distributed training for PyTorch, on torch.distributed.
+
+>>> import troupe, torch
+>>> sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.005, momentum=0.9))
+>>> model.set_optimizer(sgd)            # model is a troupe.Model
+>>> out, loss = model.train_one_batch(x, y)
+"""
+
+from troupe import data, metrics
+from troupe.comm import Communicator
+from troupe.launch import DistInfo, Ticket, info, init, shutdown
+from troupe.model import Model
+from troupe.opt import DIST_OPTIONS, DistOpt
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DIST_OPTIONS",
+    "Communicator",
+    "DistInfo",
+    "DistOpt",
+    "Model",
+    "Ticket",
+    "data",
+    "info",
+    "init",
+    "metrics",
+    "shutdown",
+]

@@ -1,0 +1,108 @@
+"""Gradient buckets: a fixed, rank-independent layout of parameters into flat buffers.
+
+A bucket's buffer holds its parameters' gradients back to back, followed by one
+"used" flag per parameter. Summing the flags across ranks tells every rank, in the
+same collective and without another message, which parameters got no gradient on
+any rank this step (they keep ``grad = None``, as in a single process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+DEFAULT_BUCKET_SIZE = 2**19
+"""Elements per bucket (2 MiB of fp32); see docs/benchmarks.md for the measurement."""
+
+
+def plan_buckets(params: Sequence[Tensor], bucket_size: int) -> list[list[int]]:
+    """Group parameter indices into buckets, in reverse order (about the order backward yields them).
+
+    Parameters of different dtype or device never share a bucket. As in SINGA, a tensor
+    of at least `bucket_size` elements is a bucket of its own; smaller ones are fused
+    until the bucket reaches `bucket_size`. Depends only on shapes, so every rank with
+    the same model gets the same plan.
+    """
+    if bucket_size < 1:
+        raise ValueError(f"bucket_size must be >= 1 element, got {bucket_size}")
+    buckets: list[list[int]] = []
+    open_: dict[tuple, tuple[list[int], int]] = {}
+    for i in reversed(range(len(params))):
+        p = params[i]
+        key = (p.dtype, p.device)
+        if p.numel() >= bucket_size:
+            buckets.append([i])
+            continue
+        members, size = open_.get(key, ([], 0))
+        members.append(i)
+        size += p.numel()
+        if size >= bucket_size:
+            buckets.append(members)
+            open_.pop(key, None)
+        else:
+            open_[key] = (members, size)
+    buckets.extend(members for members, _ in open_.values())
+    return buckets
+
+
+class Bucket:
+    """One bucket's flat buffer and its per-step state."""
+
+    def __init__(self, index: int, params: Sequence[Tensor]):
+        self.index = index
+        self.params = list(params)
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = [sum(self.numels[:k]) for k in range(len(self.params))]
+        self.numel = sum(self.numels)
+        p0 = self.params[0]
+        self.buffer = torch.zeros(self.numel + len(self.params), dtype=p0.dtype, device=p0.device)
+        self.slot = {id(p): k for k, p in enumerate(self.params)}
+        self.reset()
+
+    @property
+    def data(self) -> Tensor:
+        """The gradient part of the buffer."""
+        return self.buffer[: self.numel]
+
+    @property
+    def flags(self) -> Tensor:
+        """One entry per parameter: 1 where this rank (or, after the sum, any rank) had a gradient."""
+        return self.buffer[self.numel :]
+
+    def reset(self) -> None:
+        self.used = [False] * len(self.params)
+        self.pending = len(self.params)
+
+    def view(self, k: int) -> Tensor:
+        return self.data[self.offsets[k] : self.offsets[k] + self.numels[k]].view_as(self.params[k])
+
+    def add_grad(self, param: Tensor, grad: Tensor) -> bool:
+        """Copy one gradient in; True when every parameter of the bucket has arrived."""
+        k = self.slot[id(param)]
+        if self.used[k]:
+            raise RuntimeError(
+                "a parameter received a second gradient in one step; call backward once per "
+                "backward_and_update (or use retain_graph only outside DistOpt)"
+            )
+        self.view(k).copy_(grad)
+        self.used[k] = True
+        self.pending -= 1
+        return self.pending == 0
+
+    def seal(self) -> None:
+        """Zero the slots of parameters that got no gradient and write the used flags."""
+        for k, used in enumerate(self.used):
+            if not used:
+                self.view(k).zero_()
+        self.flags.copy_(torch.tensor(self.used, dtype=self.buffer.dtype))
+
+    def unpack(self) -> None:
+        """Hand the reduced gradients back to the parameters (as views of the buffer).
+
+        A parameter that no rank produced a gradient for keeps ``grad = None``.
+        """
+        counts = self.flags.tolist()
+        for k, p in enumerate(self.params):
+            p.grad = self.view(k) if counts[k] > 0 else None

@@ -1,0 +1,213 @@
+"""Communicator: the only module in troupe that calls torch.distributed collectives.
+
+Every call counts what it puts on the wire, so benchmarks and per-step stats can read
+bytes per collective without instrumenting the backend.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+Op = Literal["sum", "mean", "max", "min"]
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+@dataclass
+class Traffic:
+    """What one kind of collective has cost this rank so far."""
+
+    calls: int = 0
+    payload_bytes: int = 0
+    """Bytes of the tensors handed to the collective on this rank."""
+    wire_bytes: int = 0
+    """Bytes this rank sends under the textbook algorithm (ring all-reduce: 2(n-1)/n of the payload)."""
+
+
+class Handle:
+    """A collective in flight. `wait()` completes it and then runs its epilogue once."""
+
+    def __init__(self, work: dist.Work | None, then: Callable[[], None] | None = None):
+        self._work, self._then, self.done = work, then, False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        if self._then is not None:
+            self._then()
+        self.done = True
+
+
+class Communicator:
+    """Collectives over one process group, with byte counters.
+
+    >>> comm = Communicator()                     # the default (world) group
+    >>> comm.all_reduce(t, op="mean")              # in place
+    >>> h = comm.all_reduce(t, async_op=True); ...; h.wait()
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("Communicator needs an initialised process group: call troupe.init() first")
+        self.group = group
+        self.world = dist.group.WORLD
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = dist.get_backend(group)
+        self.traffic: dict[str, Traffic] = defaultdict(Traffic)
+
+    # --- bookkeeping -------------------------------------------------------------
+
+    def _count(self, op: str, payload: int, wire: float) -> None:
+        t = self.traffic[op]
+        t.calls += 1
+        t.payload_bytes += payload
+        t.wire_bytes += int(wire)
+
+    def bytes_sent(self) -> int:
+        """Wire bytes over all collectives so far."""
+        return sum(t.wire_bytes for t in self.traffic.values())
+
+    def reset_counters(self) -> None:
+        self.traffic.clear()
+
+    def _staged(self, tensor: Tensor) -> Tensor:
+        """NCCL reduces device tensors only: stage a CPU tensor through this rank's GPU."""
+        if self.backend == "nccl" and tensor.device.type != "cuda":
+            return tensor.to(torch.device("cuda", torch.cuda.current_device()))
+        return tensor
+
+    # --- collectives -------------------------------------------------------------
+
+    def all_reduce(self, tensor: Tensor, op: Op = "sum", async_op: bool = False) -> Handle | Tensor:
+        """Reduce `tensor` in place across ranks; "mean" sums, then divides by the world size."""
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+        n = self.world_size
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count("all_reduce", nbytes, 2 * (n - 1) / n * nbytes)
+        work_tensor = self._staged(tensor)
+        work = dist.all_reduce(work_tensor, _REDUCE_OPS[op], group=self.group, async_op=True)
+
+        def finish() -> None:
+            if op == "mean":
+                work_tensor.div_(n)
+            if work_tensor is not tensor:
+                tensor.copy_(work_tensor)
+
+        handle = Handle(work, finish)
+        if async_op:
+            return handle
+        handle.wait()
+        return tensor
+
+    def fused_all_reduce(self, tensors: Sequence[Tensor], op: Op = "sum", async_op: bool = False) -> Handle | None:
+        """All-reduce several tensors of one dtype as one flat buffer, results copied back in place."""
+        if not tensors:
+            return Handle(None) if async_op else None
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        inner = self.all_reduce(flat, op, async_op=True)
+
+        def unpack() -> None:
+            inner.wait()
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+        handle = Handle(None, unpack)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def broadcast(self, tensor: Tensor, src: int = 0, async_op: bool = False) -> Handle | Tensor:
+        """Copy `src`'s tensor into every rank's `tensor`."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count("broadcast", nbytes, nbytes if self.rank == src else 0)
+        work_tensor = self._staged(tensor)
+        work = dist.broadcast(work_tensor, src, group=self.group, async_op=True)
+        handle = Handle(work, (lambda: tensor.copy_(work_tensor)) if work_tensor is not tensor else None)
+        if async_op:
+            return handle
+        handle.wait()
+        return tensor
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        """Every rank's `tensor` (all the same shape), in rank order."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count("all_gather", nbytes, (self.world_size - 1) * nbytes)
+        src = self._staged(tensor)
+        out = [torch.empty_like(src) for _ in range(self.world_size)]
+        dist.all_gather(out, src.contiguous(), group=self.group)
+        return [o.to(tensor.device) for o in out]
+
+    def all_gather_varsize(self, tensor: Tensor) -> list[Tensor]:
+        """Every rank's 1-D `tensor`, whose length may differ per rank (even be zero)."""
+        if tensor.dim() != 1:
+            raise ValueError(f"all_gather_varsize takes a 1-D tensor, got shape {tuple(tensor.shape)}")
+        sizes = self.all_gather(torch.tensor([tensor.numel()], dtype=torch.int64, device=tensor.device))
+        sizes = [int(s) for s in torch.cat(sizes).tolist()]
+        longest = max(sizes)
+        if longest == 0:
+            return [tensor.new_empty(0) for _ in sizes]
+        padded = tensor.new_zeros(longest)
+        padded[: tensor.numel()] = tensor
+        gathered = self.all_gather(padded)
+        return [g[:n] for g, n in zip(gathered, sizes)]
+
+    def gather(self, tensor: Tensor, dst: int = 0) -> list[Tensor] | None:
+        """Every rank's `tensor` on rank `dst` (None elsewhere)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count("gather", nbytes, 0 if self.rank == dst else nbytes)
+        src = self._staged(tensor).contiguous()
+        out = [torch.empty_like(src) for _ in range(self.world_size)] if self.rank == dst else None
+        dist.gather(src, out, dst=dst, group=self.group)
+        return None if out is None else [o.to(tensor.device) for o in out]
+
+    def scatter(self, out: Tensor, chunks: Sequence[Tensor] | None = None, src: int = 0) -> Tensor:
+        """Rank `src` sends ``chunks[r]`` to rank r, which receives it into `out`."""
+        if (self.rank == src) != (chunks is not None):
+            raise ValueError(f"scatter: chunks must be given on the source rank {src} only")
+        nbytes = out.numel() * out.element_size()
+        self._count("scatter", nbytes, (self.world_size - 1) * nbytes if self.rank == src else 0)
+        dst = self._staged(out)
+        staged = None if chunks is None else [self._staged(c).contiguous() for c in chunks]
+        dist.scatter(dst, staged, src=src, group=self.group)
+        if dst is not out:
+            out.copy_(dst)
+        return out
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's picklable `obj`, in rank order (for one-off checks, not hot paths)."""
+        out: list[object] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        """Wait until every rank arrives."""
+        self._count("barrier", 0, 0)
+        dist.barrier(group=self.group)
+
+
+_default: Communicator | None = None
+
+
+def default() -> Communicator:
+    """The communicator over the whole job, created on first use (joins the job if needed)."""
+    global _default
+    from troupe.launch import init
+
+    init()
+    # A new world (after troupe.shutdown() and init()) needs a new communicator.
+    if _default is None or _default.world is not dist.group.WORLD:
+        _default = Communicator()
+    return _default

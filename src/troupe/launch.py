@@ -1,0 +1,343 @@
+"""Rendezvous: the job Ticket, launcher detection and process-group setup.
+
+Four launchers reach the same `init()`:
+
+* an explicit `Ticket` (the reference's multiprocessing pattern),
+* `troupe run` (sets ``TROUPE_TICKET``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``),
+* `torchrun` (its own rendezvous; ``env://``),
+* `mpiexec` (ranks from the MPI environment; rank 0 broadcasts a Ticket with mpi4py).
+
+With none of them the process is a world of one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("troupe")
+
+DEFAULT_JOIN_TIMEOUT = 60.0
+"""Seconds every rank waits for the whole world to join before giving up."""
+DEFAULT_TIMEOUT = 300.0
+"""Seconds a collective may wait before the backend gives up."""
+LOOPBACK = "127.0.0.1"
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What a process needs to join a job: rendezvous address, port and secret token.
+
+    SINGA's NCCL-id "ticket": the parent makes one and hands it to every worker;
+    only processes holding it can join.
+
+    >>> ticket = Ticket()            # loopback, a free port, a random token
+    >>> Ticket.decode(ticket.encode()) == ticket
+    True
+    """
+
+    addr: str = LOOPBACK
+    port: int = 0
+    token: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"Ticket port must be an int in [0, 65535], got {self.port!r}")
+        if not self.token or ":" in self.token:
+            raise ValueError("Ticket token must be a non-empty string without ':'")
+        if self.port == 0:
+            object.__setattr__(self, "port", _free_port(self.addr))
+
+    def encode(self) -> str:
+        """The ticket as one string (for an environment variable or a command line)."""
+        return f"{self.addr}:{self.port}:{self.token}"
+
+    @classmethod
+    def decode(cls, text: str) -> Ticket:
+        """Inverse of `encode`."""
+        try:
+            addr, port, token = text.rsplit(":", 2)
+            return cls(addr=addr, port=int(port), token=token)
+        except ValueError as e:
+            raise ValueError(f"malformed ticket {text!r}: expected ADDR:PORT:TOKEN ({e})") from None
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    global_rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    launcher: str
+    """One of "single", "ticket", "troupe", "torchrun", "mpi"."""
+
+    @property
+    def rank(self) -> int:
+        return self.global_rank
+
+
+_info: DistInfo | None = None
+_store: dist.Store | None = None  # keeps rank 0's TCP server alive
+_listen_sockets: list[socket.socket] = []
+
+
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        if os.environ.get(name, "") != "":
+            return int(os.environ[name])
+    return None
+
+
+def _seconds(value: float | None, env: str, default: float) -> float:
+    if value is None:
+        value = float(os.environ.get(env, default))
+    if value <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {value}")
+    return float(value)
+
+
+def init(
+    ticket: Ticket | str | None = None,
+    local_rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    rank: int | None = None,
+    backend: str | None = None,
+    timeout: float | None = None,
+    join_timeout: float | None = None,
+) -> DistInfo:
+    """Join the job (idempotent) and return this process's rank, world size and device.
+
+    Args:
+        ticket: given by the multiprocessing launcher; otherwise read from the
+            environment of `troupe run`, `torchrun` or `mpiexec`.
+        rank: global rank, when it differs from ``local_rank`` (several nodes).
+        backend: "gloo" or "nccl"; default NCCL when every local rank has a GPU.
+        timeout: seconds a collective may wait (``TROUPE_TIMEOUT``, default 300).
+        join_timeout: seconds to wait for all ranks to join (``TROUPE_JOIN_TIMEOUT``, 60).
+    """
+    global _info
+    if _info is not None:
+        return _info
+    if dist.is_initialized():
+        _info = _adopt_existing_group()
+        return _info
+    timeout = _seconds(timeout, "TROUPE_TIMEOUT", DEFAULT_TIMEOUT)
+    join_timeout = _seconds(join_timeout, "TROUPE_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT)
+    if ticket is None and os.environ.get("TROUPE_TICKET"):
+        ticket = os.environ["TROUPE_TICKET"]
+        launcher = "troupe"
+        rank = _env_int("RANK")
+        local_rank = _env_int("LOCAL_RANK")
+        world_size = _env_int("WORLD_SIZE")
+        local_world = _env_int("LOCAL_WORLD_SIZE") or world_size
+    elif ticket is not None:
+        launcher = "ticket"
+        if local_rank is None or world_size is None:
+            raise ValueError("a ticket needs local_rank and world_size too")
+        local_world = world_size if rank is None else _env_int("LOCAL_WORLD_SIZE") or world_size
+    elif "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= os.environ.keys():
+        return _init_torchrun(backend, timeout)
+    elif _env_int("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE") is not None:
+        ticket, rank, local_rank, world_size, local_world = _mpi_ticket()
+        launcher = "mpi"
+    else:
+        ticket, rank, local_rank, world_size, local_world, launcher = None, 0, 0, 1, 1, "single"
+
+    if isinstance(ticket, str):
+        ticket = Ticket.decode(ticket)
+    rank = local_rank if rank is None else rank
+    _check_ranks(rank, local_rank, world_size)
+    backend = _pick_backend(backend, local_rank, local_world)
+    pg_timeout = datetime.timedelta(seconds=timeout)
+    if ticket is None:
+        store: dist.Store = dist.HashStore()
+    else:
+        store = _join(ticket, rank, world_size, join_timeout)
+    if ticket is not None and ticket.addr in (LOOPBACK, "localhost"):
+        # Gloo picks its interface from the hostname; keep a local job on loopback.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+    _info = DistInfo(
+        global_rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world,
+        device=_device(backend, local_rank),
+        backend=backend,
+        launcher=launcher,
+    )
+    return _info
+
+
+def _check_ranks(rank: int, local_rank: int, world_size: int) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank!r} is out of range for world_size {world_size}")
+    if not isinstance(local_rank, int) or local_rank < 0 or local_rank > rank:
+        raise ValueError(f"local_rank {local_rank!r} is out of range (rank {rank}, world_size {world_size})")
+
+
+def _pick_backend(backend: str | None, local_rank: int, local_world: int) -> str:
+    backend = backend or os.environ.get("TROUPE_BACKEND") or None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend is None:
+        return "nccl" if gpus >= local_world and dist.is_nccl_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and gpus <= local_rank:
+        raise ValueError(
+            f"backend 'nccl' needs a CUDA GPU for local rank {local_rank}, but this machine has {gpus} GPU(s)"
+        )
+    return backend
+
+
+def _device(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _digest(salt: str, token: str) -> str:
+    return hashlib.sha256(f"{salt}:{token}".encode()).hexdigest()
+
+
+def _open_store(ticket: Ticket, is_master: bool, timeout: float) -> dist.TCPStore:
+    td = datetime.timedelta(seconds=timeout)
+    if not is_master:
+        try:
+            return dist.TCPStore(ticket.addr, ticket.port, is_master=False, timeout=td)
+        except Exception as e:  # torch raises DistNetworkError / RuntimeError
+            raise ConnectionError(
+                f"could not reach the job's rendezvous at {ticket.addr}:{ticket.port} within {timeout:.0f}s "
+                f"(is rank 0 running with this ticket?): {e}"
+            ) from None
+    # Bind the listening socket ourselves: TCPStore alone listens on every interface.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((ticket.addr, ticket.port))
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        raise OSError(
+            f"rank 0 cannot listen on {ticket.addr}:{ticket.port} for the rendezvous: {e.strerror} "
+            "(port already in use? pick another with --master HOST:PORT or Ticket(port=...))"
+        ) from None
+    store = dist.TCPStore(
+        ticket.addr, ticket.port, is_master=True, timeout=td, wait_for_workers=False, master_listen_fd=sock.fileno()
+    )
+    _listen_sockets.append(sock)  # the store serves on this fd: keep it open
+    return store
+
+
+def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float) -> dist.Store:
+    """Check the token, register this rank and wait for the whole world; return the job's store."""
+    global _store
+    base = _open_store(ticket, rank == 0, join_timeout)
+    if rank == 0:
+        salt = secrets.token_hex(16)
+        base.set("troupe/digest", f"{salt}:{_digest(salt, ticket.token)}")
+    salt, digest = base.get("troupe/digest").decode().split(":")
+    if not hmac.compare_digest(digest, _digest(salt, ticket.token)):
+        base.add("troupe/refused", 1)
+        raise PermissionError(
+            f"rank {rank}: refused by the job at {ticket.addr}:{ticket.port}: wrong ticket token "
+            "(only processes given this job's Ticket may join)"
+        )
+    _store = base
+    store = dist.PrefixStore(f"troupe/{ticket.token}/", base)
+    if store.add(f"rank/{rank}/count", 1) > 1:
+        raise ValueError(f"rank {rank} was started twice (world_size {world_size})")
+    store.set(f"rank/{rank}", f"{socket.gethostname()}:{os.getpid()}")
+    store.add("joined", 1)
+    deadline = time.monotonic() + join_timeout
+    while store.add("joined", 0) < world_size:
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world_size) if not store.check([f"rank/{r}"])]
+            raise TimeoutError(
+                f"rank {rank}: {len(missing)} of {world_size} ranks did not join within {join_timeout:.0f}s: "
+                f"missing ranks {missing} (does world_size={world_size} match the processes started?)"
+            )
+        time.sleep(0.02)
+    refused = int(base.add("troupe/refused", 0))
+    if rank == 0 and refused:
+        log.warning("troupe: refused %d join attempt(s) with a wrong ticket token", refused)
+    return store
+
+
+def _init_torchrun(backend: str | None, timeout: float) -> DistInfo:
+    global _info
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local_rank = _env_int("LOCAL_RANK") or 0
+    local_world = _env_int("LOCAL_WORLD_SIZE") or world
+    _check_ranks(rank, local_rank, world)
+    backend = _pick_backend(backend, local_rank, local_world)
+    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
+    _info = DistInfo(rank, local_rank, world, local_world, _device(backend, local_rank), backend, "torchrun")
+    return _info
+
+
+def _mpi_ticket() -> tuple[Ticket, int, int, int, int]:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ImportError(
+            "launched by mpiexec, but mpi4py is not installed: pip install 'troupe[mpi]'"
+        ) from None
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local_rank, local_world = node.Get_rank(), node.Get_size()
+    ticket = None
+    if rank == 0:
+        addr = os.environ.get("TROUPE_MASTER_ADDR") or (
+            LOOPBACK if local_world == world else socket.gethostbyname(socket.gethostname())
+        )
+        ticket = Ticket(addr=addr, port=int(os.environ.get("TROUPE_MASTER_PORT", 0)))
+    # SINGA broadcasts its NCCL id the same way.
+    ticket = comm.bcast(ticket, root=0)
+    return ticket, rank, local_rank, world, local_world
+
+
+def _adopt_existing_group() -> DistInfo:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = _env_int("LOCAL_RANK") or 0
+    backend = dist.get_backend()
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    return DistInfo(rank, local_rank, world, _env_int("LOCAL_WORLD_SIZE") or world, device, backend, "external")
+
+
+def info() -> DistInfo:
+    """This process's place in the job, joining it first if needed."""
+    return init()
+
+
+def shutdown() -> None:
+    """Leave the job: destroy the process group so a later `init()` starts afresh."""
+    global _info, _store
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _info, _store = None, None

@@ -1,0 +1,209 @@
+"""DistOpt: wraps any torch optimizer for synchronous data-parallel training."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from troupe import comm as comm_mod
+from troupe.bucket import DEFAULT_BUCKET_SIZE
+from troupe.comm import Handle
+from troupe.launch import Ticket, init
+from troupe.reducer import GradReducer
+
+DIST_OPTIONS = {"plain": "backward_and_update", "fp32": "backward_and_update"}
+"""`dist_option` names (SINGA's) and the DistOpt method each one calls."""
+
+
+class DistOpt:
+    """Averages gradients across ranks, overlapped with backward, then steps the wrapped optimizer.
+
+    Gradients are summed across ranks and divided by the world size before the wrapped
+    optimizer runs, so momentum and weight decay see the averaged gradient. At
+    construction rank 0's parameters are broadcast, so every rank starts equal.
+
+    >>> sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.005, momentum=0.9))
+    >>> model.to(sgd.device)
+    >>> loss = F.cross_entropy(model(x), y)
+    >>> sgd(loss)                      # backward, all-reduce, step
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        ticket: Ticket | str | None = None,
+        local_rank: int | None = None,
+        world_size: int | None = None,
+        rank: int | None = None,
+        backend: str | None = None,
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        timeout: float | None = None,
+        join_timeout: float | None = None,
+    ):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistOpt wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+            raise ValueError(f"bucket_size must be a positive number of elements, got {bucket_size!r}")
+        self.info = init(
+            ticket, local_rank, world_size, rank=rank, backend=backend, timeout=timeout, join_timeout=join_timeout
+        )
+        self.optimizer = optimizer
+        self.communicator = comm_mod.default()
+        self.bucket_size = bucket_size
+        self.step_count = 0
+        self._names: dict[int, str] = {}
+        self._pending: list[Handle] = []
+        params = self._params()
+        self._check_same_everywhere([(tuple(p.shape), str(p.dtype)) for p in params], "the optimizer's parameters")
+        self._broadcast(params)
+        self.reducer = GradReducer(params, self.communicator, bucket_size) if self.world_size > 1 else None
+
+    # --- where this process is -------------------------------------------------------
+
+    @property
+    def local_rank(self) -> int:
+        return self.info.local_rank
+
+    @property
+    def global_rank(self) -> int:
+        return self.info.global_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def device(self) -> torch.device:
+        """``cuda:local_rank`` under NCCL, else the CPU."""
+        return self.info.device
+
+    # SINGA's older names
+    rank_in_local = local_rank
+    rank_in_global = global_rank
+
+    # --- the update ------------------------------------------------------------------
+
+    def backward_and_update(self, loss: Tensor) -> None:
+        """Backward, average gradients across ranks (overlapped with backward), optimizer step."""
+        if self.reducer is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        else:
+            self.reducer.begin()
+            try:
+                loss.backward()
+            except BaseException:
+                self.reducer.abort()
+                raise
+            self.reducer.finish()
+        self.optimizer.step()
+        self.step_count += 1
+
+    __call__ = backward_and_update
+
+    def update(self, loss: Tensor, dist_option: str = "plain", spars: float | None = None) -> None:
+        """Run the update that `dist_option` names (SINGA's names, see `DIST_OPTIONS`)."""
+        try:
+            method = DIST_OPTIONS[dist_option]
+        except KeyError:
+            raise ValueError(f"unknown dist_option {dist_option!r}; choose one of {sorted(DIST_OPTIONS)}") from None
+        kwargs = {} if spars is None or method == "backward_and_update" else {"spars": spars}
+        getattr(self, method)(loss, **kwargs)
+
+    # --- SINGA's collective helpers ---------------------------------------------------
+
+    def all_reduce(self, tensor: Tensor) -> None:
+        """Start summing `tensor` in place across ranks; `wait()` completes it."""
+        self._pending.append(self.communicator.all_reduce(tensor, "sum", async_op=True))
+
+    def wait(self) -> None:
+        """Complete every `all_reduce` started so far."""
+        pending, self._pending = self._pending, []
+        for handle in pending:
+            handle.wait()
+
+    def sync_parameters(self, model: nn.Module) -> None:
+        """Copy rank 0's parameters and buffers to every rank (call on all ranks)."""
+        named = list(model.named_parameters()) + list(model.named_buffers())
+        self._names.update({id(p): n for n, p in model.named_parameters()})
+        self._check_same_everywhere([(n, tuple(t.shape), str(t.dtype)) for n, t in named], "the model")
+        self._broadcast([t for _, t in named])
+
+    def param_name(self, param: Tensor) -> str:
+        """The parameter's name in the attached model, or its position in the optimizer."""
+        if id(param) in self._names:
+            return self._names[id(param)]
+        return f"param[{[id(p) for p in self._params()].index(id(param))}]"
+
+    # --- torch.optim.Optimizer surface --------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        """Step the wrapped optimizer on gradients already averaged (advanced use)."""
+        self.optimizer.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step_count"])
+
+    def __repr__(self) -> str:
+        return (
+            f"DistOpt({type(self.optimizer).__name__}, rank {self.global_rank}/{self.world_size}, "
+            f"{self.info.backend}, bucket_size={self.bucket_size})"
+        )
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _params(self) -> list[Tensor]:
+        seen: dict[int, Tensor] = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _check_same_everywhere(self, signature: list, what: str) -> None:
+        if self.world_size == 1:
+            return
+        everyone = self.communicator.all_gather_object(signature)
+        for r, theirs in enumerate(everyone):
+            if theirs != signature:
+                diff = next((i for i, (a, b) in enumerate(zip(signature, theirs)) if a != b), None)
+                where = (
+                    f"first difference at entry {diff}: {signature[diff]} here vs {theirs[diff]} on rank {r}"
+                    if diff is not None
+                    else f"{len(signature)} entries here vs {len(theirs)} on rank {r}"
+                )
+                raise ValueError(
+                    f"rank {self.global_rank}: {what} differs across ranks ({where}); "
+                    "every rank must build the same model"
+                )
+
+    @torch.no_grad()
+    def _broadcast(self, tensors: Iterable[Tensor]) -> None:
+        """Broadcast rank 0's values, one fused message per dtype and device."""
+        if self.world_size == 1:
+            return
+        groups: dict[tuple, list[Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        for key in sorted(groups, key=str):
+            members = groups[key]
+            flat = torch.cat([t.detach().reshape(-1) for t in members])
+            self.communicator.broadcast(flat, src=0)
+            offset = 0
+            for t in members:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

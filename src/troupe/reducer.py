@@ -1,0 +1,104 @@
+"""GradReducer: overlaps gradient reduction with backward.
+
+Each parameter's post-accumulate-grad hook copies its gradient into its bucket; when
+a bucket is complete, and every bucket before it has been launched, its reduction
+starts asynchronously. Launching strictly in bucket order keeps every rank's
+sequence of collectives identical even when ranks produce gradients in different
+orders or skip parameters. After backward the remaining buckets are launched (with
+zeros for missing gradients), every handle is waited on, and the averaged gradients
+are handed back to the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from torch import Tensor
+
+from troupe.bucket import Bucket, plan_buckets
+from troupe.comm import Communicator, Handle
+
+ReduceFn = Callable[[Bucket], Handle]
+"""Starts the reduction of a sealed bucket; when its handle completes, ``bucket.data``
+holds the averaged gradients and ``bucket.flags`` the per-parameter sum of used flags."""
+
+
+def mean_all_reduce(comm: Communicator) -> ReduceFn:
+    """The plain strategy: sum the whole buffer (gradients and flags), then divide the gradients."""
+
+    def reduce(bucket: Bucket) -> Handle:
+        inner = comm.all_reduce(bucket.buffer, "sum", async_op=True)
+
+        def finish() -> None:
+            inner.wait()
+            bucket.data.div_(comm.world_size)
+
+        return Handle(None, finish)
+
+    return reduce
+
+
+class GradReducer:
+    """Buckets the given parameters and reduces their gradients as backward produces them."""
+
+    def __init__(self, params: Sequence[Tensor], comm: Communicator, bucket_size: int):
+        self.comm = comm
+        self.params = [p for p in params if p.requires_grad]
+        plan = plan_buckets(self.params, bucket_size)
+        self.buckets = [Bucket(i, [self.params[j] for j in members]) for i, members in enumerate(plan)]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.reduce_fn: ReduceFn = mean_all_reduce(comm)
+        self.armed = False
+        self._ready: list[bool] = []
+        self._next = 0
+        self._handles: list[Handle] = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def begin(self, reduce_fn: ReduceFn | None = None) -> None:
+        """Start a step: clear gradients and buckets, listen for gradients."""
+        for p in self.params:
+            p.grad = None
+        for b in self.buckets:
+            b.reset()
+        self._active_fn = reduce_fn or self.reduce_fn
+        self._ready = [False] * len(self.buckets)
+        self._next = 0
+        self._handles = []
+        self.armed = True
+
+    def _on_grad(self, param: Tensor) -> None:
+        if not self.armed:
+            return
+        bucket = self._bucket_of[id(param)]
+        if bucket.add_grad(param, param.grad):
+            self._ready[bucket.index] = True
+            self._launch_ready()
+        # The averaged gradient comes back as a view of the bucket; free autograd's copy now.
+        param.grad = None
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._ready[self._next]:
+            bucket = self.buckets[self._next]
+            bucket.seal()
+            self._handles.append(self._active_fn(bucket))
+            self._next += 1
+
+    def finish(self) -> None:
+        """After backward: launch what is left, wait for everything, hand gradients back."""
+        self.armed = False
+        self._ready = [True] * len(self.buckets)
+        self._launch_ready()
+        for handle in self._handles:
+            handle.wait()
+        for bucket in self.buckets:
+            bucket.unpack()
+
+    def abort(self) -> None:
+        """Stop listening after a failed backward (the step is abandoned)."""
+        self.armed = False
+
+    def remove(self) -> None:
+        """Detach the hooks from the parameters."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
