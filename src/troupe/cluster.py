@@ -1,0 +1,281 @@
+"""Cluster topology (SINGA 0.x's ClusterProto): worker groups, server groups, and each rank's role.
+
+Worker groups run asynchronously to each other, workers inside a group synchronously.
+Group g talks to server group ``g // (nworker_groups // nserver_groups)``. The four
+frameworks of the reference are four settings of one `ClusterConfig`:
+
+>>> cfg = PRESETS["downpour"]
+>>> cfg.nprocs, [r.kind for r in roles(cfg)]
+(6, ['worker', 'worker', 'worker', 'worker', 'server', 'server'])
+
+Ranks are laid out workers first, so a worker's global rank is its index among all
+workers; with `server_worker_separate` the servers follow them, otherwise server j
+shares the process of worker j.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tomllib
+from dataclasses import dataclass
+from typing import Literal
+
+ENV_VAR = "TROUPE_CLUSTER"
+"""Environment variable through which `troupe run` hands the cluster (JSON) to every rank."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """SINGA's ClusterProto, plus server-group synchronisation and shared memory."""
+
+    nworker_groups: int = 1
+    """Worker groups run asynchronously to each other."""
+    nserver_groups: int = 1
+    """Each server group holds a full copy of the parameters; must divide nworker_groups."""
+    nworkers_per_group: int = 1
+    """Workers of one group run synchronously (their updates are summed, then applied once)."""
+    nservers_per_group: int = 1
+    """The parameters are cut into slices balanced across the servers of a group."""
+    nworkers_per_procs: int = 1
+    """Workers hosted by one process."""
+    nservers_per_procs: int = 1
+    """Servers hosted by one process."""
+    server_worker_separate: bool = False
+    """Servers in processes of their own (True) or sharing the workers' processes (False)."""
+    sync_freq: int = 10
+    """With several server groups: every sync_freq updates a group syncs each slice with its master group."""
+    share_memory: bool = False
+    """Workers of one process share parameter memory (in-memory Hogwild)."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool":
+                if not isinstance(value, bool):
+                    raise TypeError(f"{f.name} must be true or false, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{f.name} must be an integer >= 1, got {value!r}")
+        if self.nworker_groups % self.nserver_groups:
+            raise ValueError(
+                f"nworker_groups ({self.nworker_groups}) must be divisible by nserver_groups "
+                f"({self.nserver_groups}): each server group serves the same number of worker groups"
+            )
+        _check_packing("workers", self.nworkers_per_group, self.nworkers_per_procs)
+        _check_packing("servers", self.nservers_per_group, self.nservers_per_procs)
+        if not self.server_worker_separate and self.nworker_procs != self.nserver_procs:
+            raise ValueError(
+                f"with server_worker_separate false every process hosts workers and servers, so the "
+                f"worker processes ({self.nworker_procs} = {self.nworkers} workers / nworkers_per_procs "
+                f"{self.nworkers_per_procs}) must equal the server processes ({self.nserver_procs} = "
+                f"{self.nservers} servers / nservers_per_procs {self.nservers_per_procs})"
+            )
+
+    # --- derived sizes -------------------------------------------------------------
+
+    @property
+    def nworkers(self) -> int:
+        return self.nworker_groups * self.nworkers_per_group
+
+    @property
+    def nservers(self) -> int:
+        return self.nserver_groups * self.nservers_per_group
+
+    @property
+    def nworker_procs(self) -> int:
+        return -(-self.nworkers // self.nworkers_per_procs)
+
+    @property
+    def nserver_procs(self) -> int:
+        return -(-self.nservers // self.nservers_per_procs)
+
+    @property
+    def nprocs(self) -> int:
+        """Processes the cluster needs (SINGA's cluster.cc: sum if separate, else the max)."""
+        if self.server_worker_separate:
+            return self.nworker_procs + self.nserver_procs
+        return max(self.nworker_procs, self.nserver_procs)
+
+    @property
+    def synchronous(self) -> bool:
+        """One worker group: every update waits for the whole group."""
+        return self.nworker_groups == 1
+
+    def server_group_of(self, worker_group: int) -> int:
+        """The server group that worker group `worker_group` talks to."""
+        return worker_group // (self.nworker_groups // self.nserver_groups)
+
+    # --- (de)serialisation -----------------------------------------------------------
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> ClusterConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"unknown cluster field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**fields)
+
+    @classmethod
+    def from_json(cls, text: str) -> ClusterConfig:
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{ENV_VAR} is not valid JSON ({e}): {text!r}") from None
+        return cls.from_dict(fields)
+
+
+def _check_packing(what: str, per_group: int, per_procs: int) -> None:
+    # SINGA places whole groups in a process or whole processes in a group, never a mix.
+    if per_group % per_procs and per_procs % per_group:
+        raise ValueError(
+            f"n{what}_per_group ({per_group}) and n{what}_per_procs ({per_procs}) must divide one another"
+        )
+
+
+PRESETS: dict[str, ClusterConfig] = {
+    "sandblaster": ClusterConfig(nworkers_per_group=3, nservers_per_group=2, server_worker_separate=True),
+    "allreduce": ClusterConfig(nworkers_per_group=3, nservers_per_group=3),
+    "downpour": ClusterConfig(
+        nworker_groups=2, nworkers_per_group=2, nservers_per_group=2, server_worker_separate=True
+    ),
+    "hogwild": ClusterConfig(nworker_groups=3, nserver_groups=3),
+}
+"""The reference's four frameworks, exactly as its `cluster { ... }` blocks give them."""
+
+
+def preset(name: str, nprocs: int | None = None, **overrides) -> ClusterConfig:
+    """A named framework, rescaled to `nprocs` processes when given.
+
+    Rescaling keeps the framework's shape: Sandblaster and Downpour keep their server
+    count and give the remaining processes to workers; AllReduce and Hogwild use one
+    worker (and one co-located server) per process.
+    """
+    try:
+        cfg = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown framework {name!r}; choose one of {sorted(PRESETS)}") from None
+    if nprocs is not None and nprocs != cfg.nprocs:
+        cfg = _rescale(name, cfg, nprocs)
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+def _rescale(name: str, cfg: ClusterConfig, nprocs: int) -> ClusterConfig:
+    if name == "allreduce":
+        return dataclasses.replace(cfg, nworkers_per_group=nprocs, nservers_per_group=nprocs)
+    if name == "hogwild":
+        return dataclasses.replace(cfg, nworker_groups=nprocs, nserver_groups=nprocs)
+    nworkers = nprocs - cfg.nservers
+    if nworkers < cfg.nworker_groups or nworkers % cfg.nworker_groups:
+        raise ValueError(
+            f"framework {name!r} has {cfg.nservers} server(s) and {cfg.nworker_groups} worker group(s): "
+            f"-n {nprocs} leaves {nworkers} worker(s), which must be a positive multiple of {cfg.nworker_groups}"
+        )
+    return dataclasses.replace(cfg, nworkers_per_group=nworkers // cfg.nworker_groups)
+
+
+# --- roles ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Role:
+    """What one rank does: a worker (group, index in group) and/or a server (group, index)."""
+
+    rank: int
+    worker: tuple[int, int] | None
+    """(worker group, index within the group), or None on a server-only rank."""
+    server: tuple[int, int] | None
+    """(server group, index within the group), or None on a worker-only rank."""
+
+    @property
+    def kind(self) -> Literal["worker", "server", "worker+server"]:
+        if self.worker and self.server:
+            return "worker+server"
+        return "worker" if self.worker else "server"
+
+    def describe(self) -> str:
+        parts = []
+        if self.worker:
+            parts.append(f"worker {self.worker[1]} of group {self.worker[0]}")
+        if self.server:
+            parts.append(f"server {self.server[1]} of group {self.server[0]}")
+        return f"rank {self.rank}: " + " + ".join(parts)
+
+
+def roles(config: ClusterConfig) -> list[Role]:
+    """The role of every rank, ``len(roles(config)) == config.nprocs``.
+
+    Only one worker and one server per process are laid out here (the *_per_procs
+    packing of several threads into one process is not run by troupe).
+    """
+    if config.nworkers_per_procs != 1 or config.nservers_per_procs != 1:
+        raise ValueError(
+            "troupe runs one worker and one server per process: nworkers_per_procs and nservers_per_procs "
+            f"must be 1 (got {config.nworkers_per_procs} and {config.nservers_per_procs})"
+        )
+    workers = [(w // config.nworkers_per_group, w % config.nworkers_per_group) for w in range(config.nworkers)]
+    servers = [(s // config.nservers_per_group, s % config.nservers_per_group) for s in range(config.nservers)]
+    if config.server_worker_separate:
+        return [Role(r, w, None) for r, w in enumerate(workers)] + [
+            Role(len(workers) + i, None, s) for i, s in enumerate(servers)
+        ]
+    return [Role(r, w, s) for r, (w, s) in enumerate(zip(workers, servers))]
+
+
+# --- text -------------------------------------------------------------------------------
+
+_FIELD = re.compile(r"^\s*(\w+)\s*[:=]\s*([^\s#;]+)\s*[;,]?\s*(?:#.*)?$")
+
+
+def _value(key: str, raw: str) -> int | bool:
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"cluster field {key}: expected an integer or true/false, got {raw!r}") from None
+
+
+def parse_cluster_text(text: str) -> ClusterConfig:
+    """A `ClusterConfig` from the seed's ``cluster { key: value ... }`` block, or from TOML.
+
+    The block may stand alone or inside a larger job.conf; TOML may put the fields at
+    the top level or under ``[cluster]``.
+    """
+    match = re.search(r"\bcluster\s*\{([^}]*)\}", text)
+    if match is None:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"neither a `cluster {{ ... }}` block nor valid TOML: {e}") from None
+        return ClusterConfig.from_dict(data.get("cluster", data))
+    fields: dict[str, int | bool] = {}
+    for n, line in enumerate(match.group(1).splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = _FIELD.match(line)
+        if m is None:
+            raise ValueError(f"cluster block, line {n}: expected `key: value`, got {line!r}")
+        key, raw = m.groups()
+        if key in fields:
+            raise ValueError(f"cluster block: field {key} given twice")
+        fields[key] = _value(key, raw)
+    return ClusterConfig.from_dict(fields)
+
+
+def load(path: str | os.PathLike) -> ClusterConfig:
+    """Read a cluster file (the seed's block or TOML)."""
+    with open(path, encoding="utf-8") as f:
+        return parse_cluster_text(f.read())
+
+
+def from_env() -> ClusterConfig | None:
+    """The cluster `troupe run` configured for this rank, or None for plain data parallelism."""
+    text = os.environ.get(ENV_VAR, "")
+    return ClusterConfig.from_json(text) if text else None

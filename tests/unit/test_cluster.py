@@ -1,0 +1,111 @@
+"""ClusterConfig validation, presets, roles and the cluster-text parser."""
+
+from __future__ import annotations
+
+import pytest
+
+from troupe.cluster import PRESETS, ClusterConfig, from_env, parse_cluster_text, preset, roles
+
+SEED_BLOCK = """
+cluster {
+    nworker_groups: 2
+    nserver_groups: 1
+    nworkers_per_group: 2
+    nservers_per_group: 2
+    server_worker_separate: true
+}
+"""
+
+
+def test_presets_match_the_reference_table():
+    shapes = {
+        name: (c.nworker_groups, c.nworkers_per_group, c.nserver_groups, c.nservers_per_group, c.server_worker_separate)
+        for name, c in PRESETS.items()
+    }
+    assert shapes == {
+        "sandblaster": (1, 3, 1, 2, True),
+        "allreduce": (1, 3, 1, 3, False),
+        "downpour": (2, 2, 1, 2, True),
+        "hogwild": (3, 1, 3, 1, False),
+    }
+    assert {n: c.nprocs for n, c in PRESETS.items()} == {"sandblaster": 5, "allreduce": 3, "downpour": 6, "hogwild": 3}
+
+
+def test_roles_cover_every_rank_workers_first():
+    r = roles(PRESETS["downpour"])
+    assert [x.rank for x in r] == list(range(6))
+    assert [x.worker for x in r] == [(0, 0), (0, 1), (1, 0), (1, 1), None, None]
+    assert [x.server for x in r] == [None] * 4 + [(0, 0), (0, 1)]
+    assert r[0].describe() == "rank 0: worker 0 of group 0"
+    colocated = roles(PRESETS["hogwild"])
+    assert [(x.worker, x.server, x.kind) for x in colocated] == [
+        ((g, 0), (g, 0), "worker+server") for g in range(3)
+    ]
+
+
+def test_server_group_of_worker_group():
+    cfg = ClusterConfig(nworker_groups=4, nserver_groups=2, server_worker_separate=True)
+    assert [cfg.server_group_of(g) for g in range(4)] == [0, 0, 1, 1]
+
+
+def test_parse_seed_block_verbatim():
+    assert parse_cluster_text(SEED_BLOCK) == PRESETS["downpour"]
+    inside_job = "name: \"mnist\"\n" + SEED_BLOCK.replace("true", "true  # separate") + "\ntrain_steps: 10\n"
+    assert parse_cluster_text(inside_job) == PRESETS["downpour"]
+
+
+def test_parse_toml():
+    text = "[cluster]\nnworker_groups = 3\nnserver_groups = 3\nsync_freq = 5\nshare_memory = true\n"
+    cfg = parse_cluster_text(text)
+    assert (cfg.nworker_groups, cfg.nserver_groups, cfg.sync_freq, cfg.share_memory) == (3, 3, 5, True)
+    assert parse_cluster_text("nworkers_per_group = 2\nnservers_per_group = 2\n").nprocs == 2
+
+
+def test_json_round_trip(monkeypatch):
+    cfg = PRESETS["sandblaster"]
+    assert ClusterConfig.from_json(cfg.to_json()) == cfg
+    monkeypatch.setenv("TROUPE_CLUSTER", cfg.to_json())
+    assert from_env() == cfg
+    monkeypatch.delenv("TROUPE_CLUSTER")
+    assert from_env() is None
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"nworker_groups": 3, "nserver_groups": 2}, r"nworker_groups \(3\) must be divisible by nserver_groups \(2\)"),
+        ({"nworkers_per_group": 0}, r"nworkers_per_group must be an integer >= 1, got 0"),
+        ({"sync_freq": 1.5}, r"sync_freq must be an integer >= 1, got 1.5"),
+        ({"nworkers_per_group": 3, "nworkers_per_procs": 2}, r"must divide one another"),
+        ({"nworkers_per_group": 3, "nservers_per_group": 2}, r"worker processes \(3 .*server processes \(2"),
+    ],
+)
+def test_bad_configs_name_their_values(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig(**fields)
+
+
+def test_bad_text():
+    with pytest.raises(ValueError, match=r"unknown cluster field\(s\) \['nworkers'\]"):
+        parse_cluster_text("cluster { nworkers: 3 }")
+    with pytest.raises(ValueError, match="expected an integer or true/false, got 'three'"):
+        parse_cluster_text("cluster {\n nworker_groups: three\n}")
+    with pytest.raises(ValueError, match="given twice"):
+        parse_cluster_text("cluster {\n nworker_groups: 1\n nworker_groups: 2\n}")
+    with pytest.raises(ValueError, match="neither a `cluster"):
+        parse_cluster_text("this is not = = toml")
+    with pytest.raises(TypeError, match="server_worker_separate must be true or false"):
+        ClusterConfig(server_worker_separate=1)
+
+
+def test_preset_rescaled_to_nprocs():
+    assert preset("sandblaster", 3).nworkers_per_group == 1
+    assert preset("downpour", 8).nworkers_per_group == 3
+    assert preset("hogwild", 2).nprocs == 2
+    assert preset("allreduce", 4).nservers_per_group == 4
+    with pytest.raises(ValueError, match="leaves 1 worker"):
+        preset("downpour", 3)
+    with pytest.raises(ValueError, match="unknown framework 'ring'"):
+        preset("ring")
+    with pytest.raises(ValueError, match="nworkers_per_procs and nservers_per_procs must be 1"):
+        roles(ClusterConfig(nworkers_per_group=2, nworkers_per_procs=2, nservers_per_group=2, nservers_per_procs=2))
