@@ -161,6 +161,11 @@ def init(
     elif _env_int("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE") is not None:
         ticket, rank, local_rank, world_size, local_world = _mpi_ticket()
         launcher = "mpi"
+    elif (world_size or 1) > 1 or local_rank or rank:
+        raise ValueError(
+            f"local_rank={local_rank}, world_size={world_size} were given without a ticket: make "
+            "ticket = troupe.Ticket() in the parent process and pass it to every rank"
+        )
     else:
         ticket, rank, local_rank, world_size, local_world, launcher = None, 0, 0, 1, 1, "single"
 

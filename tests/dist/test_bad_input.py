@@ -1,0 +1,139 @@
+"""Bad input gets one readable error and a non-zero exit, never a hang."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dist.world import RankFailed, run_world
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_JOIN_TIMEOUT": "4", "TROUPE_TIMEOUT": "20"}
+
+
+def spawn(code: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out + err
+
+
+JOIN = """
+import sys, troupe
+addr, port, token, rank, world = sys.argv[1:6]
+troupe.init(troupe.Ticket(addr=addr, port=int(port), token=token), int(rank), int(world))
+print("joined")
+"""
+
+
+def test_wrong_token_is_refused_and_rank0_names_the_missing_rank():
+    import troupe
+
+    t = troupe.Ticket()
+    start = time.monotonic()
+    good = spawn(JOIN, t.addr, str(t.port), t.token, "0", "2")
+    time.sleep(1.0)
+    bad = spawn(JOIN, t.addr, str(t.port), "not-the-token", "1", "2")
+    code_bad, out_bad = finish(bad)
+    code_good, out_good = finish(good)
+    assert code_bad != 0 and "wrong ticket token" in out_bad
+    assert code_good != 0 and "missing ranks [1]" in out_good
+    assert time.monotonic() - start < 30
+
+
+def test_world_size_larger_than_processes_started():
+    import troupe
+
+    t = troupe.Ticket()
+    procs = [spawn(JOIN, t.addr, str(t.port), t.token, str(r), "3") for r in range(2)]
+    for p in procs:
+        code, out = finish(p)
+        assert code != 0 and "missing ranks [2]" in out and "world_size=3" in out
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        ("troupe.init(troupe.Ticket(), 2, 2)", "rank 2 is out of range for world_size 2"),
+        ("troupe.init(troupe.Ticket(), -1, 2)", "out of range"),
+        ("troupe.init(None, 0, 2)", "without a ticket"),
+        ("troupe.init(backend='nccl')", "needs a CUDA GPU"),
+        ("troupe.init(backend='mpi')", "backend must be 'gloo' or 'nccl'"),
+        ("troupe.Ticket(port=70000)", "port must be an int"),
+        ("troupe.Ticket.decode('nonsense')", "malformed ticket"),
+        ("troupe.DistOpt(object())", "wraps a torch.optim.Optimizer"),
+        ("troupe.data.partition(list(range(3)), list(range(3)), 0, 4)", "smaller than world_size 4"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(call, message):
+    code, out = finish(spawn(f"import troupe\n{call}"))
+    assert code != 0 and message in out, out
+
+
+def test_port_already_in_use():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        code, out = finish(spawn(f"import troupe\ntroupe.init(troupe.Ticket(port={port}), 0, 2)"))
+    assert code != 0 and f"cannot listen on 127.0.0.1:{port}" in out and "already in use" in out
+
+
+def _mismatched_model(rank, world_size):
+    import torch
+
+    import troupe
+
+    model = torch.nn.Linear(4, 3 + rank)
+    troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_model_differs_across_ranks():
+    with pytest.raises(RankFailed, match="differs across ranks"):
+        run_world(_mismatched_model, 2, timeout=60)
+
+
+FAIL_ON_RANK_1 = """
+import os, time, torch, troupe
+info = troupe.init()
+if info.global_rank == 1:
+    raise SystemExit("rank 1 gives up")
+time.sleep(120)  # rank 0 would wait forever without troupe run stopping it
+"""
+
+
+def test_troupe_run_stops_all_ranks_when_one_fails(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(FAIL_ON_RANK_1)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "troupe.cli", "run", "-n", "2", str(script)],
+        capture_output=True, text=True, timeout=60, env=ENV, cwd=ROOT,
+    )
+    assert proc.returncode != 0
+    assert "rank 1 exited with code 1; stopped the other ranks" in proc.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_troupe_run_rejects_bad_arguments(tmp_path):
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "troupe.cli", *args], capture_output=True, text=True, timeout=30)
+
+    assert "script not found" in cli("run", "-n", "2", "nope.py").stderr
+    script = tmp_path / "x.py"
+    script.write_text("")
+    assert "out of range" in cli("run", "--nnodes", "2", "--node-rank", "2", str(script)).stderr
+    assert "--token" in cli("run", "--nnodes", "2", "--master", "127.0.0.1:1234", str(script)).stderr
+    assert "must be >= 1" in cli("run", "-n", "0", str(script)).stderr

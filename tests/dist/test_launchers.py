@@ -1,0 +1,76 @@
+"""The same script under every launcher: troupe run, Ticket + multiprocessing, torchrun, mpiexec."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(Path(__file__).parent / "scripts" / "tiny_train.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_JOIN_TIMEOUT": "30", "TROUPE_TIMEOUT": "60"}
+
+
+def run(cmd, timeout=120, env=ENV):
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def check_ranks(out: Path, world_size: int, launcher: str):
+    states = [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
+    for s in states:
+        assert s["world_size"] == world_size and s["launcher"] == launcher
+        for a, b in zip(s["params"], states[0]["params"]):
+            assert torch.equal(a, b)
+
+
+def test_troupe_run(tmp_path):
+    run([sys.executable, "-m", "troupe.cli", "run", "-n", "2", TINY, str(tmp_path)])
+    check_ranks(tmp_path, 2, "troupe")
+
+
+def test_ticket_multiprocessing(tmp_path):
+    run([sys.executable, TINY, str(tmp_path), "--ticket", "3"])
+    check_ranks(tmp_path, 3, "ticket")
+
+
+def test_torchrun(tmp_path):
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", TINY, str(tmp_path)])
+    check_ranks(tmp_path, 2, "torchrun")
+
+
+def test_mpiexec(tmp_path):
+    mpiexec = shutil.which("mpiexec")
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        mpiexec = None
+    if mpiexec is None:
+        pytest.skip("mpiexec/mpi4py not installed (pip install 'troupe[mpi]'); the README's test setup installs them")
+    env = {**ENV, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+    run([mpiexec, "-n", "2", "--oversubscribe", sys.executable, TINY, str(tmp_path)], env=env)
+    check_ranks(tmp_path, 2, "mpi")
+
+
+def test_single_process(tmp_path):
+    run([sys.executable, TINY, str(tmp_path)])
+    check_ranks(tmp_path, 1, "single")
+
+
+def test_mnist_example_reaches_accuracy():
+    """Real MNIST, 2 ranks, one short epoch on 20k images: a real bar, not a smoke test."""
+    proc = run(
+        [sys.executable, "-m", "troupe.cli", "run", "-n", "2", "--threads", "1", "examples/mnist_cnn.py",
+         "--epochs", "1", "--train-size", "20000", "--quiet"],
+        timeout=240,
+    )
+    acc = [float(a) for a in re.findall(r"Evaluation accuracy = ([0-9.]+)", proc.stdout)]
+    assert "Starting Epoch 0:" in proc.stdout and "training accuracy" in proc.stdout
+    assert acc and acc[-1] >= 0.95, proc.stdout

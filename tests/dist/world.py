@@ -1,0 +1,84 @@
+"""Real multi-process worlds for tests: spawn N ranks on Gloo, collect results, re-raise failures.
+
+    results = run_world(check_something, 2, arg)   # check_something(rank, world_size, arg) -> picklable
+
+Each rank runs with one torch thread, joins through a fresh Ticket on loopback, and
+returns its result; the first failing rank's traceback is raised in the test. A world
+that does not finish within `timeout` seconds is killed and the test fails (no hang).
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class RankFailed(AssertionError):
+    """A rank raised; the message carries its traceback."""
+
+
+def _entry(fn, rank, world_size, ticket, args, results, env):
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        import troupe
+
+        troupe.init(ticket, rank, world_size, timeout=env.get("TROUPE_TIMEOUT") and float(env["TROUPE_TIMEOUT"]))
+        value = fn(rank, world_size, *args)
+        buf = io.BytesIO()
+        torch.save(value, buf)  # tensors by value: a queue would pass them by shared memory
+        results.put((rank, True, buf.getvalue()))
+    except BaseException as e:  # report every failure to the parent, then exit non-zero
+        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        raise SystemExit(1)
+    finally:
+        troupe.shutdown()
+
+
+def run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 90.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on `world_size` spawned ranks; return results by rank."""
+    import torch
+
+    import troupe
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    ticket = troupe.Ticket()
+    env = {"TROUPE_JOIN_TIMEOUT": "30", "TROUPE_TIMEOUT": "60", **(env or {})}
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, ticket, args, results, env), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise TimeoutError(f"world of {world_size} did not finish in {timeout}s; ranks {missing} hung")
+            if not ok:
+                raise RankFailed(f"rank {rank} failed:\n{value}")
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world_size)]
