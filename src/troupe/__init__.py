@@ -11,12 +11,14 @@ from troupe.comm import Communicator
 from troupe.launch import DistInfo, Ticket, info, init, shutdown
 from troupe.model import Model
 from troupe.opt import DIST_OPTIONS, DistOpt
+from troupe.strategies import CompressionConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DIST_OPTIONS",
     "Communicator",
+    "CompressionConfig",
     "DistInfo",
     "DistOpt",
     "Model",

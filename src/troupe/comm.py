@@ -46,6 +46,22 @@ class Handle:
         self.done = True
 
 
+class Future(Handle):
+    """A Handle whose epilogue produces a value: `result()` completes it and returns the value."""
+
+    def __init__(self, work: dist.Work | None, produce: Callable[[], object]):
+        self._value: object = None
+
+        def then() -> None:
+            self._value = produce()
+
+        super().__init__(work, then)
+
+    def result(self) -> object:
+        self.wait()
+        return self._value
+
+
 class Communicator:
     """Collectives over one process group, with byte counters.
 
@@ -164,6 +180,67 @@ class Communicator:
         gathered = self.all_gather(padded)
         return [g[:n] for g, n in zip(gathered, sizes)]
 
+    def all_gather_packed(self, tensors: Sequence[Tensor], *, same_sizes: bool = False) -> Future:
+        """Start gathering several 1-D tensors (any dtypes) from every rank in one message.
+
+        Lengths may differ per rank and be zero. ``result()`` is, per rank in rank order,
+        a list of tensors with the dtypes of `tensors`. Unless `same_sizes` promises that
+        every rank passes the same lengths, the lengths travel first (a small all-gather
+        started now); the payload follows when the handle is waited on, padded to the
+        longest rank's (the wire bytes count the padding: it is sent).
+        """
+        for t in tensors:
+            if t.dim() != 1:
+                raise ValueError(f"all_gather_packed takes 1-D tensors, got shape {tuple(t.shape)}")
+        dtypes = [t.dtype for t in tensors]
+        itemsizes = [torch.empty(0, dtype=d).element_size() for d in dtypes]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        blob = (
+            torch.cat([t.contiguous().view(torch.uint8) for t in tensors])
+            if tensors
+            else torch.empty(0, dtype=torch.uint8, device=device)
+        )
+        lengths = [t.numel() for t in tensors]
+
+        def unpack(gathered: list[Tensor], rank_lengths: list[list[int]]) -> list[list[Tensor]]:
+            out = []
+            for raw, lens in zip(gathered, rank_lengths):
+                parts, offset = [], 0
+                for dtype, size, n in zip(dtypes, itemsizes, lens):
+                    chunk = raw[offset : offset + n * size]
+                    parts.append((chunk if offset % size == 0 else chunk.clone()).view(dtype))
+                    offset += n * size
+                out.append(parts)
+            return out
+
+        if same_sizes:
+            work, gathered = self._all_gather_async(blob)
+            everyone = [lengths] * self.world_size
+            return Future(work, lambda: unpack([g.to(device) for g in gathered], everyone))
+
+        work, sizes = self._all_gather_async(torch.tensor(lengths, dtype=torch.int64, device=device))
+
+        def exchange_payload() -> list[list[Tensor]]:
+            everyone = [[int(v) for v in s.tolist()] for s in sizes]
+            nbytes = [sum(n * size for n, size in zip(lens, itemsizes)) for lens in everyone]
+            longest = max(nbytes)
+            if longest == 0:
+                return unpack([blob.new_empty(0) for _ in everyone], everyone)
+            padded = blob.new_zeros(longest)
+            padded[: blob.numel()] = blob
+            inner, gathered = self._all_gather_async(padded)
+            inner.wait()
+            return unpack([g.to(device) for g in gathered], everyone)
+
+        return Future(work, exchange_payload)
+
+    def _all_gather_async(self, tensor: Tensor) -> tuple[dist.Work, list[Tensor]]:
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count("all_gather", nbytes, (self.world_size - 1) * nbytes)
+        src = self._staged(tensor).contiguous()
+        out = [torch.empty_like(src) for _ in range(self.world_size)]
+        return dist.all_gather(out, src, group=self.group, async_op=True), out
+
     def gather(self, tensor: Tensor, dst: int = 0) -> list[Tensor] | None:
         """Every rank's `tensor` on rank `dst` (None elsewhere)."""
         nbytes = tensor.numel() * tensor.element_size()
@@ -196,6 +273,56 @@ class Communicator:
         """Wait until every rank arrives."""
         self._count("barrier", 0, 0)
         dist.barrier(group=self.group)
+
+    # --- point-to-point (parameter-server messages) ----------------------------------
+    # Ranks here are global ranks, as torch.distributed's send/recv take them.
+
+    def send(self, tensor: Tensor, dst: int, tag: int = 0) -> None:
+        """Send `tensor` to global rank `dst` (blocks until handed to the transport)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count("send", nbytes, nbytes)
+        dist.send(self._staged(tensor).contiguous(), dst, group=self.group, tag=tag)
+
+    def recv(self, tensor: Tensor, src: int | None = None, tag: int = 0) -> int:
+        """Receive into `tensor` from `src`, or from any rank when None; returns the sender."""
+        self._count("recv", tensor.numel() * tensor.element_size(), 0)
+        work_tensor = self._staged(tensor)
+        sender = dist.recv(work_tensor, src, group=self.group, tag=tag)
+        if work_tensor is not tensor:
+            tensor.copy_(work_tensor)
+        return sender
+
+    def isend(self, tensor: Tensor, dst: int, tag: int = 0) -> Handle:
+        """Start sending `tensor` to `dst`; keep `tensor` unchanged until the handle is waited on."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count("send", nbytes, nbytes)
+        return Handle(dist.isend(self._staged(tensor).contiguous(), dst, group=self.group, tag=tag))
+
+    def irecv(self, tensor: Tensor, src: int, tag: int = 0) -> Handle:
+        """Start receiving into `tensor` from `src`."""
+        self._count("recv", tensor.numel() * tensor.element_size(), 0)
+        return Handle(dist.irecv(tensor, src, group=self.group, tag=tag))
+
+    def new_group(self, ranks: Sequence[int]) -> Communicator:
+        """A communicator over a subset of global ranks; every rank of the job must call it, in the same order."""
+        group = dist.new_group(sorted(ranks), use_local_synchronization=False)
+        return Communicator(group) if dist.get_rank() in ranks else _Outside(group)
+
+
+class _Outside:
+    """What `new_group` returns on a rank outside the group: using it is a bug."""
+
+    def __init__(self, group: object):
+        self.group = group
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"this rank ({dist.get_rank()}) is not a member of the group; cannot call {name}")
+
+
+def set_default(communicator: Communicator) -> None:
+    """Make `communicator` what `default()` returns (a worker's group under a parameter-server cluster)."""
+    global _default
+    _default = communicator
 
 
 _default: Communicator | None = None

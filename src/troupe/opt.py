@@ -12,10 +12,26 @@ from troupe import comm as comm_mod
 from troupe.bucket import DEFAULT_BUCKET_SIZE
 from troupe.comm import Handle
 from troupe.launch import Ticket, init
-from troupe.reducer import GradReducer
+from troupe.reducer import GradReducer, ReduceFn
+from troupe.strategies import CompressionConfig, Strategies
 
-DIST_OPTIONS = {"plain": "backward_and_update", "fp32": "backward_and_update"}
+DIST_OPTIONS = {
+    "plain": "backward_and_update",
+    "fp32": "backward_and_update",
+    "fp16": "backward_and_update_half",
+    "bf16": "backward_and_update_half",
+    "partialUpdate": "backward_and_partial_update",
+    "sparseTopK": "backward_and_sparse_update",
+    "sparseThreshold": "backward_and_sparse_update",
+}
 """`dist_option` names (SINGA's) and the DistOpt method each one calls."""
+
+DIST_OPTION_ARGS: dict[str, dict[str, Any]] = {
+    "bf16": {"dtype": "bf16"},
+    "sparseTopK": {"topK": True},
+    "sparseThreshold": {"topK": False},
+}
+"""Fixed keyword arguments a `dist_option` passes to its method."""
 
 
 class DistOpt:
@@ -43,11 +59,14 @@ class DistOpt:
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         timeout: float | None = None,
         join_timeout: float | None = None,
+        compression: CompressionConfig | None = None,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistOpt wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
             raise ValueError(f"bucket_size must be a positive number of elements, got {bucket_size!r}")
+        if compression is not None and not isinstance(compression, CompressionConfig):
+            raise TypeError(f"compression must be a troupe.CompressionConfig, got {type(compression).__name__}")
         self.info = init(
             ticket, local_rank, world_size, rank=rank, backend=backend, timeout=timeout, join_timeout=join_timeout
         )
@@ -61,6 +80,7 @@ class DistOpt:
         self._check_same_everywhere([(tuple(p.shape), str(p.dtype)) for p in params], "the optimizer's parameters")
         self._broadcast(params)
         self.reducer = GradReducer(params, self.communicator, bucket_size) if self.world_size > 1 else None
+        self.strategies = Strategies(self, compression or CompressionConfig())
 
     # --- where this process is -------------------------------------------------------
 
@@ -89,21 +109,58 @@ class DistOpt:
 
     def backward_and_update(self, loss: Tensor) -> None:
         """Backward, average gradients across ranks (overlapped with backward), optimizer step."""
+        self._backward(loss)
+        self.optimizer.step()
+        self.step_count += 1
+
+    def _backward(self, loss: Tensor, reduce_fn: ReduceFn | None = None) -> None:
+        """Backward with each bucket reduced by `reduce_fn` (default: the plain mean all-reduce)."""
         if self.reducer is None:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
         else:
-            self.reducer.begin()
+            self.reducer.begin(reduce_fn)
             try:
                 loss.backward()
             except BaseException:
                 self.reducer.abort()
                 raise
             self.reducer.finish()
-        self.optimizer.step()
-        self.step_count += 1
 
     __call__ = backward_and_update
+
+    def backward_and_update_half(
+        self, loss: Tensor, clipping: bool = False, clip_value: float = 100, dtype: str = "fp16"
+    ) -> None:
+        """Like `backward_and_update`, but gradients travel as fp16 (or ``dtype="bf16"``).
+
+        Each rank divides by the world size before the cast, so the sum cannot overflow;
+        `clipping` first clips every gradient element to [-clip_value, clip_value] (SINGA).
+        """
+        self.strategies.half(loss, clipping, clip_value, dtype)
+
+    def backward_and_partial_update(self, loss: Tensor) -> None:
+        """Local update on every rank, then one chunk of the parameters averaged, rotating.
+
+        Chunk size, periodic full averaging and warm-up come from `CompressionConfig`.
+        """
+        self.strategies.partial_update(loss)
+
+    def backward_and_sparse_update(
+        self, loss: Tensor, spars: float = 0.05, topK: bool = False, corr: bool = True
+    ) -> None:
+        """Send only part of each bucket's gradient as (index, value) pairs, sum, average, step.
+
+        `topK=True`: the ceil(spars * n) largest magnitudes (spars in (0, 1]);
+        `topK=False`: every element with ``|g| >= spars``. `corr` adds back what was not
+        sent in earlier steps (error feedback).
+        """
+        self.strategies.sparse(loss, spars, topK, corr)
+
+    @property
+    def last_step_stats(self) -> dict[str, Any]:
+        """Traffic of the last half/partial/sparse step: bytes_sent, dense_bytes, ratio, residual_norm."""
+        return self.strategies.last_step_stats
 
     def update(self, loss: Tensor, dist_option: str = "plain", spars: float | None = None) -> None:
         """Run the update that `dist_option` names (SINGA's names, see `DIST_OPTIONS`)."""
@@ -111,7 +168,9 @@ class DistOpt:
             method = DIST_OPTIONS[dist_option]
         except KeyError:
             raise ValueError(f"unknown dist_option {dist_option!r}; choose one of {sorted(DIST_OPTIONS)}") from None
-        kwargs = {} if spars is None or method == "backward_and_update" else {"spars": spars}
+        kwargs = dict(DIST_OPTION_ARGS.get(dist_option, {}))
+        if spars is not None and method == "backward_and_sparse_update":
+            kwargs["spars"] = spars
         getattr(self, method)(loss, **kwargs)
 
     # --- SINGA's collective helpers ---------------------------------------------------
@@ -153,11 +212,16 @@ class DistOpt:
         self.optimizer.step()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "step_count": self.step_count,
+            "strategies": self.strategies.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step_count"])
+        self.strategies.load_state_dict(state.get("strategies", {}))
 
     def __repr__(self) -> str:
         return (
