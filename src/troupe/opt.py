@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from troupe import comm as comm_mod
 from troupe.bucket import DEFAULT_BUCKET_SIZE
+from troupe.cluster import from_env as cluster_from_env
 from troupe.comm import Handle
 from troupe.launch import Ticket, init
 from troupe.reducer import GradReducer, ReduceFn
@@ -71,6 +72,14 @@ class DistOpt:
             ticket, local_rank, world_size, rank=rank, backend=backend, timeout=timeout, join_timeout=join_timeout
         )
         self.optimizer = optimizer
+        # Under a cluster (`troupe run --framework ...`) a server rank serves inside join_cluster and
+        # exits; a worker sees only the workers: global_rank/world_size/default() count workers.
+        self.ps: Any = None
+        cluster = cluster_from_env()
+        if cluster is not None:
+            from troupe.ps.client import join_cluster
+
+            self.info, self.ps = join_cluster(cluster, optimizer, self.info, bucket_size)
         self.communicator = comm_mod.default()
         self.bucket_size = bucket_size
         self.step_count = 0
@@ -79,8 +88,10 @@ class DistOpt:
         params = self._params()
         self._check_same_everywhere([(tuple(p.shape), str(p.dtype)) for p in params], "the optimizer's parameters")
         self._broadcast(params)
-        self.reducer = GradReducer(params, self.communicator, bucket_size) if self.world_size > 1 else None
+        self.reducer = GradReducer(params, self.communicator, bucket_size) if self.world_size > 1 and self.ps is None else None
         self.strategies = Strategies(self, compression or CompressionConfig())
+        if self.ps is not None:
+            self.ps.start()  # Put/Get the initial parameters
 
     # --- where this process is -------------------------------------------------------
 
@@ -109,6 +120,10 @@ class DistOpt:
 
     def backward_and_update(self, loss: Tensor) -> None:
         """Backward, average gradients across ranks (overlapped with backward), optimizer step."""
+        if self.ps is not None:  # the cluster's servers run the optimizer
+            self.ps.backward_and_update(loss)
+            self.step_count += 1
+            return
         self._backward(loss)
         self.optimizer.step()
         self.step_count += 1
@@ -168,6 +183,8 @@ class DistOpt:
             method = DIST_OPTIONS[dist_option]
         except KeyError:
             raise ValueError(f"unknown dist_option {dist_option!r}; choose one of {sorted(DIST_OPTIONS)}") from None
+        if self.ps is not None and method != "backward_and_update":
+            raise ValueError(f"dist_option {dist_option!r} is not available under a parameter-server cluster; use 'plain'")
         kwargs = dict(DIST_OPTION_ARGS.get(dist_option, {}))
         if spars is not None and method == "backward_and_sparse_update":
             kwargs["spars"] = spars
@@ -222,6 +239,11 @@ class DistOpt:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step_count"])
         self.strategies.load_state_dict(state.get("strategies", {}))
+
+    def close(self) -> None:
+        """Under a parameter-server cluster: tell the servers this worker has finished (also done at exit)."""
+        if self.ps is not None:
+            self.ps.close()
 
     def __repr__(self) -> str:
         return (

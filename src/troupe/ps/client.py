@@ -1,0 +1,310 @@
+"""The worker side of a cluster: joining it (roles, groups), and the two worker strategies.
+
+* `PSClient` (servers in their own processes: Sandblaster, Downpour): gradients go to
+  the servers as Update messages per bucket while backward runs; the fresh slices
+  come back before the next forward.
+* `CoLocated` (servers share the workers' processes: AllReduce, Distributed Hogwild):
+  inside a group, reduce the gradients, each worker updates the slice its co-located
+  server owns, then all-gather the slices; with several groups, every `sync_freq`
+  steps the groups fold their changes into the master copy.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import socket
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from troupe import comm as comm_mod
+from troupe.cluster import ClusterConfig, Role, roles
+from troupe.comm import Communicator, Handle
+from troupe.launch import DistInfo, shutdown
+from troupe.ps.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
+from troupe.ps.shard import ParamShard, plan_slices
+from troupe.ps.server import Server
+from troupe.reducer import GradReducer
+
+log = logging.getLogger("troupe.ps")
+
+def trainable(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list[int]]:
+    """The optimizer's trainable parameters in order, and the param group of each."""
+    params, groups, seen = [], [], set()
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in seen and p.requires_grad:
+                seen.add(id(p))
+                params.append(p)
+                groups.append(g)
+    return params, groups
+
+
+def join_cluster(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, info: DistInfo, bucket_size: int):
+    """Take this rank's role. A server rank serves and then exits the process; a worker gets
+    (its view of the job: rank and world size among the workers, its strategy)."""
+    everyone = roles(cluster)
+    if len(everyone) != info.world_size:
+        raise ValueError(
+            f"the cluster needs {cluster.nprocs} processes ({cluster.nworkers} workers, {cluster.nservers} "
+            f"servers, server_worker_separate={cluster.server_worker_separate}), but the job has "
+            f"world_size {info.world_size}"
+        )
+    role = everyone[info.global_rank]
+    world = comm_mod.default()
+    workers = [r.rank for r in everyone if r.worker]
+    # Every rank creates every group, in the same order (torch.distributed requires it).
+    workers_comm = world.new_group(workers)
+    group_comms = [
+        world.new_group([r.rank for r in everyone if r.worker and r.worker[0] == g])
+        for g in range(cluster.nworker_groups)
+    ]
+    params, param_group_of = trainable(optimizer)
+    processes = world.all_gather_object((socket.gethostname(), os.getpid()))
+    log.info("troupe: %s", role.describe())
+    if role.worker is None:
+        stats = serve(cluster, role, everyone, world, optimizer, params, param_group_of, processes)
+        log.info("troupe server rank %d: %s", role.rank, stats)
+        shutdown()
+        sys.exit(0)  # a server never returns to the training script
+    comm_mod.set_default(workers_comm)
+    view = dataclasses.replace(info, global_rank=workers.index(role.rank), world_size=len(workers))
+    if cluster.server_worker_separate:
+        strategy = PSClient(cluster, role, everyone, world, params, bucket_size)
+    else:
+        strategy = CoLocated(cluster, role, group_comms[role.worker[0]], workers_comm, optimizer, bucket_size)
+    return view, strategy
+
+
+def serve(cluster, role, everyone, world, optimizer, params, param_group_of, processes):
+    """Run a separate server rank's loop until every worker has finished."""
+    sg, index = role.server
+    slices = [s for s in plan_slices([p.numel() for p in params], cluster.nservers_per_group) if s.server == index]
+    members = {
+        g: {r.rank for r in everyone if r.worker and r.worker[0] == g}
+        for g in range(cluster.nworker_groups)
+        if cluster.server_group_of(g) == sg
+    }
+    shard = ParamShard(slices, optimizer, param_group_of, members, dtype=params[0].dtype if params else torch.float32)
+    putters = {r.rank for r in everyone if r.worker and r.worker[0] == 0}
+    workers = [r.rank for r in everyone if r.worker]
+    server = Server(world, shard, workers, putters, dict(enumerate(processes)))
+    return server.serve()
+
+
+class PSClient:
+    """A worker talking to separate servers: Update per bucket during backward, fresh slices after."""
+
+    def __init__(self, cluster: ClusterConfig, role: Role, everyone: Sequence[Role], world: Communicator,
+                 params: Sequence[Tensor], bucket_size: int):
+        self.cluster, self.role, self.world = cluster, role, world
+        self.rank = role.rank
+        self.params = list(params)
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.slices = plan_slices([p.numel() for p in self.params], cluster.nservers_per_group)
+        self.by_param: dict[int, list] = defaultdict(list)
+        for s in self.slices:
+            self.by_param[s.param].append(s)
+        servers = sorted((r.server, r.rank) for r in everyone if r.server)
+        self.all_servers = [rank for _, rank in servers]
+        group = cluster.server_group_of(role.worker[0])
+        mine = [rank for (sg, _), rank in servers if sg == group]
+        self.server_of = {s.id: mine[s.server] for s in self.slices}
+        self.version = {s.id: 0 for s in self.slices}
+        self.reducer = GradReducer(self.params, world, bucket_size)
+        self._sends: list[Handle] = []
+        self._expected: Counter[int] = Counter()
+        self.staleness: list[int] = []
+        """Per step: the most versions any slice moved beyond this worker's own update (0 when synchronous)."""
+        self.closed = False
+        atexit.register(self.close)
+
+    def start(self) -> None:
+        """The first worker group Puts the initial parameters (shared out among its workers); everyone Gets."""
+        group, index = self.role.worker
+        if group == 0:
+            for s in self.slices:
+                if s.id % self.cluster.nworkers_per_group == index:
+                    for server in self._replicas(s):
+                        self._post(Op.PUT, s, server, self._flat(s))
+        for s in self.slices:
+            self._post(Op.GET, s, self.server_of[s.id])
+        self._collect(count_staleness=False)
+
+    def backward_and_update(self, loss: Tensor) -> None:
+        self.reducer.begin(self._send_bucket)
+        try:
+            loss.backward()
+        except BaseException:
+            self.reducer.abort()
+            raise
+        self.reducer.finish()
+        self._collect(count_staleness=True)
+
+    def close(self) -> None:
+        """Tell every server this worker has finished (called at exit if not before)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            for server in self.all_servers:
+                self.world.send(Header(Op.STOP, -1, 0, self.rank, 0).encode(), server, tag=HEADER_TAG)
+        except Exception as e:  # at interpreter exit the process group may be gone already
+            log.warning("troupe worker %d: could not say stop to the servers: %s", self.rank, e)
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _replicas(self, s) -> list[int]:
+        """The server of slice s in every server group (all need initial values)."""
+        n = self.cluster.nservers_per_group
+        return [self.all_servers[g * n + s.server] for g in range(self.cluster.nserver_groups)]
+
+    def _flat(self, s) -> Tensor:
+        return self.params[s.param].detach().reshape(-1)[s.start : s.stop]
+
+    def _post(self, op: Op, s, server: int, payload: Tensor | None = None) -> None:
+        length = 0 if payload is None else payload.numel()
+        header = Header(op, s.id, self.version[s.id], self.rank, length).encode()
+        self._sends.append(self.world.isend(header, server, tag=HEADER_TAG))
+        if payload is not None:
+            self._sends.append(self.world.isend(payload.contiguous(), server, tag=PAYLOAD_TAG))
+        if op in (Op.GET, Op.UPDATE):
+            self._expected[server] += 1
+
+    def _send_bucket(self, bucket) -> Handle:
+        for k, p in enumerate(bucket.params):
+            flat = bucket.view(k).reshape(-1)
+            for s in self.by_param[self.index[id(p)]]:
+                self._post(Op.UPDATE, s, self.server_of[s.id], flat[s.start : s.stop])
+        return Handle(None)
+
+    @torch.no_grad()
+    def _collect(self, count_staleness: bool) -> None:
+        """Receive every reply owed to this worker and copy the fresh slices into the parameters."""
+        worst = 0
+        for server in sorted(self._expected):
+            remaining = self._expected[server]
+            while remaining:
+                raw = empty_header()
+                self.world.recv(raw, server, tag=HEADER_TAG)
+                header = Header.decode(raw)
+                if header.op is Op.PING:
+                    continue
+                s = self.slices[header.slice_id] if 0 <= header.slice_id < len(self.slices) else None
+                check(header, src=server, expected_length=s and s.numel, allowed={Op.REPLY})
+                if s is None or self.server_of[s.id] != server:
+                    raise MessageError(f"reply from server {server} for slice {header.slice_id} it does not hold")
+                value = torch.empty(header.length, dtype=self.params[s.param].dtype)
+                self.world.recv(value, server, tag=PAYLOAD_TAG)
+                self._flat(s).copy_(value)
+                worst = max(worst, header.version - self.version[s.id] - 1)
+                self.version[s.id] = header.version
+                remaining -= 1
+        self._expected.clear()
+        for h in self._sends:
+            h.wait()
+        self._sends = []
+        if count_staleness:
+            self.staleness.append(worst)
+
+
+class CoLocated:
+    """Workers that host their group's servers: reduce, update own slices, all-gather; groups sync every sync_freq."""
+
+    def __init__(self, cluster: ClusterConfig, role: Role, group: Communicator, workers: Communicator,
+                 optimizer: torch.optim.Optimizer, bucket_size: int):
+        if cluster.nworkers_per_group != cluster.nservers_per_group or cluster.nworker_groups != cluster.nserver_groups:
+            raise ValueError(
+                "with server_worker_separate false troupe pairs each worker with one server: needs "
+                f"nworkers_per_group == nservers_per_group (got {cluster.nworkers_per_group}, "
+                f"{cluster.nservers_per_group}) and nworker_groups == nserver_groups (got "
+                f"{cluster.nworker_groups}, {cluster.nserver_groups})"
+            )
+        self.cluster, self.group, self.workers = cluster, group, workers
+        self.params, param_group_of = trainable(optimizer)
+        self.slices = plan_slices([p.numel() for p in self.params], cluster.nservers_per_group)
+        self.index = role.worker[1]
+        self.mine = [s for s in self.slices if s.server == self.index]
+        self.shard = ParamShard(self.mine, optimizer, param_group_of, {0: {role.rank}})
+        self.me = role.rank
+        self.reducer = GradReducer(self.params, group, bucket_size) if group.world_size > 1 else None
+        self.steps = 0
+        self.staleness: list[int] = []
+        self._last_sync: list[Tensor] = []
+
+    def start(self) -> None:
+        """Parameters were broadcast from worker 0: they are every server's initial values."""
+        for s in self.mine:
+            self.shard.put(s.id, self._flat(s))
+        self._last_sync = [p.detach().clone() for p in self.params]
+
+    def _flat(self, s) -> Tensor:
+        return self.params[s.param].detach().reshape(-1)[s.start : s.stop]
+
+    @torch.no_grad()
+    def _apply_own(self) -> None:
+        for s in self.mine:
+            grad = self.params[s.param].grad
+            if grad is not None:  # unused everywhere in the group: no update, as in one process
+                self.shard.update(s.id, self.me, grad.reshape(-1)[s.start : s.stop])
+
+    def backward_and_update(self, loss: Tensor) -> None:
+        if self.reducer is None:
+            for p in self.params:
+                p.grad = None
+            loss.backward()
+        else:
+            self.reducer.begin()
+            try:
+                loss.backward()
+            except BaseException:
+                self.reducer.abort()
+                raise
+            self.reducer.finish()
+        self._apply_own()
+        self._all_gather()
+        self.steps += 1
+        if self.cluster.nworker_groups > 1 and self.steps % self.cluster.sync_freq == 0:
+            self._sync_groups()
+
+    @torch.no_grad()
+    def _all_gather(self) -> None:
+        if self.group.world_size == 1:
+            for s in self.mine:
+                self._flat(s).copy_(self.shard.values[s.id])
+            return
+        per_server = [[s for s in self.slices if s.server == j] for j in range(self.group.world_size)]
+        longest = max(sum(s.numel for s in ss) for ss in per_server)
+        dtype = self.params[0].dtype
+        mine = torch.zeros(longest, dtype=dtype)
+        if self.mine:
+            flat = torch.cat([self.shard.values[s.id] for s in self.mine])
+            mine[: flat.numel()] = flat
+        for ss, got in zip(per_server, self.group.all_gather(mine)):
+            offset = 0
+            for s in ss:
+                self._flat(s).copy_(got[offset : offset + s.numel])
+                offset += s.numel
+
+    @torch.no_grad()
+    def _sync_groups(self) -> None:
+        """Every group adds what it changed since the last sync (cur - last_sync) to the master copy and adopts it."""
+        delta = torch.cat([(p.detach() - last).reshape(-1) for p, last in zip(self.params, self._last_sync)])
+        self.workers.all_reduce(delta, "sum")
+        delta /= self.cluster.nworkers_per_group  # each group's workers hold the same change
+        offset = 0
+        for p, last in zip(self.params, self._last_sync):
+            last.add_(delta[offset : offset + p.numel()].view_as(p))
+            p.copy_(last)
+            offset += p.numel()
+        for s in self.mine:
+            self.shard.adopt(s.id, self._flat(s))
+
+    def close(self) -> None:
+        """Nothing to tell: co-located servers end with their workers."""

@@ -1,0 +1,104 @@
+"""Parameter-server messages: a fixed int64 header, then (when length > 0) a float payload.
+
+A header is ``[MAGIC, op, slice_id, version, sender, length]``. The receiver checks
+every field before it touches a payload; a malformed or unexpected message is
+rejected with a logged error and never applied.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("troupe.ps")
+
+MAGIC = 0x7450_5331  # "tPS1"
+HEADER_LEN = 6
+HEADER_TAG = 0x7450
+"""Point-to-point tag of headers: a receive for any header can never match a payload."""
+PAYLOAD_TAG = 0x7451
+
+
+class Op(IntEnum):
+    """What a message asks for (SINGA's Get/Put/Update, plus the reply and control messages)."""
+
+    GET = 1
+    """Worker -> server: send me the slice's current value."""
+    PUT = 2
+    """Worker -> server: here is the slice's initial value."""
+    UPDATE = 3
+    """Worker -> server: here is my gradient for the slice (based on `version`)."""
+    REPLY = 4
+    """Server -> worker: the slice's value at `version`."""
+    STOP = 5
+    """Worker -> server: I have finished training."""
+    PING = 6
+    """Server -> worker: are you alive? (no answer expected; a dead peer makes the send fail)"""
+
+
+WITH_PAYLOAD = {Op.PUT, Op.UPDATE, Op.REPLY}
+"""Ops whose header is followed by a payload of `length` elements."""
+
+
+class MessageError(ValueError):
+    """A message that fails validation."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """One message's header."""
+
+    op: Op
+    slice_id: int
+    version: int
+    sender: int
+    length: int
+
+    def encode(self) -> Tensor:
+        return torch.tensor(
+            [MAGIC, int(self.op), self.slice_id, self.version, self.sender, self.length], dtype=torch.int64
+        )
+
+    @classmethod
+    def decode(cls, raw: Tensor) -> Header:
+        """Parse a received header; raises `MessageError` naming what is wrong."""
+        if raw.dtype != torch.int64 or raw.numel() != HEADER_LEN:
+            raise MessageError(f"header must be {HEADER_LEN} int64 values, got {raw.numel()} {raw.dtype}")
+        magic, op, slice_id, version, sender, length = (int(v) for v in raw.tolist())
+        if magic != MAGIC:
+            raise MessageError(f"bad magic {magic:#x} (expected {MAGIC:#x}): not a troupe message")
+        try:
+            op = Op(op)
+        except ValueError:
+            raise MessageError(f"unknown op {op}") from None
+        if slice_id < -1 or version < 0 or sender < 0 or length < 0:
+            raise MessageError(f"negative field in {op.name} header: slice {slice_id}, version {version}, "
+                               f"sender {sender}, length {length}")
+        if (length > 0) != (op in WITH_PAYLOAD):
+            raise MessageError(f"{op.name} message with payload length {length}")
+        return cls(op, slice_id, version, sender, length)
+
+
+def empty_header() -> Tensor:
+    """A buffer to receive a header into."""
+    return torch.zeros(HEADER_LEN, dtype=torch.int64)
+
+
+def check(header: Header, *, src: int, expected_length: int | None, allowed: set[Op]) -> None:
+    """Raise `MessageError` unless `header` is one of `allowed`, really from `src`, with the slice's length."""
+    if header.op not in allowed:
+        raise MessageError(f"unexpected {header.op.name} from rank {src}")
+    if header.sender != src:
+        raise MessageError(f"{header.op.name} claims sender {header.sender} but came from rank {src}")
+    if header.op in WITH_PAYLOAD:
+        if expected_length is None:
+            raise MessageError(f"{header.op.name} from rank {src} for unknown slice {header.slice_id}")
+        if header.length != expected_length:
+            raise MessageError(
+                f"{header.op.name} from rank {src} for slice {header.slice_id} carries {header.length} "
+                f"elements, the slice has {expected_length}"
+            )

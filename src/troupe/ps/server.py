@@ -1,0 +1,194 @@
+"""The server loop: receive a message from any worker, check it, apply it to the ParamShard, reply.
+
+All state lives in `ParamShard`; this file only moves messages. A worker that stops
+(Op.STOP) or dies (a send to it fails, or its process is gone) is forgotten: updates its group was waiting for
+complete without it, and the loop ends when every worker is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from troupe.comm import Communicator
+from troupe.ps.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
+from troupe.ps.shard import ParamShard
+
+log = logging.getLogger("troupe.ps")
+
+PROBE_AFTER = 2.0
+"""Seconds an incomplete group update may wait before the server pings the workers it waits for."""
+
+
+@dataclass
+class ServerStats:
+    """What one server did, for logs and benchmarks."""
+
+    updates: int
+    seconds: float
+    staleness_mean: float
+    staleness_max: int
+    rejected: int
+    dead_workers: list[int]
+
+    @property
+    def updates_per_second(self) -> float:
+        return self.updates / max(self.seconds, 1e-9)
+
+
+class Server:
+    """Serves one `ParamShard` to the workers of the groups it is responsible for."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        shard: ParamShard,
+        workers: list[int],
+        putters: set[int],
+        processes: dict[int, tuple[str, int]] | None = None,
+    ):
+        self.comm = comm
+        self.shard = shard
+        self.rank = comm.rank
+        self.live = set(workers)
+        """Workers that have not stopped or died; every worker says Stop to every server."""
+        self.putters = putters
+        """Workers allowed to Put initial values (the first worker group)."""
+        self.waiting_gets: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        self.max_len = max((s.numel for s in shard.slices.values()), default=0)
+        self.rejected = 0
+        self.dead: list[int] = []
+        self._waiting_since: dict[tuple[int, int], float] = {}
+        self.processes = processes or {}
+        """(hostname, pid) of each worker, to tell a dead worker from a slow one."""
+
+    def serve(self) -> ServerStats:
+        """Run until every worker has stopped or died."""
+        start = time.perf_counter()
+        while self.live:
+            raw = empty_header()
+            src = self.comm.recv(raw, tag=HEADER_TAG)
+            try:
+                self._handle(src, raw)
+            except MessageError as e:
+                self.rejected += 1
+                log.error("troupe server rank %d: rejected a message from rank %d: %s", self.rank, src, e)
+            self._probe_stragglers()
+        stale = self.shard.staleness
+        return ServerStats(
+            updates=self.shard.updates,
+            seconds=time.perf_counter() - start,
+            staleness_mean=sum(stale) / len(stale) if stale else 0.0,
+            staleness_max=max(stale, default=0),
+            rejected=self.rejected,
+            dead_workers=sorted(self.dead),
+        )
+
+    # --- messages ----------------------------------------------------------------------
+
+    def _handle(self, src: int, raw: torch.Tensor) -> None:
+        header = Header.decode(raw)  # without a valid header the payload length is unknown: drop it
+        slice_ = self.shard.slices.get(header.slice_id)
+        try:
+            if src not in self.live:
+                raise MessageError(f"{header.op.name} from rank {src}, which is not a live worker of this server")
+            check(header, src=src, expected_length=slice_ and slice_.numel,
+                  allowed={Op.GET, Op.PUT, Op.UPDATE, Op.STOP})
+            if header.op in (Op.GET, Op.PUT, Op.UPDATE) and slice_ is None:
+                raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id}, not held here")
+            if header.op is Op.PUT and src not in self.putters:
+                raise MessageError(f"PUT from rank {src}: only the first worker group puts initial values")
+            if header.op is Op.UPDATE and header.slice_id not in self.shard.initialised:
+                raise MessageError(f"UPDATE from rank {src} for slice {header.slice_id} before any PUT")
+        except MessageError:
+            self._drain(src, header.length)
+            raise
+        payload = None
+        if header.length:
+            payload = torch.empty(header.length, dtype=self.shard.dtype)
+            self.comm.recv(payload, src, tag=PAYLOAD_TAG)
+        if header.op is Op.PUT:
+            self.shard.put(header.slice_id, payload)
+            for worker, _ in self.waiting_gets.pop(header.slice_id, []):
+                self._reply(worker, header.slice_id)
+        elif header.op is Op.GET:
+            if header.slice_id in self.shard.initialised:
+                self._reply(src, header.slice_id)
+            else:
+                self.waiting_gets[header.slice_id].append((src, header.version))
+        elif header.op is Op.UPDATE:
+            try:
+                done = self.shard.update(header.slice_id, src, payload, header.version)
+            except ValueError as e:
+                raise MessageError(str(e)) from None
+            self._replies(header.slice_id, done)
+        elif header.op is Op.STOP:
+            self._forget(src)
+
+    def _drain(self, src: int, length: int) -> None:
+        # Consume the payload a rejected header announces, so the next message from src lines up.
+        if 0 < length <= self.max_len:
+            self.comm.recv(torch.empty(length, dtype=self.shard.dtype), src, tag=PAYLOAD_TAG)
+
+    def _replies(self, slice_id: int, workers: list[int]) -> None:
+        for worker in workers:
+            self._reply(worker, slice_id)
+
+    def _reply(self, worker: int, slice_id: int) -> None:
+        version, value = self.shard.get(slice_id)
+        try:
+            self.comm.send(Header(Op.REPLY, slice_id, version, self.rank, value.numel()).encode(), worker, HEADER_TAG)
+            self.comm.send(value, worker, PAYLOAD_TAG)
+        except RuntimeError as e:  # Gloo: "Connection closed by peer"
+            log.warning("troupe server rank %d: worker %d is gone (%s)", self.rank, worker, str(e).splitlines()[0])
+            self.dead.append(worker)
+            self._forget(worker)
+
+    def _forget(self, worker: int) -> None:
+        self.live.discard(worker)
+        for slice_id, workers in self.shard.remove_worker(worker):
+            self._replies(slice_id, workers)
+
+    def _probe_stragglers(self) -> None:
+        """Forget workers an incomplete update has waited on too long whose process is gone.
+
+        Gloo cannot probe a peer without blocking on it, so liveness is the process's:
+        workers on this host are checked by pid (workers on other hosts are waited for).
+        """
+        now = time.monotonic()
+        missing = self.shard.missing()
+        for key in list(self._waiting_since):
+            if key not in missing:
+                del self._waiting_since[key]
+        for key, workers in missing.items():
+            since = self._waiting_since.setdefault(key, now)
+            if now - since < PROBE_AFTER:
+                continue
+            self._waiting_since[key] = now
+            for worker in sorted(workers):
+                if worker in self.live and not self._alive(worker):
+                    log.warning("troupe server rank %d: worker %d is gone (its process ended)", self.rank, worker)
+                    self.dead.append(worker)
+                    self._forget(worker)
+
+    def _alive(self, worker: int) -> bool:
+        host, pid = self.processes.get(worker, (None, None))
+        if host != socket.gethostname():
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+        except OSError:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                pass
+            return True

@@ -1,0 +1,197 @@
+"""ParamShard: the pure state of one server (its slices, server-side optimizer, versions). No I/O.
+
+Parameters are laid end to end and the resulting flat vector is cut into
+``nservers`` contiguous ranges of equal size (within one element); where a range
+boundary falls inside a parameter, that parameter is split across servers. The plan
+depends only on the parameters' sizes, so every rank computes the same one.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("troupe.ps")
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Elements [start, stop) of the flattened parameter `param`, held by server `server` of a group."""
+
+    id: int
+    param: int
+    start: int
+    stop: int
+    server: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def plan_slices(numels: Sequence[int], nservers: int) -> list[Slice]:
+    """Cut parameters of sizes `numels` into slices balanced across `nservers` servers."""
+    if nservers < 1:
+        raise ValueError(f"nservers must be >= 1, got {nservers}")
+    total = sum(numels)
+    bounds = [total * s // nservers for s in range(nservers + 1)]
+    slices: list[Slice] = []
+    offset, server = 0, 0
+    for p, n in enumerate(numels):
+        start = 0
+        while start < n:
+            while bounds[server + 1] <= offset + start:
+                server += 1
+            stop = min(n, bounds[server + 1] - offset)
+            slices.append(Slice(len(slices), p, start, stop, server))
+            start = stop
+        offset += n
+    return slices
+
+
+def server_optimizer(template: torch.optim.Optimizer, groups: list[list[Tensor]]) -> torch.optim.Optimizer | None:
+    """An optimizer of `template`'s class and hyperparameters over new tensors (one list per param group)."""
+    specs = []
+    for tensors, tgroup in zip(groups, template.param_groups):
+        if tensors:
+            specs.append({**{k: v for k, v in tgroup.items() if k != "params"}, "params": tensors})
+    if not specs:
+        return None
+    try:
+        return type(template)(specs, **template.defaults)
+    except TypeError:  # an optimizer whose defaults are not all constructor arguments
+        return type(template)(specs)
+
+
+@dataclass
+class _Pending:
+    total: Tensor
+    senders: set[int] = field(default_factory=set)
+    base_version: int = 0
+
+
+class ParamShard:
+    """The slices one server holds, their server-side optimizer and a version per slice.
+
+    Within a worker group updates are synchronous: a slice's gradients from the group's
+    workers are summed, averaged and applied once. Updates of different groups are
+    applied as they complete (asynchronous).
+    """
+
+    def __init__(
+        self,
+        slices: Iterable[Slice],
+        template: torch.optim.Optimizer,
+        param_group_of: Sequence[int],
+        members: dict[int, set[int]],
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.slices = {s.id: s for s in slices}
+        self.dtype = dtype
+        self.values = {k: torch.zeros(s.numel, dtype=dtype) for k, s in self.slices.items()}
+        self.version = {k: 0 for k in self.slices}
+        self.initialised: set[int] = set()
+        self.members = {g: set(m) for g, m in members.items()}
+        """Live workers of each worker group this shard serves."""
+        self.group_of = {w: g for g, m in members.items() for w in m}
+        groups: list[list[Tensor]] = [[] for _ in template.param_groups]
+        for k in sorted(self.slices):
+            groups[param_group_of[self.slices[k].param]].append(self.values[k])
+        self.optimizer = server_optimizer(template, groups)
+        self._pending: dict[tuple[int, int], _Pending] = {}
+        self.updates = 0
+        self.staleness: list[int] = []
+        self.last_sync = {k: torch.zeros(s.numel, dtype=dtype) for k, s in self.slices.items()}
+
+    def put(self, slice_id: int, values: Tensor) -> None:
+        """Set a slice's initial value (the first worker group's Put)."""
+        self.values[slice_id].copy_(values.reshape(-1))
+        self.last_sync[slice_id].copy_(self.values[slice_id])
+        self.initialised.add(slice_id)
+
+    def get(self, slice_id: int) -> tuple[int, Tensor]:
+        """(version, value) of a slice."""
+        return self.version[slice_id], self.values[slice_id]
+
+    def update(self, slice_id: int, sender: int, grad: Tensor, version: int = 0) -> list[int]:
+        """Add `sender`'s gradient; when its group is complete apply once. Returns the workers to reply to."""
+        group = self.group_of[sender]
+        pending = self._pending.get((group, slice_id))
+        if pending is None:
+            pending = self._pending[(group, slice_id)] = _Pending(torch.zeros_like(self.values[slice_id]))
+            pending.base_version = version
+        if sender in pending.senders:
+            raise ValueError(f"worker {sender} sent two updates for slice {slice_id} in one step")
+        pending.total.add_(grad.reshape(-1))
+        pending.senders.add(sender)
+        return self._maybe_apply(group, slice_id)
+
+    def remove_worker(self, worker: int) -> list[tuple[int, list[int]]]:
+        """Forget a dead or finished worker; returns (slice, workers to reply to) for updates it completes."""
+        group = self.group_of.get(worker)
+        if group is None or worker not in self.members[group]:
+            return []
+        self.members[group].discard(worker)
+        done = []
+        for g, k in sorted(self._pending):
+            if g == group:
+                done.append((k, self._maybe_apply(g, k)))
+        return [(k, r) for k, r in done if r]
+
+    def missing(self) -> dict[tuple[int, int], set[int]]:
+        """For each incomplete (group, slice): the live workers it still waits for."""
+        return {key: self.members[key[0]] - p.senders for key, p in self._pending.items()}
+
+    def _maybe_apply(self, group: int, slice_id: int) -> list[int]:
+        pending = self._pending[(group, slice_id)]
+        live = self.members[group]
+        if not pending.senders or not live <= pending.senders:
+            return []
+        del self._pending[(group, slice_id)]
+        self.apply(slice_id, pending.total / len(pending.senders))
+        self.staleness.append(self.version[slice_id] - 1 - pending.base_version)
+        return sorted(pending.senders & live)
+
+    @torch.no_grad()
+    def apply(self, slice_id: int, grad: Tensor) -> None:
+        """One optimizer step on one slice with `grad` (the group's averaged gradient)."""
+        value = self.values[slice_id]
+        value.grad = grad.reshape(-1).to(value.dtype)
+        try:
+            self.optimizer.step()
+        finally:
+            value.grad = None
+        self.version[slice_id] += 1
+        self.updates += 1
+
+    def delta_since_sync(self, slice_id: int) -> Tensor:
+        """``cur - last_sync``: what this group changed since it last synced with the master copy."""
+        return self.values[slice_id] - self.last_sync[slice_id]
+
+    def adopt(self, slice_id: int, value: Tensor) -> None:
+        """Take the master copy's value after a sync."""
+        self.values[slice_id].copy_(value)
+        self.last_sync[slice_id].copy_(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Slices, versions and server-side optimizer state (a server checkpoint)."""
+        return {
+            "values": {k: v.clone() for k, v in self.values.items()},
+            "version": dict(self.version),
+            "optimizer": None if self.optimizer is None else copy.deepcopy(self.optimizer.state_dict()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state["values"]) != set(self.values):
+            raise ValueError(f"checkpoint holds slices {sorted(state['values'])}, this shard {sorted(self.values)}")
+        for k, v in state["values"].items():
+            self.put(k, v)
+        self.version.update(state["version"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])

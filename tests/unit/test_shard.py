@@ -1,0 +1,123 @@
+"""Slice planning and ParamShard update semantics vs a single-process torch optimizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from troupe.ps.messages import Header, MessageError, Op, check
+from troupe.ps.shard import ParamShard, plan_slices
+
+
+def test_slices_balanced_cover_everything_and_split_large_params():
+    numels = [1000, 10, 7, 3000, 1]
+    for nservers in (1, 2, 3, 7):
+        slices = plan_slices(numels, nservers)
+        assert plan_slices(numels, nservers) == slices  # deterministic
+        per_server = [sum(s.numel for s in slices if s.server == j) for j in range(nservers)]
+        assert max(per_server) - min(per_server) <= 1
+        for p, n in enumerate(numels):  # each parameter covered exactly once, in order
+            mine = [s for s in slices if s.param == p]
+            assert mine[0].start == 0 and mine[-1].stop == n
+            assert all(a.stop == b.start for a, b in zip(mine, mine[1:]))
+        assert [s.id for s in slices] == list(range(len(slices)))
+    assert len({s.server for s in plan_slices(numels, 3) if s.param == 3}) == 3  # the big one is split
+
+
+def make_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, 4, generator=g), torch.randn(4, generator=g), torch.randn(30, generator=g)]
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-2),
+        lambda ps: torch.optim.Adam(ps, lr=0.01),
+        lambda ps: torch.optim.SGD([{"params": ps[:1], "lr": 0.5}, {"params": ps[1:]}], lr=0.1, momentum=0.5),
+    ],
+)
+def test_sync_group_equals_optimizer_on_the_mean_gradient(make_opt):
+    params = make_params()
+    reference = [p.clone().requires_grad_() for p in params]
+    ref_opt = make_opt(reference)
+    template = make_opt([p.clone().requires_grad_() for p in params])
+    group_of = [next(i for i, g in enumerate(template.param_groups) if any(q is t for q in g["params"]))
+                for t in [q for g in template.param_groups for q in g["params"]]]
+    slices = plan_slices([p.numel() for p in params], 2)
+    shards = [ParamShard([s for s in slices if s.server == j], template, group_of, {0: {10, 11}}) for j in range(2)]
+    for s in slices:
+        shards[s.server].put(s.id, params[s.param].reshape(-1)[s.start : s.stop])
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        grads = [[torch.randn(p.shape, generator=g) for p in params] for _ in range(2)]
+        for p, a, b in zip(reference, *grads):
+            p.grad = (a + b) / 2
+        ref_opt.step()
+        for s in slices:
+            shard = shards[s.server]
+            assert shard.update(s.id, 10, grads[0][s.param].reshape(-1)[s.start : s.stop], step) == []
+            assert shard.update(s.id, 11, grads[1][s.param].reshape(-1)[s.start : s.stop], step) == [10, 11]
+    for s in slices:
+        version, value = shards[s.server].get(s.id)
+        assert version == 4
+        torch.testing.assert_close(value, reference[s.param].detach().reshape(-1)[s.start : s.stop])
+    assert shards[0].staleness == [0] * len(shards[0].staleness)
+
+
+def test_async_groups_apply_separately_and_dead_worker_completes_its_group():
+    params = make_params()
+    template = torch.optim.SGD([p.clone() for p in params], lr=1.0)
+    slices = plan_slices([p.numel() for p in params], 1)
+    shard = ParamShard(slices, template, [0, 0, 0], {0: {0, 1}, 1: {2, 3}})
+    s = slices[0]
+    shard.put(s.id, params[0].reshape(-1))
+    one = torch.ones(s.numel)
+    assert shard.update(s.id, 2, one) == []
+    assert shard.update(s.id, 3, 3 * one) == [2, 3]  # group 1 applies without waiting for group 0
+    torch.testing.assert_close(shard.get(s.id)[1], params[0].reshape(-1) - 2)
+    assert shard.update(s.id, 0, one) == []
+    assert shard.missing() == {(0, s.id): {1}}
+    assert shard.remove_worker(1) == [(s.id, [0])]  # worker 1 died: group 0 goes on alone
+    torch.testing.assert_close(shard.get(s.id)[1], params[0].reshape(-1) - 3)
+    assert shard.get(s.id)[0] == 2
+    with pytest.raises(ValueError, match="two updates"):
+        shard.update(s.id, 2, one)
+        shard.update(s.id, 2, one)
+
+
+def test_checkpoint_round_trip():
+    params = make_params()
+    template = torch.optim.SGD([p.clone() for p in params], lr=0.1, momentum=0.9)
+    slices = plan_slices([p.numel() for p in params], 1)
+    a = ParamShard(slices, template, [0, 0, 0], {0: {0}})
+    for s in slices:
+        a.put(s.id, params[s.param].reshape(-1))
+        a.update(s.id, 0, torch.ones(s.numel))
+    b = ParamShard(slices, template, [0, 0, 0], {0: {0}})
+    b.load_state_dict(a.state_dict())
+    for s in slices:
+        a.update(s.id, 0, torch.ones(s.numel))
+        b.update(s.id, 0, torch.ones(s.numel))
+        assert torch.equal(a.get(s.id)[1], b.get(s.id)[1]) and b.get(s.id)[0] == 2
+
+
+def test_headers_round_trip_and_reject_malformed():
+    h = Header(Op.UPDATE, 3, 7, 2, 40)
+    assert Header.decode(h.encode()) == h
+    bad = h.encode()
+    bad[0] = 123
+    with pytest.raises(MessageError, match="bad magic"):
+        Header.decode(bad)
+    bad = h.encode()
+    bad[1] = 99
+    with pytest.raises(MessageError, match="unknown op 99"):
+        Header.decode(bad)
+    with pytest.raises(MessageError, match="GET message with payload length 5"):
+        Header.decode(Header(Op.GET, 1, 0, 0, 5).encode())
+    with pytest.raises(MessageError, match="claims sender 2 but came from rank 1"):
+        check(h, src=1, expected_length=40, allowed={Op.UPDATE})
+    with pytest.raises(MessageError, match="carries 40 elements, the slice has 39"):
+        check(h, src=2, expected_length=39, allowed={Op.UPDATE})
+    with pytest.raises(MessageError, match="unexpected REPLY"):
+        check(Header(Op.REPLY, 3, 0, 2, 40), src=2, expected_length=40, allowed={Op.UPDATE})
