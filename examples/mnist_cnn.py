@@ -12,6 +12,7 @@ The same script runs under every launcher, unedited:
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import troupe
+from pathlib import Path
+from troupe import checkpoint
 from troupe.metrics import Throughput, accuracy, progress, reduce_variable
 
 
@@ -61,6 +64,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch threads per process")
     p.add_argument("--graph", action="store_true", help="run the forward through torch.compile")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (troupe run --checkpoint-dir)")
+    p.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
     return p.parse_args(argv)
 
 
@@ -94,21 +101,49 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
     if main:
         print(f"{sgd}: {len(train_x)} training samples per rank, batch {bs}", flush=True)
 
+    ckpt_dir, resume = checkpoint.from_env()
+    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else ckpt_dir
+    resume = "yes" if args.resume else resume
+    step, start_epoch, start_batch, epoch_rng, partial, resumed_at = 0, 0, 0, None, (0, 0.0), None
+    if resume != "no" and ckpt_dir is not None:
+        found = checkpoint.latest(ckpt_dir)
+        if found is None and resume == "yes":
+            raise FileNotFoundError(f"--resume: no complete checkpoint in {ckpt_dir}")
+        if found is not None:
+            state = checkpoint.load(found, model, sgd)
+            step, start_epoch, start_batch = state["step"], state["epoch"], state["batch"]
+            resumed_at = step
+            epoch_rng, partial = state["epoch_rng"], (state["train_correct"], state["train_loss"])
+            if main:
+                print(f"Resumed from {found} (epoch {start_epoch}, batch {start_batch})", flush=True)
+
     history = []
-    for epoch in range(args.epochs):
+    for epoch in range(start_epoch, args.epochs):
         if main:
             print(f"Starting Epoch {epoch}:", flush=True)
         model.train()
+        if epoch_rng is not None:  # resuming mid-epoch: replay this epoch's shuffle
+            rng.bit_generator.state = epoch_rng
+        epoch_rng = rng.bit_generator.state
         idx = torch.from_numpy(rng.permutation(len(train_x)))
-        train_correct, train_loss = 0, 0.0
+        first = start_batch if epoch == start_epoch else 0
+        train_correct, train_loss = partial if epoch == start_epoch else (0, 0.0)
         speed = Throughput()
-        for b in progress(range(num_train_batch), desc=f"epoch {epoch}", enabled=main and not args.quiet):
+        for b in progress(range(first, num_train_batch), desc=f"epoch {epoch}", enabled=main and not args.quiet):
+            if ckpt_dir is not None and step % args.checkpoint_every == 0 and step not in (0, resumed_at):
+                extra = dict(epoch=epoch, batch=b, epoch_rng=epoch_rng, train_correct=train_correct,
+                             train_loss=train_loss)
+                checkpoint.save(ckpt_dir, step, model, sgd, extra)
+            if step == args.crash_at_step and resumed_at is None and sgd.global_rank == 1:
+                os._exit(17)  # simulate a dying process (tests only)
             sel = idx[b * bs : (b + 1) * bs]
             tx, ty = train_x[sel].to(dev), train_y[sel].to(dev)
             out, loss = model.train_one_batch(tx, ty, args.dist_option, args.spars)
             train_correct += accuracy(out, ty)
             train_loss += loss.item()
             speed.add(bs)
+            step += 1
+        epoch_rng = None
         rate = speed.rate()
         train_correct = reduce_variable(train_correct)
         train_loss = reduce_variable(train_loss)

@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="troupe", description="Distributed training on torch.distributed.")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="start N local processes of a training script")
-    run.add_argument("-n", "--nproc", type=_positive, default=2, help="processes on this node (default 2)")
+    run.add_argument("-n", "--nproc", type=_positive, default=None, help="processes on this node (default 2)")
     run.add_argument("--nnodes", type=_positive, default=1, help="number of nodes (machines) in the job")
     run.add_argument("--node-rank", type=int, default=0, help="this node's index in [0, nnodes)")
     run.add_argument("--master", type=_master, default=None, help="HOST:PORT of node 0's rendezvous")
@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", choices=["gloo", "nccl"], default=None)
     run.add_argument("--threads", type=_positive, default=None, help="torch threads per process (OMP_NUM_THREADS)")
     run.add_argument("--timeout", type=float, default=None, help="seconds a collective may wait")
+    run.add_argument("--checkpoint-dir", default=None, help="where the script saves checkpoints (TROUPE_CHECKPOINT_DIR)")
+    run.add_argument("--resume", metavar="DIR", default=None, help="continue from the latest checkpoint in DIR")
+    run.add_argument("--max-restarts", type=int, default=0,
+                     help="after a failure, restart the job from its last checkpoint up to K times")
+    _add_cluster_flags(run)
     run.add_argument("script", help="the training script (a .py file)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     sub.add_parser("info", help="what this machine offers: torch, backends, devices, MPI")
@@ -70,15 +75,68 @@ def _ticket(args: argparse.Namespace) -> Ticket:
     return Ticket(addr=host, port=port, token=args.token) if args.token else Ticket(addr=host, port=port)
 
 
+def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
+    from troupe.cluster import FIELD_FLAGS, PRESETS
+
+    group = run.add_argument_group("cluster (parameter servers; SINGA's ClusterProto)")
+    group.add_argument("--framework", choices=sorted(PRESETS), default=None, help="a preset cluster topology")
+    group.add_argument("--cluster", metavar="FILE", default=None, help="a `cluster { ... }` block or TOML file")
+    for name in FIELD_FLAGS:
+        group.add_argument("--" + name.replace("_", "-"), type=_positive, default=None)
+    group.add_argument("--server-worker-separate", action=argparse.BooleanOptionalAction, default=None)
+
+
+def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
+    """Resolve the cluster (if any), fix -n from it, print every rank's role; the env var that carries it."""
+    from troupe.cluster import ENV_VAR, FIELD_FLAGS, resolve, roles
+
+    fields = {name: getattr(args, name) for name in (*FIELD_FLAGS, "server_worker_separate")}
+    total = None if args.nproc is None else args.nproc * args.nnodes
+    cluster = resolve(args.framework, args.cluster, total, **fields)
+    if cluster is None:
+        args.nproc = args.nproc or 2
+        return {}
+    if cluster.nprocs % args.nnodes:
+        raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {args.nnodes}")
+    args.nproc = cluster.nprocs // args.nnodes
+    if args.node_rank == 0:
+        print(f"troupe run: cluster {cluster.to_json()}", file=sys.stderr)
+        for role in roles(cluster):
+            print(f"troupe run:   {role.describe()}", file=sys.stderr)
+    return {ENV_VAR: cluster.to_json()}
+
+
 def run(args: argparse.Namespace) -> int:
-    """Start this node's ranks, watch them, and stop them all as soon as one fails."""
+    """Start the job; after a failure restart it from its last checkpoint, up to --max-restarts times."""
     if not os.path.isfile(args.script):
         raise ValueError(f"script not found: {args.script}")
-    ticket = _ticket(args)
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    ckpt_dir = args.resume or args.checkpoint_dir
+    if args.max_restarts and not ckpt_dir:
+        raise ValueError("--max-restarts needs --checkpoint-dir DIR (where the job saves what a restart resumes)")
+    if args.resume and not os.path.isdir(args.resume):
+        raise ValueError(f"--resume: no such directory {args.resume}")
+    extra_env = {"TROUPE_CHECKPOINT_DIR": os.path.abspath(ckpt_dir)} if ckpt_dir else {}
+    extra_env.update(_cluster_env(args))
+    resume = "yes" if args.resume else "no"
+    for attempt in range(args.max_restarts + 1):
+        code = _run_once(args, {**extra_env, "TROUPE_RESUME": resume})
+        if code == 0 or code == 130 or attempt == args.max_restarts:
+            return code
+        resume = "auto"
+        print(f"troupe run: restarting from the last checkpoint in {ckpt_dir} "
+              f"(restart {attempt + 1} of {args.max_restarts})", file=sys.stderr)
+    return code
+
+
+def _run_once(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
+    """Start this node's ranks, watch them, and stop them all as soon as one fails."""
+    ticket = _ticket(args)  # a fresh port and token for every attempt
     world_size = args.nproc * args.nnodes
     procs: list[subprocess.Popen] = []
     for local_rank in range(args.nproc):
-        env = dict(os.environ)
+        env = {**os.environ, **extra_env}
         env.update(
             TROUPE_TICKET=ticket.encode(),
             RANK=str(args.node_rank * args.nproc + local_rank),
