@@ -279,3 +279,48 @@ def from_env() -> ClusterConfig | None:
     """The cluster `troupe run` configured for this rank, or None for plain data parallelism."""
     text = os.environ.get(ENV_VAR, "")
     return ClusterConfig.from_json(text) if text else None
+
+
+FIELD_FLAGS = (
+    "nworker_groups",
+    "nserver_groups",
+    "nworkers_per_group",
+    "nservers_per_group",
+    "nworkers_per_procs",
+    "nservers_per_procs",
+    "sync_freq",
+)
+"""ClusterConfig fields `troupe run` also takes as flags (--nworker-groups ...)."""
+
+
+def resolve(
+    framework: str | None = None,
+    path: str | os.PathLike | None = None,
+    nprocs: int | None = None,
+    **fields,
+) -> ClusterConfig | None:
+    """The cluster `troupe run` was asked for (a preset, a file, and/or field flags), checked against -n.
+
+    Returns None when none of them is given (plain data parallelism).
+    """
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if framework is None and path is None and not fields:
+        return None
+    if framework is not None and path is not None:
+        raise ValueError("give either --framework or --cluster, not both")
+    if framework is not None:
+        cfg = preset(framework, None if fields else nprocs)
+    elif path is not None:
+        cfg = load(path)
+    else:
+        cfg = ClusterConfig()
+    if fields:
+        cfg = ClusterConfig.from_dict({**dataclasses.asdict(cfg), **fields})
+    if nprocs is not None and nprocs != cfg.nprocs:
+        raise ValueError(
+            f"-n {nprocs} does not fit the cluster, which needs {cfg.nprocs} processes "
+            f"({cfg.nworker_groups}x{cfg.nworkers_per_group} workers, {cfg.nserver_groups}x{cfg.nservers_per_group} "
+            f"servers, server_worker_separate={str(cfg.server_worker_separate).lower()}); leave -n out to use that"
+        )
+    roles(cfg)  # rejects what troupe cannot lay out
+    return cfg
