@@ -62,4 +62,4 @@ def residual_norm(residuals: dict[str, Tensor]) -> float:
     """The 2-norm of all the residuals together (0.0 when there are none)."""
     if not residuals:
         return 0.0
-    return float(torch.sqrt(sum(r.double().pow(2).sum() for r in residuals.values())))
+    return float(torch.stack([torch.linalg.vector_norm(r) for r in residuals.values()]).norm())
