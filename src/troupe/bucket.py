@@ -1,9 +1,10 @@
 """Gradient buckets: a fixed, rank-independent layout of parameters into flat buffers.
 
 A bucket's buffer holds its parameters' gradients back to back, followed by one
-"used" flag per parameter. Summing the flags across ranks tells every rank, in the
-same collective and without another message, which parameters got no gradient on
-any rank this step (they keep ``grad = None``, as in a single process).
+"used" flag per parameter and one "active" flag for the rank. Summing the flags across
+ranks tells every rank, in the same collective and without another message, which
+parameters got no gradient on any rank this step (they keep ``grad = None``, as in a
+single process) and how many ranks still had data (see `DistOpt.join`).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ class Bucket:
         self.offsets = [sum(self.numels[:k]) for k in range(len(self.params))]
         self.numel = sum(self.numels)
         p0 = self.params[0]
-        self.buffer = torch.zeros(self.numel + len(self.params), dtype=p0.dtype, device=p0.device)
+        self.buffer = torch.zeros(self.numel + len(self.params) + 1, dtype=p0.dtype, device=p0.device)
         self.slot = {id(p): k for k, p in enumerate(self.params)}
+        self.label = f"gradient bucket {index + 1} ({len(self.params)} tensors, {self.numel} elements)"
         self.reset()
 
     @property
@@ -68,12 +70,16 @@ class Bucket:
 
     @property
     def flags(self) -> Tensor:
-        """One entry per parameter: 1 where this rank (or, after the sum, any rank) had a gradient."""
+        """One entry per parameter, 1 where this rank had a gradient, then 1 if this rank is active.
+
+        After the sum across ranks: how many ranks had each gradient, and how many were active.
+        """
         return self.buffer[self.numel :]
 
     def reset(self) -> None:
         self.used = [False] * len(self.params)
         self.pending = len(self.params)
+        self.active = True
 
     def view(self, k: int) -> Tensor:
         return self.data[self.offsets[k] : self.offsets[k] + self.numels[k]].view_as(self.params[k])
@@ -96,13 +102,18 @@ class Bucket:
         for k, used in enumerate(self.used):
             if not used:
                 self.view(k).zero_()
-        self.flags.copy_(torch.tensor(self.used, dtype=self.buffer.dtype))
+        self.flags.copy_(torch.tensor([*self.used, self.active], dtype=self.buffer.dtype))
 
-    def unpack(self) -> None:
-        """Hand the reduced gradients back to the parameters (as views of the buffer).
+    def unpack(self, world_size: int | None) -> int:
+        """Hand the reduced gradients back to the parameters (as views of the buffer); return the active ranks.
 
-        A parameter that no rank produced a gradient for keeps ``grad = None``.
+        The reduction leaves sum / world_size; when only some ranks were active (the others
+        had run out of data and joined with zeros), the mean is over the active ones. A
+        parameter that no rank produced a gradient for keeps ``grad = None``.
         """
-        counts = self.flags.tolist()
+        *counts, active = self.flags.tolist()
+        if world_size is not None and 0 < active < world_size:
+            self.data.mul_(world_size / active)
         for k, p in enumerate(self.params):
             p.grad = self.view(k) if counts[k] > 0 else None
+        return int(active)

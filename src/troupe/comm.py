@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from troupe import watchdog
+
 Op = Literal["sum", "mean", "max", "min"]
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -33,14 +35,17 @@ class Traffic:
 class Handle:
     """A collective in flight. `wait()` completes it and then runs its epilogue once."""
 
-    def __init__(self, work: dist.Work | None, then: Callable[[], None] | None = None):
+    def __init__(self, work: dist.Work | None, then: Callable[[], None] | None = None, label: str = "a collective"):
         self._work, self._then, self.done = work, then, False
+        self.label = label
+        """What the stall inspector and failure messages call this collective."""
 
     def wait(self) -> None:
         if self.done:
             return
         if self._work is not None:
-            self._work.wait()
+            with watchdog.waiting(self.label):
+                self._work.wait()
         if self._then is not None:
             self._then()
         self.done = True
@@ -119,7 +124,7 @@ class Communicator:
             if work_tensor is not tensor:
                 tensor.copy_(work_tensor)
 
-        handle = Handle(work, finish)
+        handle = Handle(work, finish, label=f"all_reduce of {nbytes} bytes")
         if async_op:
             return handle
         handle.wait()
@@ -151,7 +156,8 @@ class Communicator:
         self._count("broadcast", nbytes, nbytes if self.rank == src else 0)
         work_tensor = self._staged(tensor)
         work = dist.broadcast(work_tensor, src, group=self.group, async_op=True)
-        handle = Handle(work, (lambda: tensor.copy_(work_tensor)) if work_tensor is not tensor else None)
+        handle = Handle(work, (lambda: tensor.copy_(work_tensor)) if work_tensor is not tensor else None,
+                        label=f"broadcast of {nbytes} bytes")
         if async_op:
             return handle
         handle.wait()
@@ -163,7 +169,8 @@ class Communicator:
         self._count("all_gather", nbytes, (self.world_size - 1) * nbytes)
         src = self._staged(tensor)
         out = [torch.empty_like(src) for _ in range(self.world_size)]
-        dist.all_gather(out, src.contiguous(), group=self.group)
+        with watchdog.waiting(f"all_gather of {nbytes} bytes"):
+            dist.all_gather(out, src.contiguous(), group=self.group)
         return [o.to(tensor.device) for o in out]
 
     def all_gather_varsize(self, tensor: Tensor) -> list[Tensor]:
@@ -247,7 +254,8 @@ class Communicator:
         self._count("gather", nbytes, 0 if self.rank == dst else nbytes)
         src = self._staged(tensor).contiguous()
         out = [torch.empty_like(src) for _ in range(self.world_size)] if self.rank == dst else None
-        dist.gather(src, out, dst=dst, group=self.group)
+        with watchdog.waiting(f"gather of {nbytes} bytes"):
+            dist.gather(src, out, dst=dst, group=self.group)
         return None if out is None else [o.to(tensor.device) for o in out]
 
     def scatter(self, out: Tensor, chunks: Sequence[Tensor] | None = None, src: int = 0) -> Tensor:
@@ -258,7 +266,8 @@ class Communicator:
         self._count("scatter", nbytes, (self.world_size - 1) * nbytes if self.rank == src else 0)
         dst = self._staged(out)
         staged = None if chunks is None else [self._staged(c).contiguous() for c in chunks]
-        dist.scatter(dst, staged, src=src, group=self.group)
+        with watchdog.waiting(f"scatter of {nbytes} bytes"):
+            dist.scatter(dst, staged, src=src, group=self.group)
         if dst is not out:
             out.copy_(dst)
         return out
@@ -266,13 +275,15 @@ class Communicator:
     def all_gather_object(self, obj: object) -> list[object]:
         """Every rank's picklable `obj`, in rank order (for one-off checks, not hot paths)."""
         out: list[object] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with watchdog.waiting("all_gather_object"):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def barrier(self) -> None:
         """Wait until every rank arrives."""
         self._count("barrier", 0, 0)
-        dist.barrier(group=self.group)
+        with watchdog.waiting("barrier"):
+            dist.barrier(group=self.group)
 
     # --- point-to-point (parameter-server messages) ----------------------------------
     # Ranks here are global ranks, as torch.distributed's send/recv take them.

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from troupe import watchdog
+
 log = logging.getLogger("troupe")
 
 DEFAULT_JOIN_TIMEOUT = 60.0
@@ -183,6 +185,8 @@ def init(
         # Gloo picks its interface from the hostname; keep a local job on loopback.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+    if ticket is not None:
+        watchdog.start(_side_store(ticket.addr, ticket.port, f"troupe/{ticket.token}/"), rank, world_size)
     _info = DistInfo(
         global_rank=rank,
         local_rank=local_rank,
@@ -301,8 +305,15 @@ def _init_torchrun(backend: str | None, timeout: float) -> DistInfo:
     _check_ranks(rank, local_rank, world)
     backend = _pick_backend(backend, local_rank, local_world)
     dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
+    watchdog.start(_side_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), "troupe/"), rank, world)
     _info = DistInfo(rank, local_rank, world, local_world, _device(backend, local_rank), backend, "torchrun")
     return _info
+
+
+def _side_store(addr: str, port: int, prefix: str) -> dist.Store:
+    """A second connection to the job's store, for the watchdog thread (never blocked by the main thread)."""
+    client = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    return dist.PrefixStore(prefix, client)
 
 
 def _mpi_ticket() -> tuple[Ticket, int, int, int, int]:
@@ -343,6 +354,7 @@ def info() -> DistInfo:
 def shutdown() -> None:
     """Leave the job: destroy the process group so a later `init()` starts afresh."""
     global _info, _store
+    watchdog.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
     _info, _store = None, None

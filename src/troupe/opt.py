@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from troupe import comm as comm_mod
+from troupe import nonfinite as nonfinite_mod
+from troupe import watchdog
 from troupe.bucket import DEFAULT_BUCKET_SIZE
 from troupe.cluster import from_env as cluster_from_env
 from troupe.comm import Handle
 from troupe.launch import Ticket, init
+from troupe.nonfinite import NAN_POLICIES, NanPolicy
 from troupe.reducer import GradReducer, ReduceFn
 from troupe.strategies import CompressionConfig, Strategies
 
@@ -61,11 +66,14 @@ class DistOpt:
         timeout: float | None = None,
         join_timeout: float | None = None,
         compression: CompressionConfig | None = None,
+        nan_policy: NanPolicy = "raise",
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistOpt wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
             raise ValueError(f"bucket_size must be a positive number of elements, got {bucket_size!r}")
+        if nan_policy not in NAN_POLICIES:
+            raise ValueError(f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}")
         if compression is not None and not isinstance(compression, CompressionConfig):
             raise TypeError(f"compression must be a troupe.CompressionConfig, got {type(compression).__name__}")
         self.info = init(
@@ -82,6 +90,8 @@ class DistOpt:
             self.info, self.ps = join_cluster(cluster, optimizer, self.info, bucket_size)
         self.communicator = comm_mod.default()
         self.bucket_size = bucket_size
+        self.nan_policy = nan_policy
+        self.skipped_steps = 0
         self.step_count = 0
         self._names: dict[int, str] = {}
         self._pending: list[Handle] = []
@@ -125,8 +135,41 @@ class DistOpt:
             self.step_count += 1
             return
         self._backward(loss)
+        self._apply_update()
+
+    def _apply_update(self) -> None:
+        """Step the wrapped optimizer on the averaged gradients, unless one is NaN/Inf (see `nan_policy`).
+
+        Averaged gradients are identical on every rank, so every rank makes the same choice.
+        """
+        if self.nan_policy != "ignore":
+            flats = [b.data for b in self.reducer.buckets] if self.reducer else [
+                p.grad for p in self._params() if p.grad is not None]
+            bad = [] if nonfinite_mod.all_finite(flats) else nonfinite_mod.nonfinite(self._params())
+            if bad:
+                names = ", ".join(self.param_name(p) for p in bad[:5])
+                if self.nan_policy == "raise":
+                    raise FloatingPointError(
+                        f"rank {self.global_rank}: non-finite gradient at step {self.step_count} in {names} "
+                        "(DistOpt(nan_policy='skip') skips such steps instead)"
+                    )
+                warnings.warn(f"troupe: skipped step {self.step_count}: non-finite gradient in {names}")
+                self.skipped_steps += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step_count += 1
+                return
         self.optimizer.step()
         self.step_count += 1
+
+    @property
+    def step_count(self) -> int:
+        """Updates made so far (the watchdog reports it in stall and failure messages)."""
+        return self._step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self._step_count = value
+        watchdog.set_step(value)
 
     def _backward(self, loss: Tensor, reduce_fn: ReduceFn | None = None) -> None:
         """Backward with each bucket reduced by `reduce_fn` (default: the plain mean all-reduce)."""
@@ -190,6 +233,23 @@ class DistOpt:
             kwargs["spars"] = spars
         getattr(self, method)(loss, **kwargs)
 
+    @contextmanager
+    def join(self):
+        """Let ranks with fewer batches finish an epoch without hanging (PyTorch's `Join`, for DistOpt).
+
+        Every rank wraps its loop in ``with sgd.join():``. A rank that leaves the block
+        keeps taking part in the others' gradient reductions with zero gradients, marked
+        inactive, and applies the same averaged update (so parameters stay equal), until
+        every rank has left. Gradients are averaged over the ranks that still had data.
+        Other collectives inside the loop (metrics every step) cannot be shadowed: reduce
+        them after the block.
+        """
+        yield self
+        if self.reducer is None:
+            return
+        while self.reducer.shadow() > 0:
+            self._apply_update()
+
     # --- SINGA's collective helpers ---------------------------------------------------
 
     def all_reduce(self, tensor: Tensor) -> None:
@@ -208,6 +268,8 @@ class DistOpt:
         self._names.update({id(p): n for n, p in model.named_parameters()})
         self._check_same_everywhere([(n, tuple(t.shape), str(t.dtype)) for n, t in named], "the model")
         self._broadcast([t for _, t in named])
+        if self.reducer is not None:
+            self.reducer.label_buckets(self.param_name)
 
     def param_name(self, param: Tensor) -> str:
         """The parameter's name in the attached model, or its position in the optimizer."""

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
+from troupe import watchdog
 from troupe.bucket import Bucket, plan_buckets
 from troupe.comm import Communicator, Handle
 
@@ -48,7 +49,11 @@ class GradReducer:
         self.buckets = [Bucket(i, [self.params[j] for j in members]) for i, members in enumerate(plan)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.reduce_fn: ReduceFn = mean_all_reduce(comm)
+        self.mean_over_active = True
+        """Rescale to the mean over active ranks (see DistOpt.join); off for reduce_fns that
+        send buckets elsewhere instead of reducing them (the parameter-server client)."""
         self.armed = False
+        self.last_fn: ReduceFn = self.reduce_fn
         self._ready: list[bool] = []
         self._next = 0
         self._handles: list[Handle] = []
@@ -61,6 +66,7 @@ class GradReducer:
         for b in self.buckets:
             b.reset()
         self._active_fn = reduce_fn or self.reduce_fn
+        self.last_fn = self._active_fn
         self._ready = [False] * len(self.buckets)
         self._next = 0
         self._handles = []
@@ -83,15 +89,33 @@ class GradReducer:
             self._handles.append(self._active_fn(bucket))
             self._next += 1
 
-    def finish(self) -> None:
-        """After backward: launch what is left, wait for everything, hand gradients back."""
+    def finish(self) -> int:
+        """After backward: launch what is left, wait for everything, hand gradients back.
+
+        Returns how many ranks were active (had data) this step.
+        """
         self.armed = False
         self._ready = [True] * len(self.buckets)
         self._launch_ready()
-        for handle in self._handles:
-            handle.wait()
+        for bucket, handle in zip(self.buckets, self._handles):
+            with watchdog.waiting(bucket.label):
+                handle.wait()
+        world = self.comm.world_size if self.mean_over_active else None
+        return min(bucket.unpack(world) for bucket in self.buckets)
+
+    def shadow(self) -> int:
+        """Join the other ranks' step with zero gradients, marked inactive; return how many were active."""
+        self.begin(self.last_fn)
         for bucket in self.buckets:
-            bucket.unpack()
+            bucket.active = False
+        return self.finish()
+
+    def label_buckets(self, name_of: Callable[[Tensor], str]) -> None:
+        """Name each bucket by its parameters, for stall reports and failure messages."""
+        for b in self.buckets:
+            names = [name_of(p) for p in b.params]
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            b.label = f"gradient bucket {b.index + 1} of {len(self.buckets)} ({shown})"
 
     def abort(self) -> None:
         """Stop listening after a failed backward (the step is abandoned)."""

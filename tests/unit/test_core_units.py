@@ -48,9 +48,17 @@ class TestBucket:
         bucket.buffer[2:5] = 7.0  # stale values from an earlier step must be cleared
         assert not bucket.add_grad(c, torch.tensor([3.0]))
         bucket.seal()
-        assert bucket.buffer.tolist() == [1, 2, 0, 0, 0, 3, 1, 0, 1]
-        bucket.unpack()
+        assert bucket.buffer.tolist() == [1, 2, 0, 0, 0, 3, 1, 0, 1, 1]  # grads, used flags, active
+        assert bucket.unpack(world_size=1) == 1
         assert a.grad.tolist() == [1, 2] and b.grad is None and c.grad.tolist() == [3]
+
+    def test_mean_over_active_ranks(self):
+        (a,) = params(2)
+        bucket = Bucket(0, [a])
+        # As if reduced over 4 ranks of which 2 were active: sum/4 is rescaled to sum/2.
+        bucket.buffer.copy_(torch.tensor([1.0, 3.0, 2.0, 2.0]))
+        assert bucket.unpack(world_size=4) == 2
+        assert a.grad.tolist() == [2.0, 6.0]
 
     def test_second_gradient_in_one_step_is_an_error(self):
         (a,) = params(2)

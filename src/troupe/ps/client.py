@@ -118,6 +118,7 @@ class PSClient:
         self.server_of = {s.id: mine[s.server] for s in self.slices}
         self.version = {s.id: 0 for s in self.slices}
         self.reducer = GradReducer(self.params, world, bucket_size)
+        self.reducer.mean_over_active = False  # buckets go to the servers, they are not all-reduced
         self._sends: list[Handle] = []
         self._expected: Counter[int] = Counter()
         self.staleness: list[int] = []

@@ -1,0 +1,70 @@
+"""Train a tiny model while rank 1 misbehaves at step 5; every rank reports how it ended.
+
+    python fault_train.py MODE              # under troupe run
+    python fault_train.py MODE --ticket N   # the Ticket + multiprocessing pattern, no supervisor
+
+MODE: ok | kill (SIGKILL) | raise | stop (SIGSTOP: alive but silent) | hang (sleeps in Python) |
+      nan | nan-skip
+"""
+
+import multiprocessing
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import troupe
+
+
+def train(mode, ticket=None, local_rank=None, world_size=None):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    policy = "skip" if mode == "nan-skip" else "raise"
+    opt = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), ticket=ticket, local_rank=local_rank,
+                         world_size=world_size, nan_policy=policy)
+    rank = opt.global_rank
+    g = torch.Generator().manual_seed(rank)
+    for step in range(12):
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+        if rank == 1 and step == 5:
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if mode == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if mode == "raise":
+                raise ValueError("boom")
+            if mode == "hang":
+                time.sleep(600)
+            if mode in ("nan", "nan-skip"):
+                x[0, 0] = float("nan")
+        opt(F.cross_entropy(model(x), y))
+        time.sleep(0.05)
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    print(f"rank {rank} finished: steps={opt.step_count} skipped={opt.skipped_steps} finite={finite} "
+          f"checksum={sum(float(p.sum()) for p in model.parameters()):.6f}", flush=True)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if len(sys.argv) > 2 and sys.argv[2] == "--ticket":
+        ticket, n = troupe.Ticket(), int(sys.argv[3])
+        ctx = multiprocessing.get_context("spawn")
+        procs = [ctx.Process(target=train, args=(mode, ticket, r, n)) for r in range(n)]
+        for p in procs:
+            p.start()
+        # Once a rank has failed, stragglers (stopped or hung ranks) are killed, as a cluster manager would.
+        while any(p.is_alive() for p in procs) and not any(p.exitcode for p in procs):
+            time.sleep(0.1)
+        time.sleep(1.0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        print("exit codes", [p.exitcode for p in procs], flush=True)
+        sys.exit(1 if any(p.exitcode for p in procs) else 0)
+    train(mode)
