@@ -59,50 +59,102 @@ def compressed_reduce(comm: Communicator, compressor: Compressor, min_compress_s
     """A ReduceFn that sends each bucket's gradients through `compressor`.
 
     Parameters below `min_compress_size` elements travel dense, in one fp32 all-reduce
-    with the bucket's used flags (so the flags are summed exactly, as the reducer
-    expects). The rest is compressed as one vector named ``bucket<index>``; summable
-    payloads are all-reduced, the others all-gathered and summed after decompression.
-    Either way the bucket ends up holding the mean.
+    with the bucket's flags (so the flags are summed exactly, as the reducer expects).
+    The rest is compressed as one vector named ``bucket<index>``; summable payloads are
+    all-reduced, the others all-gathered and summed after decompression. A summable
+    payload that holds small integers exactly (fp16 up to 2048 ranks, bf16 up to 256)
+    carries the flags itself, saving the second collective. Either way the bucket ends
+    up holding the mean.
     """
     n = comm.world_size
 
     def reduce(bucket: Bucket) -> Handle:
         big = [k for k in range(len(bucket.params)) if bucket.numels[k] >= min_compress_size]
         small = [k for k in range(len(bucket.params)) if bucket.numels[k] < min_compress_size]
-        dense = torch.cat([bucket.view(k).reshape(-1) for k in small] + [bucket.flags])
-        dense_handle = comm.all_reduce(dense, "sum", async_op=True)
-        if big:
-            vec = bucket.data if not small else torch.cat([bucket.view(k).reshape(-1) for k in big])
+        if not big:
+            return _dense_part(comm, bucket, small)
+        vec = bucket.data if not small else torch.cat([bucket.view(k).reshape(-1) for k in big])
+        if compressor.summable and not small:
             payload, ctx = compressor.compress(vec, f"bucket{bucket.index}")
-            if compressor.summable:
-                sent: Any = [comm.all_reduce(p, "sum", async_op=True) for p in payload]
-            else:
-                sent = comm.all_gather_packed(payload, same_sizes=compressor.fixed_size)
+            if _carries_flags(payload, n):
+                return _summed_with_flags(comm, compressor, bucket, payload, ctx)
+            dense = _dense_part(comm, bucket, small)
+        else:
+            dense = _dense_part(comm, bucket, small)
+            payload, ctx = compressor.compress(vec, f"bucket{bucket.index}")
+        if compressor.summable:
+            sent: Any = [comm.all_reduce(t, "sum", async_op=True) for t in payload]
+        else:
+            sent = comm.all_gather_packed(payload, same_sizes=compressor.fixed_size)
 
         def finish() -> None:
-            dense_handle.wait()
-            offset = 0
-            for k in small:
-                bucket.view(k).copy_(dense[offset : offset + bucket.numels[k]].view_as(bucket.view(k))).div_(n)
-                offset += bucket.numels[k]
-            bucket.flags.copy_(dense[offset:])
-            if not big:
-                return
+            dense.wait()
             if compressor.summable:
                 for h in sent:
                     h.wait()
                 total = compressor.decompress(payload, ctx)
             else:
                 total = sum(compressor.decompress(p, ctx) for p in sent.result())
-            total = total.reshape(-1).div_(n)
-            offset = 0
-            for k in big:
-                bucket.view(k).copy_(total[offset : offset + bucket.numels[k]].view_as(bucket.view(k)))
-                offset += bucket.numels[k]
+            _write_mean(bucket, big, total.reshape(-1), n)
 
         return Handle(None, finish)
 
     return reduce
+
+
+def _carries_flags(payload: list[Tensor], world_size: int) -> bool:
+    """Is the payload one floating tensor whose dtype sums the flags (at most world_size) exactly?"""
+    if len(payload) != 1 or not payload[0].is_floating_point():
+        return False
+    return world_size <= 2 / torch.finfo(payload[0].dtype).eps  # integers up to 2**(mantissa bits + 1) are exact
+
+
+def _dense_part(comm: Communicator, bucket: Bucket, small: list[int]) -> Handle:
+    """Start summing the small parameters' gradients and the flags in fp32; the handle writes the mean back."""
+    n = comm.world_size
+    dense = torch.cat([bucket.view(k).reshape(-1) for k in small] + [bucket.flags])
+    inner = comm.all_reduce(dense, "sum", async_op=True)
+
+    def finish() -> None:
+        inner.wait()
+        offset = 0
+        for k in small:
+            view = bucket.view(k)
+            view.copy_(dense[offset : offset + view.numel()].view_as(view)).div_(n)
+            offset += view.numel()
+        bucket.flags.copy_(dense[offset:])
+
+    return Handle(None, finish)
+
+
+def _summed_with_flags(
+    comm: Communicator, compressor: Compressor, bucket: Bucket, payload: list[Tensor], ctx: Any
+) -> Handle:
+    """One all-reduce of the payload with the flags appended (as the payload's dtype)."""
+    nflags = bucket.flags.numel()
+    carrier = torch.cat([payload[0], bucket.flags.to(payload[0].dtype)])
+    inner = comm.all_reduce(carrier, "sum", async_op=True)
+
+    def finish() -> None:
+        inner.wait()
+        bucket.flags.copy_(carrier[-nflags:])
+        total = compressor.decompress([carrier[:-nflags]], ctx)
+        _write_mean(bucket, list(range(len(bucket.params))), total.reshape(-1), comm.world_size)
+
+    return Handle(None, finish)
+
+
+def _write_mean(bucket: Bucket, members: list[int], total: Tensor, n: int) -> None:
+    """Write ``total / n`` (the listed parameters back to back) into the bucket."""
+    total = total.div_(n)
+    if len(members) == len(bucket.params):
+        bucket.data.copy_(total)
+        return
+    offset = 0
+    for k in members:
+        view = bucket.view(k)
+        view.copy_(total[offset : offset + view.numel()].view_as(view))
+        offset += view.numel()
 
 
 class Strategies:

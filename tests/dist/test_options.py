@@ -28,7 +28,8 @@ def G(rank: int, step: int, scenario: int) -> dict[str, torch.Tensor]:
     if scenario == 2 and rank == 2:
         out = {n: v * 1e-3 for n, v in out.items()}  # threshold selects nothing on this rank
     if scenario == 3:
-        out["w1"][:4] = torch.tensor([250.0, -300.0, 99.0, 1e5])  # over the clip value
+        # over the clip value; 3 * 5e4 overflows fp16 (65504) unless divided before the sum
+        out["w1"][:4] = torch.tensor([250.0, -300.0, 99.0, 5e4])
     return out
 
 
@@ -94,6 +95,9 @@ def options_world(rank, world_size):
             rank, 3, 2, lambda o, l, d=dtype: o.backward_and_update_half(l, clipping=True, dtype=d), min_compress_size=4
         )
         out[dtype] = {k: v for k, v in r.items() if k != "opt"}
+    # 3b: fp16 without clipping, one fused bucket: the flags ride in the fp16 payload
+    r = run_steps(rank, 3, 2, lambda o, l: o.update(l, "fp16"))
+    out["fp16_fused"] = {k: v for k, v in r.items() if k != "opt"}
     # 4: partial update: chunks of 16, full averaging every 3rd step, one warm-up step.
     r = run_steps(
         rank, 4, 7, lambda o, l: o.update(l, "partialUpdate"), chunk_size=16, full_sync_every=3, warmup_steps=1
@@ -229,6 +233,19 @@ def test_half_precision_mean_within_codec_precision(results, dtype, eps):
                     assert torch.all((delivered - mean[n]).abs() <= tol + 1e-6), (dtype, n, step)
     ratio = results[0][dtype]["stats"][-1]["ratio"]
     assert 0.4 < ratio < 0.6
+
+
+def test_fp16_divides_before_the_sum(results):
+    p = params(Linear())
+    for step in range(2):
+        mean = {n: sum(G(r, step, 3)[n] for r in range(WORLD)) / WORLD for n in NAMES}
+        for res in results:
+            got = res["fp16_fused"]["history"]
+            for n in NAMES:
+                delivered = got[step][n] - got[step + 1][n]
+                assert torch.isfinite(delivered).all()
+                torch.testing.assert_close(delivered, mean[n], rtol=2**-9, atol=1e-3)
+    assert mean["w1"][3] == 5e4  # the sum (1.5e5) would not fit in fp16
 
 
 def test_partial_update_rotates_chunks_and_keeps_the_rest_local(results):
