@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,3 +79,88 @@ def test_sandblaster_one_group_equals_allreduce_step_for_step():
         assert staleness == [0] * STEPS
         for name, value in expected.items():
             torch.testing.assert_close(params[name], value, atol=1e-5, rtol=1e-5, msg=f"parameter {name}")
+
+
+def train_mnist_subset(rank, world_size, steps):
+    """A small MLP on an MNIST subset; returns test accuracy on workers, "server" on servers."""
+    import troupe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 10))
+    try:
+        opt = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    except SystemExit as e:
+        assert e.code == 0
+        return "server"
+    opt.sync_parameters(model)
+    train_x, train_y, test_x, test_y = troupe.data.load_mnist()
+    x, y = troupe.data.partition(train_x[:4000], train_y[:4000], opt.global_rank, opt.world_size)
+    g = torch.Generator().manual_seed(opt.global_rank)
+    for _ in range(steps):
+        idx = torch.randint(0, len(x), (32,), generator=g)
+        opt(F.cross_entropy(model(x[idx]), y[idx]))
+    with torch.no_grad():
+        acc = (model(test_x[:1000]).argmax(1) == test_y[:1000]).float().mean().item()
+    staleness = list(opt.ps.staleness)
+    opt.close()
+    return acc, staleness
+
+
+STEPS_MNIST = 120
+
+# The four frameworks in their smallest shapes (2 cores shared by every rank).
+SMALL = {
+    "sandblaster": ClusterConfig(nworkers_per_group=2, nservers_per_group=2, server_worker_separate=True),
+    "allreduce": ClusterConfig(nworkers_per_group=2, nservers_per_group=2),
+    "downpour": ClusterConfig(nworker_groups=2, nservers_per_group=2, server_worker_separate=True),
+    "hogwild": ClusterConfig(nworker_groups=2, nserver_groups=2, sync_freq=5),
+}
+
+
+@pytest.mark.parametrize("framework", sorted(SMALL))
+def test_each_framework_trains_mnist(framework):
+    cluster = SMALL[framework]
+    results = run_world(train_mnist_subset, cluster.nprocs, STEPS_MNIST, env={"TROUPE_CLUSTER": cluster.to_json()})
+    workers = [r for r in results if r != "server"]
+    print(framework, "accuracy", [round(acc, 4) for acc, _ in workers], "max staleness", max(max(st) for _, st in workers))
+    assert len(workers) == cluster.nworkers
+    # Hogwild adds every group's change to the master copy (SINGA's rule): noisier in 120 steps.
+    bar = 0.70 if framework == "hogwild" else 0.80
+    for acc, staleness in workers:
+        assert acc > bar, (framework, acc)
+        assert len(staleness) == STEPS_MNIST
+    if framework == "sandblaster":
+        assert all(s == 0 for _, st in workers for s in st)
+    # co-located workers of one group end with identical parameters; so do synced Hogwild groups
+    if framework in ("allreduce", "hogwild"):
+        assert len({acc for acc, _ in workers}) == 1
+
+
+def test_downpour_worker_vanishing_mid_run_does_not_stop_the_others():
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "ps_victim.py")
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "--nworker-groups", "2", "--nworkers-per-group", "2",
+           "--server-worker-separate", script]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "worker 1 is gone" in done.stderr
+    accs = {int(w): float(a) for w, a in re.findall(r"worker (\d+) accuracy ([\d.]+)", done.stdout)}
+    assert sorted(accs) == [0, 2, 3]  # worker 0 went on without its group partner
+    assert min(accs.values()) > 0.75, accs
+
+
+def test_bad_cluster_for_the_job_is_a_clear_error():
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "ps_victim.py")
+    done = subprocess.run([sys.executable, "-m", "troupe.cli", "run", "-n", "5", "--framework", "downpour", script],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "leaves 3 worker(s), which must be a positive multiple of 2" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "troupe.cli", "run", "--nworker-groups", "3", "--nserver-groups", "2",
+                           script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "nworker_groups (3) must be divisible by nserver_groups (2)" in done.stderr

@@ -273,6 +273,8 @@ class CoLocated:
         self.steps += 1
         if self.cluster.nworker_groups > 1 and self.steps % self.cluster.sync_freq == 0:
             self._sync_groups()
+        # Updates this group has made that the other groups have not seen yet.
+        self.staleness.append(self.steps % self.cluster.sync_freq if self.cluster.nworker_groups > 1 else 0)
 
     @torch.no_grad()
     def _all_gather(self) -> None:

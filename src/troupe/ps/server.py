@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -22,8 +23,8 @@ from troupe.ps.shard import ParamShard
 
 log = logging.getLogger("troupe.ps")
 
-PROBE_AFTER = 2.0
-"""Seconds an incomplete group update may wait before the server pings the workers it waits for."""
+WATCH_INTERVAL = 0.5
+"""Seconds between checks that the live workers' processes still exist."""
 
 
 @dataclass
@@ -64,26 +65,32 @@ class Server:
         self.max_len = max((s.numel for s in shard.slices.values()), default=0)
         self.rejected = 0
         self.dead: list[int] = []
-        self._waiting_since: dict[tuple[int, int], float] = {}
+        self._lock = threading.Lock()
+        self._start = time.perf_counter()
         self.processes = processes or {}
         """(hostname, pid) of each worker, to tell a dead worker from a slow one."""
 
     def serve(self) -> ServerStats:
         """Run until every worker has stopped or died."""
-        start = time.perf_counter()
+        self._start = time.perf_counter()
+        threading.Thread(target=self._watch, name="troupe-ps-watch", daemon=True).start()
         while self.live:
             raw = empty_header()
             src = self.comm.recv(raw, tag=HEADER_TAG)
-            try:
-                self._handle(src, raw)
-            except MessageError as e:
-                self.rejected += 1
-                log.error("troupe server rank %d: rejected a message from rank %d: %s", self.rank, src, e)
-            self._probe_stragglers()
+            with self._lock:
+                try:
+                    self._handle(src, raw)
+                except MessageError as e:
+                    self.rejected += 1
+                    log.error("troupe server rank %d: rejected a message from rank %d: %s", self.rank, src, e)
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> ServerStats:
         stale = self.shard.staleness
         return ServerStats(
             updates=self.shard.updates,
-            seconds=time.perf_counter() - start,
+            seconds=time.perf_counter() - self._start,
             staleness_mean=sum(stale) / len(stale) if stale else 0.0,
             staleness_max=max(stale, default=0),
             rejected=self.rejected,
@@ -155,27 +162,27 @@ class Server:
         for slice_id, workers in self.shard.remove_worker(worker):
             self._replies(slice_id, workers)
 
-    def _probe_stragglers(self) -> None:
-        """Forget workers an incomplete update has waited on too long whose process is gone.
+    def _watch(self) -> None:
+        """Forget workers whose process has ended without saying Stop (killed or crashed).
 
-        Gloo cannot probe a peer without blocking on it, so liveness is the process's:
-        workers on this host are checked by pid (workers on other hosts are waited for).
+        Runs in a thread because the loop blocks in a receive from any rank; Gloo cannot
+        probe a peer without blocking on it, so liveness is the process's: workers on
+        this host are checked by pid (workers on other hosts are waited for).
         """
-        now = time.monotonic()
-        missing = self.shard.missing()
-        for key in list(self._waiting_since):
-            if key not in missing:
-                del self._waiting_since[key]
-        for key, workers in missing.items():
-            since = self._waiting_since.setdefault(key, now)
-            if now - since < PROBE_AFTER:
-                continue
-            self._waiting_since[key] = now
-            for worker in sorted(workers):
-                if worker in self.live and not self._alive(worker):
-                    log.warning("troupe server rank %d: worker %d is gone (its process ended)", self.rank, worker)
-                    self.dead.append(worker)
-                    self._forget(worker)
+        while True:
+            time.sleep(WATCH_INTERVAL)
+            with self._lock:
+                if not self.live:
+                    return
+                for worker in sorted(self.live):
+                    if not self._alive(worker):
+                        log.warning("troupe server rank %d: worker %d is gone (its process ended)", self.rank, worker)
+                        self.dead.append(worker)
+                        self._forget(worker)
+                if not self.live:
+                    # The loop is blocked in a receive nobody will answer: end the server here.
+                    log.warning("troupe server rank %d: every worker has finished or died: %s", self.rank, self._stats())
+                    os._exit(0)
 
     def _alive(self, worker: int) -> bool:
         host, pid = self.processes.get(worker, (None, None))
