@@ -170,3 +170,24 @@ def test_compression_config_validation():
         CompressionConfig(warmup_steps=-1)
     with pytest.raises(ValueError, match="chunk_size"):
         CompressionConfig(chunk_size=1.5)
+
+
+@pytest.mark.parametrize("case", ["random", "constant", "hidden_peaks", "heavy_tail"])
+@pytest.mark.parametrize("k", [1, 431, 4311])
+def test_topk_indices_matches_a_full_sort(case, k):
+    from troupe.compress.topk import topk_indices
+
+    n = 431080
+    g = torch.Generator().manual_seed(k)
+    if case == "random":
+        x = torch.randn(n, generator=g).abs()
+    elif case == "constant":
+        x = torch.ones(n)
+    elif case == "hidden_peaks":  # the large values avoid the strided sample: the fallback must catch it
+        x = torch.rand(n, generator=g) * 1e-3
+        x[1::52] = 1.0 + torch.rand(x[1::52].shape, generator=g)
+    else:
+        x = torch.randn(n, generator=g).abs() ** 6
+    index = topk_indices(x, k)
+    assert index.numel() == k and index.unique().numel() == k
+    assert torch.equal(x[index].sort(descending=True).values, x.sort(descending=True).values[:k])
