@@ -191,3 +191,16 @@ def test_topk_indices_matches_a_full_sort(case, k):
     index = topk_indices(x, k)
     assert index.numel() == k and index.unique().numel() == k
     assert torch.equal(x[index].sort(descending=True).values, x.sort(descending=True).values[:k])
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))],
+)
+def test_codecs_keep_the_device(device):
+    g = grad(70000, seed=5).to(device)
+    for c in (HalfCompressor("fp16"), HalfCompressor("bf16"), TopKCompressor(0.01), ThresholdCompressor(2.0)):
+        payload, out = roundtrip(ErrorFeedback(c), g)
+        assert out.device.type == device and all(t.device.type == device for t in payload)
+    index, values = TopKCompressor(0.01).compress(g, "g")[0]
+    assert torch.equal(values.abs().sort().values, g.abs().sort().values[-index.numel() :])
