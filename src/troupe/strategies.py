@@ -59,12 +59,13 @@ def compressed_reduce(comm: Communicator, compressor: Compressor, min_compress_s
     """A ReduceFn that sends each bucket's gradients through `compressor`.
 
     Parameters below `min_compress_size` elements travel dense, in one fp32 all-reduce
-    with the bucket's flags (so the flags are summed exactly, as the reducer expects).
-    The rest is compressed as one vector named ``bucket<index>``; summable payloads are
-    all-reduced, the others all-gathered and summed after decompression. A summable
-    payload that holds small integers exactly (fp16 up to 2048 ranks, bf16 up to 256)
-    carries the flags itself, saving the second collective. Either way the bucket ends
-    up holding the mean.
+    with the bucket's flags. The rest is compressed as one vector named
+    ``bucket<index>``; summable payloads are all-reduced, the others all-gathered and
+    summed after decompression. Without small parameters the flags ride with the payload
+    (gathered and summed here, or summed inside a half-precision payload, which holds
+    small integers exactly: fp16 up to 2048 ranks, bf16 up to 256), so each bucket costs
+    one collective. Either way the bucket ends up holding the mean and the exact sum of
+    the flags, as the reducer expects.
     """
     n = comm.world_size
 
@@ -73,28 +74,34 @@ def compressed_reduce(comm: Communicator, compressor: Compressor, min_compress_s
         small = [k for k in range(len(bucket.params)) if bucket.numels[k] < min_compress_size]
         if not big:
             return _dense_part(comm, bucket, small)
+        # The flags go with the small parameters when there are some, else with the payload.
+        dense = _dense_part(comm, bucket, small) if small else None
         vec = bucket.data if not small else torch.cat([bucket.view(k).reshape(-1) for k in big])
-        if compressor.summable and not small:
-            payload, ctx = compressor.compress(vec, f"bucket{bucket.index}")
-            if _carries_flags(payload, n):
-                return _summed_with_flags(comm, compressor, bucket, payload, ctx)
-            dense = _dense_part(comm, bucket, small)
-        else:
-            dense = _dense_part(comm, bucket, small)
-            payload, ctx = compressor.compress(vec, f"bucket{bucket.index}")
+        payload, ctx = compressor.compress(vec, f"bucket{bucket.index}")
         if compressor.summable:
-            sent: Any = [comm.all_reduce(t, "sum", async_op=True) for t in payload]
+            if dense is None and _carries_flags(payload, n):
+                return _summed_with_flags(comm, compressor, bucket, payload, ctx)
+            dense = dense or _dense_part(comm, bucket, [])
+            sent = [comm.all_reduce(t, "sum", async_op=True) for t in payload]
         else:
-            sent = comm.all_gather_packed(payload, same_sizes=compressor.fixed_size)
+            # Every rank's flags are gathered with its payload and summed here.
+            gathered = comm.all_gather_packed(
+                payload + ([] if dense else [bucket.flags]), same_sizes=compressor.fixed_size
+            )
 
         def finish() -> None:
-            dense.wait()
+            if dense is not None:
+                dense.wait()
             if compressor.summable:
                 for h in sent:
                     h.wait()
                 total = compressor.decompress(payload, ctx)
             else:
-                total = sum(compressor.decompress(p, ctx) for p in sent.result())
+                parts = gathered.result()
+                if dense is None:
+                    bucket.flags.copy_(sum(p[-1] for p in parts))
+                    parts = [p[:-1] for p in parts]
+                total = sum(compressor.decompress(p, ctx) for p in parts)
             _write_mean(bucket, big, total.reshape(-1), n)
 
         return Handle(None, finish)

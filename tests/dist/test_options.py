@@ -83,6 +83,12 @@ def options_world(rank, world_size):
     fresh.load_state_dict(r["opt"].state_dict())
     restored = fresh.state_dict()["strategies"]["residuals"]
     out["topk"] = {k: v for k, v in r.items() if k != "opt"} | {"restored": restored}
+    # 1b: the same with b (3 elements) below min_compress_size: sent dense, no residual
+    r = run_steps(
+        rank, 1, 2, lambda o, l: o.backward_and_sparse_update(l, spars=0.25, topK=True), bucket_size=1,
+        min_compress_size=4,
+    )
+    out["topk_small"] = {k: v for k, v in r.items() if k != "opt"}
     # 2: threshold with error feedback, one fused bucket, one dense warm-up step; rank 2 sends nothing.
     r = run_steps(rank, 2, 3, lambda o, l: o.update(l, "sparseThreshold", spars=0.8), warmup_steps=1)
     out["threshold"] = {k: v for k, v in r.items() if k != "opt"}
@@ -136,7 +142,7 @@ def topk_select(c, spars):
     return torch.where(keep.view_as(c), c, torch.zeros_like(c))
 
 
-def sparse_reference(scenario, steps, select, corr, per="param", warmup=0):
+def sparse_reference(scenario, steps, select, corr, per="param", warmup=0, dense=()):
     """Parameters after each step; per="param" compresses each parameter alone, "bucket" all together."""
     p = params(Linear())
     history, residual = [dict(p)], [None] * WORLD
@@ -149,7 +155,7 @@ def sparse_reference(scenario, steps, select, corr, per="param", warmup=0):
             elif per == "param":
                 res = residual[r] or {n: torch.zeros(SHAPES[n]) for n in NAMES}
                 c = {n: g[n] + res[n] for n in NAMES} if corr else g
-                sent = {n: select(c[n]) for n in NAMES}
+                sent = {n: c[n] if n in dense else select(c[n]) for n in NAMES}
                 residual[r] = {n: c[n] - sent[n] for n in NAMES}
             else:  # one fused bucket: parameters in reverse order, back to back
                 flat = torch.cat([g[n].reshape(-1) for n in reversed(NAMES)])
@@ -196,6 +202,13 @@ def test_topk_sum_and_residual(results):
         assert out["stats"][-1]["residual_norm"] == pytest.approx(
             math.sqrt(sum(float(residual[rank][n].pow(2).sum()) for n in NAMES)), rel=1e-5
         )
+
+
+def test_topk_leaves_small_tensors_dense(results):
+    expected, _ = sparse_reference(1, 2, lambda c: topk_select(c, 0.25), corr=True, dense=("b",))
+    for res in results:
+        assert_history(res["topk_small"]["history"], expected)
+        assert "bucket1" not in res["topk_small"]["state"]["residuals"]  # b's bucket: never compressed
 
 
 def test_threshold_sum_residual_and_empty_rank(results):
