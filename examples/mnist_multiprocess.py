@@ -25,6 +25,5 @@ if __name__ == "__main__":
     ]
     for p in process:
         p.start()
-    for p in process:
-        p.join()
-    sys.exit(max(abs(p.exitcode or 0) for p in process))
+    # Like p.join() for each, but when one rank fails the others are stopped too.
+    sys.exit(troupe.wait_all(process))

@@ -6,9 +6,9 @@
 >>> out, loss = model.train_one_batch(x, y)
 """
 
-from troupe import data, metrics
+from troupe import checkpoint, data, metrics
 from troupe.comm import Communicator
-from troupe.launch import DistInfo, Ticket, info, init, shutdown
+from troupe.launch import DistInfo, Ticket, info, init, shutdown, wait_all
 from troupe.model import Model
 from troupe.opt import DIST_OPTIONS, DistOpt
 from troupe.strategies import CompressionConfig
@@ -23,9 +23,11 @@ __all__ = [
     "DistOpt",
     "Model",
     "Ticket",
+    "checkpoint",
     "data",
     "info",
     "init",
     "metrics",
     "shutdown",
+    "wait_all",
 ]

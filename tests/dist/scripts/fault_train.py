@@ -31,7 +31,8 @@ def train(mode, ticket=None, local_rank=None, world_size=None):
     g = torch.Generator().manual_seed(rank)
     for step in range(12):
         x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
-        if rank == 1 and step == 5:
+        if rank == 1 and step == 5 and mode != "ok":
+            print(f"FAULT {mode} at {time.time():.3f}", flush=True)
             if mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if mode == "stop":
@@ -57,14 +58,25 @@ if __name__ == "__main__":
         procs = [ctx.Process(target=train, args=(mode, ticket, r, n)) for r in range(n)]
         for p in procs:
             p.start()
-        # Once a rank has failed, stragglers (stopped or hung ranks) are killed, as a cluster manager would.
-        while any(p.is_alive() for p in procs) and not any(p.exitcode for p in procs):
-            time.sleep(0.1)
-        time.sleep(1.0)
+        # Once a rank has failed, survivors get 10 s to notice and report on their own; then
+        # stragglers (stopped or hung ranks) are killed, as a cluster manager would.
+        ended: dict[int, float] = {}
+        first_failure = None
+        while len(ended) < n:
+            for r, p in enumerate(procs):
+                if r not in ended and not p.is_alive():
+                    ended[r] = time.time()
+                    if p.exitcode and first_failure is None:
+                        first_failure = ended[r]
+            if first_failure is not None and time.time() - first_failure > 10:
+                break
+            time.sleep(0.02)
         for p in procs:
             if p.is_alive():
                 p.kill()
             p.join()
         print("exit codes", [p.exitcode for p in procs], flush=True)
+        for r, t in sorted(ended.items()):
+            print(f"EXIT rank {r} code {procs[r].exitcode} at {t:.3f}", flush=True)
         sys.exit(1 if any(p.exitcode for p in procs) else 0)
     train(mode)
