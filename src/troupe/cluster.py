@@ -49,6 +49,8 @@ class ClusterConfig:
     """With several server groups: every sync_freq updates a group syncs each slice with its master group."""
     share_memory: bool = False
     """Workers of one process share parameter memory (in-memory Hogwild)."""
+    staleness_bound: int | None = None
+    """Stale-synchronous: a worker group more than this many updates ahead of the slowest waits (None: no bound)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -56,6 +58,9 @@ class ClusterConfig:
             if f.type == "bool":
                 if not isinstance(value, bool):
                     raise TypeError(f"{f.name} must be true or false, got {value!r}")
+            elif f.type == "int | None":
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                    raise ValueError(f"{f.name} must be an integer >= 0 or unset, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{f.name} must be an integer >= 1, got {value!r}")
         if self.nworker_groups % self.nserver_groups:
@@ -276,9 +281,25 @@ def load(path: str | os.PathLike) -> ClusterConfig:
 
 
 def from_env() -> ClusterConfig | None:
-    """The cluster `troupe run` configured for this rank, or None for plain data parallelism."""
-    text = os.environ.get(ENV_VAR, "")
-    return ClusterConfig.from_json(text) if text else None
+    """The cluster configured for this rank, or None for plain data parallelism.
+
+    ``TROUPE_CLUSTER`` holds JSON (what `troupe run` sets), a framework name (rescaled
+    to ``WORLD_SIZE``) or the path of a cluster file, so that under torchrun and mpiexec
+    ``TROUPE_CLUSTER=downpour torchrun --nproc-per-node 6 train.py`` works too.
+    """
+    text = os.environ.get(ENV_VAR, "").strip()
+    if not text:
+        return None
+    if text.startswith("{"):
+        return ClusterConfig.from_json(text)
+    if text in PRESETS:
+        world = next((os.environ[k] for k in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE") if k in os.environ), None)
+        return preset(text, int(world) if world else None)
+    if os.path.isfile(text):
+        return load(text)
+    raise ValueError(
+        f"{ENV_VAR}={text!r} is neither JSON, a framework ({', '.join(sorted(PRESETS))}) nor an existing cluster file"
+    )
 
 
 FIELD_FLAGS = (
@@ -289,6 +310,7 @@ FIELD_FLAGS = (
     "nworkers_per_procs",
     "nservers_per_procs",
     "sync_freq",
+    "staleness_bound",
 )
 """ClusterConfig fields `troupe run` also takes as flags (--nworker-groups ...)."""
 

@@ -61,13 +61,23 @@ def test_parse_toml():
     assert parse_cluster_text("nworkers_per_group = 2\nnservers_per_group = 2\n").nprocs == 2
 
 
-def test_json_round_trip(monkeypatch):
+def test_json_round_trip(monkeypatch, tmp_path):
     cfg = PRESETS["sandblaster"]
     assert ClusterConfig.from_json(cfg.to_json()) == cfg
     monkeypatch.setenv("TROUPE_CLUSTER", cfg.to_json())
     assert from_env() == cfg
     monkeypatch.delenv("TROUPE_CLUSTER")
     assert from_env() is None
+    monkeypatch.setenv("TROUPE_CLUSTER", "downpour")  # torchrun / mpiexec users name a framework
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert from_env() == preset("downpour", 4)
+    conf = tmp_path / "job.conf"
+    conf.write_text(SEED_BLOCK)
+    monkeypatch.setenv("TROUPE_CLUSTER", str(conf))
+    assert from_env() == PRESETS["downpour"]
+    monkeypatch.setenv("TROUPE_CLUSTER", "ring")
+    with pytest.raises(ValueError, match="neither JSON, a framework"):
+        from_env()
 
 
 @pytest.mark.parametrize(
@@ -76,6 +86,7 @@ def test_json_round_trip(monkeypatch):
         ({"nworker_groups": 3, "nserver_groups": 2}, r"nworker_groups \(3\) must be divisible by nserver_groups \(2\)"),
         ({"nworkers_per_group": 0}, r"nworkers_per_group must be an integer >= 1, got 0"),
         ({"sync_freq": 1.5}, r"sync_freq must be an integer >= 1, got 1.5"),
+        ({"staleness_bound": -1}, r"staleness_bound must be an integer >= 0 or unset, got -1"),
         ({"nworkers_per_group": 3, "nworkers_per_procs": 2}, r"must divide one another"),
         ({"nworkers_per_group": 3, "nservers_per_group": 2}, r"worker processes \(3 .*server processes \(2"),
     ],

@@ -121,3 +121,19 @@ def test_headers_round_trip_and_reject_malformed():
         check(h, src=2, expected_length=39, allowed={Op.UPDATE})
     with pytest.raises(MessageError, match="unexpected REPLY"):
         check(Header(Op.REPLY, 3, 0, 2, 40), src=2, expected_length=40, allowed={Op.UPDATE})
+
+
+def test_staleness_bound_holds_the_fast_group_until_the_slow_one_catches_up():
+    template = torch.optim.SGD([torch.zeros(4)], lr=1.0)
+    slices = plan_slices([4], 1)
+    shard = ParamShard(slices, template, [0], {0: {0}, 1: {1}}, staleness_bound=1)
+    shard.put(0, torch.zeros(4))
+    g = torch.ones(4)
+    assert shard.update(0, 0, g) == [0]  # 1 ahead: within the bound
+    assert shard.update(0, 0, g) == []  # 2 ahead: held
+    assert shard.released() == []
+    assert shard.update(0, 1, g) == [1]
+    assert shard.released() == [(0, [0])]  # the slow group caught up: the fast one goes on
+    assert shard.update(0, 0, g) == []  # 3 vs 1: held again
+    shard.remove_worker(1)  # the slow group is gone: nobody to wait for
+    assert shard.released() == [(0, [0])]

@@ -70,7 +70,7 @@ def join_cluster(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, info:
     log.info("troupe: %s", role.describe())
     if role.worker is None:
         stats = serve(cluster, role, everyone, world, optimizer, params, param_group_of, processes)
-        log.info("troupe server rank %d: %s", role.rank, stats)
+        print(f"troupe server rank {role.rank}: {stats}", file=sys.stderr, flush=True)
         shutdown()
         sys.exit(0)  # a server never returns to the training script
     comm_mod.set_default(workers_comm)
@@ -91,11 +91,28 @@ def serve(cluster, role, everyone, world, optimizer, params, param_group_of, pro
         for g in range(cluster.nworker_groups)
         if cluster.server_group_of(g) == sg
     }
-    shard = ParamShard(slices, optimizer, param_group_of, members, dtype=params[0].dtype if params else torch.float32)
+    dtype = params[0].dtype if params else torch.float32
+    shard = ParamShard(slices, optimizer, param_group_of, members, dtype, cluster.staleness_bound)
     putters = {r.rank for r in everyone if r.worker and r.worker[0] == 0}
     workers = [r.rank for r in everyone if r.worker]
     server = Server(world, shard, workers, putters, dict(enumerate(processes)))
-    return server.serve()
+    path = _checkpoint_path(role.rank)
+    if path is not None and os.environ.get("TROUPE_RESUME", "no") in ("yes", "auto") and os.path.isfile(path):
+        shard.load_state_dict(torch.load(path, weights_only=True))
+        print(f"troupe server rank {role.rank}: resumed {len(slices)} slice(s) from {path}", file=sys.stderr)
+    stats = server.serve()
+    if path is not None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        torch.save(shard.state_dict(), tmp)
+        os.replace(tmp, path)  # a reader sees the old checkpoint or the new one, never half of one
+    return stats
+
+
+def _checkpoint_path(rank: int) -> str | None:
+    """Where a server keeps its slices and optimizer state (under ``TROUPE_CHECKPOINT_DIR``)."""
+    directory = os.environ.get("TROUPE_CHECKPOINT_DIR")
+    return os.path.join(directory, f"ps-server-{rank}.pt") if directory else None
 
 
 class PSClient:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -41,6 +42,13 @@ class ServerStats:
     @property
     def updates_per_second(self) -> float:
         return self.updates / max(self.seconds, 1e-9)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.updates} slice updates in {self.seconds:.1f}s ({self.updates_per_second:.0f}/s), "
+            f"staleness mean {self.staleness_mean:.2f} max {self.staleness_max}, "
+            f"{self.rejected} message(s) rejected, workers gone without stopping: {self.dead_workers or 'none'}"
+        )
 
 
 class Server:
@@ -121,6 +129,8 @@ class Server:
             payload = torch.empty(header.length, dtype=self.shard.dtype)
             self.comm.recv(payload, src, tag=PAYLOAD_TAG)
         if header.op is Op.PUT:
+            if header.slice_id in self.shard.initialised:
+                return  # the first Put wins (or the server resumed from a checkpoint)
             self.shard.put(header.slice_id, payload)
             for worker, _ in self.waiting_gets.pop(header.slice_id, []):
                 self._reply(worker, header.slice_id)
@@ -146,6 +156,9 @@ class Server:
     def _replies(self, slice_id: int, workers: list[int]) -> None:
         for worker in workers:
             self._reply(worker, slice_id)
+        for held_slice, held_workers in self.shard.released():  # the staleness bound lets them go
+            for worker in held_workers:
+                self._reply(worker, held_slice)
 
     def _reply(self, worker: int, slice_id: int) -> None:
         version, value = self.shard.get(slice_id)
@@ -161,6 +174,7 @@ class Server:
         self.live.discard(worker)
         for slice_id, workers in self.shard.remove_worker(worker):
             self._replies(slice_id, workers)
+        self._replies(-1, [])  # a group that left no longer holds the others back
 
     def _watch(self) -> None:
         """Forget workers whose process has ended without saying Stop (killed or crashed).
@@ -181,7 +195,7 @@ class Server:
                         self._forget(worker)
                 if not self.live:
                     # The loop is blocked in a receive nobody will answer: end the server here.
-                    log.warning("troupe server rank %d: every worker has finished or died: %s", self.rank, self._stats())
+                    print(f"troupe server rank {self.rank}: every worker finished or died; {self._stats()}", file=sys.stderr, flush=True)
                     os._exit(0)
 
     def _alive(self, worker: int) -> bool:

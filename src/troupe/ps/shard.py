@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,7 @@ class ParamShard:
         param_group_of: Sequence[int],
         members: dict[int, set[int]],
         dtype: torch.dtype = torch.float32,
+        staleness_bound: int | None = None,
     ):
         self.slices = {s.id: s for s in slices}
         self.dtype = dtype
@@ -108,6 +110,11 @@ class ParamShard:
         self.updates = 0
         self.staleness: list[int] = []
         self.last_sync = {k: torch.zeros(s.numel, dtype=dtype) for k, s in self.slices.items()}
+        self.staleness_bound = staleness_bound
+        """Stale-synchronous: a group more than this many updates of a slice ahead of the slowest
+        live group gets its reply only when the slowest catches up (None: no bound)."""
+        self.clock: dict[tuple[int, int], int] = defaultdict(int)
+        self._held: list[tuple[int, int, list[int]]] = []
 
     def put(self, slice_id: int, values: Tensor) -> None:
         """Set a slice's initial value (the first worker group's Put)."""
@@ -155,8 +162,32 @@ class ParamShard:
             return []
         del self._pending[(group, slice_id)]
         self.apply(slice_id, pending.total / len(pending.senders))
+        self.clock[(group, slice_id)] += 1
         self.staleness.append(self.version[slice_id] - 1 - pending.base_version)
+        if self._ahead(group, slice_id):
+            self._held.append((group, slice_id, sorted(pending.senders)))
+            return []
         return sorted(pending.senders & live)
+
+    def _ahead(self, group: int, slice_id: int) -> bool:
+        if self.staleness_bound is None:
+            return False
+        live = [g for g, m in self.members.items() if m]
+        slowest = min(self.clock[(g, slice_id)] for g in live) if live else 0
+        return self.clock[(group, slice_id)] - slowest > self.staleness_bound
+
+    def released(self) -> list[tuple[int, list[int]]]:
+        """Replies held back by the staleness bound that may go now: (slice, workers)."""
+        out, keep = [], []
+        for group, slice_id, workers in self._held:
+            if self._ahead(group, slice_id):
+                keep.append((group, slice_id, workers))
+            else:
+                live = [w for w in workers if w in self.members[group]]
+                if live:
+                    out.append((slice_id, live))
+        self._held = keep
+        return out
 
     @torch.no_grad()
     def apply(self, slice_id: int, grad: Tensor) -> None:
