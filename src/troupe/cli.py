@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-restarts", type=int, default=0,
                      help="after a failure, restart the job from its last checkpoint up to K times")
     _add_cluster_flags(run)
+    run.add_argument("--stats", metavar="FILE", default=None, help="per-step stats of every rank, as JSON lines")
+    run.add_argument("--timeline", metavar="FILE", default=None, help="a Chrome trace (chrome://tracing, Perfetto)")
     run.add_argument("script", help="the training script (a .py file)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     sub.add_parser("info", help="what this machine offers: torch, backends, devices, MPI")
@@ -118,16 +120,34 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and not os.path.isdir(args.resume):
         raise ValueError(f"--resume: no such directory {args.resume}")
     extra_env = {"TROUPE_CHECKPOINT_DIR": os.path.abspath(ckpt_dir)} if ckpt_dir else {}
+    for flag, var in ((args.stats, "TROUPE_STATS"), (args.timeline, "TROUPE_TIMELINE")):
+        if flag:
+            if os.path.exists(flag):
+                os.remove(flag)  # stats are appended to: start each job afresh
+            extra_env[var] = os.path.abspath(flag)
     extra_env.update(_cluster_env(args))
     resume = "yes" if args.resume else "no"
     for attempt in range(args.max_restarts + 1):
         code = _run_once(args, {**extra_env, "TROUPE_RESUME": resume})
         if code == 0 or code == 130 or attempt == args.max_restarts:
+            _report(args)
             return code
         resume = "auto"
         print(f"troupe run: restarting from the last checkpoint in {ckpt_dir} "
               f"(restart {attempt + 1} of {args.max_restarts})", file=sys.stderr)
     return code
+
+
+def _report(args: argparse.Namespace) -> None:
+    """Summarise the stats file and merge the ranks' timelines (on node 0)."""
+    from troupe import trace
+
+    if args.stats and os.path.exists(args.stats) and os.path.getsize(args.stats):
+        print(f"troupe run: per-step means from {args.stats}\n{trace.summarize(args.stats)}", file=sys.stderr)
+    if args.timeline and os.path.exists(args.timeline):
+        trace.merge_timelines(args.timeline, args.nproc * args.nnodes)
+        print(f"troupe run: timeline in {args.timeline} (open in chrome://tracing or ui.perfetto.dev)",
+              file=sys.stderr)
 
 
 def _run_once(args: argparse.Namespace, extra_env: dict[str, str]) -> int:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from troupe import watchdog
+from troupe import trace, watchdog
 
 Op = Literal["sum", "mean", "max", "min"]
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -30,6 +30,15 @@ class Traffic:
     """Bytes of the tensors handed to the collective on this rank."""
     wire_bytes: int = 0
     """Bytes this rank sends under the textbook algorithm (ring all-reduce: 2(n-1)/n of the payload)."""
+
+
+def _trace(work: dist.Work, op: str, nbytes: int) -> None:
+    """With a timeline or stats enabled, record when this collective really completes."""
+    rec = trace._recorder
+    if rec is None:
+        return
+    start = trace._now_us()
+    work.get_future().add_done_callback(lambda _: rec.span(op, start, trace._now_us(), bytes=nbytes))
 
 
 class Handle:
@@ -117,6 +126,7 @@ class Communicator:
         self._count("all_reduce", nbytes, 2 * (n - 1) / n * nbytes)
         work_tensor = self._staged(tensor)
         work = dist.all_reduce(work_tensor, _REDUCE_OPS[op], group=self.group, async_op=True)
+        _trace(work, "all_reduce", nbytes)
 
         def finish() -> None:
             if op == "mean":
@@ -156,6 +166,7 @@ class Communicator:
         self._count("broadcast", nbytes, nbytes if self.rank == src else 0)
         work_tensor = self._staged(tensor)
         work = dist.broadcast(work_tensor, src, group=self.group, async_op=True)
+        _trace(work, "broadcast", nbytes)
         handle = Handle(work, (lambda: tensor.copy_(work_tensor)) if work_tensor is not tensor else None,
                         label=f"broadcast of {nbytes} bytes")
         if async_op:

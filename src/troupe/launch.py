@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from troupe import watchdog
+from troupe import trace, watchdog
 
 log = logging.getLogger("troupe")
 
@@ -187,6 +187,7 @@ def init(
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
     if ticket is not None:
         watchdog.start(_side_store(ticket.addr, ticket.port, f"troupe/{ticket.token}/"), rank, world_size)
+    trace.start(rank)
     _info = DistInfo(
         global_rank=rank,
         local_rank=local_rank,
@@ -306,6 +307,7 @@ def _init_torchrun(backend: str | None, timeout: float) -> DistInfo:
     backend = _pick_backend(backend, local_rank, local_world)
     dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
     watchdog.start(_side_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), "troupe/"), rank, world)
+    trace.start(rank)
     _info = DistInfo(rank, local_rank, world, local_world, _device(backend, local_rank), backend, "torchrun")
     return _info
 

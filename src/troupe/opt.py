@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from troupe import comm as comm_mod
 from troupe import nonfinite as nonfinite_mod
-from troupe import watchdog
+from troupe import trace, watchdog
 from troupe.bucket import DEFAULT_BUCKET_SIZE
 from troupe.cluster import from_env as cluster_from_env
 from troupe.comm import Handle
@@ -168,11 +168,28 @@ class DistOpt:
 
     @step_count.setter
     def step_count(self, value: int) -> None:
+        finished_a_step = hasattr(self, "_step_count") and value == self._step_count + 1
         self._step_count = value
         watchdog.set_step(value)
+        rec = trace._recorder
+        if rec is not None and finished_a_step:
+            rec.end_step(value, self.communicator.bytes_sent(), self._step_extra())
+
+    def _step_extra(self) -> dict[str, Any]:
+        """What per-step stats add to timings: compression ratio, residual norm, staleness."""
+        extra: dict[str, Any] = {}
+        stats = getattr(self, "strategies", None) and self.strategies.last_step_stats
+        if stats and stats.get("step") == self._step_count - 1:
+            extra.update({k: v for k, v in stats.items() if k in ("option", "ratio", "residual_norm")})
+        if self.ps is not None and getattr(self.ps, "staleness", None):
+            extra["staleness"] = self.ps.staleness[-1]
+        return extra
 
     def _backward(self, loss: Tensor, reduce_fn: ReduceFn | None = None) -> None:
         """Backward with each bucket reduced by `reduce_fn` (default: the plain mean all-reduce)."""
+        rec = trace._recorder
+        if rec is not None:
+            rec.mark("backward")
         if self.reducer is None:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -183,7 +200,11 @@ class DistOpt:
             except BaseException:
                 self.reducer.abort()
                 raise
+            if rec is not None:
+                rec.mark("backward_end")
             self.reducer.finish()
+        if rec is not None:
+            rec.mark("reduced")
 
     __call__ = backward_and_update
 
