@@ -101,6 +101,8 @@ def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     if cluster.nprocs % args.nnodes:
         raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {args.nnodes}")
     args.nproc = cluster.nprocs // args.nnodes
+    if cluster.nworker_groups > 1:  # asynchronous groups: the others go on when a worker dies
+        args.tolerate = {r.rank for r in roles(cluster) if r.worker and not r.server}
     if args.node_rank == 0:
         print(f"troupe run: cluster {cluster.to_json()}", file=sys.stderr)
         for role in roles(cluster):
@@ -172,10 +174,13 @@ def _run_once(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
             env["OMP_NUM_THREADS"] = str(args.threads)
         cmd = [sys.executable, args.script, *args.args]
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-    return _supervise(procs, first_rank=args.node_rank * args.nproc)
+    return _supervise(procs, first_rank=args.node_rank * args.nproc, tolerate=getattr(args, "tolerate", set()))
 
 
-def _supervise(procs: list[subprocess.Popen], first_rank: int) -> int:
+def _supervise(procs: list[subprocess.Popen], first_rank: int, tolerate: set[int] = frozenset()) -> int:
+    """Wait for the ranks; stop them all when one fails, unless it is in `tolerate` (async PS workers)."""
+    reported: set[int] = set()
+
     def stop_all(*_sig) -> None:
         for p in procs:
             if p.poll() is None:
@@ -193,13 +198,19 @@ def _supervise(procs: list[subprocess.Popen], first_rank: int) -> int:
         while True:
             codes = [p.poll() for p in procs]
             failed = [(first_rank + i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            for rank, code in failed:
+                if rank in tolerate and rank not in reported:
+                    reported.add(rank)
+                    print(f"troupe run: worker rank {rank} exited with code {code}; the asynchronous cluster "
+                          "goes on without it", file=sys.stderr)
+            failed = [(rank, code) for rank, code in failed if rank not in tolerate]
             if failed:
                 rank, code = failed[0]
                 stop_all()
                 why = f"signal {-code}" if code < 0 else f"code {code}"
                 print(f"troupe run: rank {rank} exited with {why}; stopped the other ranks", file=sys.stderr)
                 return code if code > 0 else 128 - code
-            if all(c == 0 for c in codes):
+            if all(c == 0 or (c is not None and first_rank + i in tolerate) for i, c in enumerate(codes)):
                 return 0
             time.sleep(0.1)
     except KeyboardInterrupt:

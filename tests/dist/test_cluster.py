@@ -157,7 +157,7 @@ def test_each_framework_trains_mnist(framework):
         assert len({acc for acc, _ in workers}) == 1
 
 
-def test_downpour_worker_vanishing_mid_run_does_not_stop_the_others():
+def test_downpour_worker_killed_mid_run_does_not_stop_the_others():
     import subprocess
     import sys
 
@@ -167,6 +167,7 @@ def test_downpour_worker_vanishing_mid_run_does_not_stop_the_others():
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "worker 1 is gone" in done.stderr
+    assert "worker rank 1 exited with code -9; the asynchronous cluster goes on without it" in done.stderr
     accs = {int(w): float(a) for w, a in re.findall(r"worker (\d+) accuracy ([\d.]+)", done.stdout)}
     assert sorted(accs) == [0, 2, 3]  # worker 0 went on without its group partner
     assert min(accs.values()) > 0.75, accs
@@ -185,3 +186,15 @@ def test_bad_cluster_for_the_job_is_a_clear_error():
                            script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "nworker_groups (3) must be divisible by nserver_groups (2)" in done.stderr
+
+
+def test_sandblaster_worker_killed_fails_fast():
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "ps_victim.py")
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "--nworkers-per-group", "2", "--server-worker-separate", script]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0
+    assert "rank 1 exited with signal 9; stopped the other ranks" in done.stderr
+    assert "accuracy" not in done.stdout

@@ -95,7 +95,7 @@ def serve(cluster, role, everyone, world, optimizer, params, param_group_of, pro
     shard = ParamShard(slices, optimizer, param_group_of, members, dtype, cluster.staleness_bound)
     putters = {r.rank for r in everyone if r.worker and r.worker[0] == 0}
     workers = [r.rank for r in everyone if r.worker]
-    server = Server(world, shard, workers, putters, dict(enumerate(processes)))
+    server = Server(world, shard, workers, putters, dict(enumerate(processes)), fail_on_death=cluster.synchronous)
     path = _checkpoint_path(role.rank)
     if path is not None and os.environ.get("TROUPE_RESUME", "no") in ("yes", "auto") and os.path.isfile(path):
         shard.load_state_dict(torch.load(path, weights_only=True))

@@ -61,6 +61,7 @@ class Server:
         workers: list[int],
         putters: set[int],
         processes: dict[int, tuple[str, int]] | None = None,
+        fail_on_death: bool = False,
     ):
         self.comm = comm
         self.shard = shard
@@ -76,6 +77,8 @@ class Server:
         self._lock = threading.Lock()
         self._start = time.perf_counter()
         self.processes = processes or {}
+        self.fail_on_death = fail_on_death
+        """Synchronous clusters cannot go on without a worker: end the job with a clear error instead."""
         """(hostname, pid) of each worker, to tell a dead worker from a slow one."""
 
     def serve(self) -> ServerStats:
@@ -166,9 +169,17 @@ class Server:
             self.comm.send(Header(Op.REPLY, slice_id, version, self.rank, value.numel()).encode(), worker, HEADER_TAG)
             self.comm.send(value, worker, PAYLOAD_TAG)
         except RuntimeError as e:  # Gloo: "Connection closed by peer"
-            log.warning("troupe server rank %d: worker %d is gone (%s)", self.rank, worker, str(e).splitlines()[0])
-            self.dead.append(worker)
-            self._forget(worker)
+            self._lost(worker, str(e).splitlines()[0])
+
+    def _lost(self, worker: int, why: str) -> None:
+        if self.fail_on_death:
+            print(f"troupe server rank {self.rank}: worker {worker} died ({why}); a synchronous cluster cannot "
+                  "go on without it: stopping", file=sys.stderr, flush=True)
+            os._exit(1)  # may run in the watch thread: end the process, the workers then fail fast
+        print(f"troupe server rank {self.rank}: worker {worker} is gone ({why}); serving the others",
+              file=sys.stderr, flush=True)
+        self.dead.append(worker)
+        self._forget(worker)
 
     def _forget(self, worker: int) -> None:
         self.live.discard(worker)
@@ -190,9 +201,7 @@ class Server:
                     return
                 for worker in sorted(self.live):
                     if not self._alive(worker):
-                        log.warning("troupe server rank %d: worker %d is gone (its process ended)", self.rank, worker)
-                        self.dead.append(worker)
-                        self._forget(worker)
+                        self._lost(worker, "its process ended")
                 if not self.live:
                     # The loop is blocked in a receive nobody will answer: end the server here.
                     print(f"troupe server rank {self.rank}: every worker finished or died; {self._stats()}", file=sys.stderr, flush=True)

@@ -1,8 +1,9 @@
-"""Downpour training where worker 1 vanishes mid-run (no Stop, no clean exit), as if killed."""
+"""Downpour training where worker 1 is killed mid-run (SIGKILL: no Stop, no clean exit)."""
 
 from __future__ import annotations
 
 import os
+import signal
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ x, y = troupe.data.partition(train_x[:4000], train_y[:4000], opt.global_rank, op
 g = torch.Generator().manual_seed(opt.global_rank)
 for step in range(120):
     if opt.global_rank == 1 and step == 10:
-        os._exit(0)  # gone between two updates; its group partner is left waiting on the servers
+        os.kill(os.getpid(), signal.SIGKILL)  # between two updates: its group partner is left waiting
     idx = torch.randint(0, len(x), (32,), generator=g)
     opt(F.cross_entropy(model(x[idx]), y[idx]))
 with torch.no_grad():
