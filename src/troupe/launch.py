@@ -12,6 +12,7 @@ With none of them the process is a world of one.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import hmac
@@ -188,6 +189,7 @@ def init(
     if ticket is not None:
         watchdog.start(_side_store(ticket.addr, ticket.port, f"troupe/{ticket.token}/"), rank, world_size)
     trace.start(rank)
+    atexit.register(shutdown)  # leave in order: background threads must not outlive the store
     _info = DistInfo(
         global_rank=rank,
         local_rank=local_rank,
@@ -308,6 +310,7 @@ def _init_torchrun(backend: str | None, timeout: float) -> DistInfo:
     dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
     watchdog.start(_side_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), "troupe/"), rank, world)
     trace.start(rank)
+    atexit.register(shutdown)
     _info = DistInfo(rank, local_rank, world, local_world, _device(backend, local_rank), backend, "torchrun")
     return _info
 

@@ -1,0 +1,171 @@
+"""Throughput (samples/s) vs number of workers, on loopback and on simulated hosts with shaped links.
+
+    python benchmarks/throughput.py --workers 1 2 4 --links loopback none 1gbit 100mbit --reps 3 \
+        --plot docs/throughput.png --json docs/throughput.json
+
+Each worker trains the reference MNIST CNN (synthetic 28x28 images, batch 64 per worker,
+one thread) with DistOpt for `--steps` measured steps after `--warmup` steps. "loopback"
+runs `troupe run -n N` on this machine; the other links put each worker in its own network
+namespace on one bridge, with every host's link limited by tc (benchmarks/netns.py), and
+launch it with `troupe run --nnodes N --node-rank i --master 10.78.0.1:PORT`. Bytes per
+step come from the Communicator's counters and, on simulated hosts, from host 0's
+interface counters (which also count TCP/IP headers and the rendezvous traffic).
+Note: this machine has 2 cores, so more than 2 workers share cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import troupe
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from mnist_cnn import CNN
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = CNN()
+    sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    model.set_optimizer(sgd)
+    x, y = troupe.data.synthetic(args.batch * 4, seed=sgd.global_rank)
+    comm = sgd.communicator
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            comm.barrier()
+            start, sent = time.perf_counter(), comm.bytes_sent()
+        i = step % 4
+        sgd(F.cross_entropy(model(x[i * args.batch : (i + 1) * args.batch]), y[i * args.batch : (i + 1) * args.batch]))
+    comm.barrier()
+    elapsed = time.perf_counter() - start
+    if sgd.global_rank == 0:
+        print(json.dumps({"world": sgd.world_size, "step_s": elapsed / args.steps,
+                          "samples_per_s": args.steps * args.batch * sgd.world_size / elapsed,
+                          "bytes_per_step": (comm.bytes_sent() - sent) / args.steps}), flush=True)
+
+
+def _result(out: str) -> dict:
+    for line in out.splitlines():
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"no result in output:\n{out[-2000:]}")
+
+
+def run_loopback(n: int, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(n), "--threads", "1", __file__, "--worker",
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-2000:])
+    return _result(proc.stdout)
+
+
+def run_hosts(n: int, link: str, args: argparse.Namespace) -> dict:
+    from netns import Hosts
+
+    rate = None if link == "none" else link
+    token, port = secrets.token_hex(8), 29700 + secrets.randbelow(200)
+    with Hosts(n, rate=rate, delay=args.delay) as hosts:
+        before = hosts.tx_bytes(0)
+        procs = []
+        for i in range(n):
+            cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "1", "--threads", "1", "--nnodes", str(n),
+                   "--node-rank", str(i), "--master", f"{hosts.addr(0)}:{port}", "--token", token, __file__,
+                   "--worker", "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
+            procs.append(hosts.popen(i, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+        outs = [p.communicate(timeout=900) for p in procs]
+        if any(p.returncode for p in procs):
+            raise RuntimeError("\n".join(err[-1500:] for _, err in outs))
+        result = _result(outs[0][0])
+        total_steps = args.steps + args.warmup
+        result["iface_bytes_per_step"] = (hosts.tx_bytes(0) - before) / total_steps
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--links", nargs="+", default=["loopback", "none", "1gbit", "100mbit"])
+    p.add_argument("--delay", default=None, help="added one-way latency on simulated links, e.g. 1ms")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    from netns import available
+
+    why_not = available()
+    links = [link for link in args.links if link == "loopback" or why_not is None]
+    if len(links) < len(args.links):
+        print(f"skipping simulated hosts: {why_not}", file=sys.stderr)
+    table: dict[str, dict[int, list[dict]]] = {link: {} for link in links}
+    for rep in range(args.reps):  # repetitions interleave every configuration
+        for link in links:
+            for n in args.workers:
+                r = run_loopback(n, args) if link == "loopback" or n == 1 else run_hosts(n, link, args)
+                table[link].setdefault(n, []).append(r)
+                print(f"rep {rep} {link:>8} n={n}: {r['samples_per_s']:.0f} samples/s", file=sys.stderr, flush=True)
+    print(f"MNIST CNN, batch {args.batch}/worker, {args.steps} steps after {args.warmup} warm-up, "
+          f"median of {args.reps}\n")
+    print("| link | workers | samples/s (min-max) | speed-up vs 1 | step time | bytes/step (counters) | bytes/step (interface) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    summary = {}
+    for link in links:
+        base = None
+        for n in args.workers:
+            rs = table[link][n]
+            rate = statistics.median(r["samples_per_s"] for r in rs)
+            base = base or rate
+            step = statistics.median(r["step_s"] for r in rs)
+            counted = statistics.median(r["bytes_per_step"] for r in rs)
+            iface = [r["iface_bytes_per_step"] for r in rs if "iface_bytes_per_step" in r]
+            iface_s = f"{statistics.median(iface) / 1e6:.2f} MB" if iface else "-"
+            lo, hi = min(r["samples_per_s"] for r in rs), max(r["samples_per_s"] for r in rs)
+            print(f"| {link} | {n} | {rate:.0f} ({lo:.0f}-{hi:.0f}) | {rate / base:.2f} | {step * 1e3:.1f} ms "
+                  f"| {counted / 1e6:.2f} MB | {iface_s} |")
+            summary.setdefault(link, {})[n] = {"samples_per_s": rate, "step_s": step, "bytes_per_step": counted}
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for link in links:
+            ns = sorted(summary[link])
+            ax.plot(ns, [summary[link][n]["samples_per_s"] for n in ns], marker="o", label=link)
+        ax.set_xlabel("workers (processes, 1 thread each; the machine has 2 cores)")
+        ax.set_ylabel("samples / s")
+        ax.set_xticks(args.workers)
+        ax.set_title("MNIST CNN throughput with troupe DistOpt")
+        ax.grid(alpha=0.3)
+        ax.legend(title="link")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
