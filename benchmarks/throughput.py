@@ -98,6 +98,35 @@ def run_hosts(n: int, link: str, args: argparse.Namespace) -> dict:
     return result
 
 
+def link_beta(link: str, loopback_beta: float) -> float:
+    """Seconds per byte of a link: the fitted loopback beta, or the tc rate (whichever is slower)."""
+    if link in ("loopback", "none"):
+        return loopback_beta
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    number = next(u for u in units if link.endswith(u))
+    return max(loopback_beta, 8 / (float(link[: -len(number)]) * units[number]))
+
+
+def predict_step(one_worker_step: float, wire_bytes: float, alpha: float, beta: float, buckets: int = 1) -> float:
+    """Alpha-beta model, no overlap credited: compute of one worker + each bucket's latency + bytes * beta."""
+    return one_worker_step + buckets * alpha + wire_bytes * beta
+
+
+def print_predictions(summary: dict, model: dict) -> None:
+    alpha, beta = model["alpha_s"], model["beta_s_per_byte"]
+    print(f"\nalpha-beta model (alpha {alpha * 1e6:.0f} us, loopback beta {beta * 1e9:.2f} ns/B from collectives.py):")
+    print("| link | workers | predicted step | measured step | measured / predicted |")
+    print("| --- | --- | --- | --- | --- |")
+    for link, by_n in summary.items():
+        base = by_n.get(1) or by_n.get("1")
+        for n, r in sorted(by_n.items(), key=lambda kv: int(kv[0])):
+            if int(n) == 1 or base is None:
+                continue
+            predicted = predict_step(base["step_s"], r["bytes_per_step"], alpha, link_beta(link, beta))
+            print(f"| {link} | {n} | {predicted * 1e3:.1f} ms | {r['step_s'] * 1e3:.1f} ms "
+                  f"| {r['step_s'] / predicted:.2f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -110,6 +139,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--plot", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--cost-model", default=None, help="collectives.py --json output: print predicted step times")
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -147,6 +177,8 @@ def main() -> None:
             summary.setdefault(link, {})[n] = {"samples_per_s": rate, "step_s": step, "bytes_per_step": counted}
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
+    if args.cost_model:
+        print_predictions(summary, json.loads(Path(args.cost_model).read_text()))
     if args.plot:
         import matplotlib
 

@@ -29,6 +29,14 @@ def test_alpha_beta_fit_recovers_a_synthetic_link():
     assert alpha == pytest.approx(50e-6, rel=1e-6) and beta == pytest.approx(0.8e-9, rel=1e-6)
 
 
+def test_step_prediction_uses_the_slower_of_link_and_loopback():
+    from throughput import link_beta, predict_step
+
+    assert link_beta("100mbit", 1e-10) == pytest.approx(8e-8)
+    assert link_beta("loopback", 1e-10) == 1e-10 and link_beta("none", 1e-10) == 1e-10
+    assert predict_step(0.05, 1e6, 1e-4, 8e-8) == pytest.approx(0.05 + 1e-4 + 0.08)
+
+
 def test_collectives_benchmark_runs(tmp_path):
     out = tmp_path / "c.json"
     proc = run([sys.executable, "-m", "troupe.cli", "run", "-n", "2", "benchmarks/collectives.py", "--reps", "1",
