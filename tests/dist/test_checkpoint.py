@@ -122,3 +122,62 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path):
     (tmp_path / "empty").mkdir()
     proc = _example(["--resume", str(tmp_path / "empty")], [], timeout=60)
     assert proc.returncode != 0 and "no complete checkpoint" in proc.stderr
+
+
+def _die_during_second_save(rank, world_size, directory):
+    import os
+
+    import troupe
+    from troupe import checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    opt(model(torch.randn(4, 6)).square().mean())
+    checkpoint.save(directory, 1, model, opt)
+    good = [p.detach().clone() for p in model.parameters()]
+    opt(model(torch.randn(4, 6)).square().mean())
+    if rank == 1:
+        real_write = checkpoint._atomic_write
+
+        def write_half_then_die(path, data):
+            with open(path.with_name(f".{path.name}.tmp-{os.getpid()}"), "wb") as f:
+                f.write(data[: len(data) // 2])
+            os._exit(9)  # the machine stops mid-write
+
+        checkpoint._atomic_write = write_half_then_die
+        try:
+            checkpoint.save(directory, 2, model, opt)
+        finally:
+            checkpoint._atomic_write = real_write
+    else:
+        try:
+            checkpoint.save(directory, 2, model, opt)
+        except Exception:
+            pass  # rank 1 died: the save cannot complete
+    return good
+
+
+def _resume(rank, world_size, directory):
+    import troupe
+    from troupe import checkpoint
+
+    model = torch.nn.Linear(6, 3)
+    opt = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    found = checkpoint.latest(directory)
+    extra = checkpoint.load(found, model, opt)
+    return found.name, extra["step"], [p.detach() for p in model.parameters()]
+
+
+def test_crash_during_save_leaves_the_previous_checkpoint(tmp_path):
+    import pytest
+
+    from tests.dist.world import RankFailed
+
+    with pytest.raises((RankFailed, TimeoutError)):
+        run_world(_die_during_second_save, 2, str(tmp_path), timeout=60)
+    assert (tmp_path / "step-00000001" / "MANIFEST.json").exists()
+    assert not (tmp_path / "step-00000002" / "MANIFEST.json").exists()
+    for name, step, params in run_world(_resume, 2, str(tmp_path)):
+        assert name == "step-00000001" and step == 1
+        assert all(bool(torch.isfinite(p).all()) for p in params)

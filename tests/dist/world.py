@@ -13,6 +13,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -65,13 +66,22 @@ def run_world(
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
+        while len(out) < world_size:
             try:
-                rank, ok, value = results.get(timeout=timeout)
+                rank, ok, value = results.get(timeout=0.5)
             except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(out))
-                raise TimeoutError(f"world of {world_size} did not finish in {timeout}s; ranks {missing} hung")
+                dead = [r for r in missing if procs[r].exitcode is not None]
+                if dead and results.empty():
+                    time.sleep(0.5)  # a result may still be in flight
+                    if results.empty():
+                        raise RankFailed(f"rank(s) {dead} died without a result (exit codes "
+                                         f"{[procs[r].exitcode for r in dead]})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"world of {world_size} did not finish in {timeout}s; ranks {missing} hung")
+                continue
             if not ok:
                 raise RankFailed(f"rank {rank} failed:\n{value}")
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
