@@ -331,7 +331,9 @@ def resolve(
     if framework is not None and path is not None:
         raise ValueError("give either --framework or --cluster, not both")
     if framework is not None:
-        cfg = preset(framework, None if fields else nprocs)
+        # Flags that do not change the shape (sync_freq, ...) keep the preset rescalable to -n.
+        reshaped = set(fields) - {"sync_freq", "staleness_bound", "share_memory"}
+        cfg = preset(framework, None if reshaped else nprocs)
     elif path is not None:
         cfg = load(path)
     else:

@@ -36,7 +36,22 @@ def make_sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-2)
 
 
-def train_in_cluster(rank, world_size, bucket_size):
+def send_malformed(opt):
+    """Messages a server must reject without applying anything (and without losing its footing)."""
+    from troupe.ps.messages import HEADER_TAG, PAYLOAD_TAG, Header, Op
+
+    world, me, server = opt.ps.world, opt.ps.rank, opt.ps.all_servers[0]
+    bad_magic = Header(Op.GET, 0, 0, me, 0).encode()
+    bad_magic[0] = 12345
+    world.send(bad_magic, server, HEADER_TAG)
+    world.send(Header(Op.UPDATE, 0, 0, me, 3).encode(), server, HEADER_TAG)  # wrong length for slice 0
+    world.send(torch.full((3,), 1e6), server, PAYLOAD_TAG)
+    world.send(Header(Op.UPDATE, 0, 0, (me + 1) % 2, opt.ps.slices[0].numel).encode(), server, HEADER_TAG)  # forged
+    world.send(torch.full((opt.ps.slices[0].numel,), 1e6), server, PAYLOAD_TAG)
+    world.send(Header(Op.UPDATE, 999, 0, me, 0).encode(), server, HEADER_TAG)  # unknown slice, no payload
+
+
+def train_in_cluster(rank, world_size, bucket_size, malformed=False):
     import troupe
 
     torch.manual_seed(100 + rank)  # different init per rank: worker 0's must win
@@ -49,6 +64,8 @@ def train_in_cluster(rank, world_size, bucket_size):
     opt.sync_parameters(model)
     xs, ys = batches(opt.world_size)
     r = opt.global_rank
+    if malformed and r == 1:
+        send_malformed(opt)
     for step in range(STEPS):
         loss = F.cross_entropy(model(xs[step, r * BATCH : (r + 1) * BATCH]), ys[step, r * BATCH : (r + 1) * BATCH])
         opt(loss)
@@ -88,10 +105,21 @@ def test_server_checkpoint_resumes_slices_and_optimizer_state(tmp_path):
         torch.testing.assert_close(resumed[name], value.detach(), atol=1e-5, rtol=1e-5, msg=name)
 
 
-def test_sandblaster_one_group_equals_allreduce_step_for_step():
-    cluster = ClusterConfig(nworkers_per_group=2, nservers_per_group=1, server_worker_separate=True)
-    results = run_world(train_in_cluster, 3, 64, env={"TROUPE_CLUSTER": cluster.to_json()})
-    assert results[2] == "server"
+@pytest.mark.parametrize(
+    "cluster",
+    [
+        # 2 workers + 1 server; worker 1 also sends malformed messages, which must change nothing
+        ClusterConfig(nworkers_per_group=2, nservers_per_group=1, server_worker_separate=True),
+        # AllReduce: each worker hosts the server of half the elements (reduce, update, all-gather)
+        ClusterConfig(nworkers_per_group=2, nservers_per_group=2),
+    ],
+    ids=["sandblaster", "allreduce"],
+)
+def test_one_group_equals_allreduce_step_for_step(cluster):
+    results = run_world(
+        train_in_cluster, cluster.nprocs, 64, cluster.server_worker_separate, env={"TROUPE_CLUSTER": cluster.to_json()}
+    )
+    assert results[2:] == ["server"] * (cluster.nprocs - 2)
     expected = train_reference(2)
     for params, staleness, nworkers in results[:2]:
         assert nworkers == 2

@@ -109,6 +109,18 @@ def test_bad_text():
         ClusterConfig(server_worker_separate=1)
 
 
+def test_resolve_for_troupe_run():
+    from troupe.cluster import resolve
+
+    assert resolve() is None
+    assert resolve("hogwild", nprocs=4, sync_freq=5) == ClusterConfig(nworker_groups=4, nserver_groups=4, sync_freq=5)
+    assert resolve(nworker_groups=2, server_worker_separate=True).nprocs == 3
+    with pytest.raises(ValueError, match="-n 4 does not fit the cluster, which needs 3 processes"):
+        resolve(nworker_groups=2, server_worker_separate=True, nprocs=4)
+    with pytest.raises(ValueError, match="either --framework or --cluster"):
+        resolve("downpour", "job.conf")
+
+
 def test_preset_rescaled_to_nprocs():
     assert preset("sandblaster", 3).nworkers_per_group == 1
     assert preset("downpour", 8).nworkers_per_group == 3
