@@ -293,7 +293,8 @@ def from_env() -> ClusterConfig | None:
     if text.startswith("{"):
         return ClusterConfig.from_json(text)
     if text in PRESETS:
-        world = next((os.environ[k] for k in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE") if k in os.environ), None)
+        sizes = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+        world = next((os.environ[k] for k in sizes if k in os.environ), None)
         return preset(text, int(world) if world else None)
     if os.path.isfile(text):
         return load(text)

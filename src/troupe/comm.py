@@ -6,6 +6,7 @@ bytes per collective without instrumenting the backend.
 
 from __future__ import annotations
 
+import datetime
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -325,9 +326,13 @@ class Communicator:
         self._count("recv", tensor.numel() * tensor.element_size(), 0)
         return Handle(dist.irecv(tensor, src, group=self.group, tag=tag))
 
-    def new_group(self, ranks: Sequence[int]) -> Communicator:
-        """A communicator over a subset of global ranks; every rank of the job must call it, in the same order."""
-        group = dist.new_group(sorted(ranks), use_local_synchronization=False)
+    def new_group(self, ranks: Sequence[int], timeout: float | None = None) -> Communicator:
+        """A communicator over a subset of global ranks; every rank of the job must call it, in the same order.
+
+        `timeout` (seconds) overrides the job's for this group's operations.
+        """
+        kwargs = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+        group = dist.new_group(sorted(ranks), **kwargs)
         return Communicator(group) if dist.get_rank() in ranks else _Outside(group)
 
 

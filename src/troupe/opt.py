@@ -98,7 +98,8 @@ class DistOpt:
         params = self._params()
         self._check_same_everywhere([(tuple(p.shape), str(p.dtype)) for p in params], "the optimizer's parameters")
         self._broadcast(params)
-        self.reducer = GradReducer(params, self.communicator, bucket_size) if self.world_size > 1 and self.ps is None else None
+        plain = self.world_size > 1 and self.ps is None
+        self.reducer = GradReducer(params, self.communicator, bucket_size) if plain else None
         self.strategies = Strategies(self, compression or CompressionConfig())
         if self.ps is not None:
             self.ps.start()  # Put/Get the initial parameters
@@ -248,7 +249,9 @@ class DistOpt:
         except KeyError:
             raise ValueError(f"unknown dist_option {dist_option!r}; choose one of {sorted(DIST_OPTIONS)}") from None
         if self.ps is not None and method != "backward_and_update":
-            raise ValueError(f"dist_option {dist_option!r} is not available under a parameter-server cluster; use 'plain'")
+            raise ValueError(
+                f"dist_option {dist_option!r} is not available under a parameter-server cluster: use 'plain'"
+            )
         kwargs = dict(DIST_OPTION_ARGS.get(dist_option, {}))
         if spars is not None and method == "backward_and_sparse_update":
             kwargs["spars"] = spars

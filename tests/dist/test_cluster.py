@@ -29,11 +29,12 @@ class MLP(nn.Module):
 
 def batches(nworkers):
     g = torch.Generator().manual_seed(1234)
-    return torch.randn(STEPS, nworkers * BATCH, 12, generator=g), torch.randint(0, 5, (STEPS, nworkers * BATCH), generator=g)
+    xs = torch.randn(STEPS, nworkers * BATCH, 12, generator=g)
+    return xs, torch.randint(0, 5, (STEPS, nworkers * BATCH), generator=g)
 
 
-def make_sgd(params):
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-2)
+def make_sgd(params, lr=0.1):
+    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-2)
 
 
 def send_malformed(opt):
@@ -74,10 +75,10 @@ def train_in_cluster(rank, world_size, bucket_size, malformed=False):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, staleness, opt.world_size
 
 
-def train_reference(nworkers):
+def train_reference(nworkers, lr=0.1):
     torch.manual_seed(100)
     model = MLP()
-    opt = make_sgd(model.parameters())
+    opt = make_sgd(model.parameters(), lr)
     xs, ys = batches(nworkers)
     for step in range(STEPS):
         opt.zero_grad()
@@ -128,6 +129,19 @@ def test_one_group_equals_allreduce_step_for_step(cluster):
             torch.testing.assert_close(params[name], value, atol=1e-5, rtol=1e-5, msg=f"parameter {name}")
 
 
+def test_hogwild_sync_every_step_adds_every_groups_change():
+    # Every group's change is added to the master copy: with sync_freq=1, two groups of one
+    # worker take, together, the step of one process with twice the learning rate on both
+    # batches (momentum and weight decay included, as the sums commute with the update).
+    cluster = ClusterConfig(nworker_groups=2, nserver_groups=2, sync_freq=1)
+    results = run_world(train_in_cluster, 2, 64, env={"TROUPE_CLUSTER": cluster.to_json()})
+    expected = train_reference(2, lr=0.2)
+    for params, staleness, nworkers in results:
+        assert nworkers == 2 and staleness == [0] * STEPS
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, atol=1e-5, rtol=1e-5, msg=f"parameter {name}")
+
+
 def train_mnist_subset(rank, world_size, steps):
     """A small MLP on an MNIST subset; returns test accuracy on workers, "server" on servers."""
     import troupe
@@ -169,7 +183,7 @@ def test_each_framework_trains_mnist(framework):
     cluster = SMALL[framework]
     results = run_world(train_mnist_subset, cluster.nprocs, STEPS_MNIST, env={"TROUPE_CLUSTER": cluster.to_json()})
     workers = [r for r in results if r != "server"]
-    print(framework, "accuracy", [round(acc, 4) for acc, _ in workers], "max staleness", max(max(st) for _, st in workers))
+    print(framework, "accuracy", [round(a, 4) for a, _ in workers], "max staleness", max(max(st) for _, st in workers))
     assert len(workers) == cluster.nworkers
     # Hogwild adds every group's change to the master copy (SINGA's rule): noisier in 120 steps.
     bar = 0.70 if framework == "hogwild" else 0.80

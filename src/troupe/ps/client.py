@@ -34,6 +34,9 @@ from troupe.reducer import GradReducer
 
 log = logging.getLogger("troupe.ps")
 
+DEFAULT_PS_TIMEOUT = 7 * 24 * 3600.0
+"""Seconds a parameter-server message may wait (``TROUPE_PS_TIMEOUT``); a dead peer fails at once anyway."""
+
 def trainable(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list[int]]:
     """The optimizer's trainable parameters in order, and the param group of each."""
     params, groups, seen = [], [], set()
@@ -57,9 +60,11 @@ def join_cluster(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, info:
             f"world_size {info.world_size}"
         )
     role = everyone[info.global_rank]
-    world = comm_mod.default()
     workers = [r.rank for r in everyone if r.worker]
     # Every rank creates every group, in the same order (torch.distributed requires it).
+    # Messages get a group of their own with a long timeout: a server waits as long as the
+    # workers train between two messages, and a timed-out Gloo receive breaks the channel.
+    world = comm_mod.default().new_group(range(info.world_size), timeout=_ps_timeout())
     workers_comm = world.new_group(workers)
     group_comms = [
         world.new_group([r.rank for r in everyone if r.worker and r.worker[0] == g])
@@ -80,6 +85,13 @@ def join_cluster(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, info:
     else:
         strategy = CoLocated(cluster, role, group_comms[role.worker[0]], workers_comm, optimizer, bucket_size)
     return view, strategy
+
+
+def _ps_timeout() -> float:
+    value = float(os.environ.get("TROUPE_PS_TIMEOUT", DEFAULT_PS_TIMEOUT))
+    if value <= 0:
+        raise ValueError(f"TROUPE_PS_TIMEOUT must be > 0 seconds, got {value}")
+    return value
 
 
 def serve(cluster, role, everyone, world, optimizer, params, param_group_of, processes):

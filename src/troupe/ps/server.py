@@ -204,7 +204,9 @@ class Server:
                         self._lost(worker, "its process ended")
                 if not self.live:
                     # The loop is blocked in a receive nobody will answer: end the server here.
-                    print(f"troupe server rank {self.rank}: every worker finished or died; {self._stats()}", file=sys.stderr, flush=True)
+                    stats = self._stats()
+                    print(f"troupe server rank {self.rank}: every worker finished or died; {stats}", file=sys.stderr)
+                    sys.stderr.flush()
                     os._exit(0)
 
     def _alive(self, worker: int) -> bool:
