@@ -95,6 +95,9 @@ def options_world(rank, world_size):
     # 2b: the same without error feedback
     r = run_steps(rank, 2, 2, lambda o, l: o.backward_and_sparse_update(l, spars=0.8, corr=False))
     out["threshold_nocorr"] = {k: v for k, v in r.items() if k != "opt"}
+    # 2c: a threshold no element passes on any rank; b travels dense (and the flags with it)
+    r = run_steps(rank, 2, 1, lambda o, l: o.backward_and_sparse_update(l, spars=1e9), min_compress_size=4)
+    out["threshold_none"] = {k: v for k, v in r.items() if k != "opt"}
     # 3: fp16 and bf16 with clipping; b (3 elements) stays fp32 below min_compress_size.
     for dtype in ("fp16", "bf16"):
         r = run_steps(
@@ -227,6 +230,15 @@ def test_threshold_sum_residual_and_empty_rank(results):
     for res in results:
         assert_history(res["threshold_nocorr"]["history"], expected)
         assert res["threshold_nocorr"]["state"]["residuals"] == {}
+
+
+def test_threshold_selecting_nothing_anywhere(results):
+    before = params(Linear())
+    mean_b = sum(G(r, 0, 2)["b"] for r in range(WORLD)) / WORLD
+    for res in results:
+        after = res["threshold_none"]["history"][1]
+        assert torch.equal(after["w1"], before["w1"]) and torch.equal(after["w2"], before["w2"])
+        torch.testing.assert_close(after["b"], before["b"] - mean_b)
 
 
 @pytest.mark.parametrize("dtype,eps", [("fp16", 2**-10), ("bf16", 2**-7)])
