@@ -194,6 +194,7 @@ class Strategies:
 
     def partial_update(self, loss: Tensor) -> None:
         opt = self.opt
+        self._check_no_ps("partialUpdate")
         if opt.world_size == 1 or opt.step_count < self.config.warmup_steps:
             return self._dense_step(loss, "partialUpdate")
         averager = self._averager()
@@ -228,13 +229,13 @@ class Strategies:
 
     def _compressed_step(self, loss: Tensor, compressor: Compressor, option: str) -> None:
         opt = self.opt
+        self._check_no_ps(option)
         if opt.world_size == 1 or opt.step_count < self.config.warmup_steps:
             return self._dense_step(loss, option)
         comm = opt.communicator
         before = comm.bytes_sent()
         opt._backward(loss, compressed_reduce(comm, compressor, self.config.min_compress_size))
-        opt.optimizer.step()
-        opt.step_count += 1
+        opt._apply_update()  # the mean is the same on every rank: nan_policy decides alike everywhere
         self._record(option, comm.bytes_sent() - before, compressed=True)
 
     def _dense_step(self, loss: Tensor, option: str) -> None:
@@ -242,6 +243,10 @@ class Strategies:
         before = self.opt.communicator.bytes_sent()
         self.opt.backward_and_update(loss)
         self._record(option, self.opt.communicator.bytes_sent() - before, compressed=False)
+
+    def _check_no_ps(self, option: str) -> None:
+        if getattr(self.opt, "ps", None) is not None:
+            raise ValueError(f"dist_option {option!r} is not available under a parameter-server cluster: use 'plain'")
 
     def _averager(self) -> PartialAverager:
         if self.partial is None:
