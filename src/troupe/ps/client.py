@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import sys
+import warnings
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
@@ -61,6 +62,8 @@ def join_cluster(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, info:
         )
     role = everyone[info.global_rank]
     workers = [r.rank for r in everyone if r.worker]
+    if cluster.share_memory:
+        warnings.warn("share_memory has no effect: troupe runs one worker per process (nworkers_per_procs 1)")
     # Every rank creates every group, in the same order (torch.distributed requires it).
     # Messages get a group of their own with a long timeout: a server waits as long as the
     # workers train between two messages, and a timed-out Gloo receive breaks the channel.
