@@ -100,6 +100,8 @@ class DistOpt:
         self._broadcast(params)
         plain = self.world_size > 1 and self.ps is None
         self.reducer = GradReducer(params, self.communicator, bucket_size) if plain else None
+        if self.reducer is not None:
+            self.reducer.label_buckets(self.param_name)  # by position; by name once a model is attached
         self.strategies = Strategies(self, compression or CompressionConfig())
         if self.ps is not None:
             self.ps.start()  # Put/Get the initial parameters
