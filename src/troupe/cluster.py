@@ -49,6 +49,9 @@ class ClusterConfig:
     """With several server groups: every sync_freq updates a group syncs each slice with its master group."""
     share_memory: bool = False
     """Workers of one process share parameter memory (in-memory Hogwild)."""
+    fetch_freq: int = 1
+    """Separate servers: workers copy fresh slices every fetch_freq steps (Downpour's n_fetch); in between
+    the servers only acknowledge their updates."""
     staleness_bound: int | None = None
     """Stale-synchronous: a worker group more than this many updates ahead of the slowest waits (None: no bound)."""
 
@@ -311,6 +314,7 @@ FIELD_FLAGS = (
     "nworkers_per_procs",
     "nservers_per_procs",
     "sync_freq",
+    "fetch_freq",
     "staleness_bound",
 )
 """ClusterConfig fields `troupe run` also takes as flags (--nworker-groups ...)."""
@@ -333,7 +337,7 @@ def resolve(
         raise ValueError("give either --framework or --cluster, not both")
     if framework is not None:
         # Flags that do not change the shape (sync_freq, ...) keep the preset rescalable to -n.
-        reshaped = set(fields) - {"sync_freq", "staleness_bound", "share_memory"}
+        reshaped = set(fields) - {"sync_freq", "fetch_freq", "staleness_bound", "share_memory"}
         cfg = preset(framework, None if reshaped else nprocs)
     elif path is not None:
         cfg = load(path)

@@ -129,6 +129,28 @@ def test_one_group_equals_allreduce_step_for_step(cluster):
             torch.testing.assert_close(params[name], value, atol=1e-5, rtol=1e-5, msg=f"parameter {name}")
 
 
+def test_fetch_every_other_step_computes_gradients_at_the_last_fetched_values():
+    cluster = ClusterConfig(nworkers_per_group=2, server_worker_separate=True, fetch_freq=2)
+    results = run_world(train_in_cluster, 3, 64, env={"TROUPE_CLUSTER": cluster.to_json()})
+    # reference: the servers step every time; the workers' copy (where gradients are taken) every 2 steps
+    torch.manual_seed(100)
+    server, local = MLP(), MLP()
+    local.load_state_dict(server.state_dict())
+    opt = make_sgd(server.parameters())
+    xs, ys = batches(2)
+    for step in range(STEPS):
+        local.zero_grad()
+        F.cross_entropy(local(xs[step]), ys[step]).backward()
+        for p, q in zip(server.parameters(), local.parameters()):
+            p.grad = q.grad
+        opt.step()
+        if (step + 1) % 2 == 0:
+            local.load_state_dict(server.state_dict())
+    for params, _, _ in results[:2]:
+        for name, value in local.named_parameters():
+            torch.testing.assert_close(params[name], value.detach(), atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_hogwild_sync_every_step_adds_every_groups_change():
     # Every group's change is added to the master copy: with sync_freq=1, two groups of one
     # worker take, together, the step of one process with twice the learning rate on both

@@ -105,6 +105,10 @@ def test_checkpoint_round_trip():
 def test_headers_round_trip_and_reject_malformed():
     h = Header(Op.UPDATE, 3, 7, 2, 40)
     assert Header.decode(h.encode()) == h
+    for ok in (Header(Op.PUSH, 3, 7, 2, 40), Header(Op.ACK, 3, 8, 5, 0), Header(Op.STOP, -1, 0, 2, 0)):
+        assert Header.decode(ok.encode()) == ok
+    with pytest.raises(MessageError, match="ACK message with payload length 4"):
+        Header.decode(Header(Op.ACK, 3, 8, 5, 4).encode())
     bad = h.encode()
     bad[0] = 123
     with pytest.raises(MessageError, match="bad magic"):

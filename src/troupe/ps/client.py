@@ -64,6 +64,8 @@ def join_cluster(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, info:
     workers = [r.rank for r in everyone if r.worker]
     if cluster.share_memory:
         warnings.warn("share_memory has no effect: troupe runs one worker per process (nworkers_per_procs 1)")
+    if cluster.fetch_freq != 1 and not cluster.server_worker_separate:
+        warnings.warn(f"fetch_freq {cluster.fetch_freq} has no effect: co-located servers update the workers' copy")
     # Every rank creates every group, in the same order (torch.distributed requires it).
     # Messages get a group of their own with a long timeout: a server waits as long as the
     # workers train between two messages, and a timed-out Gloo receive breaks the channel.
@@ -156,6 +158,8 @@ class PSClient:
         self.staleness: list[int] = []
         """Per step: the most versions any slice moved beyond this worker's own update (0 when synchronous)."""
         self.closed = False
+        self.steps = 0
+        self._op = Op.UPDATE
         atexit.register(self.close)
 
     def start(self) -> None:
@@ -171,6 +175,9 @@ class PSClient:
         self._collect(count_staleness=False)
 
     def backward_and_update(self, loss: Tensor) -> None:
+        self.steps += 1
+        # Downpour's n_fetch: between fetches the servers only acknowledge and the worker keeps its values.
+        self._op = Op.UPDATE if self.steps % self.cluster.fetch_freq == 0 else Op.PUSH
         self.reducer.begin(self._send_bucket)
         try:
             loss.backward()
@@ -207,14 +214,14 @@ class PSClient:
         self._sends.append(self.world.isend(header, server, tag=HEADER_TAG))
         if payload is not None:
             self._sends.append(self.world.isend(payload.contiguous(), server, tag=PAYLOAD_TAG))
-        if op in (Op.GET, Op.UPDATE):
+        if op in (Op.GET, Op.UPDATE, Op.PUSH):
             self._expected[server] += 1
 
     def _send_bucket(self, bucket) -> Handle:
         for k, p in enumerate(bucket.params):
             flat = bucket.view(k).reshape(-1)
             for s in self.by_param[self.index[id(p)]]:
-                self._post(Op.UPDATE, s, self.server_of[s.id], flat[s.start : s.stop])
+                self._post(self._op, s, self.server_of[s.id], flat[s.start : s.stop])
         return Handle(None)
 
     @torch.no_grad()
@@ -230,12 +237,13 @@ class PSClient:
                 if header.op is Op.PING:
                     continue
                 s = self.slices[header.slice_id] if 0 <= header.slice_id < len(self.slices) else None
-                check(header, src=server, expected_length=s and s.numel, allowed={Op.REPLY})
+                check(header, src=server, expected_length=s and s.numel, allowed={Op.REPLY, Op.ACK})
                 if s is None or self.server_of[s.id] != server:
                     raise MessageError(f"reply from server {server} for slice {header.slice_id} it does not hold")
-                value = torch.empty(header.length, dtype=self.params[s.param].dtype)
-                self.world.recv(value, server, tag=PAYLOAD_TAG)
-                self._flat(s).copy_(value)
+                if header.op is Op.REPLY:
+                    value = torch.empty(header.length, dtype=self.params[s.param].dtype)
+                    self.world.recv(value, server, tag=PAYLOAD_TAG)
+                    self._flat(s).copy_(value)
                 worst = max(worst, header.version - self.version[s.id] - 1)
                 self.version[s.id] = header.version
                 remaining -= 1

@@ -38,9 +38,13 @@ class Op(IntEnum):
     """Worker -> server: I have finished training."""
     PING = 6
     """Server -> worker: are you alive? (no answer expected; a dead peer makes the send fail)"""
+    PUSH = 7
+    """Worker -> server: an Update whose answer need not carry values (the worker fetches every n steps)."""
+    ACK = 8
+    """Server -> worker: your update of the slice is applied; it is now at `version` (no values)."""
 
 
-WITH_PAYLOAD = {Op.PUT, Op.UPDATE, Op.REPLY}
+WITH_PAYLOAD = {Op.PUT, Op.UPDATE, Op.PUSH, Op.REPLY}
 """Ops whose header is followed by a payload of `length` elements."""
 
 

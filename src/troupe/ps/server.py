@@ -78,6 +78,8 @@ class Server:
         self._start = time.perf_counter()
         self.processes = processes or {}
         self.fail_on_death = fail_on_death
+        self.no_values: set[tuple[int, int]] = set()
+        """(worker, slice) pairs whose pending update was a Push: the answer is an Ack."""
         """Synchronous clusters cannot go on without a worker: end the job with a clear error instead."""
         """(hostname, pid) of each worker, to tell a dead worker from a slow one."""
 
@@ -117,13 +119,13 @@ class Server:
             if src not in self.live:
                 raise MessageError(f"{header.op.name} from rank {src}, which is not a live worker of this server")
             check(header, src=src, expected_length=slice_ and slice_.numel,
-                  allowed={Op.GET, Op.PUT, Op.UPDATE, Op.STOP})
-            if header.op in (Op.GET, Op.PUT, Op.UPDATE) and slice_ is None:
+                  allowed={Op.GET, Op.PUT, Op.UPDATE, Op.PUSH, Op.STOP})
+            if header.op in (Op.GET, Op.PUT, Op.UPDATE, Op.PUSH) and slice_ is None:
                 raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id}, not held here")
             if header.op is Op.PUT and src not in self.putters:
                 raise MessageError(f"PUT from rank {src}: only the first worker group puts initial values")
-            if header.op is Op.UPDATE and header.slice_id not in self.shard.initialised:
-                raise MessageError(f"UPDATE from rank {src} for slice {header.slice_id} before any PUT")
+            if header.op in (Op.UPDATE, Op.PUSH) and header.slice_id not in self.shard.initialised:
+                raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id} before any PUT")
         except MessageError:
             self._drain(src, header.length)
             raise
@@ -142,7 +144,9 @@ class Server:
                 self._reply(src, header.slice_id)
             else:
                 self.waiting_gets[header.slice_id].append((src, header.version))
-        elif header.op is Op.UPDATE:
+        elif header.op in (Op.UPDATE, Op.PUSH):
+            if header.op is Op.PUSH:
+                self.no_values.add((src, header.slice_id))
             try:
                 done = self.shard.update(header.slice_id, src, payload, header.version)
             except ValueError as e:
@@ -166,6 +170,10 @@ class Server:
     def _reply(self, worker: int, slice_id: int) -> None:
         version, value = self.shard.get(slice_id)
         try:
+            if (worker, slice_id) in self.no_values:  # a Push: acknowledge without values
+                self.no_values.discard((worker, slice_id))
+                self.comm.send(Header(Op.ACK, slice_id, version, self.rank, 0).encode(), worker, HEADER_TAG)
+                return
             self.comm.send(Header(Op.REPLY, slice_id, version, self.rank, value.numel()).encode(), worker, HEADER_TAG)
             self.comm.send(value, worker, PAYLOAD_TAG)
         except RuntimeError as e:  # Gloo: "Connection closed by peer"
