@@ -37,6 +37,11 @@ def make_sgd(params, lr=0.1):
     return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-2)
 
 
+def make_sched(opt):
+    # the servers' optimizers must follow a schedule run on the worker's optimizer
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+
 def send_malformed(opt):
     """Messages a server must reject without applying anything (and without losing its footing)."""
     from troupe.ps.messages import HEADER_TAG, PAYLOAD_TAG, Header, Op
@@ -63,6 +68,7 @@ def train_in_cluster(rank, world_size, bucket_size, malformed=False):
         assert e.code == 0
         return "server"
     opt.sync_parameters(model)
+    sched = make_sched(opt.optimizer)
     xs, ys = batches(opt.world_size)
     r = opt.global_rank
     if malformed and r == 1:
@@ -70,6 +76,7 @@ def train_in_cluster(rank, world_size, bucket_size, malformed=False):
     for step in range(STEPS):
         loss = F.cross_entropy(model(xs[step, r * BATCH : (r + 1) * BATCH]), ys[step, r * BATCH : (r + 1) * BATCH])
         opt(loss)
+        sched.step()
     staleness = list(opt.ps.staleness)
     opt.close()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, staleness, opt.world_size
@@ -79,11 +86,13 @@ def train_reference(nworkers, lr=0.1):
     torch.manual_seed(100)
     model = MLP()
     opt = make_sgd(model.parameters(), lr)
+    sched = make_sched(opt)
     xs, ys = batches(nworkers)
     for step in range(STEPS):
         opt.zero_grad()
         F.cross_entropy(model(xs[step]), ys[step]).backward()
         opt.step()
+        sched.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -99,9 +108,14 @@ def test_server_checkpoint_resumes_slices_and_optimizer_state(tmp_path):
     opt = make_sgd(model.parameters())
     xs, ys = batches(1)
     for step in list(range(STEPS)) * 2:
+        if step == 0:  # the resumed script starts its schedule afresh
+            for group in opt.param_groups:
+                group["lr"] = 0.1
+            sched = make_sched(opt)
         opt.zero_grad()
         F.cross_entropy(model(xs[step]), ys[step]).backward()
         opt.step()
+        sched.step()
     for name, value in model.named_parameters():
         torch.testing.assert_close(resumed[name], value.detach(), atol=1e-5, rtol=1e-5, msg=name)
 
@@ -137,6 +151,7 @@ def test_fetch_every_other_step_computes_gradients_at_the_last_fetched_values():
     server, local = MLP(), MLP()
     local.load_state_dict(server.state_dict())
     opt = make_sgd(server.parameters())
+    sched = make_sched(opt)
     xs, ys = batches(2)
     for step in range(STEPS):
         local.zero_grad()
@@ -144,6 +159,7 @@ def test_fetch_every_other_step_computes_gradients_at_the_last_fetched_values():
         for p, q in zip(server.parameters(), local.parameters()):
             p.grad = q.grad
         opt.step()
+        sched.step()
         if (step + 1) % 2 == 0:
             local.load_state_dict(server.state_dict())
     for params, _, _ in results[:2]:

@@ -86,6 +86,17 @@ def test_async_groups_apply_separately_and_dead_worker_completes_its_group():
         shard.update(s.id, 2, one)
 
 
+def test_learning_rates_follow_the_workers_param_groups():
+    a, b, c = torch.zeros(3), torch.zeros(2), torch.zeros(4)
+    template = torch.optim.SGD([{"params": [a]}, {"params": [b], "lr": 0.5}, {"params": [c]}], lr=0.1)
+    slices = plan_slices([3, 2, 4], 2)
+    shard = ParamShard([s for s in slices if s.server == 1], template, [0, 1, 2], {0: {0}})
+    shard.set_lr([0.01, 0.02, 0.03])  # this shard holds no slice of parameter 0: its group is left out
+    assert [g["lr"] for g in shard.optimizer.param_groups] == [0.02, 0.03]
+    with pytest.raises(ValueError, match="expected 3 learning rates"):
+        shard.set_lr([0.1])
+
+
 def test_checkpoint_round_trip():
     params = make_params()
     template = torch.optim.SGD([p.clone() for p in params], lr=0.1, momentum=0.9)

@@ -86,7 +86,7 @@ def join_cluster(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, info:
     comm_mod.set_default(workers_comm)
     view = dataclasses.replace(info, global_rank=workers.index(role.rank), world_size=len(workers))
     if cluster.server_worker_separate:
-        strategy = PSClient(cluster, role, everyone, world, params, bucket_size)
+        strategy = PSClient(cluster, role, everyone, world, params, bucket_size, optimizer)
     else:
         strategy = CoLocated(cluster, role, group_comms[role.worker[0]], workers_comm, optimizer, bucket_size)
     return view, strategy
@@ -136,7 +136,7 @@ class PSClient:
     """A worker talking to separate servers: Update per bucket during backward, fresh slices after."""
 
     def __init__(self, cluster: ClusterConfig, role: Role, everyone: Sequence[Role], world: Communicator,
-                 params: Sequence[Tensor], bucket_size: int):
+                 params: Sequence[Tensor], bucket_size: int, optimizer: torch.optim.Optimizer):
         self.cluster, self.role, self.world = cluster, role, world
         self.rank = role.rank
         self.params = list(params)
@@ -160,6 +160,9 @@ class PSClient:
         self.closed = False
         self.steps = 0
         self._op = Op.UPDATE
+        self.optimizer = optimizer
+        """The wrapped optimizer: only its learning rates are used (a scheduler's changes go to the servers)."""
+        self._sent_lrs: list[float] | None = None  # the first step always sends (a resumed server may differ)
         atexit.register(self.close)
 
     def start(self) -> None:
@@ -178,6 +181,13 @@ class PSClient:
         self.steps += 1
         # Downpour's n_fetch: between fetches the servers only acknowledge and the worker keeps its values.
         self._op = Op.UPDATE if self.steps % self.cluster.fetch_freq == 0 else Op.PUSH
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        if lrs != self._sent_lrs:
+            self._sent_lrs = lrs
+            for server in self._my_servers():
+                header = Header(Op.LR, -1, 0, self.rank, len(lrs)).encode()
+                self._sends.append(self.world.isend(header, server, tag=HEADER_TAG))
+                self._sends.append(self.world.isend(torch.tensor(lrs, dtype=torch.float64), server, tag=PAYLOAD_TAG))
         self.reducer.begin(self._send_bucket)
         try:
             loss.backward()
@@ -199,6 +209,9 @@ class PSClient:
             log.warning("troupe worker %d: could not say stop to the servers: %s", self.rank, e)
 
     # --- internals ----------------------------------------------------------------------
+
+    def _my_servers(self) -> list[int]:
+        return sorted(set(self.server_of.values()))
 
     def _replicas(self, s) -> list[int]:
         """The server of slice s in every server group (all need initial values)."""
@@ -268,6 +281,7 @@ class CoLocated:
                 f"{cluster.nworker_groups}, {cluster.nserver_groups})"
             )
         self.cluster, self.group, self.workers = cluster, group, workers
+        self.optimizer = optimizer
         self.params, param_group_of = trainable(optimizer)
         self.slices = plan_slices([p.numel() for p in self.params], cluster.nservers_per_group)
         self.index = role.worker[1]
@@ -290,6 +304,7 @@ class CoLocated:
 
     @torch.no_grad()
     def _apply_own(self) -> None:
+        self.shard.set_lr([g["lr"] for g in self.optimizer.param_groups])  # follow the user's scheduler
         for s in self.mine:
             grad = self.params[s.param].grad
             if grad is not None:  # unused everywhere in the group: no update, as in one process

@@ -42,9 +42,11 @@ class Op(IntEnum):
     """Worker -> server: an Update whose answer need not carry values (the worker fetches every n steps)."""
     ACK = 8
     """Server -> worker: your update of the slice is applied; it is now at `version` (no values)."""
+    LR = 9
+    """Worker -> server: the learning rate of each param group changed (float64 payload; a scheduler ran)."""
 
 
-WITH_PAYLOAD = {Op.PUT, Op.UPDATE, Op.PUSH, Op.REPLY}
+WITH_PAYLOAD = {Op.PUT, Op.UPDATE, Op.PUSH, Op.REPLY, Op.LR}
 """Ops whose header is followed by a payload of `length` elements."""
 
 

@@ -118,8 +118,9 @@ class Server:
         try:
             if src not in self.live:
                 raise MessageError(f"{header.op.name} from rank {src}, which is not a live worker of this server")
-            check(header, src=src, expected_length=slice_ and slice_.numel,
-                  allowed={Op.GET, Op.PUT, Op.UPDATE, Op.PUSH, Op.STOP})
+            expected = self.shard.ngroups if header.op is Op.LR else slice_ and slice_.numel
+            allowed = {Op.GET, Op.PUT, Op.UPDATE, Op.PUSH, Op.STOP, Op.LR}
+            check(header, src=src, expected_length=expected, allowed=allowed)
             if header.op in (Op.GET, Op.PUT, Op.UPDATE, Op.PUSH) and slice_ is None:
                 raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id}, not held here")
             if header.op is Op.PUT and src not in self.putters:
@@ -127,13 +128,15 @@ class Server:
             if header.op in (Op.UPDATE, Op.PUSH) and header.slice_id not in self.shard.initialised:
                 raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id} before any PUT")
         except MessageError:
-            self._drain(src, header.length)
+            self._drain(header, src)
             raise
         payload = None
         if header.length:
-            payload = torch.empty(header.length, dtype=self.shard.dtype)
+            payload = torch.empty(header.length, dtype=torch.float64 if header.op is Op.LR else self.shard.dtype)
             self.comm.recv(payload, src, tag=PAYLOAD_TAG)
-        if header.op is Op.PUT:
+        if header.op is Op.LR:
+            self.shard.set_lr(payload.tolist())
+        elif header.op is Op.PUT:
             if header.slice_id in self.shard.initialised:
                 return  # the first Put wins (or the server resumed from a checkpoint)
             self.shard.put(header.slice_id, payload)
@@ -155,10 +158,12 @@ class Server:
         elif header.op is Op.STOP:
             self._forget(src)
 
-    def _drain(self, src: int, length: int) -> None:
+    def _drain(self, header: Header, src: int) -> None:
         # Consume the payload a rejected header announces, so the next message from src lines up.
-        if 0 < length <= self.max_len:
-            self.comm.recv(torch.empty(length, dtype=self.shard.dtype), src, tag=PAYLOAD_TAG)
+        if header.op is Op.LR and 0 < header.length <= self.shard.ngroups:
+            self.comm.recv(torch.empty(header.length, dtype=torch.float64), src, tag=PAYLOAD_TAG)
+        elif 0 < header.length <= self.max_len:
+            self.comm.recv(torch.empty(header.length, dtype=self.shard.dtype), src, tag=PAYLOAD_TAG)
 
     def _replies(self, slice_id: int, workers: list[int]) -> None:
         for worker in workers:

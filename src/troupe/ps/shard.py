@@ -106,6 +106,8 @@ class ParamShard:
         for k in sorted(self.slices):
             groups[param_group_of[self.slices[k].param]].append(self.values[k])
         self.optimizer = server_optimizer(template, groups)
+        self.ngroups = len(template.param_groups)
+        self._group_of_server_group = [i for i, g in enumerate(groups) if g]  # empty groups are left out
         self._pending: dict[tuple[int, int], _Pending] = {}
         self.updates = 0
         self.staleness: list[int] = []
@@ -200,6 +202,14 @@ class ParamShard:
             value.grad = None
         self.version[slice_id] += 1
         self.updates += 1
+
+    def set_lr(self, lrs: Sequence[float]) -> None:
+        """Follow the workers' learning rates (one per param group of the wrapped optimizer)."""
+        if len(lrs) != self.ngroups:
+            raise ValueError(f"expected {self.ngroups} learning rates (one per param group), got {len(lrs)}")
+        if self.optimizer is not None:
+            for group, i in zip(self.optimizer.param_groups, self._group_of_server_group):
+                group["lr"] = float(lrs[i])
 
     def delta_since_sync(self, slice_id: int) -> Tensor:
         """``cur - last_sync``: what this group changed since it last synced with the master copy."""
