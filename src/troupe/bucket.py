@@ -16,15 +16,20 @@ from torch import Tensor
 
 DEFAULT_BUCKET_SIZE = 2**19
 """Elements per bucket (2 MiB of fp32); see docs/benchmarks.md for the measurement."""
+FIRST_BUCKET_SIZE = 2**18
+"""Cap of the first bucket (1 MiB of fp32), so the last layers' gradients go out early."""
 
 
-def plan_buckets(params: Sequence[Tensor], bucket_size: int) -> list[list[int]]:
+def plan_buckets(params: Sequence[Tensor], bucket_size: int, first_bucket_size: int = FIRST_BUCKET_SIZE) -> list[list[int]]:
     """Group parameter indices into buckets, in reverse order (about the order backward yields them).
 
-    Parameters of different dtype or device never share a bucket. As in SINGA, a tensor
-    of at least `bucket_size` elements is a bucket of its own; smaller ones are fused
-    until the bucket reaches `bucket_size`. Depends only on shapes, so every rank with
-    the same model gets the same plan.
+    Buckets close in that order, so bucket i's gradients are ready no later than bucket
+    i+1's and launching in index order never holds back an early gradient. A bucket closes
+    once it holds at least its cap; as in SINGA, a tensor of at least the cap is a bucket of
+    its own (closing the open one first, to keep the order). The first bucket's cap is
+    ``min(bucket_size, first_bucket_size)``, as DDP's, so communication starts early in
+    backward. Parameters of different dtype or device never share a bucket. Depends only on
+    shapes, so every rank with the same model gets the same plan.
     """
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be >= 1 element, got {bucket_size}")
@@ -33,13 +38,16 @@ def plan_buckets(params: Sequence[Tensor], bucket_size: int) -> list[list[int]]:
     for i in reversed(range(len(params))):
         p = params[i]
         key = (p.dtype, p.device)
-        if p.numel() >= bucket_size:
+        cap = bucket_size if buckets else min(bucket_size, first_bucket_size)
+        if p.numel() >= cap:
+            if key in open_:
+                buckets.append(open_.pop(key)[0])
             buckets.append([i])
             continue
         members, size = open_.get(key, ([], 0))
         members.append(i)
         size += p.numel()
-        if size >= bucket_size:
+        if size >= cap:
             buckets.append(members)
             open_.pop(key, None)
         else:

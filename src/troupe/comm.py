@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from troupe import launch as _launch
 from troupe import trace, watchdog
 
 Op = Literal["sum", "mean", "max", "min"]
@@ -89,7 +90,9 @@ class Communicator:
         if not dist.is_initialized():
             raise RuntimeError("Communicator needs an initialised process group: call troupe.init() first")
         self.group = group
-        self.world = dist.group.WORLD
+        # Which world this is, without holding its process group (that would keep Gloo's
+        # threads alive past destroy_process_group, into interpreter shutdown).
+        self.generation = _launch.generation
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
@@ -355,6 +358,12 @@ def set_default(communicator: Communicator) -> None:
 _default: Communicator | None = None
 
 
+def forget_default() -> None:
+    """Drop the default communicator (at shutdown)."""
+    global _default
+    _default = None
+
+
 def default() -> Communicator:
     """The communicator over the whole job, created on first use (joins the job if needed)."""
     global _default
@@ -362,6 +371,6 @@ def default() -> Communicator:
 
     init()
     # A new world (after troupe.shutdown() and init()) needs a new communicator.
-    if _default is None or _default.world is not dist.group.WORLD:
+    if _default is None or _default.generation != _launch.generation:
         _default = Communicator()
     return _default

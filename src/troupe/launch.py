@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import hashlib
 import hmac
 import logging
@@ -101,6 +102,8 @@ class DistInfo:
 
 _info: DistInfo | None = None
 _store: dist.Store | None = None  # keeps rank 0's TCP server alive
+generation = 0
+"""Bumped by every init(), so objects can tell which world they belong to."""
 _listen_sockets: list[socket.socket] = []
 
 
@@ -143,6 +146,7 @@ def init(
     if _info is not None:
         return _info
     if dist.is_initialized():
+        _bump_generation()
         _info = _adopt_existing_group()
         return _info
     timeout = _seconds(timeout, "TROUPE_TIMEOUT", DEFAULT_TIMEOUT)
@@ -190,6 +194,7 @@ def init(
         watchdog.start(_side_store(ticket.addr, ticket.port, f"troupe/{ticket.token}/"), rank, world_size)
     trace.start(rank)
     atexit.register(shutdown)  # leave in order: background threads must not outlive the store
+    _bump_generation()
     _info = DistInfo(
         global_rank=rank,
         local_rank=local_rank,
@@ -200,6 +205,11 @@ def init(
         launcher=launcher,
     )
     return _info
+
+
+def _bump_generation() -> None:
+    global generation
+    generation += 1
 
 
 def _check_ranks(rank: int, local_rank: int, world_size: int) -> None:
@@ -311,6 +321,7 @@ def _init_torchrun(backend: str | None, timeout: float) -> DistInfo:
     watchdog.start(_side_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), "troupe/"), rank, world)
     trace.start(rank)
     atexit.register(shutdown)
+    _bump_generation()
     _info = DistInfo(rank, local_rank, world, local_world, _device(backend, local_rank), backend, "torchrun")
     return _info
 
@@ -360,8 +371,14 @@ def shutdown() -> None:
     """Leave the job: destroy the process group so a later `init()` starts afresh."""
     global _info, _store
     watchdog.stop()
+    from troupe import comm
+
+    comm.forget_default()
     if dist.is_initialized():
         dist.destroy_process_group()
+    # Collect now what still references the groups' work objects: their last references must not
+    # be dropped by a backend thread during interpreter shutdown (that aborts the process).
+    gc.collect()
     _info, _store = None, None
 
 

@@ -20,9 +20,19 @@ class TestPlanBuckets:
         ps = params(10, 20, 30, 40)
         assert plan_buckets(ps, 50) == [[3, 2], [1, 0]]
 
-    def test_large_tensor_is_alone(self):
+    def test_large_tensor_is_alone_and_order_is_kept(self):
         ps = params(5, 1000, 5)
-        assert plan_buckets(ps, 100) == [[1], [2, 0]]
+        # backward yields param 2 first: its bucket closes before the big one, never after
+        assert plan_buckets(ps, 100) == [[2], [1], [0]]
+
+    def test_first_bucket_is_smaller(self):
+        ps = params(*([100] * 10))
+        assert plan_buckets(ps, 400, first_bucket_size=200) == [[9, 8], [7, 6, 5, 4], [3, 2, 1, 0]]
+
+    def test_buckets_follow_gradient_order(self):
+        sizes = [int(s) for s in np.random.default_rng(1).integers(1, 3000, size=30)]
+        order = [i for b in plan_buckets(params(*sizes), 1000, first_bucket_size=300) for i in b]
+        assert order == list(reversed(range(30)))
 
     def test_dtypes_never_share_a_bucket(self):
         ps = params(4, 4) + params(4, dtype=torch.float64)
