@@ -151,9 +151,10 @@ def main() -> None:
         print(f"skipping simulated hosts: {why_not}", file=sys.stderr)
     table: dict[str, dict[int, list[dict]]] = {link: {} for link in links}
     for rep in range(args.reps):  # repetitions interleave every configuration
+        single = run_loopback(1, args) if 1 in args.workers else None  # one worker sends nothing: any link
         for link in links:
             for n in args.workers:
-                r = run_loopback(n, args) if link == "loopback" or n == 1 else run_hosts(n, link, args)
+                r = single if n == 1 else run_loopback(n, args) if link == "loopback" else run_hosts(n, link, args)
                 table[link].setdefault(n, []).append(r)
                 print(f"rep {rep} {link:>8} n={n}: {r['samples_per_s']:.0f} samples/s", file=sys.stderr, flush=True)
     print(f"MNIST CNN, batch {args.batch}/worker, {args.steps} steps after {args.warmup} warm-up, "
