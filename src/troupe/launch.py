@@ -151,60 +151,68 @@ def init(
         return _info
     timeout = _seconds(timeout, "TROUPE_TIMEOUT", DEFAULT_TIMEOUT)
     join_timeout = _seconds(join_timeout, "TROUPE_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT)
+    how = _detect(ticket, local_rank, world_size, rank)
+    _check_ranks(how.rank, how.local_rank, how.world_size)
+    backend = _pick_backend(backend, how.local_rank, how.local_world)
+    pg_timeout = datetime.timedelta(seconds=timeout)
+    side = None
+    if how.launcher == "torchrun":  # torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT
+        dist.init_process_group(backend, init_method="env://", timeout=pg_timeout)
+        side = _side_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), "troupe/")
+    else:
+        t = how.ticket
+        store = dist.HashStore() if t is None else _join(t, how.rank, how.world_size, join_timeout)
+        if t is not None and t.addr in (LOOPBACK, "localhost"):
+            # Gloo picks its interface from the hostname; keep a local job on loopback.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(backend, store=store, rank=how.rank, world_size=how.world_size, timeout=pg_timeout)
+        if t is not None:
+            side = _side_store(t.addr, t.port, f"troupe/{t.token}/")
+    if side is not None:
+        watchdog.start(side, how.rank, how.world_size)
+    trace.start(how.rank)
+    atexit.register(shutdown)  # leave in order: background threads must not outlive the store
+    _bump_generation()
+    _info = DistInfo(how.rank, how.local_rank, how.world_size, how.local_world, _device(backend, how.local_rank),
+                     backend, how.launcher)
+    return _info
+
+
+@dataclass(frozen=True)
+class _Launch:
+    launcher: str
+    ticket: Ticket | None
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world: int
+
+
+def _detect(ticket: Ticket | str | None, local_rank: int | None, world_size: int | None,
+            rank: int | None) -> _Launch:
+    """Which launcher started this process, and where it puts this rank."""
     if ticket is None and os.environ.get("TROUPE_TICKET"):
-        ticket = os.environ["TROUPE_TICKET"]
-        launcher = "troupe"
-        rank = _env_int("RANK")
-        local_rank = _env_int("LOCAL_RANK")
-        world_size = _env_int("WORLD_SIZE")
-        local_world = _env_int("LOCAL_WORLD_SIZE") or world_size
-    elif ticket is not None:
-        launcher = "ticket"
+        world = _env_int("WORLD_SIZE")
+        return _Launch("troupe", Ticket.decode(os.environ["TROUPE_TICKET"]), _env_int("RANK"),
+                       _env_int("LOCAL_RANK"), world, _env_int("LOCAL_WORLD_SIZE") or world)
+    if ticket is not None:
         if local_rank is None or world_size is None:
             raise ValueError("a ticket needs local_rank and world_size too")
         local_world = world_size if rank is None else _env_int("LOCAL_WORLD_SIZE") or world_size
-    elif "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= os.environ.keys():
-        return _init_torchrun(backend, timeout)
-    elif _env_int("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE") is not None:
-        ticket, rank, local_rank, world_size, local_world = _mpi_ticket()
-        launcher = "mpi"
-    elif (world_size or 1) > 1 or local_rank or rank:
+        ticket = Ticket.decode(ticket) if isinstance(ticket, str) else ticket
+        return _Launch("ticket", ticket, local_rank if rank is None else rank, local_rank, world_size, local_world)
+    if "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= os.environ.keys():
+        world = _env_int("WORLD_SIZE")
+        return _Launch("torchrun", None, _env_int("RANK"), _env_int("LOCAL_RANK") or 0, world,
+                       _env_int("LOCAL_WORLD_SIZE") or world)
+    if _env_int("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE") is not None:
+        return _Launch("mpi", *_mpi_ticket())
+    if (world_size or 1) > 1 or local_rank or rank:
         raise ValueError(
             f"local_rank={local_rank}, world_size={world_size} were given without a ticket: make "
             "ticket = troupe.Ticket() in the parent process and pass it to every rank"
         )
-    else:
-        ticket, rank, local_rank, world_size, local_world, launcher = None, 0, 0, 1, 1, "single"
-
-    if isinstance(ticket, str):
-        ticket = Ticket.decode(ticket)
-    rank = local_rank if rank is None else rank
-    _check_ranks(rank, local_rank, world_size)
-    backend = _pick_backend(backend, local_rank, local_world)
-    pg_timeout = datetime.timedelta(seconds=timeout)
-    if ticket is None:
-        store: dist.Store = dist.HashStore()
-    else:
-        store = _join(ticket, rank, world_size, join_timeout)
-    if ticket is not None and ticket.addr in (LOOPBACK, "localhost"):
-        # Gloo picks its interface from the hostname; keep a local job on loopback.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
-    if ticket is not None:
-        watchdog.start(_side_store(ticket.addr, ticket.port, f"troupe/{ticket.token}/"), rank, world_size)
-    trace.start(rank)
-    atexit.register(shutdown)  # leave in order: background threads must not outlive the store
-    _bump_generation()
-    _info = DistInfo(
-        global_rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        local_world_size=local_world,
-        device=_device(backend, local_rank),
-        backend=backend,
-        launcher=launcher,
-    )
-    return _info
+    return _Launch("single", None, 0, 0, 1, 1)
 
 
 def _bump_generation() -> None:
@@ -308,22 +316,6 @@ def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float) -> di
     if rank == 0 and refused:
         log.warning("troupe: refused %d join attempt(s) with a wrong ticket token", refused)
     return store
-
-
-def _init_torchrun(backend: str | None, timeout: float) -> DistInfo:
-    global _info
-    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    local_rank = _env_int("LOCAL_RANK") or 0
-    local_world = _env_int("LOCAL_WORLD_SIZE") or world
-    _check_ranks(rank, local_rank, world)
-    backend = _pick_backend(backend, local_rank, local_world)
-    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
-    watchdog.start(_side_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), "troupe/"), rank, world)
-    trace.start(rank)
-    atexit.register(shutdown)
-    _bump_generation()
-    _info = DistInfo(rank, local_rank, world, local_world, _device(backend, local_rank), backend, "torchrun")
-    return _info
 
 
 def _side_store(addr: str, port: int, prefix: str) -> dist.Store:

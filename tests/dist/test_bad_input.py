@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_JOIN_TIMEOUT": "4", "TROUPE_TIMEOUT": "20"}
 
 
-def spawn(code: str, *args: str) -> subprocess.Popen:
+def spawn(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**ENV, **(env or {})}, cwd=ROOT,
     )
 
 
@@ -57,7 +57,8 @@ def test_world_size_larger_than_processes_started():
     import troupe
 
     t = troupe.Ticket()
-    procs = [spawn(JOIN, t.addr, str(t.port), t.token, str(r), "3") for r in range(2)]
+    # long enough for both processes to start (importing torch takes seconds on a loaded machine)
+    procs = [spawn(JOIN, t.addr, str(t.port), t.token, str(r), "3", env={"TROUPE_JOIN_TIMEOUT": "15"}) for r in range(2)]
     for p in procs:
         code, out = finish(p)
         assert code != 0 and "missing ranks [2]" in out and "world_size=3" in out
