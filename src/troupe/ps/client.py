@@ -247,8 +247,6 @@ class PSClient:
                 raw = empty_header()
                 self.world.recv(raw, server, tag=HEADER_TAG)
                 header = Header.decode(raw)
-                if header.op is Op.PING:
-                    continue
                 s = self.slices[header.slice_id] if 0 <= header.slice_id < len(self.slices) else None
                 check(header, src=server, expected_length=s and s.numel, allowed={Op.REPLY, Op.ACK})
                 if s is None or self.server_of[s.id] != server:

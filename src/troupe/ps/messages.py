@@ -36,8 +36,6 @@ class Op(IntEnum):
     """Server -> worker: the slice's value at `version`."""
     STOP = 5
     """Worker -> server: I have finished training."""
-    PING = 6
-    """Server -> worker: are you alive? (no answer expected; a dead peer makes the send fail)"""
     PUSH = 7
     """Worker -> server: an Update whose answer need not carry values (the worker fetches every n steps)."""
     ACK = 8

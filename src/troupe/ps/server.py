@@ -74,14 +74,14 @@ class Server:
         self.max_len = max((s.numel for s in shard.slices.values()), default=0)
         self.rejected = 0
         self.dead: list[int] = []
-        self._lock = threading.Lock()
-        self._start = time.perf_counter()
         self.processes = processes or {}
+        """(hostname, pid) of each worker, to tell a dead worker from a slow one."""
         self.fail_on_death = fail_on_death
+        """Synchronous clusters cannot go on without a worker: end the job with a clear error instead."""
         self.no_values: set[tuple[int, int]] = set()
         """(worker, slice) pairs whose pending update was a Push: the answer is an Ack."""
-        """Synchronous clusters cannot go on without a worker: end the job with a clear error instead."""
-        """(hostname, pid) of each worker, to tell a dead worker from a slow one."""
+        self._lock = threading.Lock()  # the loop and the watch thread both change the shard
+        self._start = time.perf_counter()
 
     def serve(self) -> ServerStats:
         """Run until every worker has stopped or died."""
@@ -114,22 +114,29 @@ class Server:
 
     def _handle(self, src: int, raw: torch.Tensor) -> None:
         header = Header.decode(raw)  # without a valid header the payload length is unknown: drop it
-        slice_ = self.shard.slices.get(header.slice_id)
         try:
-            if src not in self.live:
-                raise MessageError(f"{header.op.name} from rank {src}, which is not a live worker of this server")
-            expected = self.shard.ngroups if header.op is Op.LR else slice_ and slice_.numel
-            allowed = {Op.GET, Op.PUT, Op.UPDATE, Op.PUSH, Op.STOP, Op.LR}
-            check(header, src=src, expected_length=expected, allowed=allowed)
-            if header.op in (Op.GET, Op.PUT, Op.UPDATE, Op.PUSH) and slice_ is None:
-                raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id}, not held here")
-            if header.op is Op.PUT and src not in self.putters:
-                raise MessageError(f"PUT from rank {src}: only the first worker group puts initial values")
-            if header.op in (Op.UPDATE, Op.PUSH) and header.slice_id not in self.shard.initialised:
-                raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id} before any PUT")
+            self._validate(src, header)
         except MessageError:
             self._drain(header, src)
             raise
+        self._apply(src, header)
+
+    def _validate(self, src: int, header: Header) -> None:
+        """Raise `MessageError` unless this server can apply the message."""
+        slice_ = self.shard.slices.get(header.slice_id)
+        if src not in self.live:
+            raise MessageError(f"{header.op.name} from rank {src}, which is not a live worker of this server")
+        expected = self.shard.ngroups if header.op is Op.LR else slice_ and slice_.numel
+        allowed = {Op.GET, Op.PUT, Op.UPDATE, Op.PUSH, Op.STOP, Op.LR}
+        check(header, src=src, expected_length=expected, allowed=allowed)
+        if header.op in (Op.GET, Op.PUT, Op.UPDATE, Op.PUSH) and slice_ is None:
+            raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id}, not held here")
+        if header.op is Op.PUT and src not in self.putters:
+            raise MessageError(f"PUT from rank {src}: only the first worker group puts initial values")
+        if header.op in (Op.UPDATE, Op.PUSH) and header.slice_id not in self.shard.initialised:
+            raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id} before any PUT")
+
+    def _apply(self, src: int, header: Header) -> None:
         payload = None
         if header.length:
             payload = torch.empty(header.length, dtype=torch.float64 if header.op is Op.LR else self.shard.dtype)
