@@ -38,7 +38,7 @@ def troupe_reduce(comm: Communicator, buckets: list[Bucket], grads: list[torch.T
     for b in buckets:
         b.reset()
         for p in b.params:
-            b.add_grad(p, grads[id(p)])
+            b.add_grad(p, grads[id(p)], reduce.prescale)
         b.seal()
         handles.append(reduce(b))
     for h in handles:

@@ -25,11 +25,11 @@ def plan_buckets(params: Sequence[Tensor], bucket_size: int, first_bucket_size: 
 
     Buckets close in that order, so bucket i's gradients are ready no later than bucket
     i+1's and launching in index order never holds back an early gradient. A bucket closes
-    once it holds at least its cap; as in SINGA, a tensor of at least the cap is a bucket of
-    its own (closing the open one first, to keep the order). The first bucket's cap is
-    ``min(bucket_size, first_bucket_size)``, as DDP's, so communication starts early in
-    backward. Parameters of different dtype or device never share a bucket. Depends only on
-    shapes, so every rank with the same model gets the same plan.
+    as soon as it holds at least its cap, the tensor that crossed it included (as DDP; so a
+    tensor of at least the cap arriving at an empty bucket travels alone, as in SINGA). The
+    first bucket's cap is ``min(bucket_size, first_bucket_size)``, as DDP's, so communication
+    starts early in backward. Parameters of different dtype or device never share a bucket.
+    Depends only on shapes, so every rank with the same model gets the same plan.
     """
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be >= 1 element, got {bucket_size}")
@@ -39,11 +39,6 @@ def plan_buckets(params: Sequence[Tensor], bucket_size: int, first_bucket_size: 
         p = params[i]
         key = (p.dtype, p.device)
         cap = bucket_size if buckets else min(bucket_size, first_bucket_size)
-        if p.numel() >= cap:
-            if key in open_:
-                buckets.append(open_.pop(key)[0])
-            buckets.append([i])
-            continue
         members, size = open_.get(key, ([], 0))
         members.append(i)
         size += p.numel()
@@ -92,15 +87,18 @@ class Bucket:
     def view(self, k: int) -> Tensor:
         return self.data[self.offsets[k] : self.offsets[k] + self.numels[k]].view_as(self.params[k])
 
-    def add_grad(self, param: Tensor, grad: Tensor) -> bool:
-        """Copy one gradient in; True when every parameter of the bucket has arrived."""
+    def add_grad(self, param: Tensor, grad: Tensor, scale: float | None = None) -> bool:
+        """Copy one gradient in (times `scale`, if given); True when every parameter has arrived."""
         k = self.slot[id(param)]
         if self.used[k]:
             raise RuntimeError(
                 "a parameter received a second gradient in one step; call backward once per "
                 "backward_and_update (or use retain_graph only outside DistOpt)"
             )
-        self.view(k).copy_(grad)
+        if scale is None:
+            self.view(k).copy_(grad)
+        else:
+            torch.mul(grad.view_as(self.params[k]), scale, out=self.view(k))
         self.used[k] = True
         self.pending -= 1
         return self.pending == 0

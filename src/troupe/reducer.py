@@ -21,21 +21,19 @@ from troupe.comm import Communicator, Handle
 
 ReduceFn = Callable[[Bucket], Handle]
 """Starts the reduction of a sealed bucket; when its handle completes, ``bucket.data``
-holds the averaged gradients and ``bucket.flags`` the per-parameter sum of used flags."""
+holds the averaged gradients and ``bucket.flags`` the per-parameter sum of used flags.
+A ReduceFn may set a ``prescale`` attribute: gradients are then multiplied by it as they
+are copied into the bucket."""
 
 
 def mean_all_reduce(comm: Communicator) -> ReduceFn:
-    """The plain strategy: sum the whole buffer (gradients and flags), then divide the gradients."""
+    """The plain strategy: gradients enter the bucket already divided by the world size (its
+    `prescale`, saving a pass), then the whole buffer (gradients and flags) is summed."""
 
     def reduce(bucket: Bucket) -> Handle:
-        inner = comm.all_reduce(bucket.buffer, "sum", async_op=True)
+        return comm.all_reduce(bucket.buffer, "sum", async_op=True)
 
-        def finish() -> None:
-            inner.wait()
-            bucket.data.div_(comm.world_size)
-
-        return Handle(None, finish)
-
+    reduce.prescale = 1.0 / comm.world_size  # type: ignore[attr-defined]
     return reduce
 
 
@@ -67,6 +65,7 @@ class GradReducer:
             b.reset()
         self._active_fn = reduce_fn or self.reduce_fn
         self.last_fn = self._active_fn
+        self._scale = getattr(self._active_fn, "prescale", None)
         self._ready = [False] * len(self.buckets)
         self._next = 0
         self._handles = []
@@ -76,7 +75,7 @@ class GradReducer:
         if not self.armed:
             return
         bucket = self._bucket_of[id(param)]
-        if bucket.add_grad(param, param.grad):
+        if bucket.add_grad(param, param.grad, self._scale):
             self._ready[bucket.index] = True
             self._launch_ready()
         # The averaged gradient comes back as a view of the bucket; free autograd's copy now.

@@ -89,7 +89,7 @@ def train_reference(world_size, opt_name):
 
 @pytest.mark.parametrize(
     "opt_name,world_size,bucket_size",
-    [("sgd", 2, 100), ("adam", 2, 2**19), ("adadelta", 3, 64)],
+    [("sgd", 2, 50), ("adam", 2, 2**19), ("adadelta", 3, 40)],
 )
 def test_matches_single_process_combined_batch(opt_name, world_size, bucket_size):
     results = run_world(train_distributed, world_size, opt_name, bucket_size)

@@ -22,8 +22,10 @@ class TestPlanBuckets:
 
     def test_large_tensor_is_alone_and_order_is_kept(self):
         ps = params(5, 1000, 5)
-        # backward yields param 2 first: its bucket closes before the big one, never after
-        assert plan_buckets(ps, 100) == [[2], [1], [0]]
+        # backward yields param 2 first; the big one joins it and closes the bucket (order kept)
+        assert plan_buckets(ps, 100) == [[2, 1], [0]]
+        # arriving at an empty bucket, a tensor of at least the cap travels alone (SINGA)
+        assert plan_buckets(params(1000, 5), 100) == [[1, 0]] and plan_buckets(params(5, 1000), 100) == [[1], [0]]
 
     def test_first_bucket_is_smaller(self):
         ps = params(*([100] * 10))
