@@ -7,6 +7,7 @@ bytes per collective without instrumenting the backend.
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -89,14 +90,25 @@ class Communicator:
     def __init__(self, group: dist.ProcessGroup | None = None):
         if not dist.is_initialized():
             raise RuntimeError("Communicator needs an initialised process group: call troupe.init() first")
-        self.group = group
-        # Which world this is, without holding its process group (that would keep Gloo's
-        # threads alive past destroy_process_group, into interpreter shutdown).
-        self.generation = _launch.generation
+        # Hold the group weakly (torch's registry holds it until destroy_process_group): a
+        # strong reference would keep Gloo's threads alive into interpreter shutdown, where
+        # their last release of a work object aborts the process.
+        self._group = None if group is None else weakref.ref(group)
+        self.generation = _launch.generation  # which world this is
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
         self.traffic: dict[str, Traffic] = defaultdict(Traffic)
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group (None: the whole job)."""
+        if self._group is None:
+            return None
+        group = self._group()
+        if group is None:
+            raise RuntimeError("this communicator's process group is gone (troupe.shutdown() was called)")
+        return group
 
     # --- bookkeeping -------------------------------------------------------------
 
@@ -336,14 +348,11 @@ class Communicator:
         """
         kwargs = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
         group = dist.new_group(sorted(ranks), **kwargs)
-        return Communicator(group) if dist.get_rank() in ranks else _Outside(group)
+        return Communicator(group) if dist.get_rank() in ranks else _Outside()
 
 
 class _Outside:
     """What `new_group` returns on a rank outside the group: using it is a bug."""
-
-    def __init__(self, group: object):
-        self.group = group
 
     def __getattr__(self, name: str):
         raise RuntimeError(f"this rank ({dist.get_rank()}) is not a member of the group; cannot call {name}")

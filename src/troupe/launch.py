@@ -104,6 +104,12 @@ _info: DistInfo | None = None
 _store: dist.Store | None = None  # keeps rank 0's TCP server alive
 generation = 0
 """Bumped by every init(), so objects can tell which world they belong to."""
+_shutdown_hooks: list = []
+
+
+def on_shutdown(hook) -> None:
+    """Run `hook()` when this process leaves the job (`shutdown()` or exit), before the groups go."""
+    _shutdown_hooks.append(hook)
 _listen_sockets: list[socket.socket] = []
 
 
@@ -362,6 +368,9 @@ def info() -> DistInfo:
 def shutdown() -> None:
     """Leave the job: destroy the process group so a later `init()` starts afresh."""
     global _info, _store
+    hooks, _shutdown_hooks[:] = list(_shutdown_hooks), []
+    for hook in reversed(hooks):  # e.g. a parameter-server worker telling its servers it is done
+        hook()
     watchdog.stop()
     from troupe import comm
 

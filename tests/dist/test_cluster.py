@@ -278,3 +278,29 @@ def test_sandblaster_worker_killed_fails_fast():
     assert done.returncode != 0
     assert "rank 1 exited with signal 9; stopped the other ranks" in done.stderr
     assert "accuracy" not in done.stdout
+
+
+SHUTDOWN_SCRIPT = """
+import torch, troupe
+torch.set_num_threads(1)
+m = torch.nn.Linear(4, 2)
+opt = troupe.DistOpt(torch.optim.SGD(m.parameters(), lr=0.1))
+for _ in range(3):
+    opt(m(torch.randn(8, 4)).square().mean())
+troupe.shutdown()  # leaving explicitly must still tell the servers this worker is done
+print("worker done", flush=True)
+"""
+
+
+def test_explicit_shutdown_lets_servers_finish(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "s.py"
+    script.write_text(SHUTDOWN_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "troupe.cli", "run", "-n", "3", "--framework", "sandblaster",
+                           str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "worker done" in proc.stdout

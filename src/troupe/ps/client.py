@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import os
@@ -27,7 +26,7 @@ from torch import Tensor
 from troupe import comm as comm_mod
 from troupe.cluster import ClusterConfig, Role, roles
 from troupe.comm import Communicator, Handle
-from troupe.launch import DistInfo, shutdown
+from troupe.launch import DistInfo, on_shutdown, shutdown
 from troupe.ps.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
 from troupe.ps.shard import ParamShard, plan_slices
 from troupe.ps.server import Server
@@ -163,7 +162,7 @@ class PSClient:
         self.optimizer = optimizer
         """The wrapped optimizer: only its learning rates are used (a scheduler's changes go to the servers)."""
         self._sent_lrs: list[float] | None = None  # the first step always sends (a resumed server may differ)
-        atexit.register(self.close)
+        on_shutdown(self.close)  # at exit too: troupe.shutdown() runs at exit
 
     def start(self) -> None:
         """The first worker group Puts the initial parameters (shared out among its workers); everyone Gets."""
