@@ -137,7 +137,8 @@ def troupe_strategy(args: argparse.Namespace, bucket: int | str) -> Strategy:
     model = build_model(args)
     total = sum(p.numel() for p in model.parameters())
     size = total if bucket == "all" else bucket
-    sgd = troupe.DistOpt(make_sgd(model), bucket_size=size)
+    # "all": one bucket for the whole model (the first bucket's cap too)
+    sgd = troupe.DistOpt(make_sgd(model), bucket_size=size, first_bucket_size=size)
     sgd.sync_parameters(model)
 
     def step(x: Tensor, y: Tensor) -> None:

@@ -46,7 +46,8 @@ def instrument_troupe(args, bucket):
     """A DistOpt step whose phases are timed by wrapping the reducer's and buckets' methods."""
     model = build_model(args)
     total = sum(p.numel() for p in model.parameters())
-    sgd = troupe.DistOpt(make_sgd(model), bucket_size=total if bucket == "all" else bucket)
+    sizes = {"bucket_size": total, "first_bucket_size": total} if bucket == "all" else {"bucket_size": bucket}
+    sgd = troupe.DistOpt(make_sgd(model), **sizes)
     sgd.sync_parameters(model)
     red = sgd.reducer
     phases: dict[str, float] = defaultdict(float)

@@ -310,14 +310,24 @@ def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float) -> di
     store.set(f"rank/{rank}", f"{socket.gethostname()}:{os.getpid()}")
     store.add("joined", 1)
     deadline = time.monotonic() + join_timeout
-    while store.add("joined", 0) < world_size:
-        if time.monotonic() > deadline:
-            missing = [r for r in range(world_size) if not store.check([f"rank/{r}"])]
-            raise TimeoutError(
-                f"rank {rank}: {len(missing)} of {world_size} ranks did not join within {join_timeout:.0f}s: "
-                f"missing ranks {missing} (does world_size={world_size} match the processes started?)"
-            )
-        time.sleep(0.02)
+    try:
+        while store.add("joined", 0) < world_size:
+            if store.check(["abort"]):  # another rank gave up first: report the same reason
+                raise TimeoutError(f"rank {rank}: {store.get('abort').decode()}")
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world_size) if not store.check([f"rank/{r}"])]
+                why = (f"{len(missing)} of {world_size} ranks did not join within {join_timeout:.0f}s: "
+                       f"missing ranks {missing} (does world_size={world_size} match the processes started?)")
+                store.set("abort", why)
+                if rank == 0:
+                    time.sleep(1.0)  # the store lives in this process: let the others read why
+                raise TimeoutError(f"rank {rank}: {why}")
+            time.sleep(0.02)
+    except RuntimeError:  # torch's DistNetworkError: the store is gone
+        raise ConnectionError(
+            f"rank {rank}: lost the job's rendezvous at {ticket.addr}:{ticket.port} while waiting for all "
+            f"{world_size} ranks to join (rank 0 gave up or died)"
+        ) from None
     refused = int(base.add("troupe/refused", 0))
     if rank == 0 and refused:
         log.warning("troupe: refused %d join attempt(s) with a wrong ticket token", refused)

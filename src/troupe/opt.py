@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from troupe import comm as comm_mod
 from troupe import nonfinite as nonfinite_mod
 from troupe import trace, watchdog
-from troupe.bucket import DEFAULT_BUCKET_SIZE
+from troupe.bucket import DEFAULT_BUCKET_SIZE, FIRST_BUCKET_SIZE
 from troupe.cluster import from_env as cluster_from_env
 from troupe.comm import Handle
 from troupe.launch import Ticket, init
@@ -63,6 +63,7 @@ class DistOpt:
         rank: int | None = None,
         backend: str | None = None,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
+        first_bucket_size: int = FIRST_BUCKET_SIZE,
         timeout: float | None = None,
         join_timeout: float | None = None,
         compression: CompressionConfig | None = None,
@@ -70,8 +71,9 @@ class DistOpt:
     ):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistOpt wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
-            raise ValueError(f"bucket_size must be a positive number of elements, got {bucket_size!r}")
+        for name, size in (("bucket_size", bucket_size), ("first_bucket_size", first_bucket_size)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be a positive number of elements, got {size!r}")
         if nan_policy not in NAN_POLICIES:
             raise ValueError(f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}")
         if compression is not None and not isinstance(compression, CompressionConfig):
@@ -99,7 +101,7 @@ class DistOpt:
         self._check_same_everywhere([(tuple(p.shape), str(p.dtype)) for p in params], "the optimizer's parameters")
         self._broadcast(params)
         plain = self.world_size > 1 and self.ps is None
-        self.reducer = GradReducer(params, self.communicator, bucket_size) if plain else None
+        self.reducer = GradReducer(params, self.communicator, bucket_size, first_bucket_size) if plain else None
         if self.reducer is not None:
             self.reducer.label_buckets(self.param_name)  # by position; by name once a model is attached
         self.strategies = Strategies(self, compression or CompressionConfig())
@@ -197,15 +199,7 @@ class DistOpt:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
         else:
-            self.reducer.begin(reduce_fn)
-            try:
-                loss.backward()
-            except BaseException:
-                self.reducer.abort()
-                raise
-            if rec is not None:
-                rec.mark("backward_end")
-            self.reducer.finish()
+            self.reducer.backward(loss, reduce_fn)
         if rec is not None:
             rec.mark("reduced")
 

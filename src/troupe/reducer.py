@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
-from troupe import watchdog
-from troupe.bucket import Bucket, plan_buckets
+from troupe import trace, watchdog
+from troupe.bucket import FIRST_BUCKET_SIZE, Bucket, plan_buckets
 from troupe.comm import Communicator, Handle
 
 ReduceFn = Callable[[Bucket], Handle]
@@ -40,10 +40,11 @@ def mean_all_reduce(comm: Communicator) -> ReduceFn:
 class GradReducer:
     """Buckets the given parameters and reduces their gradients as backward produces them."""
 
-    def __init__(self, params: Sequence[Tensor], comm: Communicator, bucket_size: int):
+    def __init__(self, params: Sequence[Tensor], comm: Communicator, bucket_size: int,
+                 first_bucket_size: int = FIRST_BUCKET_SIZE):
         self.comm = comm
         self.params = [p for p in params if p.requires_grad]
-        plan = plan_buckets(self.params, bucket_size)
+        plan = plan_buckets(self.params, bucket_size, first_bucket_size)
         self.buckets = [Bucket(i, [self.params[j] for j in members]) for i, members in enumerate(plan)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.reduce_fn: ReduceFn = mean_all_reduce(comm)
@@ -107,6 +108,19 @@ class GradReducer:
         self.begin(self.last_fn)
         for bucket in self.buckets:
             bucket.active = False
+        return self.finish()
+
+    def backward(self, loss: Tensor, reduce_fn: ReduceFn | None = None) -> int:
+        """``loss.backward()`` with each bucket reduced by `reduce_fn` as it fills; returns the active ranks."""
+        self.begin(reduce_fn)
+        try:
+            loss.backward()
+        except BaseException:
+            self.abort()
+            raise
+        rec = trace._recorder
+        if rec is not None:
+            rec.mark("backward_end")
         return self.finish()
 
     def label_buckets(self, name_of: Callable[[Tensor], str]) -> None:

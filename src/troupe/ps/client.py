@@ -187,13 +187,7 @@ class PSClient:
                 header = Header(Op.LR, -1, 0, self.rank, len(lrs)).encode()
                 self._sends.append(self.world.isend(header, server, tag=HEADER_TAG))
                 self._sends.append(self.world.isend(torch.tensor(lrs, dtype=torch.float64), server, tag=PAYLOAD_TAG))
-        self.reducer.begin(self._send_bucket)
-        try:
-            loss.backward()
-        except BaseException:
-            self.reducer.abort()
-            raise
-        self.reducer.finish()
+        self.reducer.backward(loss, self._send_bucket)
         self._collect(count_staleness=True)
 
     def close(self) -> None:
@@ -313,13 +307,7 @@ class CoLocated:
                 p.grad = None
             loss.backward()
         else:
-            self.reducer.begin()
-            try:
-                loss.backward()
-            except BaseException:
-                self.reducer.abort()
-                raise
-            self.reducer.finish()
+            self.reducer.backward(loss)
         self._apply_own()
         self._all_gather()
         self.steps += 1

@@ -41,7 +41,5 @@ if __name__ == "__main__":
         procs = [ctx.Process(target=train, args=(out, ticket, r, n)) for r in range(n)]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join()
-        sys.exit(max(abs(p.exitcode) for p in procs))
+        sys.exit(troupe.wait_all(procs))
     train(out)
