@@ -124,13 +124,21 @@ def ddp_strategy(args: argparse.Namespace) -> Strategy:
     model = DDP(build_model(args), bucket_cap_mb=args.ddp_bucket_mb, **no_buffer_sync)
     opt = make_sgd(model)
 
+    step = plain_step(model, opt)
+
+    return Strategy("DDP", step, buckets=f"cap {args.ddp_bucket_mb:g} MB")
+
+
+def plain_step(model, opt):
+    """One ordinary PyTorch step (DDP reduces inside backward; without DDP nothing is sent)."""
+
     def step(x: Tensor, y: Tensor) -> None:
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
 
-    return Strategy("DDP", step, buckets=f"cap {args.ddp_bucket_mb:g} MB")
+    return step
 
 
 def troupe_strategy(args: argparse.Namespace, bucket: int | str) -> Strategy:
@@ -152,11 +160,7 @@ def local_strategy(args: argparse.Namespace) -> Strategy:
     model = build_model(args)
     opt = make_sgd(model)
 
-    def step(x: Tensor, y: Tensor) -> None:
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+    step = plain_step(model, opt)
 
     return Strategy("local (no communication)", step, buckets="0")
 
