@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster_flags(run)
     run.add_argument("--stats", metavar="FILE", default=None, help="per-step stats of every rank, as JSON lines")
     run.add_argument("--timeline", metavar="FILE", default=None, help="a Chrome trace (chrome://tracing, Perfetto)")
+    run.add_argument("--tensorboard", metavar="DIR", default=None,
+                     help="per-step stats as TensorBoard scalars, one run per rank (DIR/rank0, ...)")
     run.add_argument("script", help="the training script (a .py file)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     sub.add_parser("info", help="what this machine offers: torch, backends, devices, MPI")
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return run(args)
-    except ValueError as e:
+    except (ValueError, ImportError) as e:  # bad arguments; a missing optional package (tensorboard)
         print(f"troupe run: {e}", file=sys.stderr)
         return 2
 
@@ -86,13 +88,15 @@ def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
     for name in FIELD_FLAGS:
         group.add_argument("--" + name.replace("_", "-"), type=_positive, default=None)
     group.add_argument("--server-worker-separate", action=argparse.BooleanOptionalAction, default=None)
+    group.add_argument("--group-merge", choices=("mean", "sum"), default=None,
+                       help="how asynchronous worker groups' changes combine (default mean; sum is SINGA's)")
 
 
 def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     """Resolve the cluster (if any), fix -n from it, print every rank's role; the env var that carries it."""
     from troupe.cluster import ENV_VAR, FIELD_FLAGS, resolve, roles
 
-    fields = {name: getattr(args, name) for name in (*FIELD_FLAGS, "server_worker_separate")}
+    fields = {name: getattr(args, name) for name in (*FIELD_FLAGS, "server_worker_separate", "group_merge")}
     total = None if args.nproc is None else args.nproc * args.nnodes
     cluster = resolve(args.framework, args.cluster, total, **fields)
     if cluster is None:
@@ -127,6 +131,11 @@ def run(args: argparse.Namespace) -> int:
             if os.path.exists(flag):
                 os.remove(flag)  # stats are appended to: start each job afresh
             extra_env[var] = os.path.abspath(flag)
+    if args.tensorboard:
+        from troupe.tensorboard import require
+
+        require()  # one clear error here, not one per rank
+        extra_env["TROUPE_TENSORBOARD"] = os.path.abspath(args.tensorboard)
     extra_env.update(_cluster_env(args))
     resume = "yes" if args.resume else "no"
     for attempt in range(args.max_restarts + 1):
@@ -149,6 +158,9 @@ def _report(args: argparse.Namespace) -> None:
     if args.timeline and os.path.exists(args.timeline):
         trace.merge_timelines(args.timeline, args.nproc * args.nnodes)
         print(f"troupe run: timeline in {args.timeline} (open in chrome://tracing or ui.perfetto.dev)",
+              file=sys.stderr)
+    if args.tensorboard:
+        print(f"troupe run: TensorBoard scalars in {args.tensorboard} (tensorboard --logdir {args.tensorboard})",
               file=sys.stderr)
 
 

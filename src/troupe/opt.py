@@ -135,6 +135,7 @@ class DistOpt:
 
     def backward_and_update(self, loss: Tensor) -> None:
         """Backward, average gradients across ranks (overlapped with backward), optimizer step."""
+        self._note_loss(loss)
         if self.ps is not None:  # the cluster's servers run the optimizer
             self.ps.backward_and_update(loss)
             self.step_count += 1
@@ -190,6 +191,13 @@ class DistOpt:
             extra["staleness"] = self.ps.staleness[-1]
         return extra
 
+    @staticmethod
+    def _note_loss(loss: Tensor) -> None:
+        """Per-step stats carry the loss (only when stats, a timeline or TensorBoard are on)."""
+        rec = trace._recorder
+        if rec is not None:
+            rec.note_loss(loss)
+
     def _backward(self, loss: Tensor, reduce_fn: ReduceFn | None = None) -> None:
         """Backward with each bucket reduced by `reduce_fn` (default: the plain mean all-reduce)."""
         rec = trace._recorder
@@ -213,6 +221,7 @@ class DistOpt:
         Each rank divides by the world size before the cast, so the sum cannot overflow;
         `clipping` first clips every gradient element to [-clip_value, clip_value] (SINGA).
         """
+        self._note_loss(loss)
         self.strategies.half(loss, clipping, clip_value, dtype)
 
     def backward_and_partial_update(self, loss: Tensor) -> None:
@@ -220,6 +229,7 @@ class DistOpt:
 
         Chunk size, periodic full averaging and warm-up come from `CompressionConfig`.
         """
+        self._note_loss(loss)
         self.strategies.partial_update(loss)
 
     def backward_and_sparse_update(
@@ -231,6 +241,7 @@ class DistOpt:
         `topK=False`: every element with ``|g| >= spars``. `corr` adds back what was not
         sent in earlier steps (error feedback).
         """
+        self._note_loss(loss)
         self.strategies.sparse(loss, spars, topK, corr)
 
     @property

@@ -1,7 +1,7 @@
-"""Per-step stats (JSON lines) and a timeline (Chrome trace) of what each rank does in a step.
+"""Per-step stats (JSON lines), a timeline (Chrome trace) and TensorBoard scalars of what each rank does in a step.
 
-Enabled by `troupe run --stats FILE --timeline FILE` (or ``TROUPE_STATS`` / ``TROUPE_TIMELINE``);
-when neither is set nothing here runs in the training loop.
+Enabled by `troupe run --stats FILE --timeline FILE --tensorboard DIR` (or ``TROUPE_STATS`` /
+``TROUPE_TIMELINE`` / ``TROUPE_TENSORBOARD``); when none is set nothing here runs in the training loop.
 
 A step, as seen by rank r::
 
@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Any
 
+from troupe.tensorboard import ScalarWriter
+
 _recorder: Recorder | None = None
 
 
@@ -31,7 +33,8 @@ def _now_us() -> float:
 class Recorder:
     """Collects one rank's step phases and collective spans; writes stats lines and trace events."""
 
-    def __init__(self, rank: int, stats_path: str | None, timeline_path: str | None):
+    def __init__(self, rank: int, stats_path: str | None, timeline_path: str | None,
+                 tensorboard_dir: str | None = None):
         self.rank = rank
         self.stats_path, self.timeline_path = stats_path, timeline_path
         self.events: list[dict[str, Any]] = []
@@ -39,6 +42,9 @@ class Recorder:
         self._marks: dict[str, float] = {}
         self._spans: list[tuple[float, float]] = []
         self._bytes_at_start = 0
+        self._loss: Any = None
+        # First, so a missing tensorboard package fails here (at start) and opens no stats file.
+        self._board = ScalarWriter(tensorboard_dir, rank) if tensorboard_dir else None
         self._stats_file = open(stats_path, "a", buffering=1) if stats_path else None
         atexit.register(self.close)
 
@@ -47,6 +53,10 @@ class Recorder:
     def mark(self, name: str) -> None:
         """Record when a phase boundary happened this step (backward, backward_end, reduced)."""
         self._marks[name] = _now_us()
+
+    def note_loss(self, loss: Any) -> None:
+        """The loss this step's backward starts from (read as a number only when the step ends)."""
+        self._loss = loss.detach() if hasattr(loss, "detach") else loss
 
     def span(self, name: str, start_us: float, end_us: float, **args: Any) -> None:
         """A collective that ran from start to end (any thread)."""
@@ -74,9 +84,14 @@ class Recorder:
             "optimizer_ms": (end - reduced) / 1e3, "bytes_sent": bytes_sent - self._bytes_at_start,
             **(extra or {}),
         }
+        if self._loss is not None:
+            row["loss"] = float(self._loss)
+            self._loss = None
         self._bytes_at_start = bytes_sent
         if self._stats_file:
             self._stats_file.write(json.dumps(row) + "\n")
+        if self._board:
+            self._board.write(row)
         if self.timeline_path:
             for name, a, b in (("forward", start, bwd), ("backward", bwd, bwd_end),
                                ("wait for reductions", bwd_end, reduced), ("optimizer step", reduced, end)):
@@ -88,6 +103,8 @@ class Recorder:
         self._marks = {"forward": _now_us()}
 
     def close(self) -> None:
+        if self._board:
+            self._board.close()
         if self._stats_file:
             self._stats_file.close()
             self._stats_file = None
@@ -113,11 +130,12 @@ def _rank_path(path: str, rank: int) -> str:
 
 
 def start(rank: int) -> Recorder | None:
-    """Start recording if TROUPE_STATS or TROUPE_TIMELINE is set."""
+    """Start recording if TROUPE_STATS, TROUPE_TIMELINE or TROUPE_TENSORBOARD is set."""
     global _recorder
     stats, timeline = os.environ.get("TROUPE_STATS"), os.environ.get("TROUPE_TIMELINE")
-    if _recorder is None and (stats or timeline):
-        _recorder = Recorder(rank, stats, timeline)
+    board = os.environ.get("TROUPE_TENSORBOARD")
+    if _recorder is None and (stats or timeline or board):
+        _recorder = Recorder(rank, stats, timeline, board)
     return _recorder
 
 
