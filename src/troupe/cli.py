@@ -106,7 +106,8 @@ def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
         raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {args.nnodes}")
     args.nproc = cluster.nprocs // args.nnodes
     if cluster.nworker_groups > 1:  # asynchronous groups: the others go on when a worker dies
-        args.tolerate = {r.rank for r in roles(cluster) if r.worker and not r.server}
+        # (with co-located servers the dead worker's group, server and master copies go with it)
+        args.tolerate = {r.rank for r in roles(cluster) if r.worker and r.rank != 0}
     if args.node_rank == 0:
         print(f"troupe run: cluster {cluster.to_json()}", file=sys.stderr)
         for role in roles(cluster):

@@ -54,6 +54,11 @@ class ClusterConfig:
     the servers only acknowledge their updates."""
     staleness_bound: int | None = None
     """Stale-synchronous: a worker group more than this many updates ahead of the slowest waits (None: no bound)."""
+    group_merge: Literal["mean", "sum"] = "mean"
+    """How the changes of asynchronous worker groups combine. "mean": each group counts 1/G (a Downpour
+    server steps with lr / G per group's update; a Hogwild master copy adds a group's change / G), so
+    the learning rate means what it means synchronously. "sum": SINGA's rule, each group's full change
+    (G times the step; diverges at a learning rate one group trains well with)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -61,6 +66,9 @@ class ClusterConfig:
             if f.type == "bool":
                 if not isinstance(value, bool):
                     raise TypeError(f"{f.name} must be true or false, got {value!r}")
+            elif f.name == "group_merge":
+                if value not in ("mean", "sum"):
+                    raise ValueError(f"group_merge must be 'mean' or 'sum', got {value!r}")
             elif f.type == "int | None":
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                     raise ValueError(f"{f.name} must be an integer >= 0 or unset, got {value!r}")
@@ -239,10 +247,12 @@ def roles(config: ClusterConfig) -> list[Role]:
 _FIELD = re.compile(r"^\s*(\w+)\s*[:=]\s*([^\s#;]+)\s*[;,]?\s*(?:#.*)?$")
 
 
-def _value(key: str, raw: str) -> int | bool:
+def _value(key: str, raw: str) -> int | bool | str:
     low = raw.lower()
     if low in ("true", "false"):
         return low == "true"
+    if key == "group_merge":
+        return raw.strip("\"'")
     try:
         return int(raw)
     except ValueError:
@@ -337,7 +347,7 @@ def resolve(
         raise ValueError("give either --framework or --cluster, not both")
     if framework is not None:
         # Flags that do not change the shape (sync_freq, ...) keep the preset rescalable to -n.
-        reshaped = set(fields) - {"sync_freq", "fetch_freq", "staleness_bound", "share_memory"}
+        reshaped = set(fields) - {"sync_freq", "fetch_freq", "staleness_bound", "share_memory", "group_merge"}
         cfg = preset(framework, None if reshaped else nprocs)
     elif path is not None:
         cfg = load(path)

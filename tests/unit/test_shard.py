@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from troupe.ps import groupsync
 from troupe.ps.messages import Header, MessageError, Op, check
 from troupe.ps.shard import ParamShard, plan_slices
 
@@ -95,6 +96,32 @@ def test_learning_rates_follow_the_workers_param_groups():
     assert [g["lr"] for g in shard.optimizer.param_groups] == [0.02, 0.03]
     with pytest.raises(ValueError, match="expected 3 learning rates"):
         shard.set_lr([0.1])
+
+
+def test_asynchronous_groups_share_the_learning_rate():
+    # group_merge "mean": a server fed by 2 asynchronous groups steps with lr / 2 for each group's update,
+    # from the start and after a scheduler changes the workers' lr
+    w = torch.zeros(4)
+    template = torch.optim.SGD([w], lr=0.1)
+    shard = ParamShard(plan_slices([4], 1), template, [0], {0: {0}, 1: {1}}, lr_scale=0.5)
+    assert shard.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    shard.put(0, torch.zeros(4))
+    shard.update(0, 1, torch.ones(4))
+    torch.testing.assert_close(shard.values[0], torch.full((4,), -0.05))
+    shard.set_lr([0.2])
+    assert shard.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def test_group_sync_parts_cover_every_slice_once_balanced():
+    slices = plan_slices([1000, 10, 7, 3000, 1, 2], 2)
+    for ngroups in (1, 2, 3, 5):
+        parts = groupsync.parts(slices, ngroups)
+        for s in slices:  # each slice is cut into consecutive ranges, one per group (empty ones left out)
+            ranges = sorted((lo, hi) for p in parts for t, lo, hi in p if t == s)
+            assert ranges[0][0] == 0 and ranges[-1][1] == s.numel
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        sizes = [sum(hi - lo for _, lo, hi in p) for p in parts]
+        assert max(sizes) - min(sizes) <= len(slices)  # within one element per slice
 
 
 def test_checkpoint_round_trip():

@@ -6,7 +6,8 @@
 * `CoLocated` (servers share the workers' processes: AllReduce, Distributed Hogwild):
   inside a group, reduce the gradients, each worker updates the slice its co-located
   server owns, then all-gather the slices; with several groups, every `sync_freq`
-  steps the groups fold their changes into the master copy.
+  steps each group folds its change into the master copies, asynchronously
+  (`troupe.ps.groupsync`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from troupe.comm import Communicator, Handle
 from troupe.launch import DistInfo, on_shutdown, shutdown
 from troupe.ps.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
 from troupe.ps.shard import ParamShard, plan_slices
-from troupe.ps.server import Server
+from troupe.ps.groupsync import GroupSync
+from troupe.ps.server import Server, process_alive
 from troupe.reducer import GradReducer
 
 log = logging.getLogger("troupe.ps")
@@ -74,6 +76,9 @@ def join_cluster(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, info:
         world.new_group([r.rank for r in everyone if r.worker and r.worker[0] == g])
         for g in range(cluster.nworker_groups)
     ]
+    separate_groups = not cluster.server_worker_separate and cluster.nworker_groups > 1
+    # Distributed Hogwild: requests to the master copies and their replies, a channel each way.
+    sync_channels = (world.new_group(workers), world.new_group(workers)) if separate_groups else None
     params, param_group_of = trainable(optimizer)
     processes = world.all_gather_object((socket.gethostname(), os.getpid()))
     log.info("troupe: %s", role.describe())
@@ -87,7 +92,8 @@ def join_cluster(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, info:
     if cluster.server_worker_separate:
         strategy = PSClient(cluster, role, everyone, world, params, bucket_size, optimizer)
     else:
-        strategy = CoLocated(cluster, role, group_comms[role.worker[0]], workers_comm, optimizer, bucket_size)
+        strategy = CoLocated(cluster, role, group_comms[role.worker[0]], optimizer, bucket_size,
+                             sync_channels, lambda rank: process_alive(*processes[rank]))
     return view, strategy
 
 
@@ -108,7 +114,9 @@ def serve(cluster, role, everyone, world, optimizer, params, param_group_of, pro
         if cluster.server_group_of(g) == sg
     }
     dtype = params[0].dtype if params else torch.float32
-    shard = ParamShard(slices, optimizer, param_group_of, members, dtype, cluster.staleness_bound)
+    # Asynchronous groups each step the shared copy: with "mean" each counts 1/G, as synchronous workers do.
+    lr_scale = 1.0 / len(members) if cluster.group_merge == "mean" else 1.0
+    shard = ParamShard(slices, optimizer, param_group_of, members, dtype, cluster.staleness_bound, lr_scale)
     putters = {r.rank for r in everyone if r.worker and r.worker[0] == 0}
     workers = [r.rank for r in everyone if r.worker]
     server = Server(world, shard, workers, putters, dict(enumerate(processes)), fail_on_death=cluster.synchronous)
@@ -262,8 +270,9 @@ class PSClient:
 class CoLocated:
     """Workers that host their group's servers: reduce, update own slices, all-gather; groups sync every sync_freq."""
 
-    def __init__(self, cluster: ClusterConfig, role: Role, group: Communicator, workers: Communicator,
-                 optimizer: torch.optim.Optimizer, bucket_size: int):
+    def __init__(self, cluster: ClusterConfig, role: Role, group: Communicator, optimizer: torch.optim.Optimizer,
+                 bucket_size: int, sync_channels: tuple[Communicator, Communicator] | None = None,
+                 alive=lambda rank: True):
         if cluster.nworkers_per_group != cluster.nservers_per_group or cluster.nworker_groups != cluster.nserver_groups:
             raise ValueError(
                 "with server_worker_separate false troupe pairs each worker with one server: needs "
@@ -271,7 +280,7 @@ class CoLocated:
                 f"{cluster.nservers_per_group}) and nworker_groups == nserver_groups (got "
                 f"{cluster.nworker_groups}, {cluster.nserver_groups})"
             )
-        self.cluster, self.group, self.workers = cluster, group, workers
+        self.cluster, self.group = cluster, group
         self.optimizer = optimizer
         self.params, param_group_of = trainable(optimizer)
         self.slices = plan_slices([p.numel() for p in self.params], cluster.nservers_per_group)
@@ -282,13 +291,29 @@ class CoLocated:
         self.reducer = GradReducer(self.params, group, bucket_size) if group.world_size > 1 else None
         self.steps = 0
         self.staleness: list[int] = []
-        self._last_sync: list[Tensor] = []
+        """Per step: updates of this group the other groups have not seen yet (0 with one group)."""
+        self.sync_channels, self.alive = sync_channels, alive
+        self.groups: GroupSync | None = None
+        self.closed = False
+        on_shutdown(self.close)
 
     def start(self) -> None:
-        """Parameters were broadcast from worker 0: they are every server's initial values."""
+        """Parameters were broadcast from worker 0: they are every server's and every master copy's initial values."""
         for s in self.mine:
             self.shard.put(s.id, self._flat(s))
-        self._last_sync = [p.detach().clone() for p in self.params]
+        if self.sync_channels is not None:
+            n = self.cluster.nworkers_per_group
+            self.groups = GroupSync(
+                *self.sync_channels,
+                group=self.me // n,
+                ngroups=self.cluster.nworker_groups,
+                rank_of=lambda k: k * n + self.index,
+                slices=self.mine,
+                values=self.shard.values,
+                merge=self.cluster.group_merge,
+                alive=self.alive,
+            )
+            self.groups.start()
 
     def _flat(self, s) -> Tensor:
         return self.params[s.param].detach().reshape(-1)[s.start : s.stop]
@@ -309,12 +334,11 @@ class CoLocated:
         else:
             self.reducer.backward(loss)
         self._apply_own()
-        self._all_gather()
         self.steps += 1
-        if self.cluster.nworker_groups > 1 and self.steps % self.cluster.sync_freq == 0:
-            self._sync_groups()
-        # Updates this group has made that the other groups have not seen yet.
-        self.staleness.append(self.steps % self.cluster.sync_freq if self.cluster.nworker_groups > 1 else 0)
+        if self.groups is not None and self.steps % self.cluster.sync_freq == 0:
+            self.groups.sync(self.shard.values)
+        self._all_gather()
+        self.staleness.append(self.steps % self.cluster.sync_freq if self.groups is not None else 0)
 
     @torch.no_grad()
     def _all_gather(self) -> None:
@@ -335,19 +359,13 @@ class CoLocated:
                 self._flat(s).copy_(got[offset : offset + s.numel])
                 offset += s.numel
 
-    @torch.no_grad()
-    def _sync_groups(self) -> None:
-        """Every group adds what it changed since the last sync (cur - last_sync) to the master copy and adopts it."""
-        delta = torch.cat([(p.detach() - last).reshape(-1) for p, last in zip(self.params, self._last_sync)])
-        self.workers.all_reduce(delta, "sum")
-        delta /= self.cluster.nworkers_per_group  # each group's workers hold the same change
-        offset = 0
-        for p, last in zip(self.params, self._last_sync):
-            last.add_(delta[offset : offset + p.numel()].view_as(p))
-            p.copy_(last)
-            offset += p.numel()
-        for s in self.mine:
-            self.shard.adopt(s.id, self._flat(s))
-
     def close(self) -> None:
-        """Nothing to tell: co-located servers end with their workers."""
+        """With several groups: fold the last changes into the master copies, then serve until every group is done."""
+        if self.closed or self.groups is None:
+            return
+        self.closed = True
+        if self.steps % self.cluster.sync_freq:
+            self.groups.sync(self.shard.values)
+            self._all_gather()
+        self.groups.close(_ps_timeout())
+        print(f"troupe group sync rank {self.me}: {self.groups.stats()}", file=sys.stderr, flush=True)

@@ -42,9 +42,11 @@ class Op(IntEnum):
     """Server -> worker: your update of the slice is applied; it is now at `version` (no values)."""
     LR = 9
     """Worker -> server: the learning rate of each param group changed (float64 payload; a scheduler ran)."""
+    SYNC = 10
+    """Group -> master copy (Distributed Hogwild): my change since I last synced (`slice_id`: my worker group)."""
 
 
-WITH_PAYLOAD = {Op.PUT, Op.UPDATE, Op.PUSH, Op.REPLY, Op.LR}
+WITH_PAYLOAD = {Op.PUT, Op.UPDATE, Op.PUSH, Op.REPLY, Op.LR, Op.SYNC}
 """Ops whose header is followed by a payload of `length` elements."""
 
 

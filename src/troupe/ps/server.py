@@ -231,16 +231,21 @@ class Server:
 
     def _alive(self, worker: int) -> bool:
         host, pid = self.processes.get(worker, (None, None))
-        if host != socket.gethostname():
-            return True
+        return process_alive(host, pid)
+
+
+def process_alive(host: str | None, pid: int | None) -> bool:
+    """False when process `pid` on this host has ended; True for other hosts (they cannot be checked)."""
+    if host != socket.gethostname() or pid is None:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-        except OSError:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                pass
-            return True
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True

@@ -93,6 +93,7 @@ class ParamShard:
         members: dict[int, set[int]],
         dtype: torch.dtype = torch.float32,
         staleness_bound: int | None = None,
+        lr_scale: float = 1.0,
     ):
         self.slices = {s.id: s for s in slices}
         self.dtype = dtype
@@ -108,6 +109,9 @@ class ParamShard:
         self.optimizer = server_optimizer(template, groups)
         self.ngroups = len(template.param_groups)
         self._group_of_server_group = [i for i, g in enumerate(groups) if g]  # empty groups are left out
+        self.lr_scale = lr_scale
+        """The server steps with the workers' learning rate times this (1/G: G asynchronous groups, "mean")."""
+        self.set_lr([g["lr"] for g in template.param_groups])
         self._pending: dict[tuple[int, int], _Pending] = {}
         self.updates = 0
         self.staleness: list[int] = []
@@ -209,7 +213,7 @@ class ParamShard:
             raise ValueError(f"expected {self.ngroups} learning rates (one per param group), got {len(lrs)}")
         if self.optimizer is not None:
             for group, i in zip(self.optimizer.param_groups, self._group_of_server_group):
-                group["lr"] = float(lrs[i])
+                group["lr"] = float(lrs[i]) * self.lr_scale
 
     def delta_since_sync(self, slice_id: int) -> Tensor:
         """``cur - last_sync``: what this group changed since it last synced with the master copy."""

@@ -1,4 +1,4 @@
-"""Downpour training where worker 1 is killed mid-run (SIGKILL: no Stop, no clean exit)."""
+"""Asynchronous training (Downpour, Hogwild) where worker 1 is killed mid-run (SIGKILL: no Stop, no clean exit)."""
 
 from __future__ import annotations
 

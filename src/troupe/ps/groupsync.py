@@ -1,0 +1,260 @@
+"""Distributed Hogwild's synchronisation between worker groups, asynchronous, through master copies.
+
+Every worker group trains on its own copy of the parameters (its co-located servers update
+it every step). The master copy of each slice is spread over the groups: the slices server
+j of a group owns are cut into G parts (G worker groups), and part k's master copy lives in
+the process of server j of group k. Every `sync_freq` steps a group folds what it changed
+since its last sync into the master copy of every part and adopts the result::
+
+    master += (cur - last_sync) / G      group_merge "mean" (default)
+    master += (cur - last_sync)          group_merge "sum" (SINGA's rule)
+    cur = last_sync = master
+
+A thread in each process answers the other groups' requests for the parts it is master of,
+so a group never waits for another beyond one message round trip: a slow group does not
+hold the others back, and a dead one is forgotten. Its own parts' master copy it updates in
+place, the same way. With "mean" and groups that sync in turn, the master copy is the
+average of the groups' models (local SGD); "sum" adds every group's full change, G times a
+single group's step, which diverges at a learning rate one group trains well with
+(docs/clusters.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from troupe.comm import Communicator, Handle
+from troupe.ps.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
+from troupe.ps.shard import Slice
+
+log = logging.getLogger("troupe.ps")
+
+WATCH_INTERVAL = 0.5
+"""Seconds between checks that the peer groups' processes still exist."""
+
+
+def parts(slices: Sequence[Slice], ngroups: int) -> list[list[tuple[Slice, int, int]]]:
+    """For each group k, the (slice, start, stop) ranges of `slices` whose master copy group k holds."""
+    out: list[list[tuple[Slice, int, int]]] = [[] for _ in range(ngroups)]
+    for s in slices:
+        for k in range(ngroups):
+            lo, hi = s.numel * k // ngroups, s.numel * (k + 1) // ngroups
+            if hi > lo:
+                out[k].append((s, lo, hi))
+    return out
+
+
+class GroupSync:
+    """One worker's side of the group synchronisation: its requests, and the master copies it serves.
+
+    `rank_of(k)` is the global rank of the worker with this worker's index in group k;
+    requests travel on `requests` (this process's thread only receives there), replies on
+    `replies` (only the thread sends there), so each direction has its own channel.
+    """
+
+    def __init__(
+        self,
+        requests: Communicator,
+        replies: Communicator,
+        group: int,
+        ngroups: int,
+        rank_of: Callable[[int], int],
+        slices: Sequence[Slice],
+        values: Mapping[int, Tensor],
+        merge: str = "mean",
+        alive: Callable[[int], bool] = lambda rank: True,
+    ):
+        self.requests, self.replies = requests, replies
+        self.group, self.ngroups = group, ngroups
+        self.rank = rank_of(group)
+        self.peers = {k: rank_of(k) for k in range(ngroups) if k != group}
+        self.parts = parts(slices, ngroups)
+        self.sizes = [sum(hi - lo for _, lo, hi in p) for p in self.parts]
+        self.scale = 1.0 / ngroups if merge == "mean" else 1.0
+        self.alive = alive
+        self.lock = threading.Lock()
+        """Held while the master copy, its version or the set of live peers change (both threads)."""
+        self.master = self._gather(self.group, values).clone()
+        self.last = {k: self._gather(k, values).clone() for k in range(ngroups)}
+        self.seen = {k: 0 for k in range(ngroups)}
+        """Version of each master copy this worker last adopted."""
+        self.version = 0
+        self.merges: list[int] = []
+        """Per merge into this process's master copy: other merges since the sender last synced."""
+        self.missed: list[int] = []
+        """Per sync of this worker: the most merges by other groups it had not seen, over its parts."""
+        self.rejected = 0
+        self.gone: set[int] = set()
+        self._live = set(self.peers.values())
+        self._done = threading.Condition(self.lock)
+        self._thread: threading.Thread | None = None
+
+    # --- the training loop's side ----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start answering the other groups (call on every worker before the first sync)."""
+        if self.peers:
+            self._thread = threading.Thread(target=self._serve, name="troupe-group-sync", daemon=True)
+            self._thread.start()
+            threading.Thread(target=self._watch, name="troupe-group-sync-watch", daemon=True).start()
+
+    @torch.no_grad()
+    def sync(self, values: Mapping[int, Tensor]) -> None:
+        """Fold this group's change since the last sync into every master copy; adopt the results."""
+        sends: list[Handle] = []
+        asked = []
+        for k, peer in self.peers.items():
+            if peer in self.gone or not self.sizes[k]:
+                continue
+            delta = self._gather(k, values) - self.last[k]
+            header = Header(Op.SYNC, self.group, self.seen[k], self.rank, self.sizes[k])
+            try:
+                sends.append(self.requests.isend(header.encode(), peer, tag=HEADER_TAG))
+                sends.append(self.requests.isend(delta, peer, tag=PAYLOAD_TAG))
+            except RuntimeError as e:
+                self._lose(peer, str(e))
+                continue
+            asked.append(k)
+        missed = 0
+        with self.lock:
+            self.master.add_(self._gather(self.group, values) - self.last[self.group], alpha=self.scale)
+            missed = max(missed, self.version - self.seen[self.group])
+            self.version += 1
+            self.seen[self.group] = self.version
+            self._adopt(self.group, self.master, values)
+        for k in asked:
+            got = self._receive(k)
+            if got is not None:
+                version, value = got
+                missed = max(missed, version - self.seen[k] - 1)
+                self.seen[k] = version
+                self._adopt(k, value, values)
+        for h in sends:
+            try:
+                h.wait()
+            except RuntimeError as e:
+                log.warning("troupe group sync: a request was not delivered: %s", e)
+        self.missed.append(missed)
+
+    def close(self, timeout: float) -> None:
+        """Say stop to every peer, then serve until every peer has stopped or died (at most `timeout` s)."""
+        for peer in self.peers.values():
+            if peer not in self.gone:
+                try:
+                    self.requests.send(Header(Op.STOP, self.group, 0, self.rank, 0).encode(), peer, tag=HEADER_TAG)
+                except RuntimeError as e:
+                    self._lose(peer, str(e))
+        with self._done:
+            if not self._done.wait_for(lambda: not self._live, timeout=timeout):
+                log.warning("troupe group sync rank %d: peers %s did not stop within %.0fs",
+                            self.rank, sorted(self._live), timeout)
+
+    def stats(self) -> str:
+        merges = self.merges
+        mean = sum(merges) / len(merges) if merges else 0.0
+        return (f"{self.version} merges into its master copies (staleness mean {mean:.2f} max {max(merges, default=0)}), "
+                f"{self.rejected} message(s) rejected, groups gone without stopping: "
+                f"{sorted(self.gone & set(self.peers.values())) or 'none'}")
+
+    # --- internals ---------------------------------------------------------------------------------
+
+    def _gather(self, k: int, values: Mapping[int, Tensor]) -> Tensor:
+        pieces = [values[s.id][lo:hi] for s, lo, hi in self.parts[k]]
+        return torch.cat(pieces) if pieces else torch.zeros(0)
+
+    def _adopt(self, k: int, value: Tensor, values: Mapping[int, Tensor]) -> None:
+        self.last[k].copy_(value)
+        offset = 0
+        for s, lo, hi in self.parts[k]:
+            values[s.id][lo:hi].copy_(value[offset : offset + hi - lo])
+            offset += hi - lo
+
+    def _receive(self, k: int) -> tuple[int, Tensor] | None:
+        peer = self.peers[k]
+        try:
+            raw = empty_header()
+            self.replies.recv(raw, peer, tag=HEADER_TAG)
+            header = Header.decode(raw)
+            check(header, src=peer, expected_length=self.sizes[k], allowed={Op.REPLY})
+            value = torch.empty(self.sizes[k], dtype=self.master.dtype)
+            self.replies.recv(value, peer, tag=PAYLOAD_TAG)
+            return header.version, value
+        except MessageError as e:
+            raise MessageError(f"group sync reply from rank {peer}: {e}") from None
+        except RuntimeError as e:  # Gloo: the peer's process is gone
+            self._lose(peer, str(e))
+            return None
+
+    def _serve(self) -> None:
+        while True:
+            with self.lock:
+                if not self._live:
+                    return
+            raw = empty_header()
+            try:
+                src = self.requests.recv(raw, tag=HEADER_TAG)
+            except RuntimeError as e:
+                log.warning("troupe group sync rank %d: stopped serving: %s", self.rank, e)
+                return
+            try:
+                self._handle(src, raw)
+            except MessageError as e:
+                self.rejected += 1
+                log.error("troupe group sync rank %d: rejected a message from rank %d: %s", self.rank, src, e)
+
+    def _handle(self, src: int, raw: Tensor) -> None:
+        header = Header.decode(raw)
+        if src not in self._live:
+            raise MessageError(f"{header.op.name} from rank {src}, which is not a live peer of this master copy")
+        expected = self.sizes[self.group]
+        check(header, src=src, expected_length=expected, allowed={Op.SYNC, Op.STOP})
+        if header.op is Op.STOP:
+            with self._done:
+                self._live.discard(src)
+                self._done.notify_all()
+            return
+        if header.slice_id != next((k for k, r in self.peers.items() if r == src), None) or header.length != expected:
+            if 0 < header.length <= expected:  # consume the payload so the next message lines up
+                self.requests.recv(torch.empty(header.length, dtype=self.master.dtype), src, tag=PAYLOAD_TAG)
+            raise MessageError(f"SYNC from rank {src} names group {header.slice_id} and {header.length} elements; "
+                               f"expected its group and {expected}")
+        delta = torch.empty(expected, dtype=self.master.dtype)
+        self.requests.recv(delta, src, tag=PAYLOAD_TAG)
+        with self.lock:
+            self.master.add_(delta, alpha=self.scale)
+            self.merges.append(max(self.version - header.version, 0))
+            self.version += 1
+            reply = Header(Op.REPLY, self.group, self.version, self.rank, expected)
+            value = self.master.clone()
+        try:
+            self.replies.send(reply.encode(), src, tag=HEADER_TAG)
+            self.replies.send(value, src, tag=PAYLOAD_TAG)
+        except RuntimeError as e:
+            self._lose(src, str(e))
+
+    def _lose(self, peer: int, why: str) -> None:
+        with self._done:
+            if peer in self.gone:
+                return
+            self.gone.add(peer)
+            self._live.discard(peer)
+            self._done.notify_all()
+        print(f"troupe group sync rank {self.rank}: rank {peer} is gone ({why.splitlines()[0] if why else why}); "
+              "going on without its group", file=sys.stderr, flush=True)
+
+    def _watch(self) -> None:
+        while True:
+            with self.lock:
+                live = sorted(self._live)
+            if not live:
+                return
+            for peer in live:
+                if not self.alive(peer):
+                    self._lose(peer, "its process ended")
+            threading.Event().wait(WATCH_INTERVAL)
