@@ -1,14 +1,19 @@
-"""Parameter-server frameworks vs plain all-reduce: time to accuracy, server updates/s, staleness.
+"""Cluster frameworks vs plain all-reduce and PyTorch DDP: time to MNIST accuracy, server updates/s, staleness.
 
-    python benchmarks/ps.py                       # every framework, 4 processes each
-    python benchmarks/ps.py --straggler           # worker 1 runs 2x slower
-    python benchmarks/ps.py --frameworks plain,downpour --target 0.97 --steps 600
+    python benchmarks/ps.py                            # every contestant, 4 processes each
+    python benchmarks/ps.py --straggler                # worker 1 runs 2x slower
+    python benchmarks/ps.py --contestants allreduce,downpour --reps 3 --straggler
 
-Each framework trains the same MLP on MNIST through `troupe run` (the training code,
-below `worker()`, is one unchanged script; only the launch flags differ). Worker 0
-evaluates every --eval-every steps; the time to accuracy is from its first step to the
-first evaluation at or above --target. Servers report slice updates per second and
-the staleness of the updates they applied (versions applied in between).
+Every contestant trains the CNN of examples/mnist_cnn.py (SGD lr 0.05, momentum 0.9,
+weight decay 1e-5, batch 64 per worker) on real MNIST with 4 processes; the training
+code (`worker()`) is one script, only the launch differs. Worker 0 keeps a copy of its
+parameters every --snapshot-every steps with the training time so far, and evaluates
+the copies on the whole test set (10,000 images) after training, so evaluation never
+slows training down. The time to an accuracy is the training time of the first copy at
+or above it. Servers report slice updates per second and the staleness of the updates
+they applied (versions applied in between); Hogwild's master copies the same for merges.
+Contestants run in turns, repetition by repetition (A B C, A B C, ...): the table gives
+the median over repetitions.
 """
 
 from __future__ import annotations
@@ -17,118 +22,195 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-FRAMEWORKS = {
-    # every configuration uses 4 processes
-    "plain": ["-n", "4"],
+ROOT = Path(__file__).resolve().parents[1]
+
+CONTESTANTS = {
+    # every contestant uses 4 processes
+    "ddp": ["-n", "4"],  # PyTorch DistributedDataParallel, 4 workers
+    "plain": ["-n", "4"],  # troupe.DistOpt all-reduce, 4 workers
     "sandblaster": ["--nworkers-per-group", "3", "--nservers-per-group", "1", "--server-worker-separate"],
     "allreduce": ["-n", "4", "--framework", "allreduce"],
     "downpour": ["--nworker-groups", "3", "--nservers-per-group", "1", "--server-worker-separate"],
-    "hogwild": ["-n", "4", "--framework", "hogwild", "--sync-freq", "5"],
+    "hogwild": ["-n", "4", "--framework", "hogwild"],
 }
+ASYNCHRONOUS = {"downpour", "hogwild"}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--frameworks", default=",".join(FRAMEWORKS))
-    p.add_argument("--steps", type=int, default=300, help="training steps per worker")
-    p.add_argument("--batch-size", type=int, default=32, help="per worker")
+    p.add_argument("--contestants", default=",".join(CONTESTANTS))
+    p.add_argument("--steps", type=int, default=500, help="training steps of worker 0")
+    p.add_argument("--batch-size", type=int, default=64, help="per worker")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
-    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--targets", default="0.985,0.989", help="test accuracies to time")
+    p.add_argument("--snapshot-every", type=int, default=20)
+    p.add_argument("--test-size", type=int, default=10000)
+    p.add_argument("--reps", type=int, default=1)
     p.add_argument("--straggler", action="store_true", help="worker 1 sleeps as long as it computes (2x slower)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help="append every run's result to this JSON-lines file")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # the training script's mode: ddp or troupe
     return p.parse_args(argv)
 
 
 def worker(args) -> None:
-    """The training script every rank runs (servers never return from DistOpt)."""
+    """The training script every rank runs (server ranks never return from DistOpt)."""
     import torch
     import torch.nn.functional as F
-    from torch import nn
 
     import troupe
 
+    sys.path.insert(0, str(ROOT / "examples"))
+    from mnist_cnn import CNN
+
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10))
-    opt = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
-    opt.sync_parameters(model)
+    model = CNN()
+    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-5)
+    if args.worker == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        info = troupe.init()
+        rank, world, net, ps, close = info.global_rank, info.world_size, DDP(model), None, lambda: None
+
+        def step(loss):
+            sgd.zero_grad()
+            loss.backward()
+            sgd.step()
+    else:
+        opt = troupe.DistOpt(sgd)
+        opt.sync_parameters(model)
+        rank, world, net, ps, step, close = opt.global_rank, opt.world_size, model, opt.ps, opt, opt.close
     train_x, train_y, test_x, test_y = troupe.data.load_mnist()
-    x, y = troupe.data.partition(train_x, train_y, opt.global_rank, opt.world_size)
-    test_x, test_y = test_x[:2000], test_y[:2000]
-    g = torch.Generator().manual_seed(opt.global_rank)
-    reached, acc, start = None, 0.0, time.perf_counter()
-    for step in range(1, args.steps + 1):
+    x, y = troupe.data.partition(train_x, train_y, rank, world)
+    g = torch.Generator().manual_seed(rank)
+    snapshots, trained = [], 0.0
+    for n in range(1, args.steps + 1):
         t0 = time.perf_counter()
         idx = torch.randint(0, len(x), (args.batch_size,), generator=g)
-        opt(F.cross_entropy(model(x[idx]), y[idx]))
-        if args.straggler and opt.global_rank == 1:
+        step(F.cross_entropy(net(x[idx]), y[idx]))
+        if args.straggler and rank == 1:
             time.sleep(time.perf_counter() - t0)
-        if opt.global_rank == 0 and (step % args.eval_every == 0 or step == args.steps):
-            with torch.no_grad():
-                acc = (model(test_x).argmax(1) == test_y).float().mean().item()
-            if reached is None and acc >= args.target:
-                reached = (time.perf_counter() - start, step)
-    elapsed = time.perf_counter() - start
-    staleness = getattr(opt.ps, "staleness", None) or [0]
-    if opt.global_rank == 0:
-        print("RESULT " + json.dumps({
-            "time_to_target": reached and round(reached[0], 2), "steps_to_target": reached and reached[1],
-            "final_acc": round(acc, 4), "seconds": round(elapsed, 2), "steps_per_s": round(args.steps / elapsed, 1),
-            "worker_staleness_mean": round(sum(staleness) / len(staleness), 2), "worker_staleness_max": max(staleness),
-        }), flush=True)
-    opt.close()
+        trained += time.perf_counter() - t0
+        if rank == 0 and (n % args.snapshot_every == 0 or n == args.steps):
+            snapshots.append((trained, n, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+    staleness = list(getattr(ps, "staleness", None) or [0])
+    close()
+    if rank != 0:
+        return
+    torch.set_num_threads(2)
+    result = {"seconds": round(trained, 2), "steps": args.steps, "steps_per_s": round(args.steps / trained, 1),
+              "worker_staleness_mean": round(statistics.mean(staleness), 2), "worker_staleness_max": max(staleness)}
+    targets = sorted(float(t) for t in args.targets.split(","))
+    curve = []
+    with torch.no_grad():
+        for seconds, n, state in snapshots:  # in order, until every target is reached, then the last one
+            if len(curve) < len(snapshots) - 1 and all(any(a >= t for _, _, a in curve) for t in targets):
+                continue
+            model.load_state_dict(state)
+            correct = sum((model(test_x[i : i + 1000]).argmax(1) == test_y[i : i + 1000]).sum().item()
+                          for i in range(0, args.test_size, 1000))
+            curve.append((round(seconds, 2), n, correct / args.test_size))
+    for t in targets:
+        first = next(((s, n) for s, n, a in curve if a >= t), None)
+        result[f"time_to_{t}"], result[f"steps_to_{t}"] = first if first else (None, None)
+    result["final_acc"] = curve[-1][2]
+    result["curve"] = curve
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 SERVER_LINE = re.compile(
     r"troupe server rank \d+: (\d+) slice updates in ([\d.]+)s \((\d+)/s\), staleness mean ([\d.]+) max (\d+)"
 )
+SYNC_LINE = re.compile(r"troupe group sync rank \d+: (\d+) merges into its master copies \(staleness mean ([\d.]+) "
+                       r"max (\d+)\)")
 
 
 def run_one(name: str, args) -> dict:
-    cmd = [sys.executable, "-m", "troupe.cli", "run", *FRAMEWORKS[name], __file__, "--worker",
-           "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-           "--target", str(args.target), "--eval-every", str(args.eval_every)]
+    cmd = [sys.executable, "-m", "troupe.cli", "run", *CONTESTANTS[name], __file__,
+           "--worker", "ddp" if name == "ddp" else "troupe", "--steps", str(args.steps),
+           "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--targets", args.targets,
+           "--snapshot-every", str(args.snapshot_every), "--test-size", str(args.test_size)]
     if args.straggler:
         cmd.append("--straggler")
-    t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    wall = time.perf_counter() - t0
     found = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not found:
-        raise RuntimeError(f"{name} failed (code {done.returncode}):\n{done.stderr[-2000:]}")
-    row = {"framework": name, **found[0], "wall": round(wall, 1)}
+        raise RuntimeError(f"{name} failed (code {done.returncode}):\n{done.stderr[-3000:]}")
+    row = {"contestant": name, "straggler": args.straggler, **found[0]}
     servers = [m.groups() for m in SERVER_LINE.finditer(done.stderr)]
     if servers:
         row["server_updates_per_s"] = sum(int(u) for u, *_ in servers) / max(float(s) for _, s, *_ in servers)
-        row["server_staleness_mean"] = max(float(m) for *_, m, _ in servers)
-        row["server_staleness_max"] = max(int(x) for *_, x in servers)
+        row["staleness_mean"] = max(float(m) for *_, m, _ in servers)
+        row["staleness_max"] = max(int(x) for *_, x in servers)
+    merges = [m.groups() for m in SYNC_LINE.finditer(done.stderr)]
+    if merges:
+        row["staleness_mean"] = max(float(m) for _, m, _ in merges)
+        row["staleness_max"] = max(int(x) for *_, x in merges)
     return row
+
+
+def _median(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(values) if len(values) == len(rows) else None
+
+
+def table(results: dict[str, list[dict]], targets: list[float], base: str | None) -> str:
+    head = ["contestant"] + [f"time to {t:.1%} (s)" for t in targets] + \
+        [f"ratio to {base}" for _ in targets[:1] if base] + ["steps to first", "final acc", "worker steps/s",
+                                                             "server slice updates/s", "staleness mean/max"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    base_time = _median(results[base], f"time_to_{targets[0]}") if base in results else None
+    for name, rows in results.items():
+        times = [_median(rows, f"time_to_{t}") for t in targets]
+        cells = [name] + ["not reached" if v is None else f"{v:.1f}" for v in times]
+        if base:
+            ratio = [r[f"time_to_{targets[0]}"] / b for r, b in zip(rows, [r[f"time_to_{targets[0]}"]
+                                                                                for r in results[base]])
+                     if r.get(f"time_to_{targets[0]}") and b] if base_time else []
+            cells.append(f"{statistics.median(ratio):.2f}" if len(ratio) == len(rows) else "-")
+        steps = _median(rows, f"steps_to_{targets[0]}")
+        ups = _median(rows, "server_updates_per_s")
+        stale = (f"{statistics.median(r['staleness_mean'] for r in rows):.2f} / {max(r['staleness_max'] for r in rows)}"
+                 if "staleness_mean" in rows[0] else
+                 f"{statistics.median(r['worker_staleness_mean'] for r in rows):.2f} / "
+                 f"{max(r['worker_staleness_max'] for r in rows)}")
+        cells += ["-" if steps is None else f"{steps:.0f}", f"{statistics.median(r['final_acc'] for r in rows):.4f}",
+                  f"{statistics.median(r['steps_per_s'] for r in rows):.1f}", "-" if ups is None else f"{ups:.0f}",
+                  stale]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    names = [n.strip() for n in args.frameworks.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(FRAMEWORKS))
+    names = [n.strip() for n in args.contestants.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(CONTESTANTS))
     if unknown:
-        raise SystemExit(f"unknown framework(s) {unknown}; choose from {sorted(FRAMEWORKS)}")
-    print(f"| framework | time to {args.target:.1%} (s) | steps | final acc | worker steps/s | "
-          "server slice updates/s | staleness mean/max |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name in names:
-        r = run_one(name, args)
-        ups = f"{r['server_updates_per_s']:.0f}" if "server_updates_per_s" in r else "-"
-        stale = f"{r.get('server_staleness_mean', r['worker_staleness_mean']):.2f} / " \
-                f"{r.get('server_staleness_max', r['worker_staleness_max'])}"
-        ttt = "not reached" if r["time_to_target"] is None else f"{r['time_to_target']:.1f}"
-        print(f"| {name} | {ttt} | {r['steps_to_target'] or '-'} | {r['final_acc']:.4f} | {r['steps_per_s']} | "
-              f"{ups} | {stale} |", flush=True)
+        raise SystemExit(f"unknown contestant(s) {unknown}; choose from {sorted(CONTESTANTS)}")
+    targets = sorted(float(t) for t in args.targets.split(","))
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    for rep in range(args.reps):
+        for name in names if rep % 2 == 0 else names[::-1]:  # A B C, C B A, ...
+            row = run_one(name, args)
+            row["rep"] = rep
+            results[name].append(row)
+            print(f"rep {rep} {name}: " + ", ".join(f"{t:.1%} at {row[f'time_to_{t}']}s" for t in targets)
+                  + f", final {row['final_acc']:.4f}", file=sys.stderr, flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    base = "plain" if "plain" in names else None
+    print(f"# {args.steps} steps of worker 0, batch {args.batch_size}/worker, lr {args.lr}, {args.reps} rep(s)"
+          + (", worker 1 slowed 2x" if args.straggler else ""))
+    print(table(results, targets, base))
 
 
 if __name__ == "__main__":
