@@ -88,6 +88,8 @@ def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
     for name in FIELD_FLAGS:
         group.add_argument("--" + name.replace("_", "-"), type=_positive, default=None)
     group.add_argument("--server-worker-separate", action=argparse.BooleanOptionalAction, default=None)
+    group.add_argument("--share-memory", action=argparse.BooleanOptionalAction, default=None,
+                       help="workers of one process share its parameter memory (in-memory Hogwild)")
     group.add_argument("--group-merge", choices=("mean", "sum"), default=None,
                        help="how asynchronous worker groups' changes combine (default mean; sum is SINGA's)")
 
@@ -96,7 +98,7 @@ def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     """Resolve the cluster (if any), fix -n from it, print every rank's role; the env var that carries it."""
     from troupe.cluster import ENV_VAR, FIELD_FLAGS, resolve, roles
 
-    fields = {name: getattr(args, name) for name in (*FIELD_FLAGS, "server_worker_separate", "group_merge")}
+    fields = {name: getattr(args, name) for name in (*FIELD_FLAGS, "server_worker_separate", "share_memory", "group_merge")}
     total = None if args.nproc is None else args.nproc * args.nnodes
     cluster = resolve(args.framework, args.cluster, total, **fields)
     if cluster is None:

@@ -109,10 +109,16 @@ class ClusterConfig:
 
     @property
     def nprocs(self) -> int:
-        """Processes the cluster needs (SINGA's cluster.cc: sum if separate, else the max)."""
+        """OS processes troupe starts: SINGA's count (cluster.cc: sum if separate, else the max), except that
+        the `nworkers_per_procs` workers of one process run as processes of their own sharing its memory."""
         if self.server_worker_separate:
             return self.nworker_procs + self.nserver_procs
-        return max(self.nworker_procs, self.nserver_procs)
+        return max(self.nworker_procs, self.nserver_procs) * self.nworkers_per_procs
+
+    @property
+    def in_memory(self) -> bool:
+        """In-memory Hogwild: several workers share one process's parameter memory."""
+        return self.nworkers_per_procs > 1
 
     @property
     def synchronous(self) -> bool:
@@ -225,14 +231,24 @@ class Role:
 def roles(config: ClusterConfig) -> list[Role]:
     """The role of every rank, ``len(roles(config)) == config.nprocs``.
 
-    Only one worker and one server per process are laid out here (the *_per_procs
-    packing of several threads into one process is not run by troupe).
+    One server per process; `nworkers_per_procs` > 1 (in-memory Hogwild) gives each of a
+    process's workers an OS process of its own, the first also hosting the server group.
     """
-    if config.nworkers_per_procs != 1 or config.nservers_per_procs != 1:
-        raise ValueError(
-            "troupe runs one worker and one server per process: nworkers_per_procs and nservers_per_procs "
-            f"must be 1 (got {config.nworkers_per_procs} and {config.nservers_per_procs})"
-        )
+    if config.nservers_per_procs != 1:
+        raise ValueError(f"troupe runs one server per process: nservers_per_procs must be 1 (got "
+                         f"{config.nservers_per_procs})")
+    if config.in_memory:
+        shape = (config.server_worker_separate, config.share_memory, config.nworkers_per_group,
+                 config.nservers_per_group)
+        if shape != (False, True, 1, 1):
+            raise ValueError(
+                f"nworkers_per_procs {config.nworkers_per_procs} is in-memory Hogwild: the workers of a process share "
+                "its server group's memory, which needs server_worker_separate false, share_memory true and "
+                f"groups of one worker and one server (got server_worker_separate {shape[0]}, share_memory "
+                f"{shape[1]}, nworkers_per_group {shape[2]}, nservers_per_group {shape[3]})"
+            )
+        k = config.nworkers_per_procs
+        return [Role(r, (r, 0), (r // k, 0) if r % k == 0 else None) for r in range(config.nworkers)]
     workers = [(w // config.nworkers_per_group, w % config.nworkers_per_group) for w in range(config.nworkers)]
     servers = [(s // config.nservers_per_group, s % config.nservers_per_group) for s in range(config.nservers)]
     if config.server_worker_separate:

@@ -209,6 +209,29 @@ def test_hogwild_master_copy_holds_every_groups_change(merge):
     assert final.max() < 1e-5, final
 
 
+def train_disjoint_shared(rank, world_size, steps):
+    """Worker r's loss touches only parameter r: what a worker sees of the others' comes through shared memory."""
+    import troupe
+
+    ws = [nn.Parameter(torch.zeros(7)) for _ in range(world_size)]
+    opt = troupe.DistOpt(torch.optim.SGD(ws, lr=0.1))
+    c = torch.arange(7.0) + opt.global_rank
+    for _ in range(steps):
+        opt((c * ws[opt.global_rank]).sum())
+    opt.close()  # waits for the process's other workers
+    return [w.detach().clone() for w in ws]
+
+
+def test_in_memory_workers_share_their_process_parameters():
+    cluster = ClusterConfig(nworker_groups=2, nworkers_per_procs=2, share_memory=True)
+    results = run_world(train_disjoint_shared, 2, 5, env={"TROUPE_CLUSTER": cluster.to_json()})
+    expected = [-0.1 * 5 * (torch.arange(7.0) + r) for r in range(2)]
+    for ws in results:  # each worker sees both workers' updates, without a message between them
+        for w, e in zip(ws, expected):
+            torch.testing.assert_close(w, e)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("troupe-")]  # the memory file is gone
+
+
 def train_mnist_subset(rank, world_size, steps):
     """A small MLP on an MNIST subset; returns test accuracy on workers, "server" on servers."""
     import troupe
@@ -242,6 +265,8 @@ SMALL = {
     "allreduce": ClusterConfig(nworkers_per_group=2, nservers_per_group=2),
     "downpour": ClusterConfig(nworker_groups=2, nservers_per_group=2, server_worker_separate=True, staleness_bound=1),
     "hogwild": ClusterConfig(nworker_groups=2, nserver_groups=2, sync_freq=5),
+    "in-memory hogwild": ClusterConfig(nworker_groups=4, nserver_groups=2, nworkers_per_procs=2, share_memory=True,
+                                       sync_freq=5),
 }
 
 

@@ -130,5 +130,18 @@ def test_preset_rescaled_to_nprocs():
         preset("downpour", 3)
     with pytest.raises(ValueError, match="unknown framework 'ring'"):
         preset("ring")
-    with pytest.raises(ValueError, match="nworkers_per_procs and nservers_per_procs must be 1"):
+    with pytest.raises(ValueError, match="nservers_per_procs must be 1"):
         roles(ClusterConfig(nworkers_per_group=2, nworkers_per_procs=2, nservers_per_group=2, nservers_per_procs=2))
+
+
+def test_in_memory_hogwild_roles():
+    # 4 worker groups, 2 per process sharing its server group's memory: 4 OS processes, the first of each
+    # process hosting the server group
+    cfg = ClusterConfig(nworker_groups=4, nserver_groups=2, nworkers_per_procs=2, share_memory=True)
+    assert cfg.in_memory and cfg.nprocs == 4
+    assert [(r.worker, r.server) for r in roles(cfg)] == [((0, 0), (0, 0)), ((1, 0), None), ((2, 0), (1, 0)),
+                                                          ((3, 0), None)]
+    with pytest.raises(ValueError, match="in-memory Hogwild.*share_memory False"):
+        roles(ClusterConfig(nworker_groups=4, nserver_groups=2, nworkers_per_procs=2))
+    with pytest.raises(ValueError, match="in-memory Hogwild.*server_worker_separate True"):
+        roles(ClusterConfig(nworker_groups=2, nworkers_per_procs=2, share_memory=True, server_worker_separate=True))

@@ -32,6 +32,7 @@ from troupe.ps.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op
 from troupe.ps.shard import ParamShard, plan_slices
 from troupe.ps.groupsync import GroupSync
 from troupe.ps.server import Server, process_alive
+from troupe.ps.shared import SharedMemory
 from troupe.reducer import GradReducer
 
 log = logging.getLogger("troupe.ps")
@@ -63,8 +64,8 @@ def join_cluster(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, info:
         )
     role = everyone[info.global_rank]
     workers = [r.rank for r in everyone if r.worker]
-    if cluster.share_memory:
-        warnings.warn("share_memory has no effect: troupe runs one worker per process (nworkers_per_procs 1)")
+    if cluster.share_memory and not cluster.in_memory:
+        warnings.warn("share_memory has no effect with one worker per process (nworkers_per_procs 1)")
     if cluster.fetch_freq != 1 and not cluster.server_worker_separate:
         warnings.warn(f"fetch_freq {cluster.fetch_freq} has no effect: co-located servers update the workers' copy")
     # Every rank creates every group, in the same order (torch.distributed requires it).
@@ -76,9 +77,14 @@ def join_cluster(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, info:
         world.new_group([r.rank for r in everyone if r.worker and r.worker[0] == g])
         for g in range(cluster.nworker_groups)
     ]
-    separate_groups = not cluster.server_worker_separate and cluster.nworker_groups > 1
-    # Distributed Hogwild: requests to the master copies and their replies, a channel each way.
-    sync_channels = (world.new_group(workers), world.new_group(workers)) if separate_groups else None
+    # Distributed Hogwild: requests to the master copies and their replies, a channel each way, between
+    # the ranks that sync (every worker; with in-memory Hogwild the first worker of each process).
+    syncing = [r.rank for r in everyone if r.server] if cluster.in_memory else workers
+    several = not cluster.server_worker_separate and len(syncing) > 1 and cluster.nserver_groups > 1
+    sync_channels = (world.new_group(syncing), world.new_group(syncing)) if several else None
+    k = cluster.nworkers_per_procs
+    processes_comms = [world.new_group(range(p * k, (p + 1) * k)) for p in range(len(everyone) // k)] \
+        if cluster.in_memory else []
     params, param_group_of = trainable(optimizer)
     processes = world.all_gather_object((socket.gethostname(), os.getpid()))
     log.info("troupe: %s", role.describe())
@@ -89,11 +95,15 @@ def join_cluster(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, info:
         sys.exit(0)  # a server never returns to the training script
     comm_mod.set_default(workers_comm)
     view = dataclasses.replace(info, global_rank=workers.index(role.rank), world_size=len(workers))
+    alive = lambda rank: process_alive(*processes[rank])  # noqa: E731
     if cluster.server_worker_separate:
         strategy = PSClient(cluster, role, everyone, world, params, bucket_size, optimizer)
+    elif cluster.in_memory:
+        strategy = SharedMemory(cluster, role, processes_comms[role.rank // k], optimizer, params,
+                                sync_channels if role.server else None, alive, _ps_timeout())
     else:
         strategy = CoLocated(cluster, role, group_comms[role.worker[0]], optimizer, bucket_size,
-                             sync_channels, lambda rank: process_alive(*processes[rank]))
+                             sync_channels, alive)
     return view, strategy
 
 

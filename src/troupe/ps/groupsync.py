@@ -106,35 +106,38 @@ class GroupSync:
 
     @torch.no_grad()
     def sync(self, values: Mapping[int, Tensor]) -> None:
-        """Fold this group's change since the last sync into every master copy; adopt the results."""
+        """Fold this group's change since the last sync into every master copy; adopt the results.
+
+        Adopting adds what the master copy brings (`master - cur`, cur as sent), so updates other
+        workers make meanwhile to shared `values` (in-memory Hogwild) are kept.
+        """
         sends: list[Handle] = []
-        asked = []
+        sent: dict[int, Tensor] = {}
         for k, peer in self.peers.items():
             if peer in self.gone or not self.sizes[k]:
                 continue
-            delta = self._gather(k, values) - self.last[k]
+            sent[k] = self._gather(k, values)
             header = Header(Op.SYNC, self.group, self.seen[k], self.rank, self.sizes[k])
             try:
                 sends.append(self.requests.isend(header.encode(), peer, tag=HEADER_TAG))
-                sends.append(self.requests.isend(delta, peer, tag=PAYLOAD_TAG))
+                sends.append(self.requests.isend(sent[k] - self.last[k], peer, tag=PAYLOAD_TAG))
             except RuntimeError as e:
                 self._lose(peer, str(e))
-                continue
-            asked.append(k)
-        missed = 0
+                del sent[k]
         with self.lock:
-            self.master.add_(self._gather(self.group, values) - self.last[self.group], alpha=self.scale)
-            missed = max(missed, self.version - self.seen[self.group])
+            cur = self._gather(self.group, values)
+            self.master.add_(cur - self.last[self.group], alpha=self.scale)
+            missed = self.version - self.seen[self.group]
             self.version += 1
             self.seen[self.group] = self.version
-            self._adopt(self.group, self.master, values)
-        for k in asked:
+            self._adopt(self.group, self.master, cur, values)
+        for k in sent:
             got = self._receive(k)
             if got is not None:
                 version, value = got
                 missed = max(missed, version - self.seen[k] - 1)
                 self.seen[k] = version
-                self._adopt(k, value, values)
+                self._adopt(k, value, sent[k], values)
         for h in sends:
             try:
                 h.wait()
@@ -168,11 +171,12 @@ class GroupSync:
         pieces = [values[s.id][lo:hi] for s, lo, hi in self.parts[k]]
         return torch.cat(pieces) if pieces else torch.zeros(0)
 
-    def _adopt(self, k: int, value: Tensor, values: Mapping[int, Tensor]) -> None:
+    def _adopt(self, k: int, value: Tensor, sent: Tensor, values: Mapping[int, Tensor]) -> None:
         self.last[k].copy_(value)
+        change = value - sent
         offset = 0
         for s, lo, hi in self.parts[k]:
-            values[s.id][lo:hi].copy_(value[offset : offset + hi - lo])
+            values[s.id][lo:hi].add_(change[offset : offset + hi - lo])
             offset += hi - lo
 
     def _receive(self, k: int) -> tuple[int, Tensor] | None:

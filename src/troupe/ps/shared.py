@@ -1,0 +1,119 @@
+"""In-memory Hogwild (`share_memory`, `nworkers_per_procs` > 1): worker processes sharing one server group's memory.
+
+SINGA packs `nworkers_per_procs` worker groups into one process, where they update the
+parameters of that process's server group in place, without locks (the Hogwild paper).
+troupe starts one OS process per worker and gives the workers of one such "process"
+one parameter memory: the first of them writes the initial values into a file in
+/dev/shm that every one of them maps; each worker's parameters become views into it,
+and each worker's own optimizer (its own momentum) steps them in place while the others
+read and write them. Across processes the server groups synchronise as Distributed
+Hogwild does (`troupe.ps.groupsync`): the first worker of each process folds the
+process's change into the master copies every `sync_freq` of its steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+
+import torch
+from torch import Tensor
+
+from troupe.cluster import ClusterConfig, Role
+from troupe.comm import Communicator
+from troupe.launch import on_shutdown
+from troupe.ps.groupsync import GroupSync
+from troupe.ps.shard import plan_slices
+
+log = logging.getLogger("troupe.ps")
+
+SHM_DIR = "/dev/shm"
+
+
+class SharedMemory:
+    """A worker whose parameters live in memory shared with the other workers of its process."""
+
+    def __init__(self, cluster: ClusterConfig, role: Role, process: Communicator, optimizer: torch.optim.Optimizer,
+                 params: list[Tensor], sync_channels: tuple[Communicator, Communicator] | None, alive, timeout: float):
+        self.cluster, self.role, self.process = cluster, role, process
+        self.optimizer = optimizer
+        self.params = params
+        self.per_process = cluster.nworkers_per_procs
+        self.lead = role.server is not None
+        """The process's first worker: it creates the memory and synchronises with the other processes."""
+        self.sync_channels, self.alive, self.timeout = sync_channels, alive, timeout
+        self.slices = plan_slices([p.numel() for p in params], 1)
+        self.flat: Tensor | None = None
+        self.groups: GroupSync | None = None
+        self.steps = 0
+        self.staleness: list[int] = []
+        """Per step: this worker's updates since its process last synchronised (0 with one process)."""
+        self.closed = False
+        on_shutdown(self.close)
+
+    @torch.no_grad()
+    def start(self) -> None:
+        """Map the process's memory (every rank holds rank 0's values: they were broadcast) and share it."""
+        total = sum(p.numel() for p in self.params)
+        dtype = self.params[0].dtype if self.params else torch.float32
+        path = None
+        if self.lead:
+            path = os.path.join(SHM_DIR, f"troupe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        path = self.process.all_gather_object(path)[0]  # the lead is the process's first rank
+        try:
+            self.flat = torch.from_file(path, shared=True, size=total, dtype=dtype)
+            if self.lead:
+                self.flat.copy_(torch.cat([p.detach().reshape(-1) for p in self.params]))
+            self.process.barrier()  # the values are written, and every worker has mapped the file
+        finally:
+            if self.lead:
+                os.remove(path)  # the mappings stay; nothing is left behind, even after a crash
+        offset = 0
+        for p in self.params:
+            p.data = self.flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.process.barrier()  # nobody updates before every worker's parameters are views
+        if self.lead and self.sync_channels is not None:
+            self.groups = GroupSync(
+                *self.sync_channels,
+                group=self.role.server[0],
+                ngroups=self.cluster.nserver_groups,
+                rank_of=lambda k: k * self.per_process,
+                slices=self.slices,
+                values={s.id: self.flat[self._offset(s) : self._offset(s) + s.numel] for s in self.slices},
+                merge=self.cluster.group_merge,
+                alive=self.alive,
+            )
+            self.groups.start()
+
+    def _offset(self, s) -> int:
+        return sum(p.numel() for p in self.params[: s.param]) + s.start
+
+    def backward_and_update(self, loss: Tensor) -> None:
+        for p in self.params:
+            p.grad = None
+        loss.backward()
+        self.optimizer.step()  # in place, into the shared memory, without a lock
+        self.steps += 1
+        if self.groups is not None and self.steps % self.cluster.sync_freq == 0:
+            self.groups.sync(self.groups_values())
+        self.staleness.append(self.steps % self.cluster.sync_freq if self.sync_channels is not None else 0)
+
+    def groups_values(self) -> dict[int, Tensor]:
+        return {s.id: self.flat[self._offset(s) : self._offset(s) + s.numel] for s in self.slices}
+
+    def close(self) -> None:
+        """Wait for the process's workers; its first worker then syncs a last time and serves until all are done."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.process.barrier()
+        except RuntimeError as e:
+            log.warning("troupe shared memory rank %d: a worker of this process is gone: %s", self.role.rank, e)
+        if self.groups is not None:
+            self.groups.sync(self.groups_values())
+            self.groups.close(self.timeout)
+            print(f"troupe group sync rank {self.role.rank}: {self.groups.stats()}", file=sys.stderr, flush=True)
