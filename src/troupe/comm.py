@@ -190,6 +190,27 @@ class Communicator:
         handle.wait()
         return tensor
 
+    def reduce_scatter(self, output: Tensor, input: Tensor, async_op: bool = False) -> Handle | Tensor:
+        """Sum `input` (world_size equal chunks, rank order) across ranks; this rank's chunk of the sum lands in `output`."""
+        n = self.world_size
+        if input.numel() != n * output.numel():
+            raise ValueError(f"reduce_scatter: input has {input.numel()} elements, needs {n} x {output.numel()}")
+        nbytes = input.numel() * input.element_size()
+        self._count("reduce_scatter", nbytes, (n - 1) / n * nbytes)
+        out, src = self._staged(output), self._staged(input)
+        work = dist.reduce_scatter_tensor(out, src.contiguous(), group=self.group, async_op=True)
+        _trace(work, "reduce_scatter", nbytes)
+
+        def finish() -> None:
+            if out is not output:
+                output.copy_(out)
+
+        handle = Handle(work, finish, label=f"reduce_scatter of {nbytes} bytes")
+        if async_op:
+            return handle
+        handle.wait()
+        return output
+
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         """Every rank's `tensor` (all the same shape), in rank order."""
         nbytes = tensor.numel() * tensor.element_size()
