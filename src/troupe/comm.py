@@ -35,6 +35,10 @@ class Traffic:
     """Bytes this rank sends under the textbook algorithm (ring all-reduce: 2(n-1)/n of the payload)."""
 
 
+# torch 2.13 renamed reduce_scatter_tensor (which now warns) to reduce_scatter_single
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _trace(work: dist.Work, op: str, nbytes: int) -> None:
     """With a timeline or stats enabled, record when this collective really completes."""
     rec = trace._recorder
@@ -198,7 +202,7 @@ class Communicator:
         nbytes = input.numel() * input.element_size()
         self._count("reduce_scatter", nbytes, (n - 1) / n * nbytes)
         out, src = self._staged(output), self._staged(input)
-        work = dist.reduce_scatter_tensor(out, src.contiguous(), group=self.group, async_op=True)
+        work = _reduce_scatter(out, src.contiguous(), group=self.group, async_op=True)
         _trace(work, "reduce_scatter", nbytes)
 
         def finish() -> None:
