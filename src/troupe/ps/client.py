@@ -4,8 +4,8 @@
   the servers as Update messages per bucket while backward runs; the fresh slices
   come back before the next forward.
 * `CoLocated` (servers share the workers' processes: AllReduce, Distributed Hogwild):
-  inside a group, reduce the gradients, each worker updates the slice its co-located
-  server owns, then all-gather the slices; with several groups, every `sync_freq`
+  inside a group, reduce-scatter the gradients (`troupe.ps.scatter`), each worker updates
+  the slices its co-located server owns, then all-gather the slices; with several groups, every `sync_freq`
   steps each group folds its change into the master copies, asynchronously
   (`troupe.ps.groupsync`).
 """
@@ -31,6 +31,7 @@ from troupe.launch import DistInfo, on_shutdown, shutdown
 from troupe.ps.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
 from troupe.ps.shard import ParamShard, plan_slices
 from troupe.ps.groupsync import GroupSync
+from troupe.ps.scatter import BucketScatter
 from troupe.ps.server import Server, process_alive
 from troupe.ps.shared import SharedMemory
 from troupe.reducer import GradReducer
@@ -299,6 +300,7 @@ class CoLocated:
         self.shard = ParamShard(self.mine, optimizer, param_group_of, {0: {role.rank}})
         self.me = role.rank
         self.reducer = GradReducer(self.params, group, bucket_size) if group.world_size > 1 else None
+        self.scatter = BucketScatter(group, self.reducer.buckets, self.params, self.slices) if self.reducer else None
         self.steps = 0
         self.staleness: list[int] = []
         """Per step: updates of this group the other groups have not seen yet (0 with one group)."""
@@ -342,7 +344,7 @@ class CoLocated:
                 p.grad = None
             loss.backward()
         else:
-            self.reducer.backward(loss)
+            self.reducer.backward(loss, self.scatter)  # each worker gets the group's gradient of its own slices
         self._apply_own()
         self.steps += 1
         if self.groups is not None and self.steps % self.cluster.sync_freq == 0:
