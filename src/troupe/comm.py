@@ -6,6 +6,7 @@ bytes per collective without instrumenting the backend.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import weakref
 from collections import defaultdict
@@ -33,6 +34,15 @@ class Traffic:
     """Bytes of the tensors handed to the collective on this rank."""
     wire_bytes: int = 0
     """Bytes this rank sends under the textbook algorithm (ring all-reduce: 2(n-1)/n of the payload)."""
+
+
+_process_traffic: dict[str, Traffic] = defaultdict(Traffic)
+
+
+def process_traffic() -> dict[str, Traffic]:
+    """What every Communicator of this process has counted so far, by operation (subgroups and
+    parameter-server messages too; a copy)."""
+    return {op: dataclasses.replace(t) for op, t in _process_traffic.items()}
 
 
 # torch 2.13 renamed reduce_scatter_tensor (which now warns) to reduce_scatter_single
@@ -117,10 +127,10 @@ class Communicator:
     # --- bookkeeping -------------------------------------------------------------
 
     def _count(self, op: str, payload: int, wire: float) -> None:
-        t = self.traffic[op]
-        t.calls += 1
-        t.payload_bytes += payload
-        t.wire_bytes += int(wire)
+        for t in (self.traffic[op], _process_traffic[op]):
+            t.calls += 1
+            t.payload_bytes += payload
+            t.wire_bytes += int(wire)
 
     def bytes_sent(self) -> int:
         """Wire bytes over all collectives so far."""

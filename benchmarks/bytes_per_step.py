@@ -1,0 +1,302 @@
+"""Bytes on the wire per training step, by dist_option (and PS framework), vs dense, cross-checked on veth.
+
+    python benchmarks/bytes_per_step.py --plot docs/bytes_per_step.png --json docs/bytes_per_step.json
+
+Each configuration trains the example's MNIST CNN (examples/mnist_cnn.py: its model, its
+`train_one_batch(x, y, dist_option, spars)`, its SGD settings, batch 64 per worker of real
+MNIST) with 2 workers, twice: for `--steps A B` steps. Every process reports, at exit, the
+bytes all of its Communicators counted (`troupe.comm.process_traffic()`: payload = bytes
+handed to collectives and sent messages, wire = what the textbook algorithm sends). With network
+namespaces (benchmarks/netns.py; needs root) every process runs on a simulated host of its
+own, launched with `troupe run --nnodes P --node-rank i --master ...`, and each host's veth
+transmit counter is read before and after. Per step = (run B - run A) / (B - A): start-up,
+rendezvous, the initial broadcast and shutdown are in both runs and cancel; what remains is
+steps A+1..B (plus the watchdog's heartbeats during them, a few hundred bytes a second).
+Bytes are the whole job's (every process's sends added up) per step of each worker; with
+--reps R the median of R such pairs. TCP retransmissions (counted in each namespace) add
+veth bytes that no counter sees, so the table gives them too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+OPTIONS = ["plain", "fp16", "bf16", "partialUpdate", "sparseTopK", "sparseThreshold"]
+"""The example's --dist-option values (fp32 is plain under another name)."""
+
+FRAMEWORKS: dict[str, tuple[list[str], int]] = {
+    # 2 workers each, as the options' rows; (troupe run flags, processes)
+    "allreduce": (["--framework", "allreduce"], 2),
+    "hogwild": (["--framework", "hogwild"], 2),
+    "sandblaster": (["--nworkers-per-group", "2", "--nservers-per-group", "1", "--server-worker-separate"], 3),
+    "downpour": (["--nworker-groups", "2", "--nservers-per-group", "1", "--server-worker-separate"], 3),
+}
+"""Parameter-server frameworks through `troupe run` (plain updates; servers' sends counted too)."""
+
+MARK = "BYTES "
+WORKERS = 2
+"""Workers in every configuration (a step is one update by each)."""
+
+_phase = "setup"  # -> "training" once DistOpt returns (a server never gets there) -> "done"
+
+
+# --- the training script every process runs ---------------------------------------------------
+
+
+def _report_at_exit() -> None:
+    """Print this process's counters; at exit, so a server (which exits inside DistOpt) reports too."""
+    from troupe import comm
+
+    ops = comm.process_traffic()
+    # a message's bytes are counted once, by its sender (a receive buffer is no payload sent)
+    payload = sum(t.payload_bytes for op, t in ops.items() if op != "recv")
+    wire = sum(t.wire_bytes for t in ops.values())
+    line = json.dumps({"rank": int(os.environ.get("RANK", 0)), "phase": _phase, "payload": payload, "wire": wire,
+                       "ops": {op: [t.payload_bytes, t.wire_bytes] for op, t in sorted(ops.items())}})
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (MARK + line + "\n").encode())  # one write: the job's ranks share the pipe
+
+
+def worker(args: argparse.Namespace) -> None:
+    global _phase
+    import torch
+
+    import troupe
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from mnist_cnn import CNN
+
+    atexit.register(_report_at_exit)  # before troupe's own exit hooks, so it runs after them
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = CNN()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-5)  # the example's
+    sgd = troupe.DistOpt(sgd)
+    _phase = "training"
+    model.set_optimizer(sgd)
+    if args.data == "mnist":
+        x, y, _, _ = troupe.data.load_mnist()
+        x, y = troupe.data.partition(x, y, sgd.global_rank, sgd.world_size)
+    else:
+        x, y = troupe.data.synthetic(args.batch * 4, seed=sgd.global_rank)
+    bs = args.batch
+    for step in range(args.worker_steps):
+        i = step % (len(x) // bs)
+        model.train_one_batch(x[i * bs : (i + 1) * bs], y[i * bs : (i + 1) * bs], args.option, args.spars)
+    _phase = "done"
+
+
+# --- the driver ---------------------------------------------------------------------------------
+
+
+def _worker_args(args: argparse.Namespace, option: str, steps: int) -> list[str]:
+    spars = {"sparseTopK": args.topk, "sparseThreshold": args.threshold}.get(option)
+    return [__file__, "--worker", "--option", option, "--worker-steps", str(steps), "--batch", str(args.batch),
+            "--data", args.data, *(["--spars", str(spars)] if spars is not None else [])]
+
+
+def _reports(out: str) -> list[dict]:
+    return [json.loads(line[len(MARK):]) for line in out.splitlines() if line.startswith(MARK)]
+
+
+def _totals(reports: list[dict], nprocs: int, failed: bool, stderr: str) -> dict[str, float]:
+    """Every process's counters added up; a failure after both workers finished is only warned about."""
+    ranks = sorted(r["rank"] for r in reports)
+    done = sum(r["phase"] == "done" for r in reports)
+    if ranks != list(range(nprocs)) or done != WORKERS:
+        raise RuntimeError(f"expected reports from ranks 0..{nprocs - 1} with {WORKERS} workers done, got ranks "
+                           f"{ranks} with {done} done:\n{stderr[-3000:]}")
+    if failed:  # the counters are complete: the failure came at exit, after the measured steps
+        why = [line for line in stderr.splitlines() if "troupe run: rank" in line or "terminate" in line]
+        print(f"warning: a process failed after reporting its counters: {why}", file=sys.stderr, flush=True)
+    return {"payload": sum(r["payload"] for r in reports), "wire": sum(r["wire"] for r in reports)}
+
+
+def run_loopback(flags: list[str], nprocs: int, script: list[str], timeout: float) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(nprocs), "--threads", "1", *flags, *script]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return _totals(_reports(proc.stdout), nprocs, proc.returncode != 0, proc.stderr)
+
+
+def run_hosts(flags: list[str], nprocs: int, script: list[str], timeout: float) -> dict[str, float]:
+    """One process per simulated host; adds `veth`: what the hosts' interfaces transmitted."""
+    from netns import Hosts
+
+    token, port = secrets.token_hex(8), 29700 + secrets.randbelow(200)
+    with Hosts(nprocs) as hosts:
+        before = [hosts.tx_bytes(i) for i in range(nprocs)]
+        procs = []
+        for i in range(nprocs):
+            cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "1", "--threads", "1", "--nnodes", str(nprocs),
+                   "--node-rank", str(i), "--master", f"{hosts.addr(0)}:{port}", "--token", token, *flags, *script]
+            procs.append(hosts.popen(i, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+        try:
+            outs = [p.communicate(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        veth = sum(hosts.tx_bytes(i) - before[i] for i in range(nprocs))
+        retransmits = sum(_retransmitted_segments(hosts.names[i]) for i in range(nprocs))
+    reports = [r for out, _ in outs for r in _reports(out)]
+    stderr = "\n".join(err[-1500:] for _, err in outs)
+    return {**_totals(reports, nprocs, any(p.returncode for p in procs), stderr), "veth": veth,
+            "retransmits": retransmits}
+
+
+def _retransmitted_segments(namespace: str) -> int:
+    """TCP segments sent again in this (fresh) namespace: bytes on the veth that no counter sees."""
+    snmp = subprocess.run(["ip", "netns", "exec", namespace, "cat", "/proc/net/snmp"], capture_output=True,
+                          text=True, check=True).stdout
+    header, values = [line.split() for line in snmp.splitlines() if line.startswith("Tcp:")][:2]
+    return int(values[header.index("RetransSegs")])
+
+
+def measure(name: str, flags: list[str], nprocs: int, option: str, args: argparse.Namespace) -> dict:
+    """Bytes per step of one configuration: the difference of a B-step and an A-step run (median of --reps)."""
+    run = run_hosts if args.net == "netns" else run_loopback
+    a, b = args.steps
+    per_step: dict[str, list[float]] = {}
+    retransmits = 0
+    for _ in range(args.reps):
+        short, long_ = (run(flags, nprocs, _worker_args(args, option, n), args.timeout) for n in (a, b))
+        retransmits += short.pop("retransmits", 0) + long_.pop("retransmits", 0)
+        for key in long_:
+            per_step.setdefault(key, []).append((long_[key] - short[key]) / (b - a))
+    row = {"name": name, "processes": nprocs, **{k: statistics.median(v) for k, v in per_step.items()}}
+    if args.net == "netns":
+        row["retransmits"] = retransmits  # TCP segments sent twice, in all runs of this row
+    print(f"{name}: " + ", ".join(f"{k} {v:,.0f}" for k, v in row.items() if k not in ("name", "processes")),
+          file=sys.stderr, flush=True)
+    return row
+
+
+def table(rows: list[dict], dense: float) -> str:
+    veth = all("veth" in r for r in rows)
+    lines = ["| configuration | processes | payload B/step | wire B/step (counters) | veth B/step | veth / wire "
+             "| wire vs dense | TCP retransmits |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        v, ratio = (f"{r['veth']:,.0f}", f"{r['veth'] / r['wire']:.3f}" if r["wire"] else "-") if veth else ("-", "-")
+        lines.append(f"| {r['name']} | {r['processes']} | {r['payload']:,.0f} | {r['wire']:,.0f} | {v} | {ratio} "
+                     f"| {r['wire'] / dense:.4f} | {r.get('retransmits', '-')} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Wire bytes (counters) and veth bytes per step, log scale, each group labelled with its ratio to dense."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    dense = next(r["wire"] for r in rows if r["name"] == "plain")
+    kinds = [("wire", "wire bytes (troupe's counters)"), ("veth", "veth transmit bytes (interfaces)")]
+    kinds = [(k, label) for k, label in kinds if all(k in r for r in rows)]
+    width = 0.8 / len(kinds)
+    fig, ax = plt.subplots(figsize=(max(6.5, 0.9 * len(rows) + 1.5), 4.6))
+    for j, (key, label) in enumerate(kinds):
+        xs = [i + (j - (len(kinds) - 1) / 2) * width for i in range(len(rows))]
+        ax.bar(xs, [max(r[key], 1.0) for r in rows], width, label=label, color=["C0", "C2"][j])
+    for i, r in enumerate(rows):
+        ax.annotate(f"{r['wire'] / dense:.3g}x", (i, max(r["wire"], 1.0)), xytext=(0, 3), textcoords="offset points",
+                    ha="center", fontsize=8)
+    ax.axhline(dense, color="grey", linestyle="--", linewidth=0.8, label="plain (dense fp32 all-reduce)")
+    options = sum(r["name"] in OPTIONS for r in rows)
+    if options < len(rows):
+        ax.axvline(options - 0.5, color="black", linewidth=0.6)
+        ax.text(options - 0.45, 0.98, "parameter-server frameworks\n(plain updates)", transform=ax.get_xaxis_transform(),
+                va="top", fontsize=8)
+    ax.set_yscale("log")
+    top = max(max(r[k] for k, _ in kinds) for r in rows)
+    ax.set_ylim(min(max(r["wire"], 1.0) for r in rows) / 3, top * 12)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1e6:g} MB" if v >= 1e6 else f"{v / 1e3:g} kB"))
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r["name"] for r in rows], rotation=20, ha="right")
+    ax.set_ylabel("bytes per step, all processes")
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="y", alpha=0.3, which="major")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--options", nargs="+", default=OPTIONS, choices=OPTIONS)
+    p.add_argument("--frameworks", nargs="*", default=list(FRAMEWORKS), choices=list(FRAMEWORKS))
+    p.add_argument("--steps", type=int, nargs=2, default=[4, 24], metavar=("A", "B"),
+                   help="the two runs' step counts; per step = (B - A) difference (a multiple of 4 suits "
+                        "partialUpdate's 4 chunks)")
+    p.add_argument("--reps", type=int, default=1, help="pairs of runs per configuration; the median is reported")
+    p.add_argument("--batch", type=int, default=64, help="per worker")
+    p.add_argument("--topk", type=float, default=0.01, help="spars for sparseTopK")
+    p.add_argument("--threshold", type=float, default=1e-3, help="spars for sparseThreshold")
+    p.add_argument("--data", choices=["mnist", "synthetic"], default="mnist")
+    p.add_argument("--net", choices=["auto", "netns", "loopback"], default="auto",
+                   help="auto: simulated hosts when namespaces can be made here, else loopback (no veth column)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds one run may take")
+    p.add_argument("--plot", default=None)
+    p.add_argument("--json", default=None)
+    # what each process of the job runs
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--option", default="plain", help=argparse.SUPPRESS)
+    p.add_argument("--spars", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-steps", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    a, b = args.steps
+    if not 0 <= a < b:
+        raise SystemExit(f"--steps A B needs 0 <= A < B, got {a} {b}")
+    if args.reps < 1:
+        raise SystemExit(f"--reps must be >= 1, got {args.reps}")
+    if "plain" not in args.options:
+        raise SystemExit("--options must include plain (the dense reference)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    from netns import available
+
+    why_not = available()
+    if args.net == "netns" and why_not:
+        raise SystemExit(f"--net netns: network namespaces are not available here ({why_not})")
+    if args.net == "auto":
+        args.net = "netns" if why_not is None else "loopback"
+        if why_not:
+            print(f"no veth counters: network namespaces are not available ({why_not}); counters only, on loopback",
+                  file=sys.stderr)
+    rows = [measure(option, [], 2, option, args) for option in args.options]
+    rows += [measure(name, flags, n, "plain", args) for name, (flags, n) in FRAMEWORKS.items()
+             if name in args.frameworks]
+    dense = next(r["wire"] for r in rows if r["name"] == "plain")
+    where = "simulated hosts (one network namespace each, veth to a bridge)" if args.net == "netns" else "loopback"
+    a, b = args.steps
+    print(f"MNIST CNN (431,080 parameters), 2 workers, batch {args.batch}/worker, {args.data} data, {where}; "
+          f"per step = (run of {b} steps - run of {a} steps) / {b - a}; bytes of all processes together; "
+          f"sparseTopK spars {args.topk}, sparseThreshold spars {args.threshold}\n")
+    print(table(rows, dense))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"net": args.net, "steps": args.steps, "batch": args.batch,
+                                               "data": args.data, "rows": rows}, indent=1))
+    if args.plot:
+        plot(rows, args.plot, f"MNIST CNN, 2 workers: bytes per step ({where.split(' (')[0]})")
+
+
+if __name__ == "__main__":
+    main()

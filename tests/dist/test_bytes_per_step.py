@@ -1,0 +1,62 @@
+"""benchmarks/bytes_per_step.py in a tiny configuration: the harness's bytes, not timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+DENSE = 2 * (431080 + 10) * 4
+"""Plain step, both workers: the CNN's 2 buckets (431,080 parameters + 10 flags, fp32), sent once on a 2-rank ring."""
+
+
+def bytes_per_step(tmp_path: Path, net: str, *configs: str) -> tuple[dict[str, dict], str]:
+    options = [c for c in configs if c != "sandblaster"]
+    frameworks = [c for c in configs if c == "sandblaster"]
+    data, plot = tmp_path / "bytes.json", tmp_path / "bytes.png"
+    cmd = [sys.executable, "benchmarks/bytes_per_step.py", "--options", *options, "--frameworks", *frameworks,
+           "--steps", "1", "3", "--batch", "8", "--data", "synthetic", "--net", net, "--timeout", "120",
+           "--json", str(data), "--plot", str(plot)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_JOIN_TIMEOUT": "30", "TROUPE_TIMEOUT": "60"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| configuration | processes | payload B/step | wire B/step (counters) | veth B/step |" in proc.stdout
+    assert plot.stat().st_size > 1000
+    rows = {r["name"]: r for r in json.loads(data.read_text())["rows"]}
+    assert list(rows) == list(configs)
+    assert rows["plain"]["payload"] == rows["plain"]["wire"] == DENSE
+    return rows, proc.stdout
+
+
+def test_counters_on_loopback(tmp_path):
+    rows, out = bytes_per_step(tmp_path, "loopback", "plain", "sparseTopK")
+    # top-1% as (index, value) pairs, all-gathered: about 2% of dense
+    assert 0.015 * DENSE < rows["sparseTopK"]["wire"] < 0.03 * DENSE
+    assert all("veth" not in r for r in rows.values())
+    assert f"| plain | 2 | {DENSE:,} | {DENSE:,} | - | - | 1.0000 | - |" in out
+
+
+def test_veth_agrees_with_the_counters_on_simulated_hosts(tmp_path):
+    from netns import available
+
+    why_not = available()
+    if why_not:
+        pytest.skip(f"veth counters need network namespaces, which cannot be made here: {why_not}")
+    rows, _ = bytes_per_step(tmp_path, "netns", "plain", "sandblaster")
+    # each worker sends its gradient to the server and gets the parameters back: twice the all-reduce
+    assert rows["sandblaster"]["processes"] == 3
+    assert rows["sandblaster"]["wire"] == pytest.approx(2 * DENSE, rel=0.01)
+    for name, r in rows.items():
+        # the interfaces send the counted bytes plus TCP/IP headers, ACKs and heartbeats; a segment
+        # sent again (up to 64 KiB, in either of the two runs) moves the difference either way
+        slack = 65536 * r["retransmits"]
+        assert r["wire"] - slack < r["veth"] < 1.1 * r["wire"] + 5000 + slack, (name, r)
+    leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "troupe-h" not in leftover and "troupe-sw" not in leftover
