@@ -11,7 +11,7 @@ namespaces (benchmarks/netns.py; needs root) every process runs on a simulated h
 own, launched with `troupe run --nnodes P --node-rank i --master ...`, and each host's veth
 transmit counter is read before and after. Per step = (run B - run A) / (B - A): start-up,
 rendezvous, the initial broadcast and shutdown are in both runs and cancel; what remains is
-steps A+1..B (plus the watchdog's heartbeats during them, a few hundred bytes a second).
+steps A+1..B (plus the watchdog's heartbeats to the store while they run).
 Bytes are the whole job's (every process's sends added up) per step of each worker; with
 --reps R the median of R such pairs. TCP retransmissions (counted in each namespace) add
 veth bytes that no counter sees, so the table gives them too.
@@ -212,8 +212,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         xs = [i + (j - (len(kinds) - 1) / 2) * width for i in range(len(rows))]
         ax.bar(xs, [max(r[key], 1.0) for r in rows], width, label=label, color=["C0", "C2"][j])
     for i, r in enumerate(rows):
-        ax.annotate(f"{r['wire'] / dense:.3g}x", (i, max(r["wire"], 1.0)), xytext=(0, 3), textcoords="offset points",
-                    ha="center", fontsize=8)
+        ax.annotate(f"{r['wire'] / dense:.3g}x", (i, max(max(r[k] for k, _ in kinds), 1.0)), xytext=(0, 3),
+                    textcoords="offset points", ha="center", fontsize=8)
     ax.axhline(dense, color="grey", linestyle="--", linewidth=0.8, label="plain (dense fp32 all-reduce)")
     options = sum(r["name"] in OPTIONS for r in rows)
     if options < len(rows):
@@ -227,7 +227,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([r["name"] for r in rows], rotation=20, ha="right")
     ax.set_ylabel("bytes per step, all processes")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title + "\n(labels: counted wire bytes / plain's)", fontsize=10)
     ax.grid(axis="y", alpha=0.3, which="major")
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
