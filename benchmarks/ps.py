@@ -54,6 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--straggler", action="store_true", help="worker 1 sleeps as long as it computes (2x slower)")
     p.add_argument("--json", default=None, help="append every run's result to this JSON-lines file")
+    p.add_argument("--table", default=None, metavar="JSONL", help="only print the table of the runs saved in JSONL")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # the training script's mode: ddp or troupe
     return p.parse_args(argv)
 
@@ -170,7 +171,7 @@ def _median(rows: list[dict], key: str) -> float | None:
 
 def table(results: dict[str, list[dict]], targets: list[float], base: str | None) -> str:
     head = ["contestant"] + [f"time to {t:.1%} (s)" for t in targets] + \
-        [f"ratio to {base}" for _ in targets[:1] if base] + ["steps to first", "final acc", "worker steps/s",
+        [f"time to {targets[0]:.1%} / {base}'s" for _ in targets[:1] if base] + ["steps to first", "final acc", "worker steps/s",
                                                              "server slice updates/s", "staleness mean/max"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     base_time = _median(results[base], f"time_to_{targets[0]}") if base in results else None
@@ -178,10 +179,7 @@ def table(results: dict[str, list[dict]], targets: list[float], base: str | None
         times = [_median(rows, f"time_to_{t}") for t in targets]
         cells = [name] + ["not reached" if v is None else f"{v:.1f}" for v in times]
         if base:
-            ratio = [r[f"time_to_{targets[0]}"] / b for r, b in zip(rows, [r[f"time_to_{targets[0]}"]
-                                                                                for r in results[base]])
-                     if r.get(f"time_to_{targets[0]}") and b] if base_time else []
-            cells.append(f"{statistics.median(ratio):.2f}" if len(ratio) == len(rows) else "-")
+            cells.append("-" if times[0] is None or not base_time else f"{times[0] / base_time:.2f}")
         steps = _median(rows, f"steps_to_{targets[0]}")
         ups = _median(rows, "server_updates_per_s")
         stale = (f"{statistics.median(r['staleness_mean'] for r in rows):.2f} / {max(r['staleness_max'] for r in rows)}"
@@ -205,6 +203,12 @@ def main(argv=None) -> None:
         raise SystemExit(f"unknown contestant(s) {unknown}; choose from {sorted(CONTESTANTS)}")
     targets = sorted(float(t) for t in args.targets.split(","))
     results: dict[str, list[dict]] = {n: [] for n in names}
+    if args.table:  # runs saved earlier (several invocations may have appended to one file)
+        for row in map(json.loads, Path(args.table).read_text().splitlines()):
+            if row["contestant"] in results and row["straggler"] == args.straggler:
+                results[row["contestant"]].append(row)
+        print(table({n: r for n, r in results.items() if r}, targets, "plain" if "plain" in names else None))
+        return
     for rep in range(args.reps):
         for name in names if rep % 2 == 0 else names[::-1]:  # A B C, C B A, ...
             row = run_one(name, args)
