@@ -4,8 +4,9 @@
   the servers as Update messages per bucket while backward runs; the fresh slices
   come back before the next forward.
 * `CoLocated` (servers share the workers' processes: AllReduce, Distributed Hogwild):
-  inside a group, reduce-scatter the gradients (`troupe.ps.scatter`), each worker updates
-  the slices its co-located server owns, then all-gather the slices; with several groups, every `sync_freq`
+  inside a group, reduce the gradients (reduce-scatter onto their owners under NCCL,
+  `troupe.ps.scatter`), each worker updates the slices its co-located server owns, then
+  all-gather the slices; with several groups, every `sync_freq`
   steps each group folds its change into the master copies, asynchronously
   (`troupe.ps.groupsync`).
 """
@@ -312,7 +313,10 @@ class CoLocated:
         self.shard = ParamShard(self.mine, optimizer, param_group_of, {0: {role.rank}})
         self.me = role.rank
         self.reducer = GradReducer(self.params, group, bucket_size) if group.world_size > 1 else None
-        self.scatter = BucketScatter(group, self.reducer.buckets, self.params, self.slices) if self.reducer else None
+        # Reduce-scatter the gradients onto their owners where it sends less (NCCL); Gloo's reduce-scatter
+        # moves what an all-reduce does, and the padding of the owners' chunks adds to it: all-reduce there.
+        self.scatter = BucketScatter(group, self.reducer.buckets, self.params, self.slices) \
+            if self.reducer and group.backend == "nccl" else None
         self.steps = 0
         self.staleness: list[int] = []
         """Per step: updates of this group the other groups have not seen yet (0 with one group)."""
@@ -356,7 +360,7 @@ class CoLocated:
                 p.grad = None
             loss.backward()
         else:
-            self.reducer.backward(loss, self.scatter)  # each worker gets the group's gradient of its own slices
+            self.reducer.backward(loss, self.scatter)  # with the scatter: only of the slices it owns
         self._apply_own()
         self.steps += 1
         if self.groups is not None and self.steps % self.cluster.sync_freq == 0:
