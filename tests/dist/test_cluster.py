@@ -364,3 +364,40 @@ def test_explicit_shutdown_lets_servers_finish(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "worker done" in proc.stdout
+
+
+def reduce_scatter_buckets(rank, world_size):
+    """Gradients through GradReducer + BucketScatter: returns, per parameter, (grad or None, owned element mask)."""
+    import troupe
+    from troupe.ps.scatter import BucketScatter
+    from troupe.ps.shard import plan_slices
+    from troupe.reducer import GradReducer
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.zeros(n)) for n in (5, 40, 3, 17, 1)]  # several buckets, slices across params
+    slices = plan_slices([p.numel() for p in params], world_size)
+    comm = troupe.comm.default()
+    reducer = GradReducer(params, comm, bucket_size=20, first_bucket_size=8)
+    g = torch.Generator().manual_seed(rank)
+    coeffs = [torch.randn(p.numel(), generator=g) for p in params]
+    used = [i for i in range(len(params)) if not (i == 2 or (i == 4 and rank == 1))]  # 2: nobody; 4: not rank 1
+    loss = sum((coeffs[i] * params[i]).sum() for i in used)
+    reducer.backward(loss, BucketScatter(comm, reducer.buckets, params, slices))
+    owned = [torch.zeros(p.numel(), dtype=torch.bool) for p in params]
+    for s in slices:
+        if s.server == rank:
+            owned[s.param][s.start : s.stop] = True
+    return [(None if p.grad is None else p.grad.clone(), m) for p, m in zip(params, owned)], coeffs, used
+
+
+def test_bucket_reduce_scatter_gives_each_owner_the_mean_of_its_slices():
+    results = run_world(reduce_scatter_buckets, 3)
+    coeffs = [c for _, c, _ in results]
+    for grads, _, _ in results:
+        for i, (grad, owned) in enumerate(grads):
+            if i == 2:  # no rank used it: no gradient, as in one process
+                assert grad is None
+                continue
+            # the gradient of c.w is c; averaged over all ranks (unused: a zero); exact on owned elements
+            expected = sum(coeffs[r][i] for r in range(3) if i != 4 or r != 1) / 3
+            torch.testing.assert_close(grad[owned], expected[owned])

@@ -1,0 +1,30 @@
+"""benchmarks/ps.py runs end to end in a tiny configuration (harness, not timing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_ps_benchmark_times_ddp_and_a_parameter_server(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "ps.py"), "--contestants", "ddp,downpour", "--steps", "6",
+           "--snapshot-every", "3", "--test-size", "1000", "--targets", "0.0,0.999", "--json", str(rows)]
+    env = {**os.environ, "TROUPE_JOIN_TIMEOUT": "60", "TROUPE_TIMEOUT": "120"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "| contestant | time to 0.0% (s) | time to 99.9% (s) |" in done.stdout
+    got = {r["contestant"]: r for r in map(json.loads, rows.read_text().splitlines())}
+    assert sorted(got) == ["ddp", "downpour"]
+    for r in got.values():
+        assert r["steps_to_0.0"] == 3  # the first snapshot reaches 0%
+        assert r["time_to_0.999"] is None  # nothing reaches 99.9% in 6 steps: "not reached"
+        assert 0.0 < r["final_acc"] < 1.0 and r["curve"][-1][1] == 6
+    assert got["downpour"]["server_updates_per_s"] > 0  # parsed from the server's closing line
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| downpour |"))
+    assert row.split(" | ")[2] == "not reached"
