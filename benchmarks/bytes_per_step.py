@@ -4,23 +4,23 @@
 
 Each configuration trains the example's MNIST CNN (examples/mnist_cnn.py: its model, its
 `train_one_batch(x, y, dist_option, spars)`, its SGD settings, batch 64 per worker of real
-MNIST) with 2 workers, twice: for `--steps A B` steps. Every process reports, at exit, the
-bytes all of its Communicators counted (`troupe.comm.process_traffic()`: payload = bytes
-handed to collectives and sent messages, wire = what the textbook algorithm sends). With network
-namespaces (benchmarks/netns.py; needs root) every process runs on a simulated host of its
-own, launched with `troupe run --nnodes P --node-rank i --master ...`, and each host's veth
-transmit counter is read before and after. Per step = (run B - run A) / (B - A): start-up,
-rendezvous, the initial broadcast and shutdown are in both runs and cancel; what remains is
-steps A+1..B (plus the watchdog's heartbeats to the store while they run).
-Bytes are the whole job's (every process's sends added up) per step of each worker; with
---reps R the median of R such pairs. TCP retransmissions (counted in each namespace) add
-veth bytes that no counter sees, so the table gives them too.
+MNIST) with 2 workers, twice: for `--steps A B` steps. Every process reports the bytes all
+of its Communicators counted, a worker after its steps and a server as it leaves DistOpt
+(`troupe.comm.process_traffic()`: payload = bytes handed to collectives and sent messages,
+wire = what the textbook algorithm sends). With network namespaces (benchmarks/netns.py;
+needs root) every process runs on a simulated host of its own, launched with
+`troupe run --nnodes P --node-rank i --master ...`, and each host's veth transmit counter
+is read before and after. Per step = (run B - run A) / (B - A): start-up, rendezvous, the
+initial broadcast and shutdown are in both runs and cancel; what remains is steps A+1..B
+(plus the watchdog's heartbeats to the store while they run). Bytes are the whole job's
+(every process's sends added up) per step of each worker; with --reps R the median of R
+such pairs. TCP retransmissions (counted in each namespace) add veth bytes that no counter
+sees, so the table gives them too.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import secrets
@@ -49,28 +49,26 @@ MARK = "BYTES "
 WORKERS = 2
 """Workers in every configuration (a step is one update by each)."""
 
-_phase = "setup"  # -> "training" once DistOpt returns (a server never gets there) -> "done"
 
 
 # --- the training script every process runs ---------------------------------------------------
 
 
-def _report_at_exit() -> None:
-    """Print this process's counters; at exit, so a server (which exits inside DistOpt) reports too."""
+def _report(role: str) -> None:
+    """Print this process's counters: a worker's after its steps, a server's when it leaves DistOpt."""
     from troupe import comm
 
     ops = comm.process_traffic()
     # a message's bytes are counted once, by its sender (a receive buffer is no payload sent)
     payload = sum(t.payload_bytes for op, t in ops.items() if op != "recv")
     wire = sum(t.wire_bytes for t in ops.values())
-    line = json.dumps({"rank": int(os.environ.get("RANK", 0)), "phase": _phase, "payload": payload, "wire": wire,
+    line = json.dumps({"rank": int(os.environ.get("RANK", 0)), "role": role, "payload": payload, "wire": wire,
                        "ops": {op: [t.payload_bytes, t.wire_bytes] for op, t in sorted(ops.items())}})
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), (MARK + line + "\n").encode())  # one write: the job's ranks share the pipe
 
 
 def worker(args: argparse.Namespace) -> None:
-    global _phase
     import torch
 
     import troupe
@@ -78,13 +76,15 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "examples"))
     from mnist_cnn import CNN
 
-    atexit.register(_report_at_exit)  # before troupe's own exit hooks, so it runs after them
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = CNN()
     sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-5)  # the example's
-    sgd = troupe.DistOpt(sgd)
-    _phase = "training"
+    try:
+        sgd = troupe.DistOpt(sgd)
+    except SystemExit:  # a parameter server serves inside DistOpt, then exits: every worker has finished
+        _report("server")
+        raise
     model.set_optimizer(sgd)
     if args.data == "mnist":
         x, y, _, _ = troupe.data.load_mnist()
@@ -95,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
     for step in range(args.worker_steps):
         i = step % (len(x) // bs)
         model.train_one_batch(x[i * bs : (i + 1) * bs], y[i * bs : (i + 1) * bs], args.option, args.spars)
-    _phase = "done"
+    _report("worker")
 
 
 # --- the driver ---------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ def _reports(out: str) -> list[dict]:
 def _totals(reports: list[dict], nprocs: int, failed: bool, stderr: str) -> dict[str, float]:
     """Every process's counters added up; a failure after both workers finished is only warned about."""
     ranks = sorted(r["rank"] for r in reports)
-    done = sum(r["phase"] == "done" for r in reports)
+    done = sum(r["role"] == "worker" for r in reports)
     if ranks != list(range(nprocs)) or done != WORKERS:
         raise RuntimeError(f"expected reports from ranks 0..{nprocs - 1} with {WORKERS} workers done, got ranks "
                            f"{ranks} with {done} done:\n{stderr[-3000:]}")
@@ -218,8 +218,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     options = sum(r["name"] in OPTIONS for r in rows)
     if options < len(rows):
         ax.axvline(options - 0.5, color="black", linewidth=0.6)
-        ax.text(options - 0.45, 0.98, "parameter-server frameworks\n(plain updates)", transform=ax.get_xaxis_transform(),
-                va="top", fontsize=8)
+        ax.text(options - 0.45, 0.98, "parameter-server frameworks\n(plain updates)", va="top", fontsize=8,
+                transform=ax.get_xaxis_transform())
     ax.set_yscale("log")
     top = max(max(r[k] for k, _ in kinds) for r in rows)
     ax.set_ylim(min(max(r["wire"], 1.0) for r in rows) / 3, top * 12)
