@@ -3,6 +3,7 @@
     python benchmarks/ps.py                            # every contestant, 4 processes each
     python benchmarks/ps.py --straggler                # worker 1 runs 2x slower
     python benchmarks/ps.py --contestants allreduce,downpour --reps 3 --straggler
+    python benchmarks/ps.py --workers 2 --straggler   # 2 computing workers each: the 2 cores are not oversubscribed
 
 Every contestant trains the CNN of examples/mnist_cnn.py (SGD lr 0.05, momentum 0.9,
 weight decay 1e-5, batch 64 per worker) on real MNIST with 4 processes; the training
@@ -39,7 +40,16 @@ CONTESTANTS = {
     "downpour": ["--nworker-groups", "3", "--nservers-per-group", "1", "--server-worker-separate"],
     "hogwild": ["-n", "4", "--framework", "hogwild"],
 }
-ASYNCHRONOUS = {"downpour", "hogwild"}
+
+
+def equal_workers(w: int) -> dict[str, list[str]]:
+    """Every contestant with `w` computing workers (the separate servers come on top)."""
+    n = ["-n", str(w)]
+    return {
+        "ddp": n, "plain": n, "allreduce": [*n, "--framework", "allreduce"], "hogwild": [*n, "--framework", "hogwild"],
+        "sandblaster": ["--nworkers-per-group", str(w), "--nservers-per-group", "1", "--server-worker-separate"],
+        "downpour": ["--nworker-groups", str(w), "--nservers-per-group", "1", "--server-worker-separate"],
+    }
 
 
 def parse_args(argv=None):
@@ -53,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--test-size", type=int, default=10000)
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--straggler", action="store_true", help="worker 1 sleeps as long as it computes (2x slower)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="give every contestant this many computing workers (servers on top) instead of 4 processes")
     p.add_argument("--json", default=None, help="append every run's result to this JSON-lines file")
     p.add_argument("--table", default=None, metavar="JSONL", help="only print the table of the runs saved in JSONL")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # the training script's mode: ddp or troupe
@@ -141,7 +153,8 @@ SYNC_LINE = re.compile(r"troupe group sync rank \d+: (\d+) merges into its maste
 
 
 def run_one(name: str, args) -> dict:
-    cmd = [sys.executable, "-m", "troupe.cli", "run", *CONTESTANTS[name], __file__,
+    launch = equal_workers(args.workers)[name] if args.workers else CONTESTANTS[name]
+    cmd = [sys.executable, "-m", "troupe.cli", "run", *launch, __file__,
            "--worker", "ddp" if name == "ddp" else "troupe", "--steps", str(args.steps),
            "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--targets", args.targets,
            "--snapshot-every", str(args.snapshot_every), "--test-size", str(args.test_size)]
@@ -151,7 +164,7 @@ def run_one(name: str, args) -> dict:
     found = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not found:
         raise RuntimeError(f"{name} failed (code {done.returncode}):\n{done.stderr[-3000:]}")
-    row = {"contestant": name, "straggler": args.straggler, **found[0]}
+    row = {"contestant": name, "straggler": args.straggler, "workers": args.workers, **found[0]}
     servers = [m.groups() for m in SERVER_LINE.finditer(done.stderr)]
     if servers:
         row["server_updates_per_s"] = sum(int(u) for u, *_ in servers) / max(float(s) for _, s, *_ in servers)
@@ -205,7 +218,8 @@ def main(argv=None) -> None:
     results: dict[str, list[dict]] = {n: [] for n in names}
     if args.table:  # runs saved earlier (several invocations may have appended to one file)
         for row in map(json.loads, Path(args.table).read_text().splitlines()):
-            if row["contestant"] in results and row["straggler"] == args.straggler:
+            if row["contestant"] in results and row["straggler"] == args.straggler \
+                    and row.get("workers") == args.workers:
                 results[row["contestant"]].append(row)
         print(table({n: r for n, r in results.items() if r}, targets, "plain" if "plain" in names else None))
         return
