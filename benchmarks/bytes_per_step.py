@@ -5,7 +5,7 @@
 Each configuration trains the example's MNIST CNN (examples/mnist_cnn.py: its model, its
 `train_one_batch(x, y, dist_option, spars)`, its SGD settings, batch 64 per worker of real
 MNIST) with 2 workers, twice: for `--steps A B` steps. Every process reports the bytes all
-of its Communicators counted, a worker after its steps and a server as it leaves DistOpt
+of its Communicators counted, a worker at exit and a server as it leaves DistOpt
 (`troupe.comm.process_traffic()`: payload = bytes handed to collectives and sent messages,
 wire = what the textbook algorithm sends). With network namespaces (benchmarks/netns.py;
 needs root) every process runs on a simulated host of its own, launched with
@@ -21,6 +21,7 @@ sees, so the table gives them too.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import secrets
@@ -80,9 +81,14 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = CNN()
     sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-5)  # the example's
+    # A worker reports at exit, after troupe's shutdown hooks (registered later, so run earlier)
+    # have sent what they send (a Hogwild sync still in flight, a PS worker's stop). A server
+    # serves inside DistOpt and leaves without running exit hooks: it reports on its way out.
+    role = {"now": "server"}
+    atexit.register(lambda: role["now"] == "worker" and _report("worker"))
     try:
         sgd = troupe.DistOpt(sgd)
-    except SystemExit:  # a parameter server serves inside DistOpt, then exits: every worker has finished
+    except SystemExit:
         _report("server")
         raise
     model.set_optimizer(sgd)
@@ -95,7 +101,7 @@ def worker(args: argparse.Namespace) -> None:
     for step in range(args.worker_steps):
         i = step % (len(x) // bs)
         model.train_one_batch(x[i * bs : (i + 1) * bs], y[i * bs : (i + 1) * bs], args.option, args.spars)
-    _report("worker")
+    role["now"] = "worker"  # a worker that failed before its last step does not report
 
 
 # --- the driver ---------------------------------------------------------------------------------
