@@ -39,6 +39,8 @@ CONTESTANTS = {
     "allreduce": ["-n", "4", "--framework", "allreduce"],
     "downpour": ["--nworker-groups", "3", "--nservers-per-group", "1", "--server-worker-separate"],
     "hogwild": ["-n", "4", "--framework", "hogwild"],
+    "downpour-sum": ["--nworker-groups", "3", "--nservers-per-group", "1", "--server-worker-separate",
+                     "--group-merge", "sum"],  # SINGA's rule: every group's update at the full learning rate
 }
 
 
@@ -49,6 +51,8 @@ def equal_workers(w: int) -> dict[str, list[str]]:
         "ddp": n, "plain": n, "allreduce": [*n, "--framework", "allreduce"], "hogwild": [*n, "--framework", "hogwild"],
         "sandblaster": ["--nworkers-per-group", str(w), "--nservers-per-group", "1", "--server-worker-separate"],
         "downpour": ["--nworker-groups", str(w), "--nservers-per-group", "1", "--server-worker-separate"],
+        "downpour-sum": ["--nworker-groups", str(w), "--nservers-per-group", "1", "--server-worker-separate",
+                         "--group-merge", "sum"],
     }
 
 
