@@ -53,6 +53,8 @@ def equal_workers(w: int) -> dict[str, list[str]]:
         "downpour": ["--nworker-groups", str(w), "--nservers-per-group", "1", "--server-worker-separate"],
         "downpour-sum": ["--nworker-groups", str(w), "--nservers-per-group", "1", "--server-worker-separate",
                          "--group-merge", "sum"],
+        "downpour-fetch4": ["--nworker-groups", str(w), "--nservers-per-group", "1", "--server-worker-separate",
+                            "--fetch-freq", "4"],  # Downpour's n_fetch: fresh values every 4 steps
     }
 
 
