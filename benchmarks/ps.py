@@ -217,9 +217,10 @@ def main(argv=None) -> None:
     if args.worker:
         return worker(args)
     names = [n.strip() for n in args.contestants.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(CONTESTANTS))
+    known = equal_workers(args.workers) if args.workers else CONTESTANTS
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        raise SystemExit(f"unknown contestant(s) {unknown}; choose from {sorted(CONTESTANTS)}")
+        raise SystemExit(f"unknown contestant(s) {unknown}; choose from {sorted(known)}")
     targets = sorted(float(t) for t in args.targets.split(","))
     results: dict[str, list[dict]] = {n: [] for n in names}
     if args.table:  # runs saved earlier (several invocations may have appended to one file)
