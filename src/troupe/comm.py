@@ -58,6 +58,14 @@ def _trace(work: dist.Work, op: str, nbytes: int) -> None:
     work.get_future().add_done_callback(lambda _: rec.span(op, start, trace._now_us(), bytes=nbytes))
 
 
+def _complete(handle: Handle, async_op: bool, result):
+    """What a collective returns: its handle when asynchronous, else `result` once it has completed."""
+    if async_op:
+        return handle
+    handle.wait()
+    return result
+
+
 class Handle:
     """A collective in flight. `wait()` completes it and then runs its epilogue once."""
 
@@ -165,10 +173,7 @@ class Communicator:
                 tensor.copy_(work_tensor)
 
         handle = Handle(work, finish, label=f"all_reduce of {nbytes} bytes")
-        if async_op:
-            return handle
-        handle.wait()
-        return tensor
+        return _complete(handle, async_op, tensor)
 
     def fused_all_reduce(self, tensors: Sequence[Tensor], op: Op = "sum", async_op: bool = False) -> Handle | None:
         """All-reduce several tensors of one dtype as one flat buffer, results copied back in place."""
@@ -185,10 +190,7 @@ class Communicator:
                 offset += t.numel()
 
         handle = Handle(None, unpack)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
+        return _complete(handle, async_op, None)
 
     def broadcast(self, tensor: Tensor, src: int = 0, async_op: bool = False) -> Handle | Tensor:
         """Copy `src`'s tensor into every rank's `tensor`."""
@@ -199,10 +201,7 @@ class Communicator:
         _trace(work, "broadcast", nbytes)
         handle = Handle(work, (lambda: tensor.copy_(work_tensor)) if work_tensor is not tensor else None,
                         label=f"broadcast of {nbytes} bytes")
-        if async_op:
-            return handle
-        handle.wait()
-        return tensor
+        return _complete(handle, async_op, tensor)
 
     def reduce_scatter(self, output: Tensor, input: Tensor, async_op: bool = False) -> Handle | Tensor:
         """Sum `input` (world_size equal chunks, rank order) across ranks; this rank's chunk of the sum lands in `output`."""
@@ -222,10 +221,7 @@ class Communicator:
                 output.copy_(out)
 
         handle = Handle(work, finish, label=f"reduce_scatter of {nbytes} bytes")
-        if async_op:
-            return handle
-        handle.wait()
-        return output
+        return _complete(handle, async_op, output)
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         """Every rank's `tensor` (all the same shape), in rank order."""

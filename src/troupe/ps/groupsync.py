@@ -87,8 +87,6 @@ class GroupSync:
         self.version = 0
         self.merges: list[int] = []
         """Per merge into this process's master copy: other merges since the sender last synced."""
-        self.missed: list[int] = []
-        """Per sync of this worker: the most merges by other groups it had not seen, over its parts."""
         self.rejected = 0
         self.gone: set[int] = set()
         self._live = set(self.peers.values())
@@ -127,7 +125,6 @@ class GroupSync:
         with self.lock:
             cur = self._gather(self.group, values)
             self.master.add_(cur - self.last[self.group], alpha=self.scale)
-            missed = self.version - self.seen[self.group]
             self.version += 1
             self.seen[self.group] = self.version
             self._adopt(self.group, self.master, cur, values)
@@ -135,7 +132,6 @@ class GroupSync:
             got = self._receive(k)
             if got is not None:
                 version, value = got
-                missed = max(missed, version - self.seen[k] - 1)
                 self.seen[k] = version
                 self._adopt(k, value, sent[k], values)
         for h in sends:
@@ -143,7 +139,6 @@ class GroupSync:
                 h.wait()
             except RuntimeError as e:
                 log.warning("troupe group sync: a request was not delivered: %s", e)
-        self.missed.append(missed)
 
     def close(self, timeout: float) -> None:
         """Say stop to every peer, then serve until every peer has stopped or died (at most `timeout` s)."""

@@ -46,6 +46,8 @@ class SharedMemory:
         self.sync_channels, self.alive, self.timeout = sync_channels, alive, timeout
         self.slices = plan_slices([p.numel() for p in params], 1)
         self.flat: Tensor | None = None
+        self.values: dict[int, Tensor] = {}
+        """Each slice's view of the shared memory (what the group sync reads and adopts into)."""
         self.groups: GroupSync | None = None
         self.steps = 0
         self.staleness: list[int] = []
@@ -70,10 +72,12 @@ class SharedMemory:
         finally:
             if self.lead:
                 os.remove(path)  # the mappings stay; nothing is left behind, even after a crash
-        offset = 0
+        offset, starts = 0, []
         for p in self.params:
             p.data = self.flat[offset : offset + p.numel()].view_as(p)
+            starts.append(offset)
             offset += p.numel()
+        self.values = {s.id: self.flat[starts[s.param] + s.start : starts[s.param] + s.stop] for s in self.slices}
         self.process.barrier()  # nobody updates before every worker's parameters are views
         if self.lead and self.sync_channels is not None:
             self.groups = GroupSync(
@@ -82,14 +86,11 @@ class SharedMemory:
                 ngroups=self.cluster.nserver_groups,
                 rank_of=lambda k: k * self.per_process,
                 slices=self.slices,
-                values={s.id: self.flat[self._offset(s) : self._offset(s) + s.numel] for s in self.slices},
+                values=self.values,
                 merge=self.cluster.group_merge,
                 alive=self.alive,
             )
             self.groups.start()
-
-    def _offset(self, s) -> int:
-        return sum(p.numel() for p in self.params[: s.param]) + s.start
 
     def backward_and_update(self, loss: Tensor) -> None:
         for p in self.params:
@@ -98,11 +99,8 @@ class SharedMemory:
         self.optimizer.step()  # in place, into the shared memory, without a lock
         self.steps += 1
         if self.groups is not None and self.steps % self.cluster.sync_freq == 0:
-            self.groups.sync(self.groups_values())
+            self.groups.sync(self.values)
         self.staleness.append(self.steps % self.cluster.sync_freq if self.sync_channels is not None else 0)
-
-    def groups_values(self) -> dict[int, Tensor]:
-        return {s.id: self.flat[self._offset(s) : self._offset(s) + s.numel] for s in self.slices}
 
     def close(self) -> None:
         """Wait for the process's workers; its first worker then syncs a last time and serves until all are done."""
@@ -114,6 +112,6 @@ class SharedMemory:
         except RuntimeError as e:
             log.warning("troupe shared memory rank %d: a worker of this process is gone: %s", self.role.rank, e)
         if self.groups is not None:
-            self.groups.sync(self.groups_values())
+            self.groups.sync(self.values)
             self.groups.close(self.timeout)
             print(f"troupe group sync rank {self.role.rank}: {self.groups.stats()}", file=sys.stderr, flush=True)
