@@ -6,7 +6,7 @@ Each configuration trains the example's MNIST CNN (examples/mnist_cnn.py: its mo
 `train_one_batch(x, y, dist_option, spars)`, its SGD settings, batch 64 per worker of real
 MNIST) with 2 workers, twice: for `--steps A B` steps. Every process reports the bytes all
 of its Communicators counted, a worker at exit and a server as it leaves DistOpt
-(`troupe.comm.process_traffic()`: payload = bytes handed to collectives and sent messages,
+(`troupe.runtime.comm.process_traffic()`: payload = bytes handed to collectives and sent messages,
 wire = what the textbook algorithm sends). With network namespaces (benchmarks/netns.py;
 needs root) every process runs on a simulated host of its own, launched with
 `troupe run --nnodes P --node-rank i --master ...`, and each host's veth transmit counter
@@ -57,7 +57,7 @@ WORKERS = 2
 
 def _report(role: str) -> None:
     """Print this process's counters: a worker's after its steps, a server's when it leaves DistOpt."""
-    from troupe import comm
+    from troupe.runtime import comm
 
     ops = comm.process_traffic()
     # a message's bytes are counted once, by its sender (a receive buffer is no payload sent)

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 import troupe
-from troupe.bucket import DEFAULT_BUCKET_SIZE, Bucket, plan_buckets
-from troupe.comm import Communicator
-from troupe.reducer import mean_all_reduce
+from troupe.sync.bucket import DEFAULT_BUCKET_SIZE, Bucket, plan_buckets
+from troupe.runtime.comm import Communicator
+from troupe.sync.reducer import mean_all_reduce
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
@@ -71,7 +71,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     info = troupe.init()
-    comm = troupe.comm.default()
+    comm = troupe.runtime.comm.default()
     n = comm.world_size
     results = []
     for size in args.sizes:

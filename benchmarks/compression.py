@@ -29,10 +29,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import troupe
-from troupe.bucket import Bucket
+from troupe.sync.bucket import Bucket
 from troupe.compress import Compressor, ErrorFeedback, HalfCompressor, ThresholdCompressor, TopKCompressor
-from troupe.reducer import mean_all_reduce
-from troupe.strategies import compressed_reduce
+from troupe.sync.reducer import mean_all_reduce
+from troupe.strategies.compressed import compressed_reduce
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples"))
 from mnist_cnn import CNN  # noqa: E402  (the example's model, unchanged)
@@ -106,7 +106,7 @@ def timed(fn: Callable[[], None]) -> float:
 
 def codec_times(args: argparse.Namespace, grad: Tensor) -> list[tuple[str, float, float, float]]:
     """(codec, dense all-reduce ms, codec ratio, end-to-end ratio), medians over repetitions."""
-    comm = troupe.comm.default()
+    comm = troupe.runtime.comm.default()
     param = nn.Parameter(torch.zeros_like(grad))
     bucket = Bucket(0, [param])
     dense_fn = mean_all_reduce(comm)

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import troupe
-from troupe.bucket import DEFAULT_BUCKET_SIZE
+from troupe.sync.bucket import DEFAULT_BUCKET_SIZE
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples"))
 from mnist_cnn import CNN  # noqa: E402  (the example's model, unchanged)

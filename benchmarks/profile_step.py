@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import troupe
-import troupe.nonfinite
+import troupe.reliability.nonfinite
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -71,7 +71,7 @@ def instrument_troupe(args, bucket):
     red.finish = timed(phases, "finish (launch rest, wait, unpack)", red.finish)
     sgd._apply_update = timed(phases, "apply update (NaN check + step + bookkeeping)", sgd._apply_update)
     sgd.optimizer.step = timed(phases, "  optimizer step", sgd.optimizer.step)
-    troupe.nonfinite.all_finite = timed(phases, "  NaN/Inf check (all_finite)", troupe.nonfinite.all_finite)
+    troupe.reliability.nonfinite.all_finite = timed(phases, "  NaN/Inf check (all_finite)", troupe.reliability.nonfinite.all_finite)
 
     def step(x, y):
         t = time.perf_counter()

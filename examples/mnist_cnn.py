@@ -22,7 +22,7 @@ from torch import nn
 
 import troupe
 from pathlib import Path
-from troupe import checkpoint
+from troupe.reliability import checkpoint
 from troupe.metrics import Throughput, accuracy, progress, reduce_variable
 
 

@@ -6,12 +6,13 @@
 >>> out, loss = model.train_one_batch(x, y)
 """
 
-from troupe import checkpoint, data, metrics
-from troupe.comm import Communicator
-from troupe.launch import DistInfo, Ticket, info, init, shutdown, wait_all
+from troupe import data, metrics
+from troupe.reliability import checkpoint
+from troupe.runtime.comm import Communicator
+from troupe.runtime.launch import DistInfo, Ticket, info, init, shutdown, wait_all
 from troupe.model import Model
 from troupe.opt import DIST_OPTIONS, DistOpt
-from troupe.strategies import CompressionConfig
+from troupe.strategies.compressed import CompressionConfig
 
 __version__ = "0.1.0"
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from troupe.launch import LOOPBACK, Ticket
+from troupe.runtime.launch import LOOPBACK, Ticket
 
 GRACE_SECONDS = 5.0
 """How long a rank gets to exit after SIGTERM before SIGKILL."""
@@ -80,7 +80,7 @@ def _ticket(args: argparse.Namespace) -> Ticket:
 
 
 def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
-    from troupe.cluster import FIELD_FLAGS, PRESETS
+    from troupe.cluster.config import FIELD_FLAGS, PRESETS
 
     group = run.add_argument_group("cluster (parameter servers; SINGA's ClusterProto)")
     group.add_argument("--framework", choices=sorted(PRESETS), default=None, help="a preset cluster topology")
@@ -96,7 +96,7 @@ def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
 
 def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     """Resolve the cluster (if any), fix -n from it, print every rank's role; the env var that carries it."""
-    from troupe.cluster import ENV_VAR, FIELD_FLAGS, resolve, roles
+    from troupe.cluster.config import ENV_VAR, FIELD_FLAGS, resolve, roles
 
     fields = {name: getattr(args, name) for name in (*FIELD_FLAGS, "server_worker_separate", "share_memory", "group_merge")}
     total = None if args.nproc is None else args.nproc * args.nnodes
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
                 os.remove(flag)  # stats are appended to: start each job afresh
             extra_env[var] = os.path.abspath(flag)
     if args.tensorboard:
-        from troupe.tensorboard import require
+        from troupe.observe.tensorboard import require
 
         require()  # one clear error here, not one per rank
         extra_env["TROUPE_TENSORBOARD"] = os.path.abspath(args.tensorboard)
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> None:
     """Summarise the stats file and merge the ranks' timelines (on node 0)."""
-    from troupe import trace
+    from troupe.observe import trace
 
     if args.stats and os.path.exists(args.stats) and os.path.getsize(args.stats):
         print(f"troupe run: per-step means from {args.stats}\n{trace.summarize(args.stats)}", file=sys.stderr)

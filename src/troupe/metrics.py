@@ -10,7 +10,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from troupe import comm
+from troupe.runtime import comm
 
 T = TypeVar("T")
 

@@ -10,16 +10,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from troupe import comm as comm_mod
-from troupe import nonfinite as nonfinite_mod
-from troupe import trace, watchdog
-from troupe.bucket import DEFAULT_BUCKET_SIZE, FIRST_BUCKET_SIZE
-from troupe.cluster import from_env as cluster_from_env
-from troupe.comm import Handle
-from troupe.launch import Ticket, init
-from troupe.nonfinite import NAN_POLICIES, NanPolicy
-from troupe.reducer import GradReducer, ReduceFn
-from troupe.strategies import CompressionConfig, Strategies
+from troupe.runtime import comm as comm_mod
+from troupe.reliability import nonfinite as nonfinite_mod
+from troupe.observe import trace
+from troupe.reliability import watchdog
+from troupe.sync.bucket import DEFAULT_BUCKET_SIZE, FIRST_BUCKET_SIZE
+from troupe.cluster.config import from_env as cluster_from_env
+from troupe.runtime.comm import Handle
+from troupe.runtime.launch import Ticket, init
+from troupe.reliability.nonfinite import NAN_POLICIES, NanPolicy
+from troupe.sync.reducer import GradReducer, ReduceFn
+from troupe.strategies.compressed import CompressionConfig, Strategies
 
 DIST_OPTIONS = {
     "plain": "backward_and_update",
@@ -87,7 +88,7 @@ class DistOpt:
         self.ps: Any = None
         cluster = cluster_from_env()
         if cluster is not None:
-            from troupe.ps.client import join_cluster
+            from troupe.cluster.worker import join_cluster
 
             self.info, self.ps = join_cluster(cluster, optimizer, self.info, bucket_size)
         self.communicator = comm_mod.default()

@@ -19,7 +19,7 @@ def _save_and_reload(rank, world_size, directory):
     import pytest
 
     import troupe
-    from troupe import checkpoint
+    from troupe.reliability import checkpoint
 
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 3)
@@ -73,7 +73,7 @@ def test_world_size_mismatch_refused(tmp_path):
 
 def _save_one(rank, world_size, directory):
     import troupe
-    from troupe import checkpoint
+    from troupe.reliability import checkpoint
 
     model = torch.nn.Linear(2, 2)
     checkpoint.save(directory, 5, model, troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1)))
@@ -81,7 +81,7 @@ def _save_one(rank, world_size, directory):
 
 def _load_expect_error(rank, world_size, directory):
     import troupe
-    from troupe import checkpoint
+    from troupe.reliability import checkpoint
 
     model = torch.nn.Linear(2, 2)
     try:
@@ -128,7 +128,7 @@ def _die_during_second_save(rank, world_size, directory):
     import os
 
     import troupe
-    from troupe import checkpoint
+    from troupe.reliability import checkpoint
 
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 3)
@@ -160,7 +160,7 @@ def _die_during_second_save(rank, world_size, directory):
 
 def _resume(rank, world_size, directory):
     import troupe
-    from troupe import checkpoint
+    from troupe.reliability import checkpoint
 
     model = torch.nn.Linear(6, 3)
     opt = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist.world import run_world
-from troupe.cluster import ClusterConfig
+from troupe.cluster.config import ClusterConfig
 
 STEPS = 10
 BATCH = 8
@@ -44,7 +44,7 @@ def make_sched(opt):
 
 def send_malformed(opt):
     """Messages a server must reject without applying anything (and without losing its footing)."""
-    from troupe.ps.messages import HEADER_TAG, PAYLOAD_TAG, Header, Op
+    from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, Op
 
     world, me, server = opt.ps.world, opt.ps.rank, opt.ps.all_servers[0]
     bad_magic = Header(Op.GET, 0, 0, me, 0).encode()
@@ -369,14 +369,14 @@ def test_explicit_shutdown_lets_servers_finish(tmp_path):
 def reduce_scatter_buckets(rank, world_size):
     """Gradients through GradReducer + BucketScatter: returns, per parameter, (grad or None, owned element mask)."""
     import troupe
-    from troupe.ps.scatter import BucketScatter
-    from troupe.ps.shard import plan_slices
-    from troupe.reducer import GradReducer
+    from troupe.cluster.scatter import BucketScatter
+    from troupe.cluster.shard import plan_slices
+    from troupe.sync.reducer import GradReducer
 
     torch.manual_seed(0)
     params = [nn.Parameter(torch.zeros(n)) for n in (5, 40, 3, 17, 1)]  # several buckets, slices across params
     slices = plan_slices([p.numel() for p in params], world_size)
-    comm = troupe.comm.default()
+    comm = troupe.runtime.comm.default()
     reducer = GradReducer(params, comm, bucket_size=20, first_bucket_size=8)
     g = torch.Generator().manual_seed(rank)
     coeffs = [torch.randn(p.numel(), generator=g) for p in params]

@@ -274,7 +274,7 @@ def test_fp16_divides_before_the_sum(results):
 
 
 def test_partial_update_rotates_chunks_and_keeps_the_rest_local(results):
-    from troupe.partial import plan_chunks
+    from troupe.strategies.partial import plan_chunks
 
     chunks = plan_chunks([torch.zeros(s) for s in SHAPES.values()] + [torch.zeros(2)], 16)
     assert [sum(p.stop - p.start for p in c) for c in chunks] == [16, 16, 16, 16, 11]

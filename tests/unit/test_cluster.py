@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from troupe.cluster import PRESETS, ClusterConfig, from_env, parse_cluster_text, preset, roles
+from troupe.cluster.config import PRESETS, ClusterConfig, from_env, parse_cluster_text, preset, roles
 
 SEED_BLOCK = """
 cluster {
@@ -110,7 +110,7 @@ def test_bad_text():
 
 
 def test_resolve_for_troupe_run():
-    from troupe.cluster import resolve
+    from troupe.cluster.config import resolve
 
     assert resolve() is None
     assert resolve("hogwild", nprocs=4, sync_freq=5) == ClusterConfig(nworker_groups=4, nserver_groups=4, sync_freq=5)

@@ -17,8 +17,8 @@ from troupe.compress import (
     make_compressor,
     topk_count,
 )
-from troupe.partial import plan_chunks
-from troupe.strategies import CompressionConfig
+from troupe.strategies.partial import plan_chunks
+from troupe.strategies.compressed import CompressionConfig
 
 
 def grad(n=1000, seed=0, scale=1.0):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from troupe import data
-from troupe.bucket import Bucket, plan_buckets
-from troupe.launch import Ticket
+from troupe.sync.bucket import Bucket, plan_buckets
+from troupe.runtime.launch import Ticket
 
 
 def params(*sizes, dtype=torch.float32):

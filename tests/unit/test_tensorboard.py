@@ -1,4 +1,4 @@
-"""troupe.tensorboard without processes: stats rows to tags, and the error when the package is missing."""
+"""troupe.observe.tensorboard without processes: stats rows to tags, and the error when the package is missing."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import importlib.util
 
 import pytest
 
-from troupe import cli, trace
-from troupe import tensorboard as tb
+from troupe import cli
+from troupe.observe import trace
+from troupe.observe import tensorboard as tb
 
 
 def test_a_stats_row_becomes_tagged_scalars():

@@ -14,7 +14,7 @@ from enum import IntEnum
 import torch
 from torch import Tensor
 
-log = logging.getLogger("troupe.ps")
+log = logging.getLogger("troupe.cluster.config")
 
 MAGIC = 0x7450_5331  # "tPS1"
 HEADER_LEN = 6

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-log = logging.getLogger("troupe.ps")
+log = logging.getLogger("troupe.cluster.config")
 
 
 @dataclass(frozen=True)

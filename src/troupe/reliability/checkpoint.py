@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from troupe import comm
+from troupe.runtime import comm
 
 MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from troupe import launch as _launch
-from troupe import trace, watchdog
+from troupe.runtime import launch as _launch
+from troupe.observe import trace
+from troupe.reliability import watchdog
 
 Op = Literal["sum", "mean", "max", "min"]
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -409,7 +410,7 @@ def forget_default() -> None:
 def default() -> Communicator:
     """The communicator over the whole job, created on first use (joins the job if needed)."""
     global _default
-    from troupe.launch import init
+    from troupe.runtime.launch import init
 
     init()
     # A new world (after troupe.shutdown() and init()) needs a new communicator.

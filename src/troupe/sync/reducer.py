@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor
 
-from troupe import trace, watchdog
-from troupe.bucket import FIRST_BUCKET_SIZE, Bucket, plan_buckets
-from troupe.comm import Communicator, Handle
+from troupe.observe import trace
+from troupe.reliability import watchdog
+from troupe.sync.bucket import FIRST_BUCKET_SIZE, Bucket, plan_buckets
+from troupe.runtime.comm import Communicator, Handle
 
 ReduceFn = Callable[[Bucket], Handle]
 """Starts the reduction of a sealed bucket; when its handle completes, ``bucket.data``

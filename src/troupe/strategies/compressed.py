@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from troupe.bucket import Bucket
-from troupe.comm import Communicator, Handle
+from troupe.sync.bucket import Bucket
+from troupe.runtime.comm import Communicator, Handle
 from troupe.compress import (
     Compressor,
     ErrorFeedback,
@@ -25,8 +25,8 @@ from troupe.compress import (
     residual_norm,
 )
 from troupe.compress.fp16 import half_dtype
-from troupe.partial import PartialAverager
-from troupe.reducer import ReduceFn
+from troupe.strategies.partial import PartialAverager
+from troupe.sync.reducer import ReduceFn
 
 if TYPE_CHECKING:
     from troupe.opt import DistOpt

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-from troupe.tensorboard import ScalarWriter
+from troupe.observe.tensorboard import ScalarWriter
 
 _recorder: Recorder | None = None
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from troupe.comm import Communicator
+from troupe.runtime.comm import Communicator
 
 
 @dataclass(frozen=True)

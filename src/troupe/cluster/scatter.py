@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from troupe.bucket import Bucket
-from troupe.comm import Communicator, Handle
-from troupe.ps.shard import Slice
+from troupe.sync.bucket import Bucket
+from troupe.runtime.comm import Communicator, Handle
+from troupe.cluster.shard import Slice
 
 
 class BucketScatter:

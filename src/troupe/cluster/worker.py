@@ -5,10 +5,10 @@
   come back before the next forward.
 * `CoLocated` (servers share the workers' processes: AllReduce, Distributed Hogwild):
   inside a group, reduce the gradients (reduce-scatter onto their owners under NCCL,
-  `troupe.ps.scatter`), each worker updates the slices its co-located server owns, then
+  `troupe.cluster.scatter`), each worker updates the slices its co-located server owns, then
   all-gather the slices; with several groups, every `sync_freq`
   steps each group folds its change into the master copies, asynchronously
-  (`troupe.ps.groupsync`).
+  (`troupe.cluster.groupsync`).
 """
 
 from __future__ import annotations
@@ -26,19 +26,19 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from troupe import comm as comm_mod
-from troupe.cluster import ClusterConfig, Role, roles
-from troupe.comm import Communicator, Handle
-from troupe.launch import DistInfo, on_shutdown, shutdown
-from troupe.ps.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
-from troupe.ps.shard import ParamShard, plan_slices
-from troupe.ps.groupsync import GroupSync
-from troupe.ps.scatter import BucketScatter
-from troupe.ps.server import Server, process_alive
-from troupe.ps.shared import SharedMemory
-from troupe.reducer import GradReducer
+from troupe.runtime import comm as comm_mod
+from troupe.cluster.config import ClusterConfig, Role, roles
+from troupe.runtime.comm import Communicator, Handle
+from troupe.runtime.launch import DistInfo, on_shutdown, shutdown
+from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
+from troupe.cluster.shard import ParamShard, plan_slices
+from troupe.cluster.groupsync import GroupSync
+from troupe.cluster.scatter import BucketScatter
+from troupe.cluster.server import Server, process_alive
+from troupe.cluster.shared import SharedMemory
+from troupe.sync.reducer import GradReducer
 
-log = logging.getLogger("troupe.ps")
+log = logging.getLogger("troupe.cluster.config")
 
 DEFAULT_PS_TIMEOUT = 7 * 24 * 3600.0
 """Seconds a parameter-server message may wait (``TROUPE_PS_TIMEOUT``); a dead peer fails at once anyway."""

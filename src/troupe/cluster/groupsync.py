@@ -29,11 +29,11 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from troupe.comm import Communicator, Handle
-from troupe.ps.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
-from troupe.ps.shard import Slice
+from troupe.runtime.comm import Communicator, Handle
+from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
+from troupe.cluster.shard import Slice
 
-log = logging.getLogger("troupe.ps")
+log = logging.getLogger("troupe.cluster.config")
 
 WATCH_INTERVAL = 0.5
 """Seconds between checks that the peer groups' processes still exist."""

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from troupe.comm import Communicator
-from troupe.ps.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
-from troupe.ps.shard import ParamShard
+from troupe.runtime.comm import Communicator
+from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
+from troupe.cluster.shard import ParamShard
 
-log = logging.getLogger("troupe.ps")
+log = logging.getLogger("troupe.cluster.config")
 
 WATCH_INTERVAL = 0.5
 """Seconds between checks that the live workers' processes still exist."""

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from troupe import trace, watchdog
+from troupe.observe import trace
+from troupe.reliability import watchdog
 
 log = logging.getLogger("troupe")
 
@@ -382,7 +383,7 @@ def shutdown() -> None:
     for hook in reversed(hooks):  # e.g. a parameter-server worker telling its servers it is done
         hook()
     watchdog.stop()
-    from troupe import comm
+    from troupe.runtime import comm
 
     comm.forget_default()
     if dist.is_initialized():

@@ -1,0 +1,7 @@
+"""Synchronous gradient reduction overlapped with backward.
+
+`bucket` lays parameters out in flat, rank-independent buffers; `reducer` listens to
+autograd and launches one reduce hook per full bucket; `hooks` holds the reduce hooks
+(DDP's comm-hook shape: a small object called with a sealed bucket). Knows nothing of
+optimizers or of which dist_option is in use.
+"""
