@@ -1,4 +1,5 @@
-"""The `troupe` command: `troupe run` starts a job's local processes, `troupe info` describes the machine."""
+"""The `troupe` command: `troupe run` starts a job's local processes, `troupe info` describes the machine,
+`troupe bench` runs and renders benchmarks (troupe.bench)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,61 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the training script (a .py file)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     sub.add_parser("info", help="what this machine offers: torch, backends, devices, MPI")
+    _add_bench_parser(sub)
     return parser
+
+
+def _bench_type(parse):
+    """An argparse type from a troupe.bench parser (its ValueError becomes argparse's message)."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
+
+
+def _add_bench_parser(sub) -> None:
+    """`troupe bench list | run NAME | table FILE | plot FILE OUT` (troupe.bench.command does the work)."""
+    from troupe.bench.options import parse_bucket, parse_size
+
+    bench = sub.add_parser("bench", help="benchmarks: list, run, table, plot (one harness, JSON-lines results)")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    bsub.add_parser("list", help="the benchmarks and what each measures")
+    run = bsub.add_parser("run", help="run one benchmark, print its table, append its records to --out")
+    run.add_argument("name", help="a name from `troupe bench list`")
+    run.add_argument("--out", default=None, help="append the records (JSON lines) to this file")
+    run.add_argument("--reps", type=_positive, default=None, help="repetitions (median over them)")
+    run.add_argument("--steps", type=_positive, default=None, help="measured steps per repetition and contestant")
+    run.add_argument("--burnin", type=int, default=None, help="untimed steps per contestant before measuring")
+    run.add_argument("-n", "--nproc", type=_positive, default=None, help="ranks (local processes; default 2)")
+    run.add_argument("--threads", type=_positive, default=None, help="torch threads per rank (default 1)")
+    run.add_argument("--workload", dest="workloads", nargs="+", default=None, help="cnn, resnet18, mlp")
+    run.add_argument("--data", choices=["mnist", "synthetic"], default=None)
+    run.add_argument("--batch-size", type=_positive, default=None, help="per rank")
+    run.add_argument("--sizes", type=_bench_type(parse_size), nargs="+", default=None,
+                     help="bytes per all-reduce: 4096, 64KiB, 16MiB (collectives)")
+    run.add_argument("--bucket-size", type=_bench_type(parse_bucket), default=None, help="troupe's, in elements")
+    run.add_argument("--sweep", type=_bench_type(lambda t: tuple(parse_bucket(x) for x in t.split(","))),
+                     default=None, help="troupe bucket sizes, comma-separated: 2**16,2**19,all (ddp)")
+    run.add_argument("--local", action="store_true", default=None, help="also the model with no communication")
+    run.add_argument("--flat", action="store_true", default=None, help="also backward + one flat all-reduce (ddp)")
+    run.add_argument("--dist-options", nargs="+", default=None, help="dist_options to compare (compression)")
+    run.add_argument("--micro", type=_positive, default=None, help="micro-batches per step (accumulate)")
+    run.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ max_norm (accumulate)")
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--timeout", type=float, default=None, help="seconds before the run's ranks are killed")
+    run.add_argument("script_args", nargs="*", help="after --: arguments for a script benchmark")
+    table = bsub.add_parser("table", help="markdown tables of a JSON-lines results file")
+    table.add_argument("results")
+    plot = bsub.add_parser("plot", help="a matplotlib plot of a JSON-lines results file")
+    plot.add_argument("results")
+    plot.add_argument("out", help="image file (.png, .svg, ...)")
+    for p in (table, plot):
+        p.add_argument("--benchmark", default=None, help="only this benchmark's records")
+        p.add_argument("--run", default=None, help="only this run's records (its id)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         print(describe_machine())
         return 0
+    if args.command == "bench":
+        from troupe.bench.command import main as bench_main
+
+        return bench_main(args)
     try:
         return run(args)
     except (ValueError, ImportError) as e:  # bad arguments; a missing optional package (tensorboard)

@@ -1,0 +1,18 @@
+"""troupe's benchmark harness: workloads, contestants, one A/B engine, one result format.
+
+`troupe bench list | run NAME | table FILE | plot FILE OUT` drives it (see `command`).
+
+* `workloads`   the WORKLOADS registry: a model, its data and its loss, by name;
+* `contestants` the CONTESTANTS registry: ways to train one step (DistOpt per dist_option,
+                DDP, one flat all-reduce, no communication);
+* `engine`      the A/B engine: contestants take turns step by step in the same processes,
+                order alternated, burn-in then measured repetitions, slowest rank counted;
+* `records`     the JSON-lines format: one record per measurement;
+* `stats`       medians, spreads, ratios of medians;
+* `render`      markdown tables and matplotlib plots from records;
+* `suites/`     the named benchmarks (collectives, ddp, accumulate, compression) and the
+                tables of the records that the scripts in ``benchmarks/`` write;
+* `world`       N local ranks started with a Ticket, results back to the caller.
+
+Not imported by ``import troupe``; nothing in troupe imports it but the CLI.
+"""

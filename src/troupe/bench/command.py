@@ -1,0 +1,113 @@
+"""What `troupe bench list | run | table | plot` do (the arguments are parsed in troupe.cli).
+
+    troupe bench list
+    troupe bench run collectives -n 2 --reps 11 --out results.jsonl
+    troupe bench run ps --out ps.jsonl -- --steps 800          # a script benchmark: arguments after --
+    troupe bench table results.jsonl
+    troupe bench plot results.jsonl out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from troupe.bench import records as records_mod
+from troupe.bench import registry, render, world
+from troupe.bench.options import Options
+from troupe.bench.records import Record
+from troupe.bench.workloads import checkout_root
+
+
+def _rank_main(rank: int, world_size: int, name: str, options: Options) -> list[Record]:
+    """What every rank runs (module level: spawn pickles it by name)."""
+    return registry.get(name).run(rank, world_size, options)
+
+
+def list_benchmarks() -> str:
+    lines = []
+    for b in registry.BENCHMARKS.values():
+        how = f"script: python {b.script} --out FILE" if b.script else "harness"
+        lines.append(f"{b.name:<17} {b.help} [{how}]")
+    return "\n".join(lines)
+
+
+def run(name: str, options: Options, out: str | None, script_args: list[str]) -> int:
+    """Run one benchmark; print its table; append its records to `out`."""
+    bench = registry.get(name)
+    root = checkout_root()
+    if bench.script:
+        options.with_defaults({}, bench.uses, name)  # a flag the script does not take is an error
+        cmd = [sys.executable, str(root / bench.script), *(["--out", out] if out else []), *script_args]
+        print(f"troupe bench: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        return subprocess.run(cmd, cwd=root, timeout=options.timeout).returncode
+    if script_args:
+        raise ValueError(f"{name} is a harness benchmark: arguments after -- are for script benchmarks only")
+    options = options.with_defaults(bench.defaults, bench.uses, name)
+    stamp = records_mod.stamp(root)
+    print(f"troupe bench: {name} on {options.nproc} ranks x {options.threads} thread(s), {options.reps} reps "
+          f"(run {stamp.run}, commit {stamp.commit or 'unknown'})", file=sys.stderr, flush=True)
+    measured = world.launch(_rank_main, options.nproc, name, options, threads=options.threads,
+                            timeout=options.timeout)
+    stamped = [stamp.apply(r) for r in measured]
+    if out:
+        records_mod.write(out, stamped)
+        print(f"troupe bench: {len(stamped)} records appended to {out}", file=sys.stderr)
+    print(bench.table(stamped), flush=True)
+    return 0
+
+
+def _select(path: str, benchmark: str | None, run_id: str | None) -> list[Record]:
+    found = records_mod.read(path)
+    chosen = [r for r in found if (benchmark is None or r.benchmark == benchmark) and (run_id is None or r.run == run_id)]
+    if not chosen:
+        raise ValueError(f"{path}: no records" + (f" of benchmark {benchmark!r}" if benchmark else "")
+                         + (f" of run {run_id!r}" if run_id else ""))
+    return chosen
+
+
+def table(path: str, benchmark: str | None = None, run_id: str | None = None) -> str:
+    """Every run in the file (or the chosen one), each rendered by its benchmark's table."""
+    parts = []
+    for (_, name), rs in render.group(_select(path, benchmark, run_id), lambda r: (r.run, r.benchmark)).items():
+        bench = registry.BENCHMARKS.get(name)
+        parts.append(f"## {name}\n\n" + (bench.table(rs) if bench else render.generic_table(rs)))
+    return "\n\n".join(parts)
+
+
+def plot(path: str, out: str, benchmark: str | None = None, run_id: str | None = None) -> None:
+    chosen = _select(path, benchmark, run_id)
+    names = sorted({r.benchmark for r in chosen})
+    if len(names) > 1:
+        raise ValueError(f"{path} holds several benchmarks {names}: choose one with --benchmark")
+    bench = registry.BENCHMARKS.get(names[0])
+    (bench.plot if bench else lambda rs, o: render.plot_bars(rs, o, metric=rs[0].metric))(chosen, out)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Dispatch `troupe bench ...`; bad input becomes a message and exit code 2."""
+    try:
+        if args.bench_command == "list":
+            print(list_benchmarks())
+            return 0
+        if args.bench_command == "run":
+            return run(args.name, options_from(args), args.out, args.script_args)
+        if args.bench_command == "table":
+            print(table(args.results, args.benchmark, args.run))
+            return 0
+        plot(args.results, args.out, args.benchmark, args.run)
+        print(f"troupe bench: plot written to {args.out}", file=sys.stderr)
+        return 0
+    except (ValueError, FileNotFoundError, ImportError, TimeoutError, world.RankFailed) as e:
+        print(f"troupe bench: {e}", file=sys.stderr)
+        return 2
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    """The Options of `troupe bench run` (None where a flag was not given)."""
+    return Options(reps=args.reps, steps=args.steps, burnin=args.burnin, nproc=args.nproc, threads=args.threads,
+                   workloads=args.workloads, data=args.data, batch_size=args.batch_size, sizes=args.sizes,
+                   bucket_size=args.bucket_size, sweep=args.sweep, local=args.local, flat=args.flat,
+                   dist_options=args.dist_options, micro=args.micro, clip=args.clip, seed=args.seed,
+                   timeout=args.timeout)

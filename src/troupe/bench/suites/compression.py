@@ -1,0 +1,69 @@
+"""compression: bytes and step time of each dist_option, side by side.
+
+One DistOpt (and model copy) per dist_option, all taking turns step by step on the same
+batches (default: the example's CNN on real MNIST, where the gradients' sparsity is
+real). Wire bytes per step and rank come from the default Communicator's counters (ring
+model); step time as in every engine benchmark. Ratios are to "plain" (dense fp32).
+"""
+
+from __future__ import annotations
+
+from troupe.bench import contestants as kinds
+from troupe.bench import render, workloads
+from troupe.bench.engine import run_ab
+from troupe.bench.options import Options
+from troupe.bench.records import Record
+from troupe.bench.stats import ratio_of_medians, summarize
+from troupe.bench.suites.common import schedule, to_records
+
+SPARS = {"sparseTopK": 0.01, "sparseThreshold": 1e-3}
+"""spars per option (top-K: the fraction kept; threshold: the magnitude kept)."""
+CHUNK_SIZE = 2**17
+"""partialUpdate's chunk (elements): the CNN in 4 chunks, one averaged per step."""
+
+
+def run(rank: int, world_size: int, options: Options) -> list[Record]:
+    from troupe.runtime import comm as comm_mod
+
+    if world_size < 2:
+        raise ValueError("compression measures communication: run it on 2 or more ranks (-n 2)")
+    if "plain" not in options.dist_options:
+        raise ValueError("--dist-options must include plain (the dense reference)")
+    records = []
+    for name in options.workloads:
+        workload = workloads.get(name)
+        batch_size = options.batch_size or workload.batch_size
+        data = options.data if options.data in workload.datasets else workload.datasets[0]
+        count = min(options.burnin + options.reps * options.steps, 64)
+        batches = workload.batches(rank, world_size, batch_size, count, data=data, seed=options.seed)
+        made = [kinds.troupe_opt(workload, batches, seed=options.seed, option=o, spars=SPARS.get(o),
+                                 chunk_size=CHUNK_SIZE, name=o) for o in options.dist_options]
+        params = {"batch_size": batch_size, "data": data, "steps": options.steps, "burnin": options.burnin,
+                  "chunk_size": CHUNK_SIZE}
+        measured = run_ab(made, schedule(options), comm_mod.default())
+        records += to_records(measured, made, benchmark="compression", workload=name, params=params,
+                              world_size=world_size)
+    return records
+
+
+def table(records: list[Record]) -> str:
+    parts = []
+    for rs in render.group(records, render.section_key).values():
+        plain_bytes = list(render.by_rep(rs, "plain", "wire_bytes").values())
+        plain_time = list(render.by_rep(rs, "plain", "step_time").values())
+        rows = []
+        for name in render.contestants(rs):
+            sent = list(render.by_rep(rs, name, "wire_bytes").values())
+            times = list(render.by_rep(rs, name, "step_time").values())
+            t = summarize(times)
+            rows.append([name, render.param_of(rs, name, "spars", ""), f"{summarize(sent).median:,.0f}",
+                         f"{ratio_of_medians(sent, plain_bytes):.4f}", render.ms(t.median),
+                         render.spread(times, render.ms), f"{ratio_of_medians(times, plain_time):.3f}"])
+        header = ["dist_option", "spars", "wire bytes/step/rank", "bytes / plain", "step ms (median)",
+                  "spread (min-max)", "step time / plain (of medians)"]
+        parts.append(render.run_line(rs) + "\n\n" + render.markdown(header, rows))
+    return "\n\n".join(parts)
+
+
+def plot(records: list[Record], out: str) -> None:
+    render.plot_bars(records, out, metric="wire_bytes", title="wire bytes per step and rank, by dist_option")
