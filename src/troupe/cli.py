@@ -102,7 +102,8 @@ def _add_bench_parser(sub) -> None:
     run.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ max_norm (accumulate)")
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--timeout", type=float, default=None, help="seconds before the run's ranks are killed")
-    run.add_argument("script_args", nargs="*", help="after --: arguments for a script benchmark")
+    run.add_argument("--args", dest="script_args", nargs=argparse.REMAINDER, default=[],
+                     help="everything after --args goes to a script benchmark (benchmarks/NAME.py)")
     table = bsub.add_parser("table", help="markdown tables of a JSON-lines results file")
     table.add_argument("results")
     plot = bsub.add_parser("plot", help="a matplotlib plot of a JSON-lines results file")

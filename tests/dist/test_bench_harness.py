@@ -1,4 +1,4 @@
-"""The benchmark scripts run (tiny configurations: the harness, not the timing) and the cost model fits."""
+"""The benchmarks run (tiny configurations: the harness, not the timing) and the cost model fits."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def run(cmd, timeout=240):
 
 
 def test_alpha_beta_fit_recovers_a_synthetic_link():
-    from collectives import fit_alpha_beta
+    from troupe.bench.suites.collectives import fit_alpha_beta
 
     sizes = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
     alpha, beta = fit_alpha_beta(sizes, [50e-6 + s * 0.8e-9 for s in sizes])
@@ -37,13 +37,20 @@ def test_step_prediction_uses_the_slower_of_link_and_loopback():
     assert predict_step(0.05, 1e6, 1e-4, 8e-8) == pytest.approx(0.05 + 1e-4 + 0.08)
 
 
+@pytest.mark.timeout(150)
 def test_collectives_benchmark_runs(tmp_path):
-    out = tmp_path / "c.json"
-    proc = run([sys.executable, "-m", "troupe.cli", "run", "-n", "2", "benchmarks/collectives.py", "--reps", "1",
-                "--iters", "2", "--sizes", "4096", "262144", "--json", str(out)])
+    """`troupe bench run collectives` on 2 ranks (spawned, Gloo, 1 thread each) with tiny sizes."""
+    from troupe.bench.records import read
+
+    out = tmp_path / "c.jsonl"
+    proc = run([sys.executable, "-m", "troupe.cli", "bench", "run", "collectives", "-n", "2", "--reps", "1",
+                "--steps", "2", "--burnin", "1", "--sizes", "4096", "262144", "--timeout", "120", "--out", str(out)],
+               timeout=140)
     assert "| size | flat all_reduce | troupe buckets |" in proc.stdout and "alpha =" in proc.stdout
-    data = json.loads(out.read_text())
-    assert data["world_size"] == 2 and len(data["results"]) == 2
+    data = read(out)
+    assert {r.world_size for r in data} == {2} and len({r.params["bytes"] for r in data}) == 2
+    assert {r.contestant for r in data} == {"flat all_reduce", "troupe buckets"}
+    assert all(r.value > 0 and r.unit == "s" and r.commit and r.torch for r in data if r.metric == "step_time")
 
 
 def test_throughput_benchmark_runs_on_loopback_and_simulated_hosts(tmp_path):

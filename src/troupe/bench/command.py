@@ -2,7 +2,7 @@
 
     troupe bench list
     troupe bench run collectives -n 2 --reps 11 --out results.jsonl
-    troupe bench run ps --out ps.jsonl -- --steps 800          # a script benchmark: arguments after --
+    troupe bench run ps --out ps.jsonl --args --steps 800      # a script benchmark: its arguments after --args
     troupe bench table results.jsonl
     troupe bench plot results.jsonl out.png
 """
@@ -43,7 +43,7 @@ def run(name: str, options: Options, out: str | None, script_args: list[str]) ->
         print(f"troupe bench: {' '.join(cmd)}", file=sys.stderr, flush=True)
         return subprocess.run(cmd, cwd=root, timeout=options.timeout).returncode
     if script_args:
-        raise ValueError(f"{name} is a harness benchmark: arguments after -- are for script benchmarks only")
+        raise ValueError(f"{name} is a harness benchmark: --args is for script benchmarks only")
     options = options.with_defaults(bench.defaults, bench.uses, name)
     stamp = records_mod.stamp(root)
     print(f"troupe bench: {name} on {options.nproc} ranks x {options.threads} thread(s), {options.reps} reps "
@@ -106,8 +106,11 @@ def main(args: argparse.Namespace) -> int:
 
 def options_from(args: argparse.Namespace) -> Options:
     """The Options of `troupe bench run` (None where a flag was not given)."""
+    def tup(value):
+        return None if value is None else tuple(value)
+
     return Options(reps=args.reps, steps=args.steps, burnin=args.burnin, nproc=args.nproc, threads=args.threads,
-                   workloads=args.workloads, data=args.data, batch_size=args.batch_size, sizes=args.sizes,
+                   workloads=tup(args.workloads), data=args.data, batch_size=args.batch_size, sizes=tup(args.sizes),
                    bucket_size=args.bucket_size, sweep=args.sweep, local=args.local, flat=args.flat,
-                   dist_options=args.dist_options, micro=args.micro, clip=args.clip, seed=args.seed,
+                   dist_options=tup(args.dist_options), micro=args.micro, clip=args.clip, seed=args.seed,
                    timeout=args.timeout)

@@ -53,7 +53,8 @@ def run_line(records: Sequence[Record], skip: Sequence[str] = ()) -> str:
     params = ", ".join(f"{k} {v}" for k, v in r.params.items() if k not in CONTESTANT_KEYS and k not in skip)
     where = "; ".join(x for x in (r.machine, f"torch {r.torch}" if r.torch else "",
                                   f"commit {r.commit}" if r.commit else "", r.date) if x)
-    return f"*Run:* {r.benchmark}, {r.workload}, {r.world_size} ranks, {reps} reps; {params}. {where}"
+    head = f"*Run:* {r.benchmark}, {r.workload}, {r.world_size} ranks, {reps} reps" + (f"; {params}" if params else "")
+    return head + "." + (f" {where}" if where else "")
 
 
 def ms(seconds: float) -> str:

@@ -1,7 +1,7 @@
 """Benchmarks that stay scripts in ``benchmarks/`` (each starts its own jobs, or needs root).
 
 They write the same JSON-lines records with ``--out FILE``; `troupe bench run NAME`
-runs the script with ``--out`` and the arguments after ``--``; `troupe bench table`
+runs the script with ``--out`` and the arguments after ``--args``; `troupe bench table`
 renders their records with `table`.
 """
 
