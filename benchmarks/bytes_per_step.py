@@ -15,7 +15,8 @@ initial broadcast and shutdown are in both runs and cancel; what remains is step
 (plus the watchdog's heartbeats to the store while they run). Bytes are the whole job's
 (every process's sends added up) per step of each worker; with --reps R the median of R
 such pairs. TCP retransmissions (counted in each namespace) add veth bytes that no counter
-sees, so the table gives them too.
+sees, so the table gives them too. `--out FILE` appends every pair of runs as troupe bench
+records (JSON lines; `troupe bench table FILE`).
 """
 
 from __future__ import annotations
@@ -171,8 +172,12 @@ def _retransmitted_segments(namespace: str) -> int:
     return int(values[header.index("RetransSegs")])
 
 
-def measure(name: str, flags: list[str], nprocs: int, option: str, args: argparse.Namespace) -> dict:
-    """Bytes per step of one configuration: the difference of a B-step and an A-step run (median of --reps)."""
+def measure(name: str, flags: list[str], nprocs: int, option: str, args: argparse.Namespace,
+            sink: list | None = None) -> dict:
+    """Bytes per step of one configuration: the difference of a B-step and an A-step run (median of --reps).
+
+    Every pair's values are appended to `sink` as troupe bench records (when given).
+    """
     run = run_hosts if args.net == "netns" else run_loopback
     a, b = args.steps
     per_step: dict[str, list[float]] = {}
@@ -182,6 +187,14 @@ def measure(name: str, flags: list[str], nprocs: int, option: str, args: argpars
         retransmits += short.pop("retransmits", 0) + long_.pop("retransmits", 0)
         for key in long_:
             per_step.setdefault(key, []).append((long_[key] - short[key]) / (b - a))
+    if sink is not None:
+        from troupe.bench.records import Record
+
+        params = {"net": args.net, "steps": list(args.steps), "batch": args.batch, "data": args.data,
+                  "option": option, "processes": nprocs}
+        sink += [Record(benchmark="bytes_per_step", contestant=name, workload="cnn", params=params, world_size=WORKERS,
+                        rep=rep, metric=f"{key}_bytes", value=v, unit="B")
+                 for key, values in per_step.items() for rep, v in enumerate(values)]
     row = {"name": name, "processes": nprocs, **{k: statistics.median(v) for k, v in per_step.items()}}
     if args.net == "netns":
         row["retransmits"] = retransmits  # TCP segments sent twice, in all runs of this row
@@ -257,6 +270,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300, help="seconds one run may take")
     p.add_argument("--plot", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--out", default=None, help="append every pair of runs as troupe bench records (JSON lines)")
     # what each process of the job runs
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--option", default="plain", help=argparse.SUPPRESS)
@@ -287,9 +301,14 @@ def main(argv: list[str] | None = None) -> None:
         if why_not:
             print(f"no veth counters: network namespaces are not available ({why_not}); counters only, on loopback",
                   file=sys.stderr)
-    rows = [measure(option, [], 2, option, args) for option in args.options]
-    rows += [measure(name, flags, n, "plain", args) for name, (flags, n) in FRAMEWORKS.items()
+    from troupe.bench.records import save, stamp
+
+    started, sink = stamp(ROOT), ([] if args.out else None)
+    rows = [measure(option, [], 2, option, args, sink) for option in args.options]
+    rows += [measure(name, flags, n, "plain", args, sink) for name, (flags, n) in FRAMEWORKS.items()
              if name in args.frameworks]
+    if args.out:
+        save(args.out, sink, started)
     dense = next(r["wire"] for r in rows if r["name"] == "plain")
     where = "simulated hosts (one network namespace each, veth to a bridge)" if args.net == "netns" else "loopback"
     a, b = args.steps

@@ -4,7 +4,8 @@
 
 Each fault is injected on rank 1 at step 5 of a 2-rank job started with the Ticket +
 multiprocessing pattern (no supervisor, so detection is troupe's own, not `troupe run`'s).
-Detection time = when the surviving rank 0 exited minus when rank 1 misbehaved.
+Detection time = when the surviving rank 0 exited minus when rank 1 misbehaved. `--out
+FILE` appends every run as troupe bench records (JSON lines; `troupe bench table FILE`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ def main() -> None:
     p.add_argument("--timeout", default="20", help="TROUPE_TIMEOUT (collective timeout, s)")
     p.add_argument("--peer-timeout", default="15", help="TROUPE_PEER_TIMEOUT (s)")
     p.add_argument("--stall", default="5", help="TROUPE_STALL_SECONDS (s)")
+    p.add_argument("--out", default=None, help="append every run as troupe bench records (JSON lines)")
     args = p.parse_args()
+    from troupe.bench.records import Record, save, stamp
+
+    started = stamp(ROOT)
+    params = {"timeout": args.timeout, "peer_timeout": args.peer_timeout, "stall": args.stall}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_TIMEOUT": args.timeout,
            "TROUPE_PEER_TIMEOUT": args.peer_timeout, "TROUPE_STALL_SECONDS": args.stall}
     print(f"TROUPE_TIMEOUT={args.timeout}s TROUPE_PEER_TIMEOUT={args.peer_timeout}s "
@@ -55,10 +61,13 @@ def main() -> None:
     print("| --- | --- | --- |")
     for mode, what in MODES.items():
         times, message = [], ""
-        for _ in range(args.reps):
+        for rep in range(args.reps):
             t, message = run_once(mode, env)
             if t is not None:
                 times.append(t)
+            if args.out:  # not detected: value None
+                save(args.out, [Record(benchmark="faults", contestant=what, workload="8-16-4 MLP", params=params,
+                                       world_size=2, rep=rep, metric="detect_time", value=t, unit="s")], started)
         shown = (f"{statistics.median(times):.1f}s ({min(times):.1f}-{max(times):.1f})" if times else "not detected")
         message = re.sub(r"\[backend: .*", "[backend error]", message)[:160]
         print(f"| {what} | {shown} | `{message}` |", flush=True)

@@ -1,7 +1,7 @@
 """Throughput (samples/s) vs number of workers, on loopback and on simulated hosts with shaped links.
 
     python benchmarks/throughput.py --workers 1 2 4 --links loopback none 1gbit 100mbit --reps 3 \
-        --plot docs/throughput.png --json docs/throughput.json
+        --plot docs/throughput.png --json docs/throughput.json --out results.jsonl
 
 Each worker trains the reference MNIST CNN (synthetic 28x28 images, batch 64 per worker,
 one thread) with DistOpt for `--steps` measured steps after `--warmup` steps. "loopback"
@@ -10,7 +10,8 @@ namespace on one bridge, with every host's link limited by tc (benchmarks/netns.
 launch it with `troupe run --nnodes N --node-rank i --master 10.78.0.1:PORT`. Bytes per
 step come from the Communicator's counters and, on simulated hosts, from host 0's
 interface counters (which also count TCP/IP headers and the rendezvous traffic).
-Note: this machine has 2 cores, so more than 2 workers share cores.
+Note: this machine has 2 cores, so more than 2 workers share cores. `--out FILE` appends
+every run as troupe bench records (JSON lines; `troupe bench table FILE`).
 """
 
 from __future__ import annotations
@@ -112,9 +113,30 @@ def predict_step(one_worker_step: float, wire_bytes: float, alpha: float, beta: 
     return one_worker_step + buckets * alpha + wire_bytes * beta
 
 
+def load_cost_model(path: str) -> dict:
+    """alpha and beta fitted to the flat all-reduce medians of collectives records (or read from old JSON)."""
+    try:
+        old = json.loads(Path(path).read_text())
+        if isinstance(old, dict) and "alpha_s" in old:
+            return old  # the summary the old benchmarks/collectives.py --json wrote (docs/collectives.json)
+    except json.JSONDecodeError:
+        pass  # several lines: records
+    import statistics as st
+
+    from troupe.bench.records import read
+    from troupe.bench.suites.collectives import FLAT, fit_alpha_beta
+
+    flat = [r for r in read(path) if r.benchmark == "collectives" and r.contestant == FLAT and r.metric == "step_time"]
+    sizes = sorted({r.params["bytes"] for r in flat})
+    medians = [st.median(r.value for r in flat if r.params["bytes"] == s) for s in sizes]
+    alpha, beta = fit_alpha_beta(sizes, medians)
+    return {"alpha_s": alpha, "beta_s_per_byte": beta}
+
+
 def print_predictions(summary: dict, model: dict) -> None:
     alpha, beta = model["alpha_s"], model["beta_s_per_byte"]
-    print(f"\nalpha-beta model (alpha {alpha * 1e6:.0f} us, loopback beta {beta * 1e9:.2f} ns/B from collectives.py):")
+    print(f"\nalpha-beta model (alpha {alpha * 1e6:.0f} us, loopback beta {beta * 1e9:.2f} ns/B from the collectives "
+          "benchmark):")
     print("| link | workers | predicted step | measured step | measured / predicted |")
     print("| --- | --- | --- | --- | --- |")
     for link, by_n in summary.items():
@@ -125,6 +147,19 @@ def print_predictions(summary: dict, model: dict) -> None:
             predicted = predict_step(base["step_s"], r["bytes_per_step"], alpha, link_beta(link, beta))
             print(f"| {link} | {n} | {predicted * 1e3:.1f} ms | {r['step_s'] * 1e3:.1f} ms "
                   f"| {r['step_s'] / predicted:.2f} |")
+
+
+def save_records(path: str, table: dict[str, dict[int, list[dict]]], args: argparse.Namespace, started) -> None:
+    """Every run as troupe bench records: contestant = link, world_size = workers."""
+    from troupe.bench.records import Record, save
+
+    metrics = [("samples_per_s", "samples/s"), ("step_s", "s"), ("bytes_per_step", "B"), ("iface_bytes_per_step", "B")]
+    params = {"batch": args.batch, "steps": args.steps, "warmup": args.warmup, "delay": args.delay}
+    out = [Record(benchmark="throughput", contestant=link, workload="cnn", params=params, world_size=n, rep=rep,
+                  metric={"step_s": "step_time", "bytes_per_step": "wire_bytes"}.get(key, key), value=r[key], unit=unit)
+           for link, by_n in table.items() for n, runs in by_n.items() for rep, r in enumerate(runs)
+           for key, unit in metrics if key in r]
+    save(path, out, started)
 
 
 def main() -> None:
@@ -139,12 +174,18 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--plot", default=None)
     p.add_argument("--json", default=None)
-    p.add_argument("--cost-model", default=None, help="collectives.py --json output: print predicted step times")
+    p.add_argument("--out", default=None, help="append every run as troupe bench records (JSON lines)")
+    p.add_argument("--cost-model", default=None,
+                   help="`troupe bench run collectives --out` records (or an old collectives.py --json file): "
+                        "print predicted step times")
     args = p.parse_args()
     if args.worker:
         return worker(args)
     from netns import available
 
+    from troupe.bench.records import stamp
+
+    started = stamp(ROOT)
     why_not = available()
     links = [link for link in args.links if link == "loopback" or why_not is None]
     if len(links) < len(args.links):
@@ -178,8 +219,10 @@ def main() -> None:
             summary.setdefault(link, {})[n] = {"samples_per_s": rate, "step_s": step, "bytes_per_step": counted}
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
+    if args.out:
+        save_records(args.out, table, args, started)
     if args.cost_model:
-        print_predictions(summary, json.loads(Path(args.cost_model).read_text()))
+        print_predictions(summary, load_cost_model(args.cost_model))
     if args.plot:
         import matplotlib
 

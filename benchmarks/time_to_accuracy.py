@@ -3,7 +3,8 @@
 Trains the example's CNN (SGD lr 0.005, momentum 0.9, batch 64 per rank) and evaluates
 on the full test set every `--eval-every` steps; the clock stops during evaluation.
 Rank 0 prints one JSON line: the option, the seconds and steps until `--target` was
-first reached (null if never), and the final accuracy.
+first reached (null if never), and the final accuracy; with `--out FILE` it also appends
+troupe bench records (the curve as "accuracy" records: `troupe bench plot FILE out.png`).
 
     troupe run -n 2 --threads 1 benchmarks/time_to_accuracy.py --dist-option sparseTopK --spars 0.01
     benchmarks/shaped_link.sh 100mbit sparseTopK --spars 0.01      # two network namespaces, tc-limited
@@ -36,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100, help="steps")
     p.add_argument("--target", type=float, default=0.985)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke tests)")
+    p.add_argument("--out", default=None, help="append troupe bench records (JSON lines) here (rank 0)")
     return p.parse_args(argv)
 
 
@@ -89,6 +91,29 @@ def main(argv: list[str] | None = None) -> None:
             "curve": curve,
         }
         print(json.dumps(result), flush=True)
+        if args.out:
+            save_records(args.out, result, args)
+
+
+def save_records(path: str, result: dict, args: argparse.Namespace) -> None:
+    """The run as troupe bench records: time and steps to the target, final accuracy, the curve."""
+    from pathlib import Path
+
+    from troupe.bench.records import Record, save, stamp
+
+    name = args.dist_option + (f" (spars {args.spars})" if args.spars is not None else "")
+    params = {"target": args.target, "lr": args.lr, "batch_size": args.batch_size, "epochs": args.epochs,
+              "eval_every": args.eval_every}
+
+    def record(metric: str, value, unit: str, **extra) -> Record:
+        return Record(benchmark="time_to_accuracy", contestant=name, workload="cnn", params={**params, **extra},
+                      world_size=result["world_size"], rep=0, metric=metric, value=value, unit=unit)
+
+    out = [record("seconds_to_target", result["seconds_to_target"], "s"),
+           record("steps_to_target", result["steps_to_target"], "steps"),
+           record("train_seconds", result["train_seconds"], "s"), record("final_acc", result["final_acc"], "ratio")]
+    out += [record("accuracy", acc, "ratio", step=step, seconds=seconds) for step, seconds, acc in result["curve"]]
+    save(path, out, stamp(Path(__file__).resolve().parents[1]))
 
 
 if __name__ == "__main__":

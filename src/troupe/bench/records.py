@@ -22,7 +22,7 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 
-UNITS = {"s", "B", "samples/s", "ratio", "count", "steps"}
+UNITS = {"s", "B", "samples/s", "1/s", "ratio", "count", "steps"}
 """Units a record may carry (seconds, bytes, ...): tables scale by them."""
 
 
@@ -142,6 +142,11 @@ def write(path: str | Path, records: Iterable[Record]) -> int:
     with open(path, "a") as f:
         f.writelines(line + "\n" for line in lines)
     return len(lines)
+
+
+def save(path: str | Path, records: Iterable[Record], run: Stamp) -> int:
+    """Stamp records with `run` (taken when the run started) and append them: what scripts call."""
+    return write(path, [run.apply(r) for r in records])
 
 
 def read(path: str | Path) -> list[Record]:

@@ -99,10 +99,10 @@ def generic_table(records: Sequence[Record]) -> str:
     rows = []
     for (name, metric), rs in group(records, lambda r: (r.contestant, r.metric)).items():
         values = [r.value for r in rs if r.value is not None]
-        unit = rs[0].unit
+        unit = f" {rs[0].unit}" if rs[0].unit in ("s", "B", "samples/s", "1/s") else ""
         if values:
             s = summarize(values)
-            rows.append([name, metric, f"{s.median:.6g} {unit}", f"{s.low:.6g}-{s.high:.6g}", f"{s.n}/{len(rs)}"])
+            rows.append([name, metric, f"{s.median:.6g}{unit}", f"{s.low:.6g}-{s.high:.6g}", f"{s.n}/{len(rs)}"])
         else:
             rows.append([name, metric, "not reached", "-", f"0/{len(rs)}"])
     return markdown(["contestant", "metric", "median", "range (min-max)", "measured/reps"], rows)
@@ -148,6 +148,23 @@ def plot_lines(records: Sequence[Record], out: str, *, x: str, metric: str = "st
     ax.set_ylabel(f"{metric} (ms, median over reps)")
     ax.set_title(title or records[0].benchmark)
     ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def plot_curves(records: Sequence[Record], out: str, *, x: str, xlabel: str, ylabel: str, title: str) -> None:
+    """`value` against the param `x`, one line per contestant and run (a training curve), linear axes."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (name, _), rs in group(records, lambda r: (r.contestant, r.run)).items():
+        points = sorted((r.params[x], r.value) for r in rs if r.value is not None)
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=120)

@@ -22,14 +22,24 @@ SCRIPTS = {
 """name -> (script, what it measures)."""
 
 
+CURVE = "accuracy"
+"""time_to_accuracy's evaluation points (params step, seconds): plotted, not tabled."""
+
+
 def table(records: list[Record]) -> str:
     """Per section (workload and shared params): contestant x metric, median and range over repetitions."""
     parts = []
-    for rs in render.group(records, render.section_key).values():
+    for rs in render.group([r for r in records if r.metric != CURVE], render.section_key).values():
         parts.append(render.run_line(rs) + "\n\n" + render.generic_table(rs))
     return "\n\n".join(parts)
 
 
 def plot(records: list[Record], out: str) -> None:
+    """Accuracy against training time (time_to_accuracy), else bars of the first metric."""
+    curve = [r for r in records if r.metric == CURVE]
+    if curve:
+        render.plot_curves(curve, out, x="seconds", xlabel="training time (s, evaluation excluded)",
+                           ylabel="evaluation accuracy", title="time to accuracy")
+        return
     metric = records[0].metric
     render.plot_bars([r for r in records if r.metric == metric and r.value is not None], out, metric=metric)
