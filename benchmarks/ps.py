@@ -14,7 +14,8 @@ slows training down. The time to an accuracy is the training time of the first c
 or above it. Servers report slice updates per second and the staleness of the updates
 they applied (versions applied in between); Hogwild's master copies the same for merges.
 Contestants run in turns, repetition by repetition (A B C, A B C, ...): the table gives
-the median over repetitions.
+the median over repetitions. `--out FILE` appends every run as troupe bench records (JSON
+lines; `troupe bench table FILE`).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=None,
                    help="give every contestant this many computing workers (servers on top) instead of 4 processes")
     p.add_argument("--json", default=None, help="append every run's result to this JSON-lines file")
+    p.add_argument("--out", default=None, help="append every run as troupe bench records (JSON lines)")
     p.add_argument("--table", default=None, metavar="JSONL", help="only print the table of the runs saved in JSONL")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # the training script's mode: ddp or troupe
     return p.parse_args(argv)
@@ -183,6 +185,20 @@ def run_one(name: str, args) -> dict:
     return row
 
 
+def to_records(row: dict, args, targets: list[float]) -> list:
+    """One run's row as troupe bench records (a time not reached has value None)."""
+    from troupe.bench.records import Record
+
+    units = {**{f"time_to_{t}": "s" for t in targets}, **{f"steps_to_{t}": "steps" for t in targets},
+             "final_acc": "ratio", "steps_per_s": "1/s", "server_updates_per_s": "1/s", "staleness_mean": "count"}
+    params = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "straggler": args.straggler,
+              "workers": args.workers}
+    world = args.workers or 4
+    return [Record(benchmark="ps", contestant=row["contestant"], workload="cnn", params=params, world_size=world,
+                   rep=row["rep"], metric=key, value=row.get(key), unit=unit)
+            for key, unit in units.items() if key in row]
+
+
 def _median(rows: list[dict], key: str) -> float | None:
     values = [r[key] for r in rows if r.get(key) is not None]
     return statistics.median(values) if len(values) == len(rows) else None
@@ -223,6 +239,10 @@ def main(argv=None) -> None:
         raise SystemExit(f"unknown contestant(s) {unknown}; choose from {sorted(known)}")
     targets = sorted(float(t) for t in args.targets.split(","))
     results: dict[str, list[dict]] = {n: [] for n in names}
+    if args.out:
+        from troupe.bench.records import save, stamp
+
+        started = stamp(ROOT)
     if args.table:  # runs saved earlier (several invocations may have appended to one file)
         for row in map(json.loads, Path(args.table).read_text().splitlines()):
             if row["contestant"] in results and row["straggler"] == args.straggler \
@@ -240,6 +260,8 @@ def main(argv=None) -> None:
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(row) + "\n")
+            if args.out:
+                save(args.out, to_records(row, args, targets), started)
     base = "plain" if "plain" in names else None
     print(f"# {args.steps} steps of worker 0, batch {args.batch_size}/worker, lr {args.lr}, {args.reps} rep(s)"
           + (", worker 1 slowed 2x" if args.straggler else ""))
