@@ -70,6 +70,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1
         p.start()
     done: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
+    finished = False
     try:
         while len(done) < world_size:
             try:
@@ -88,10 +89,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1
             if not ok:
                 raise RankFailed(f"rank {rank} failed:\n{value}")
             done[rank] = value
+        finished = True
     finally:
-        for p in procs:
-            p.join(timeout=5)
+        for p in procs:  # after a failure or a timeout: at once, or the survivors report the dead store
+            p.join(timeout=5 if finished else 0)
             if p.is_alive():
                 p.kill()
-                p.join()
+        for p in procs:
+            p.join()
     return done[0]
