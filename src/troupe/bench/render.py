@@ -132,7 +132,7 @@ def plot_bars(records: Sequence[Record], out: str, *, metric: str = "step_time",
 
 
 def plot_lines(records: Sequence[Record], out: str, *, x: str, metric: str = "step_time", title: str = "",
-               xlabel: str = "") -> None:
+               xlabel: str = "", xfmt: Callable[[float], str] | None = None) -> None:
     """Median of `metric` against the numeric param `x`, one line per contestant, log-log."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -144,6 +144,10 @@ def plot_lines(records: Sequence[Record], out: str, *, x: str, metric: str = "st
         ax.plot(xs, [m * scale for m in meds], marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    if xfmt is not None:
+        from matplotlib.ticker import FuncFormatter
+
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: xfmt(v)))
     ax.set_xlabel(xlabel or x)
     ax.set_ylabel(f"{metric} (ms, median over reps)")
     ax.set_title(title or records[0].benchmark)

@@ -110,4 +110,4 @@ def table(records: list[Record]) -> str:
 
 def plot(records: list[Record], out: str) -> None:
     render.plot_lines(records, out, x="bytes", title="all-reduce: troupe buckets vs one flat tensor",
-                      xlabel="bytes per all-reduce")
+                      xlabel="bytes per all-reduce", xfmt=lambda v: size_label(int(v)))
