@@ -170,6 +170,9 @@ def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     if cluster.nworker_groups > 1:  # asynchronous groups: the others go on when a worker dies
         # (with co-located servers the dead worker's group, server and master copies go with it)
         args.tolerate = {r.rank for r in roles(cluster) if r.worker and r.rank != 0}
+    # Server-only ranks run the cluster bootstrap, not the script: a server learns the parameters'
+    # sizes and the optimizer from worker 0 (troupe.cluster.spec), so it never loads data or a model.
+    args.servers = {r.rank for r in roles(cluster) if r.worker is None}
     if args.node_rank == 0:
         print(f"troupe run: cluster {cluster.to_json()}", file=sys.stderr)
         for role in roles(cluster):
@@ -247,7 +250,9 @@ def _run_once(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
             env["TROUPE_TIMEOUT"] = str(args.timeout)
         if args.threads:
             env["OMP_NUM_THREADS"] = str(args.threads)
-        cmd = [sys.executable, args.script, *args.args]
+        rank = args.node_rank * args.nproc + local_rank
+        cmd = [sys.executable, "-m", "troupe.cluster.bootstrap"] if rank in getattr(args, "servers", ()) \
+            else [sys.executable, args.script, *args.args]
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     return _supervise(procs, first_rank=args.node_rank * args.nproc, tolerate=getattr(args, "tolerate", set()))
 

@@ -59,6 +59,11 @@ class ClusterConfig:
     server steps with lr / G per group's update; a Hogwild master copy adds a group's change / G), so
     the learning rate means what it means synchronously. "sum": SINGA's rule, each group's full change
     (G times the step; diverges at a learning rate one group trains well with)."""
+    send_updates: Literal["auto", "step"] = "auto"
+    """Separate servers: when a worker's Update messages leave. "step": in ``step()``, after whatever the
+    loop did to the gradients (clipping). "auto": in ``step()`` until a step shows that the loop leaves
+    the gradients alone between backward and step, then during backward (overlapped with it); always
+    in ``step()`` under ``nan_policy="skip"`` (docs/clusters.md)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -69,6 +74,9 @@ class ClusterConfig:
             elif f.name == "group_merge":
                 if value not in ("mean", "sum"):
                     raise ValueError(f"group_merge must be 'mean' or 'sum', got {value!r}")
+            elif f.name == "send_updates":
+                if value not in ("auto", "step"):
+                    raise ValueError(f"send_updates must be 'auto' or 'step', got {value!r}")
             elif f.type == "int | None":
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                     raise ValueError(f"{f.name} must be an integer >= 0 or unset, got {value!r}")
@@ -267,7 +275,7 @@ def _value(key: str, raw: str) -> int | bool | str:
     low = raw.lower()
     if low in ("true", "false"):
         return low == "true"
-    if key == "group_merge":
+    if key in ("group_merge", "send_updates"):
         return raw.strip("\"'")
     try:
         return int(raw)
@@ -363,7 +371,8 @@ def resolve(
         raise ValueError("give either --framework or --cluster, not both")
     if framework is not None:
         # Flags that do not change the shape (sync_freq, ...) keep the preset rescalable to -n.
-        reshaped = set(fields) - {"sync_freq", "fetch_freq", "staleness_bound", "share_memory", "group_merge"}
+        reshaped = set(fields) - {"sync_freq", "fetch_freq", "staleness_bound", "share_memory", "group_merge",
+                                  "send_updates"}
         cfg = preset(framework, None if reshaped else nprocs)
     elif path is not None:
         cfg = load(path)

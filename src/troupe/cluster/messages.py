@@ -44,6 +44,9 @@ class Op(IntEnum):
     """Worker -> server: the learning rate of each param group changed (float64 payload; a scheduler ran)."""
     SYNC = 10
     """Group -> master copy (Distributed Hogwild): my change since I last synced (`slice_id`: my worker group)."""
+    SKIP = 11
+    """Worker -> server: I take part in this step of the slice without a gradient (mine was not finite,
+    nan_policy): the group's update of the slice is skipped. Answered with an Ack."""
 
 
 WITH_PAYLOAD = {Op.PUT, Op.UPDATE, Op.PUSH, Op.REPLY, Op.LR, Op.SYNC}

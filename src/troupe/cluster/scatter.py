@@ -42,6 +42,8 @@ class BucketScatter:
             positions = [torch.tensor(o, dtype=torch.long) for o in owned]
             self.layout[b.index] = (positions, max(len(o) for o in owned) + b.flags.numel())
 
+    mean_over_active = True
+
     def __call__(self, bucket: Bucket) -> Handle:
         positions, length = self.layout[bucket.index]
         nflags = bucket.flags.numel()

@@ -36,6 +36,8 @@ class ServerStats:
     seconds: float
     staleness_mean: float
     staleness_max: int
+    skipped: int
+    """Group updates of a slice skipped because a worker's gradient was not finite (nan_policy)."""
     rejected: int
     dead_workers: list[int]
 
@@ -46,7 +48,7 @@ class ServerStats:
     def __str__(self) -> str:
         return (
             f"{self.updates} slice updates in {self.seconds:.1f}s ({self.updates_per_second:.0f}/s), "
-            f"staleness mean {self.staleness_mean:.2f} max {self.staleness_max}, "
+            f"staleness mean {self.staleness_mean:.2f} max {self.staleness_max}, {self.skipped} skipped (non-finite), "
             f"{self.rejected} message(s) rejected, workers gone without stopping: {self.dead_workers or 'none'}"
         )
 
@@ -106,6 +108,7 @@ class Server:
             seconds=time.perf_counter() - self._start,
             staleness_mean=sum(stale) / len(stale) if stale else 0.0,
             staleness_max=max(stale, default=0),
+            skipped=self.shard.skipped,
             rejected=self.rejected,
             dead_workers=sorted(self.dead),
         )
@@ -127,13 +130,13 @@ class Server:
         if src not in self.live:
             raise MessageError(f"{header.op.name} from rank {src}, which is not a live worker of this server")
         expected = self.shard.ngroups if header.op is Op.LR else slice_ and slice_.numel
-        allowed = {Op.GET, Op.PUT, Op.UPDATE, Op.PUSH, Op.STOP, Op.LR}
+        allowed = {Op.GET, Op.PUT, Op.UPDATE, Op.PUSH, Op.SKIP, Op.STOP, Op.LR}
         check(header, src=src, expected_length=expected, allowed=allowed)
-        if header.op in (Op.GET, Op.PUT, Op.UPDATE, Op.PUSH) and slice_ is None:
+        if header.op in (Op.GET, Op.PUT, Op.UPDATE, Op.PUSH, Op.SKIP) and slice_ is None:
             raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id}, not held here")
         if header.op is Op.PUT and src not in self.putters:
             raise MessageError(f"PUT from rank {src}: only the first worker group puts initial values")
-        if header.op in (Op.UPDATE, Op.PUSH) and header.slice_id not in self.shard.initialised:
+        if header.op in (Op.UPDATE, Op.PUSH, Op.SKIP) and header.slice_id not in self.shard.initialised:
             raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id} before any PUT")
 
     def _apply(self, src: int, header: Header) -> None:
@@ -154,8 +157,8 @@ class Server:
                 self._reply(src, header.slice_id)
             else:
                 self.waiting_gets[header.slice_id].append((src, header.version))
-        elif header.op in (Op.UPDATE, Op.PUSH):
-            if header.op is Op.PUSH:
+        elif header.op in (Op.UPDATE, Op.PUSH, Op.SKIP):
+            if header.op is not Op.UPDATE:  # a Push or a Skip: the worker keeps its values
                 self.no_values.add((src, header.slice_id))
             try:
                 done = self.shard.update(header.slice_id, src, payload, header.version)

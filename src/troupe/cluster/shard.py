@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from troupe.cluster.spec import OptimizerSpec
+
 log = logging.getLogger("troupe.cluster.config")
 
 
@@ -56,25 +58,13 @@ def plan_slices(numels: Sequence[int], nservers: int) -> list[Slice]:
     return slices
 
 
-def server_optimizer(template: torch.optim.Optimizer, groups: list[list[Tensor]]) -> torch.optim.Optimizer | None:
-    """An optimizer of `template`'s class and hyperparameters over new tensors (one list per param group)."""
-    specs = []
-    for tensors, tgroup in zip(groups, template.param_groups):
-        if tensors:
-            specs.append({**{k: v for k, v in tgroup.items() if k != "params"}, "params": tensors})
-    if not specs:
-        return None
-    try:
-        return type(template)(specs, **template.defaults)
-    except TypeError:  # an optimizer whose defaults are not all constructor arguments
-        return type(template)(specs)
-
-
 @dataclass
 class _Pending:
     total: Tensor
     senders: set[int] = field(default_factory=set)
     base_version: int = 0
+    skipped: bool = False
+    """A sender had a non-finite gradient (nan_policy): the group's update of the slice is skipped."""
 
 
 class ParamShard:
@@ -82,13 +72,14 @@ class ParamShard:
 
     Within a worker group updates are synchronous: a slice's gradients from the group's
     workers are summed, averaged and applied once. Updates of different groups are
-    applied as they complete (asynchronous).
+    applied as they complete (asynchronous). `template` is the optimizer to run server-side
+    (its class and hyper-parameters; an `OptimizerSpec` when it came from another process).
     """
 
     def __init__(
         self,
         slices: Iterable[Slice],
-        template: torch.optim.Optimizer,
+        template: torch.optim.Optimizer | OptimizerSpec,
         param_group_of: Sequence[int],
         members: dict[int, set[int]],
         dtype: torch.dtype = torch.float32,
@@ -103,17 +94,20 @@ class ParamShard:
         self.members = {g: set(m) for g, m in members.items()}
         """Live workers of each worker group this shard serves."""
         self.group_of = {w: g for g, m in members.items() for w in m}
-        groups: list[list[Tensor]] = [[] for _ in template.param_groups]
+        spec = OptimizerSpec.of(template)
+        groups: list[list[Tensor]] = [[] for _ in spec.groups]
         for k in sorted(self.slices):
             groups[param_group_of[self.slices[k].param]].append(self.values[k])
-        self.optimizer = server_optimizer(template, groups)
-        self.ngroups = len(template.param_groups)
+        self.optimizer = spec.build(groups)
+        self.ngroups = len(spec.groups)
         self._group_of_server_group = [i for i, g in enumerate(groups) if g]  # empty groups are left out
         self.lr_scale = lr_scale
         """The server steps with the workers' learning rate times this (1/G: G asynchronous groups, "mean")."""
-        self.set_lr([g["lr"] for g in template.param_groups])
+        self.set_lr(spec.lrs)
         self._pending: dict[tuple[int, int], _Pending] = {}
         self.updates = 0
+        self.skipped = 0
+        """Group updates of a slice not applied because a worker's gradient was not finite."""
         self.staleness: list[int] = []
         self.last_sync = {k: torch.zeros(s.numel, dtype=dtype) for k, s in self.slices.items()}
         self.staleness_bound = staleness_bound
@@ -132,8 +126,12 @@ class ParamShard:
         """(version, value) of a slice."""
         return self.version[slice_id], self.values[slice_id]
 
-    def update(self, slice_id: int, sender: int, grad: Tensor, version: int = 0) -> list[int]:
-        """Add `sender`'s gradient; when its group is complete apply once. Returns the workers to reply to."""
+    def update(self, slice_id: int, sender: int, grad: Tensor | None, version: int = 0) -> list[int]:
+        """Add `sender`'s gradient; when its group is complete apply once. Returns the workers to reply to.
+
+        ``grad=None``: the sender takes part in this step without a gradient (its own was not
+        finite): the group's update of the slice is skipped, as one process skips the step.
+        """
         group = self.group_of[sender]
         pending = self._pending.get((group, slice_id))
         if pending is None:
@@ -141,7 +139,10 @@ class ParamShard:
             pending.base_version = version
         if sender in pending.senders:
             raise ValueError(f"worker {sender} sent two updates for slice {slice_id} in one step")
-        pending.total.add_(grad.reshape(-1))
+        if grad is None:
+            pending.skipped = True
+        else:
+            pending.total.add_(grad.reshape(-1))
         pending.senders.add(sender)
         return self._maybe_apply(group, slice_id)
 
@@ -167,6 +168,9 @@ class ParamShard:
         if not pending.senders or not live <= pending.senders:
             return []
         del self._pending[(group, slice_id)]
+        if pending.skipped:  # nothing applied, the version stays: everyone gets the unchanged value
+            self.skipped += 1
+            return sorted(pending.senders & live)
         self.apply(slice_id, pending.total / len(pending.senders))
         self.clock[(group, slice_id)] += 1
         self.staleness.append(self.version[slice_id] - 1 - pending.base_version)

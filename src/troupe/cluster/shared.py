@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from troupe.cluster.config import ClusterConfig, Role
+from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
 from troupe.runtime.launch import on_shutdown
 from troupe.cluster.groupsync import GroupSync
@@ -92,15 +93,36 @@ class SharedMemory:
             )
             self.groups.start()
 
-    def backward_and_update(self, loss: Tensor) -> None:
-        for p in self.params:
-            p.grad = None
-        loss.backward()
+    # --- the UpdateStrategy surface: gradients stay local; step() writes into the shared memory
+
+    name = "in-memory-hogwild"
+    reducer = None
+
+    def describe(self) -> str:
+        return self.name
+
+    def reduce_hook(self) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        pass
+
+    def all_finite(self) -> bool:
+        return all_finite([p.grad for p in self.params if p.grad is not None])  # this worker's own update
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def step(self) -> dict:
         self.optimizer.step()  # in place, into the shared memory, without a lock
         self.steps += 1
         if self.groups is not None and self.steps % self.cluster.sync_freq == 0:
             self.groups.sync(self.values)
         self.staleness.append(self.steps % self.cluster.sync_freq if self.sync_channels is not None else 0)
+        return {"staleness": self.staleness[-1]}
 
     def close(self) -> None:
         """Wait for the process's workers; its first worker then syncs a last time and serves until all are done."""

@@ -1,0 +1,276 @@
+"""Cluster bootstrap: every rank's role, the job's process groups, and a server rank's whole life.
+
+A server needs nothing from the training script: worker 0 describes the trainable
+parameters (sizes, dtype, param groups) and the optimizer (class path and
+hyper-parameters) as JSON (`troupe.cluster.spec`), and the bootstrap hands that to every
+rank while the job's groups are made. So a server rank can run without the script:
+
+* under `troupe run`, server-only ranks run ``python -m troupe.cluster.bootstrap`` instead
+  of the script (they never load data or build a model);
+* under torchrun, mpiexec or spawned test ranks every rank runs the script, and a server
+  rank's first `DistOpt` hands the process over: `worker_strategy` serves there and ends
+  the process (``SystemExit(0)``), it never returns to the script.
+
+A worker gets back its view of the job (rank and world size among the workers) and its
+`UpdateStrategy`: `PSClient`, `CoLocated` or `SharedMemory`. Only this module decides
+that a rank is a server; `DistOpt` never branches on it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import socket
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import NoReturn
+
+import torch
+
+from troupe.cluster.config import ClusterConfig, Role, from_env, roles
+from troupe.cluster.server import Server, ServerStats, process_alive
+from troupe.cluster.shard import ParamShard, plan_slices
+from troupe.cluster.shared import SharedMemory
+from troupe.cluster.spec import TrainingSpec
+from troupe.cluster.ps_client import PSClient
+from troupe.cluster.worker import CoLocated, trainable
+from troupe.runtime import comm as comm_mod
+from troupe.runtime.comm import Communicator
+from troupe.runtime.launch import DistInfo, init, shutdown
+
+log = logging.getLogger("troupe.cluster.config")
+
+DEFAULT_PS_TIMEOUT = 7 * 24 * 3600.0
+"""Seconds a parameter-server message may wait (``TROUPE_PS_TIMEOUT``); a dead peer fails at once anyway."""
+
+
+@dataclass
+class Job:
+    """One rank's view of the cluster: its role and the groups every rank made, in the same order."""
+
+    cluster: ClusterConfig
+    role: Role
+    everyone: list[Role]
+    world: Communicator
+    """Every rank, with the long parameter-server timeout: messages travel here."""
+    workers: list[int]
+    workers_comm: Communicator
+    group_comms: list[Communicator]
+    sync_channels: tuple[Communicator, Communicator] | None
+    processes_comms: list[Communicator]
+    timeout: float
+    processes: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    """(hostname, pid) of every rank, to tell a dead peer from a slow one."""
+
+
+def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, info: DistInfo, bucket_size: int,
+                    nan_policy: str = "raise"):
+    """Take this rank's role. A server rank serves and ends the process here; a worker gets
+    (its view of the job: rank and world size among the workers, its strategy)."""
+    job = join(cluster, info)
+    params, param_group_of = trainable(optimizer)
+    describe = (lambda: TrainingSpec.from_optimizer(optimizer, params, param_group_of)) \
+        if info.global_rank == 0 else None
+    spec = exchange(job, describe)
+    if job.role.worker is None:
+        hand_over(job, spec)
+    comm_mod.set_default(job.workers_comm)
+    role, k = job.role, cluster.nworkers_per_procs
+    view = dataclasses.replace(info, global_rank=job.workers.index(role.rank), world_size=len(job.workers))
+    alive = lambda rank: process_alive(*job.processes[rank])  # noqa: E731
+    if cluster.server_worker_separate:
+        strategy = PSClient(cluster, role, job.everyone, job.world, params, bucket_size, optimizer, nan_policy)
+    elif cluster.in_memory:
+        strategy = SharedMemory(cluster, role, job.processes_comms[role.rank // k], optimizer, params,
+                                job.sync_channels if role.server else None, alive, job.timeout)
+    else:
+        strategy = CoLocated(cluster, role, job.group_comms[role.worker[0]], optimizer, bucket_size,
+                             job.sync_channels, alive, job.timeout)
+    return view, strategy
+
+
+def join(cluster: ClusterConfig, info: DistInfo) -> Job:
+    """Check the job's size against the cluster, take this rank's role and make every group."""
+    everyone = roles(cluster)
+    if len(everyone) != info.world_size:
+        raise ValueError(
+            f"the cluster needs {cluster.nprocs} processes ({cluster.nworkers} workers, {cluster.nservers} "
+            f"servers, server_worker_separate={cluster.server_worker_separate}), but the job has "
+            f"world_size {info.world_size}"
+        )
+    role = everyone[info.global_rank]
+    if cluster.share_memory and not cluster.in_memory:
+        warnings.warn("share_memory has no effect with one worker per process (nworkers_per_procs 1)")
+    if cluster.fetch_freq != 1 and not cluster.server_worker_separate:
+        warnings.warn(f"fetch_freq {cluster.fetch_freq} has no effect: co-located servers update the workers' copy")
+    timeout = ps_timeout()
+    # Every rank creates every group, in the same order (torch.distributed requires it).
+    # Messages get a group of their own with a long timeout: a server waits as long as the
+    # workers train between two messages, and a timed-out Gloo receive breaks the channel.
+    world = comm_mod.default().new_group(range(info.world_size), timeout=timeout)
+    workers = [r.rank for r in everyone if r.worker]
+    workers_comm = world.new_group(workers)
+    group_comms = [
+        world.new_group([r.rank for r in everyone if r.worker and r.worker[0] == g])
+        for g in range(cluster.nworker_groups)
+    ]
+    # Distributed Hogwild: requests to the master copies and their replies, a channel each way, between
+    # the ranks that sync (every worker; with in-memory Hogwild the first worker of each process).
+    syncing = [r.rank for r in everyone if r.server] if cluster.in_memory else workers
+    several = not cluster.server_worker_separate and len(syncing) > 1 and cluster.nserver_groups > 1
+    sync_channels = (world.new_group(syncing), world.new_group(syncing)) if several else None
+    k = cluster.nworkers_per_procs
+    processes_comms = [world.new_group(range(p * k, (p + 1) * k)) for p in range(len(everyone) // k)] \
+        if cluster.in_memory else []
+    log.info("troupe: %s", role.describe())
+    return Job(cluster, role, everyone, world, workers, workers_comm, group_comms, sync_channels,
+               processes_comms, timeout)
+
+
+def exchange(job: Job, describe=None) -> TrainingSpec | None:
+    """Worker 0's `TrainingSpec` to every rank (JSON, never pickled code); a server checks it can
+    build its shard. Every rank learns of any rank's failure here and raises, so none is left waiting.
+
+    `describe` (on rank 0 only) makes the spec; the other ranks pass None.
+    """
+    text = ""
+    if describe is not None:
+        try:
+            text = describe().to_json()
+        except ValueError as e:
+            text = json.dumps({"error": str(e)})
+    text = _broadcast_text(job.world, text)
+    spec, error = None, None
+    try:
+        data = json.loads(text)
+        if "error" in data:
+            error = f"worker 0 cannot describe the job to the servers: {data['error']}"
+        else:
+            spec = TrainingSpec.from_json(text)
+            if job.role.worker is None:
+                _make_shard(job, spec)  # the optimizer's class and hyper-parameters work here
+    except (ValueError, TypeError, KeyError) as e:
+        error = f"rank {job.role.rank} ({job.role.kind}): cannot use worker 0's description of the job: {e}"
+    gathered = job.world.all_gather_object((socket.gethostname(), os.getpid(), error))
+    job.processes = [(host, pid) for host, pid, _ in gathered]
+    errors = [e for _, _, e in gathered if e]
+    if errors:
+        raise ValueError(errors[0])
+    return spec
+
+
+def _broadcast_text(world: Communicator, text: str) -> str:
+    """`text` from rank 0 to every rank (length first, then the UTF-8 bytes)."""
+    raw = text.encode()
+    length = torch.tensor([len(raw)], dtype=torch.int64)
+    world.broadcast(length, src=0)
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    if world.rank != 0:
+        data = torch.empty(int(length.item()), dtype=torch.uint8)
+    world.broadcast(data, src=0)
+    return bytes(data.tolist()).decode()
+
+
+def hand_over(job: Job, spec: TrainingSpec) -> NoReturn:
+    """The rest of a server rank's life: serve until every worker has finished, then end the process."""
+    stats = serve(job, spec)
+    print(f"troupe server rank {job.role.rank}: {stats}", file=sys.stderr, flush=True)
+    shutdown()
+    # Gloo's threads may still drop the last references to the server's receives while the
+    # interpreter finalizes, which aborts a process that finished cleanly ("terminate called
+    # without an active exception", seen once in ~20 Downpour runs): the work is done, so
+    # leave without finalizing (first of the exit handlers, after stdio is flushed).
+    atexit.register(_leave)
+    sys.exit(0)  # a server never returns to the training script
+
+
+def _make_shard(job: Job, spec: TrainingSpec) -> ParamShard:
+    cluster, (sg, index) = job.cluster, job.role.server
+    slices = [s for s in plan_slices(spec.numels, cluster.nservers_per_group) if s.server == index]
+    members = {
+        g: {r.rank for r in job.everyone if r.worker and r.worker[0] == g}
+        for g in range(cluster.nworker_groups)
+        if cluster.server_group_of(g) == sg
+    }
+    # Asynchronous groups each step the shared copy: with "mean" each counts 1/G, as synchronous workers do.
+    lr_scale = 1.0 / len(members) if cluster.group_merge == "mean" else 1.0
+    return ParamShard(slices, spec.optimizer, spec.param_group_of, members, spec.dtype, cluster.staleness_bound,
+                      lr_scale)
+
+
+def serve(job: Job, spec: TrainingSpec) -> ServerStats:
+    """Run a separate server rank's loop until every worker has finished (resuming from and
+    writing its checkpoint under ``TROUPE_CHECKPOINT_DIR``)."""
+    shard = _make_shard(job, spec)
+    putters = {r.rank for r in job.everyone if r.worker and r.worker[0] == 0}
+    server = Server(job.world, shard, job.workers, putters, dict(enumerate(job.processes)),
+                    fail_on_death=job.cluster.synchronous)
+    path = _checkpoint_path(job.role.rank)
+    if path is not None and os.environ.get("TROUPE_RESUME", "no") in ("yes", "auto") and os.path.isfile(path):
+        shard.load_state_dict(torch.load(path, weights_only=True))
+        print(f"troupe server rank {job.role.rank}: resumed {len(shard.slices)} slice(s) from {path}",
+              file=sys.stderr)
+    stats = server.serve()
+    if path is not None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        torch.save(shard.state_dict(), tmp)
+        os.replace(tmp, path)  # a reader sees the old checkpoint or the new one, never half of one
+    return stats
+
+
+def _leave() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def ps_timeout() -> float:
+    """Seconds a parameter-server message may wait (``TROUPE_PS_TIMEOUT``)."""
+    value = float(os.environ.get("TROUPE_PS_TIMEOUT", DEFAULT_PS_TIMEOUT))
+    if value <= 0:
+        raise ValueError(f"TROUPE_PS_TIMEOUT must be > 0 seconds, got {value}")
+    return value
+
+
+def _checkpoint_path(rank: int) -> str | None:
+    """Where a server keeps its slices and optimizer state (under ``TROUPE_CHECKPOINT_DIR``)."""
+    directory = os.environ.get("TROUPE_CHECKPOINT_DIR")
+    return os.path.join(directory, f"ps-server-{rank}.pt") if directory else None
+
+
+def server_ranks(cluster: ClusterConfig) -> set[int]:
+    """The ranks that only serve (they need no training script)."""
+    return {r.rank for r in roles(cluster) if r.worker is None}
+
+
+def main() -> int:
+    """A server rank without the training script (what `troupe run` starts on server-only ranks)."""
+    cluster = from_env()
+    if cluster is None:
+        print("troupe.cluster.bootstrap: no cluster (TROUPE_CLUSTER is not set)", file=sys.stderr)
+        return 2
+    if "OMP_NUM_THREADS" not in os.environ:
+        # A server's work is messages and element-wise optimizer steps on its slices; its processes
+        # share the machine with the workers (troupe run --threads N sets OMP_NUM_THREADS).
+        torch.set_num_threads(1)
+    info = init()
+    job = join(cluster, info)
+    if job.role.worker is not None:
+        print(f"troupe.cluster.bootstrap: {job.role.describe()} is a worker: run the training script there",
+              file=sys.stderr)
+        return 2
+    try:
+        spec = exchange(job)
+    except ValueError as e:  # every rank raises the same error: say it once, here, and fail the job
+        print(f"troupe server rank {job.role.rank}: {e}", file=sys.stderr, flush=True)
+        return 1
+    hand_over(job, spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

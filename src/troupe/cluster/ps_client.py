@@ -1,0 +1,300 @@
+"""The worker side of separate servers (Sandblaster, Downpour): Update messages per slice, fresh slices back.
+
+A worker's gradients go to the servers of its group as Update messages, one per slice;
+`step()` copies the fresh slices in. The Updates leave in `step()`, after anything the
+loop does to the gradients between backward and step (clipping); once a step shows that
+the loop leaves them alone, they leave during backward instead, bucket by bucket,
+overlapped with it (`ClusterConfig.send_updates`). nan_policy: a worker checks its
+gradients before they leave, and Skips every slice of a non-finite step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from troupe.cluster.config import ClusterConfig, Role
+from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
+from troupe.cluster.shard import plan_slices
+from troupe.reliability.nonfinite import all_finite
+from troupe.runtime.comm import Communicator, Handle
+from troupe.runtime.launch import on_shutdown
+from troupe.sync.bucket import Bucket
+from troupe.sync.hooks import SendBuckets
+from troupe.sync.reducer import GradReducer
+
+log = logging.getLogger("troupe.cluster.config")
+
+
+def finite(flats: Sequence[Tensor]) -> bool:
+    """Every element finite (one sum per tensor; an overflowing sum is confirmed element by element)."""
+    return all_finite(flats) or all(bool(torch.isfinite(t).all()) for t in flats)
+
+
+class PSClient:
+    """A worker talking to separate servers: an Update per slice, fresh slices back in `step()`.
+
+    When the Updates leave (`ClusterConfig.send_updates`): backward packs the gradients into
+    buckets (``p.grad`` becomes a view of them) and `step()` sends what ``p.grad`` holds then,
+    so clipping or unscaling between backward and step reaches the servers. Under "auto", a
+    step whose gradients nobody touched after backward (same bucket memory, same version
+    counter) lets the next steps send each bucket as backward fills it, overlapped with the
+    rest of backward; a loop that touches them keeps sending in `step()`. Touching them
+    after they left (only some steps clip) is an error that names the setting.
+
+    `nan_policy` (DistOpt's): every worker checks its gradients before they leave; one with a
+    non-finite gradient sends Skip instead of Update for every slice, so the group's update of
+    every slice is skipped on the servers (as one process skips the step) and the message
+    protocol stays in step. Under "skip" the Updates always leave in `step()` (the verdict
+    must come before any of them); under "raise", buckets sent during backward before a
+    non-finite one have been applied when the error is raised.
+    """
+
+    name = "ps-client"
+
+    def __init__(self, cluster: ClusterConfig, role: Role, everyone: Sequence[Role], world: Communicator,
+                 params: Sequence[Tensor], bucket_size: int, optimizer: torch.optim.Optimizer,
+                 nan_policy: str = "raise"):
+        self.cluster, self.role, self.world = cluster, role, world
+        self.rank = role.rank
+        self.params = list(params)
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.slices = plan_slices([p.numel() for p in self.params], cluster.nservers_per_group)
+        self.by_param: dict[int, list] = defaultdict(list)
+        for s in self.slices:
+            self.by_param[s.param].append(s)
+        servers = sorted((r.server, r.rank) for r in everyone if r.server)
+        self.all_servers = [rank for _, rank in servers]
+        group = cluster.server_group_of(role.worker[0])
+        mine = [rank for (sg, _), rank in servers if sg == group]
+        self.server_of = {s.id: mine[s.server] for s in self.slices}
+        self.version = {s.id: 0 for s in self.slices}
+        self.nan_policy = nan_policy
+        self._pack = SendBuckets(self._hold_bucket)
+        self._send = SendBuckets(self._send_bucket)
+        # Nothing is all-reduced among the workers: the reducer only packs (and maybe sends) buckets.
+        self.reducer = GradReducer(self.params, world, bucket_size, hook_for_step=self._open_step,
+                                   describe_step=lambda: self.name, agreement=False)
+        self._sends: list[Handle] = []
+        self._expected: Counter[int] = Counter()
+        self.staleness: list[int] = []
+        """Per step: the most versions any slice moved beyond this worker's own update (0 when synchronous)."""
+        self.closed = False
+        self.steps = 0
+        self._op = Op.UPDATE
+        self.optimizer = optimizer
+        """The wrapped optimizer: only its learning rates are used (a scheduler's changes go to the servers)."""
+        self._sent_lrs: list[float] | None = None  # the first step always sends (a resumed server may differ)
+        self.overlap = False
+        """This step's Updates leave during backward (else in step())."""
+        self.may_overlap = cluster.send_updates == "auto" and nan_policy != "skip"
+        """False once a step's gradients changed between backward and step (or never allowed)."""
+        self._sealed: dict[int, int] = {}  # bucket index -> its buffer's version counter when sealed
+        self._in_flight = False  # this step's Updates have left, their replies are not collected yet
+        self._finite = True  # every bucket sent so far this step was finite
+        on_shutdown(self.close)  # at exit too: troupe.shutdown() runs at exit
+
+    def start(self) -> None:
+        """The first worker group Puts the initial parameters (shared out among its workers); everyone Gets."""
+        group, index = self.role.worker
+        if group == 0:
+            for s in self.slices:
+                if s.id % self.cluster.nworkers_per_group == index:
+                    for server in self._replicas(s):
+                        self._post(Op.PUT, s, server, self._flat(s))
+        for s in self.slices:
+            self._post(Op.GET, s, self.server_of[s.id])
+        self._collect(count_staleness=False)
+
+    # --- the UpdateStrategy surface ------------------------------------------------------
+
+    def describe(self) -> str:
+        return self.name
+
+    def reduce_hook(self) -> SendBuckets:
+        return self._send if self.overlap else self._pack
+
+    def synchronize(self) -> None:
+        """Gradients that arrived without a backward (accumulated under no_sync, written by hand): pack them."""
+        self.reducer.reduce_now(self._open_step())
+
+    def all_finite(self) -> bool:
+        """This worker's verdict, before its gradients reach a server; a non-finite step is Skipped there."""
+        if self.overlap:
+            ok = self._finite
+        else:
+            self._refresh()
+            ok = finite([b.data for b in self.reducer.buckets])
+        if ok:
+            return True
+        if not self.overlap:
+            self._begin()
+            for s in self.slices:
+                self._post(Op.SKIP, s, self.server_of[s.id])
+        self._end_step(changed=False)
+        return False
+
+    def step(self) -> dict:
+        """Send the Updates (unless backward did), then collect the fresh slices."""
+        changed = self._changed()
+        if not self.overlap:
+            self._refresh()
+            self._begin()
+            for bucket in self.reducer.buckets:
+                self._post_bucket(bucket, self._op)
+        self._end_step(changed)
+        if changed and self.overlap:
+            raise RuntimeError(
+                f"worker {self.rank}: the gradients changed between backward and step() at step {self.steps}, "
+                "after they had left for the servers (earlier steps left them alone, so they were sent during "
+                "backward): with a loop that changes gradients only in some steps (clipping from step N on), "
+                "set send_updates: step in the cluster"
+            )
+        return {"staleness": self.staleness[-1]}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        """Tell every server this worker has finished (called at exit if not before)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            for server in self.all_servers:
+                self.world.send(Header(Op.STOP, -1, 0, self.rank, 0).encode(), server, tag=HEADER_TAG)
+        except Exception as e:  # at interpreter exit the process group may be gone already
+            log.warning("troupe worker %d: could not say stop to the servers: %s", self.rank, e)
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def _open_step(self) -> SendBuckets:
+        """A backward (or synchronize) packs this step's gradients; under overlap they leave as it goes."""
+        if self._in_flight:
+            raise RuntimeError(
+                f"worker {self.rank}: a backward started while the previous step's Updates were on their way; "
+                "call step() after each backward (accumulate gradients under no_sync())"
+            )
+        self._sealed.clear()
+        if self.overlap:
+            self._begin()
+        return self.reduce_hook()
+
+    def _begin(self) -> None:
+        """The step's first message: say the learning rates if they changed, pick Update or Push."""
+        self.steps += 1
+        self._finite = True
+        self._in_flight = True
+        # Downpour's n_fetch: between fetches the servers only acknowledge and the worker keeps its values.
+        self._op = Op.UPDATE if self.steps % self.cluster.fetch_freq == 0 else Op.PUSH
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        if lrs != self._sent_lrs:
+            self._sent_lrs = lrs
+            for server in self._my_servers():
+                header = Header(Op.LR, -1, 0, self.rank, len(lrs)).encode()
+                self._sends.append(self.world.isend(header, server, tag=HEADER_TAG))
+                self._sends.append(self.world.isend(torch.tensor(lrs, dtype=torch.float64), server, tag=PAYLOAD_TAG))
+
+    def _end_step(self, changed: bool) -> None:
+        """Collect the replies; the next step overlaps only if this one's gradients were left alone."""
+        self._collect(count_staleness=True)
+        self._in_flight = False
+        self.may_overlap = self.may_overlap and not changed
+        self.overlap = self.may_overlap
+
+    def _hold_bucket(self, bucket: Bucket) -> Handle:
+        self._sealed[bucket.index] = bucket.buffer._version
+        return Handle(None)
+
+    def _send_bucket(self, bucket: Bucket) -> Handle:
+        self._sealed[bucket.index] = bucket.buffer._version
+        if self.nan_policy != "ignore" and self._finite:
+            self._finite = finite([bucket.data])
+        # After a non-finite bucket every later one is Skipped too: the step is not applied from there on.
+        self._post_bucket(bucket, self._op if self._finite else Op.SKIP)
+        return Handle(None)  # replies are collected in step()
+
+    def _post_bucket(self, bucket: Bucket, op: Op) -> None:
+        for k, p in enumerate(bucket.params):
+            flat = bucket.view(k).reshape(-1)
+            for s in self.by_param[self.index[id(p)]]:
+                self._post(op, s, self.server_of[s.id], None if op is Op.SKIP else flat[s.start : s.stop])
+
+    def _changed(self) -> bool:
+        """Did the loop change the gradients after backward packed them (in place, or by replacing ``p.grad``)?"""
+        for b in self.reducer.buckets:
+            if b.buffer._version != self._sealed.get(b.index):  # views share their base's version counter
+                return True
+            for k, p in enumerate(b.params):
+                g = p.grad
+                if (g is not None) != b.used[k] or (g is not None and g.data_ptr() != b.view(k).data_ptr()):
+                    return True
+        return False
+
+    @torch.no_grad()
+    def _refresh(self) -> None:
+        """Copy into the buckets what ``p.grad`` holds now where the loop replaced it (None: a zero)."""
+        for b in self.reducer.buckets:
+            for k, p in enumerate(b.params):
+                view, g = b.view(k), p.grad
+                if g is None:
+                    view.zero_()
+                elif g.data_ptr() != view.data_ptr():
+                    view.copy_(g)
+
+    # --- messages -----------------------------------------------------------------------------
+
+    def _my_servers(self) -> list[int]:
+        return sorted(set(self.server_of.values()))
+
+    def _replicas(self, s) -> list[int]:
+        """The server of slice s in every server group (all need initial values)."""
+        n = self.cluster.nservers_per_group
+        return [self.all_servers[g * n + s.server] for g in range(self.cluster.nserver_groups)]
+
+    def _flat(self, s) -> Tensor:
+        return self.params[s.param].detach().reshape(-1)[s.start : s.stop]
+
+    def _post(self, op: Op, s, server: int, payload: Tensor | None = None) -> None:
+        length = 0 if payload is None else payload.numel()
+        header = Header(op, s.id, self.version[s.id], self.rank, length).encode()
+        self._sends.append(self.world.isend(header, server, tag=HEADER_TAG))
+        if payload is not None:
+            self._sends.append(self.world.isend(payload.contiguous(), server, tag=PAYLOAD_TAG))
+        if op in (Op.GET, Op.UPDATE, Op.PUSH, Op.SKIP):
+            self._expected[server] += 1
+
+    @torch.no_grad()
+    def _collect(self, count_staleness: bool) -> None:
+        """Receive every reply owed to this worker and copy the fresh slices into the parameters."""
+        worst = 0
+        for server in sorted(self._expected):
+            remaining = self._expected[server]
+            while remaining:
+                raw = empty_header()
+                self.world.recv(raw, server, tag=HEADER_TAG)
+                header = Header.decode(raw)
+                s = self.slices[header.slice_id] if 0 <= header.slice_id < len(self.slices) else None
+                check(header, src=server, expected_length=s and s.numel, allowed={Op.REPLY, Op.ACK})
+                if s is None or self.server_of[s.id] != server:
+                    raise MessageError(f"reply from server {server} for slice {header.slice_id} it does not hold")
+                if header.op is Op.REPLY:
+                    value = torch.empty(header.length, dtype=self.params[s.param].dtype)
+                    self.world.recv(value, server, tag=PAYLOAD_TAG)
+                    self._flat(s).copy_(value)
+                worst = max(worst, header.version - self.version[s.id] - 1)
+                self.version[s.id] = header.version
+                remaining -= 1
+        self._expected.clear()
+        for h in self._sends:
+            h.wait()
+        self._sends = []
+        if count_staleness:
+            self.staleness.append(worst)
