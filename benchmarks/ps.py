@@ -106,7 +106,7 @@ def worker(args) -> None:
     else:
         opt = troupe.DistOpt(sgd)
         opt.sync_parameters(model)
-        rank, world, net, ps, step, close = opt.global_rank, opt.world_size, model, opt.ps, opt, opt.close
+        rank, world, net, ps, step, close = opt.global_rank, opt.world_size, model, opt.strategy, opt, opt.close
     train_x, train_y, test_x, test_y = troupe.data.load_mnist()
     x, y = troupe.data.partition(train_x, train_y, rank, world)
     g = torch.Generator().manual_seed(rank)

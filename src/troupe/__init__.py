@@ -11,7 +11,7 @@ from troupe.reliability import checkpoint
 from troupe.runtime.comm import Communicator
 from troupe.runtime.launch import DistInfo, Ticket, info, init, shutdown, wait_all
 from troupe.model import Model
-from troupe.opt import DIST_OPTIONS, DistOpt
+from troupe.distopt import DIST_OPTIONS, DistOpt
 from troupe.strategies.compressed import CompressionConfig
 
 __version__ = "0.1.0"

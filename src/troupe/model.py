@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from troupe.opt import DistOpt
+from troupe.distopt import DistOpt
 
 
 class Model(nn.Module):
@@ -25,6 +25,15 @@ class Model(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.optimizer: DistOpt | torch.optim.Optimizer | None = None
+        self._train_arity: int | None = None  # set by compile(is_train=True): forward's input count
+
+    def __call__(self, *args, **kwargs):
+        """SINGA's rule: after ``compile(inputs, is_train=True)``, a call with more positional
+        arguments than `inputs` (``model(x, y)``, ``model(x, y, dist_option, spars)``) runs
+        `train_one_batch`; any other call is `forward`, as in torch."""
+        if self._train_arity is not None and len(args) > self._train_arity:
+            return self.train_one_batch(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def set_optimizer(self, optimizer: DistOpt | torch.optim.Optimizer) -> None:
         """Attach the optimizer; a DistOpt also copies rank 0's parameters and buffers to every rank."""
@@ -47,11 +56,15 @@ class Model(nn.Module):
     ) -> None:
         """Run one forward on `inputs` to initialise the model, set train/eval mode, optionally build a graph.
 
+        With `is_train`, ``model(x, y[, dist_option, spars])`` then runs `train_one_batch`
+        (SINGA's Model), while ``model(x)`` stays `forward`.
+
         `use_graph=True` runs the forward through `torch.compile` (SINGA's graph mode);
         where the platform cannot compile, it warns and stays eager. `sequential` is
         accepted for SINGA compatibility (PyTorch always runs ops in program order).
         """
         self.train(is_train)
+        self._train_arity = len(inputs) if is_train else None
         self.__dict__.pop("forward", None)  # undo an earlier graph
         with torch.no_grad():
             self.forward(*inputs)

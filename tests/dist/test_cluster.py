@@ -46,14 +46,14 @@ def send_malformed(opt):
     """Messages a server must reject without applying anything (and without losing its footing)."""
     from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, Op
 
-    world, me, server = opt.ps.world, opt.ps.rank, opt.ps.all_servers[0]
+    world, me, server = opt.strategy.world, opt.strategy.rank, opt.strategy.all_servers[0]
     bad_magic = Header(Op.GET, 0, 0, me, 0).encode()
     bad_magic[0] = 12345
     world.send(bad_magic, server, HEADER_TAG)
     world.send(Header(Op.UPDATE, 0, 0, me, 3).encode(), server, HEADER_TAG)  # wrong length for slice 0
     world.send(torch.full((3,), 1e6), server, PAYLOAD_TAG)
-    world.send(Header(Op.UPDATE, 0, 0, (me + 1) % 2, opt.ps.slices[0].numel).encode(), server, HEADER_TAG)  # forged
-    world.send(torch.full((opt.ps.slices[0].numel,), 1e6), server, PAYLOAD_TAG)
+    world.send(Header(Op.UPDATE, 0, 0, (me + 1) % 2, opt.strategy.slices[0].numel).encode(), server, HEADER_TAG)  # forged
+    world.send(torch.full((opt.strategy.slices[0].numel,), 1e6), server, PAYLOAD_TAG)
     world.send(Header(Op.UPDATE, 999, 0, me, 0).encode(), server, HEADER_TAG)  # unknown slice, no payload
 
 
@@ -77,7 +77,7 @@ def train_in_cluster(rank, world_size, bucket_size, malformed=False):
         loss = F.cross_entropy(model(xs[step, r * BATCH : (r + 1) * BATCH]), ys[step, r * BATCH : (r + 1) * BATCH])
         opt(loss)
         sched.step()
-    staleness = list(opt.ps.staleness)
+    staleness = list(opt.strategy.staleness)
     opt.close()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, staleness, opt.world_size
 
@@ -176,7 +176,7 @@ def train_linear_hogwild(rank, world_size, steps):
     c = torch.arange(23.0) * (opt.global_rank + 1) / 23
     for _ in range(steps):
         opt((c * w).sum())
-    sync = opt.ps.groups
+    sync = opt.strategy.groups
     opt.close()  # a last sync, then serve until every group is done: the master copies are final
     mine = [(s.id, s.start + lo, s.start + hi) for s, lo, hi in sync.parts[sync.group]]
     return mine, sync.master.clone(), w.detach().clone(), sync.stats()
@@ -252,7 +252,7 @@ def train_mnist_subset(rank, world_size, steps):
         opt(F.cross_entropy(model(x[idx]), y[idx]))
     with torch.no_grad():
         acc = (model(test_x[:1000]).argmax(1) == test_y[:1000]).float().mean().item()
-    staleness = list(opt.ps.staleness)
+    staleness = list(opt.strategy.staleness)
     opt.close()
     return acc, staleness
 

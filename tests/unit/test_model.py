@@ -59,3 +59,29 @@ def test_set_optimizer_and_train_one_batch_errors():
     m.set_optimizer(torch.optim.SGD(m.parameters(), lr=0.1))
     with pytest.raises(NotImplementedError, match="Net must define train_one_batch"):
         m.train_one_batch(torch.randn(1, 4), torch.tensor([0]))
+
+
+class Trainable(Net):
+    def train_one_batch(self, x, y, dist_option="plain", spars=None):
+        out = self.forward(x)
+        loss = torch.nn.functional.cross_entropy(out, y)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return out, loss
+
+
+def test_after_compile_for_training_model_x_y_runs_train_one_batch():
+    torch.manual_seed(0)
+    m, x, y = Trainable(), torch.randn(5, 4), torch.randint(0, 3, (5,))
+    m.set_optimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    before = m.fc.weight.detach().clone()
+    assert torch.equal(m(x), m.forward(x))  # not compiled: model(x) is forward
+    m.compile([x], is_train=True)
+    out, loss = m(x, y, "plain", None)  # SINGA's Model: more inputs than compile's -> train_one_batch
+    assert out.shape == (5, 3) and loss.ndim == 0
+    assert not torch.equal(m.fc.weight, before)
+    assert torch.equal(m(x), m.forward(x))  # one input: still forward
+    m.compile([x], is_train=False)
+    with pytest.raises(TypeError):
+        m(x, y)  # evaluation mode: forward, which takes one input

@@ -11,13 +11,19 @@ is full, so the chunks are equal (the last may be shorter) and each step sends a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
+from troupe.strategies.allreduce import dense_bytes
+from troupe.sync.agree import Agreement
+from troupe.sync.hooks import MeanAllReduce, ReduceHook
+from troupe.sync.reducer import GradReducer
 
 
 @dataclass(frozen=True)
@@ -100,3 +106,83 @@ class PartialAverager:
             n = p.stop - p.start
             self._flat(p).copy_(buffer[offset : offset + n])
             offset += n
+
+
+class PartialUpdate:
+    """SINGA's partial update as a strategy: backward stays local, `step()` steps the wrapped
+    optimizer on this rank's own gradient, then averages one chunk of the parameters.
+
+    The first `warmup_steps` steps (and one process) are plain mean all-reduce steps. Ranks
+    check that they agree (and whether any gradient is non-finite, for nan_policy) in one
+    tiny collective in `synchronize()`, since their gradients are not reduced.
+    """
+
+    name = "partialUpdate"
+
+    def __init__(self, *, comm: Communicator, reducer: GradReducer | None, optimizer: torch.optim.Optimizer,
+                 params: Sequence[Tensor], chunk_size: int, full_sync_every: int = 0, warmup_steps: int = 0,
+                 step_count: Callable[[], int] = lambda: 0):
+        self.comm, self.reducer, self.optimizer = comm, reducer, optimizer
+        self.params = list(params)
+        self.dense = MeanAllReduce(comm)
+        self.full_sync_every, self.warmup_steps = full_sync_every, warmup_steps
+        self.step_count = step_count
+        # chunk_size 0: no rotation, so one chunk of everything serves the full synchronisation.
+        size = chunk_size or max(1, sum(p.numel() for p in self.params))
+        self.averager = PartialAverager(self.params, comm, size) if comm.world_size > 1 else None
+        self.chunk_size = chunk_size
+        self._bad = False
+        self._bytes_mark = comm.bytes_sent()
+
+    def _local(self) -> bool:
+        return self.averager is not None and self.step_count() >= self.warmup_steps
+
+    def describe(self) -> str:
+        return f"partialUpdate(chunk_size={self.chunk_size}, full_sync_every={self.full_sync_every})"
+
+    def reduce_hook(self) -> ReduceHook | None:
+        return None if self._local() else self.dense
+
+    def synchronize(self) -> None:
+        if not self._local():
+            if self.reducer is not None:
+                self.reducer.reduce_now(self.dense)
+            return
+        trainable = "".join("1" if p.requires_grad else "0" for p in self.params)
+        bad = not all_finite([p.grad for p in self.params if p.grad is not None])
+        self._bad = Agreement.start(self.comm, f"{self.describe()}, trainable {trainable}", bad).check()
+
+    def all_finite(self) -> bool:
+        if self._local():
+            return not self._bad
+        return all_finite([b.data for b in self.reducer.buckets] if self.reducer else
+                          [p.grad for p in self.params if p.grad is not None])
+
+    def step(self) -> dict[str, Any]:
+        local = self._local()
+        self.optimizer.step()
+        chunk = None
+        if local:
+            every = self.full_sync_every
+            if every and (self.step_count() + 1) % every == 0:
+                self.averager.average_all()
+            elif self.chunk_size:
+                chunk = self.averager.average_next()
+        now = self.comm.bytes_sent()
+        sent, self._bytes_mark = now - self._bytes_mark, now
+        dense = dense_bytes(self.reducer, self.comm.world_size)
+        stats = {"option": self.name, "compressed": local, "bytes_sent": sent, "dense_bytes": dense,
+                 "ratio": sent / dense if dense else 1.0, "residual_norm": 0.0}
+        if chunk is not None:
+            stats["chunk"] = chunk
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"partial_counter": self.averager.counter if self.averager else 0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.averager is not None:
+            self.averager.counter = int(state.get("partial_counter", 0))
+
+    def close(self) -> None:
+        pass

@@ -1,127 +1,170 @@
-"""GradReducer: overlaps gradient reduction with backward.
+"""GradReducer: reduces gradients while `loss.backward()` runs.
 
-Each parameter's post-accumulate-grad hook copies its gradient into its bucket; when
-a bucket is complete, and every bucket before it has been launched, its reduction
-starts asynchronously. Launching strictly in bucket order keeps every rank's
-sequence of collectives identical even when ranks produce gradients in different
-orders or skip parameters. After backward the remaining buckets are launched (with
-zeros for missing gradients), every handle is waited on, and the averaged gradients
-are handed back to the parameters.
+Each parameter's post-accumulate-grad hook copies its gradient into its bucket; when a
+bucket is complete, and every bucket before it has been launched, its reduce hook starts
+asynchronously. Launching strictly in bucket order keeps every rank's sequence of
+collectives identical even when ranks produce gradients in different orders or skip
+parameters. The first hook of a backward opens a step and queues a callback that runs
+when autograd finishes: it launches what is left (with zeros for missing gradients),
+waits for every handle and hands the averaged gradients back as views of the buckets,
+so ``loss.backward()`` returns with ``p.grad`` already the mean over ranks (as DDP's).
+
+`paused()` (DistOpt.no_sync) lets gradients accumulate locally; `reduce_now()` reduces
+whatever ``p.grad`` holds without a backward (accumulation finished under no_sync,
+gradients written by hand).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import Tensor
 
 from troupe.observe import trace
 from troupe.reliability import watchdog
-from troupe.sync.bucket import FIRST_BUCKET_SIZE, Bucket, plan_buckets
 from troupe.runtime.comm import Communicator, Handle
+from troupe.sync.agree import Agreement
+from troupe.sync.bucket import FIRST_BUCKET_SIZE, Bucket, plan_buckets
+from troupe.sync.hooks import MeanAllReduce, ReduceHook
 
-ReduceFn = Callable[[Bucket], Handle]
-"""Starts the reduction of a sealed bucket; when its handle completes, ``bucket.data``
-holds the averaged gradients and ``bucket.flags`` the per-parameter sum of used flags.
-A ReduceFn may set a ``prescale`` attribute: gradients are then multiplied by it as they
-are copied into the bucket."""
+ReduceFn = ReduceHook  # the earlier name
 
 
-def mean_all_reduce(comm: Communicator) -> ReduceFn:
-    """The plain strategy: gradients enter the bucket already divided by the world size (its
-    `prescale`, saving a pass), then the whole buffer (gradients and flags) is summed."""
-
-    def reduce(bucket: Bucket) -> Handle:
-        return comm.all_reduce(bucket.buffer, "sum", async_op=True)
-
-    reduce.prescale = 1.0 / comm.world_size  # type: ignore[attr-defined]
-    return reduce
+def mean_all_reduce(comm: Communicator) -> MeanAllReduce:
+    """The plain mean all-reduce hook (kept for the benchmarks' spelling)."""
+    return MeanAllReduce(comm)
 
 
 class GradReducer:
-    """Buckets the given parameters and reduces their gradients as backward produces them."""
+    """Buckets the given parameters and reduces their gradients as backward produces them.
+
+    `hook_for_step()` is asked for the reduce hook when a step opens; `describe_step()` for
+    the text the ranks compare before the first bucket leaves (see `troupe.sync.agree`).
+    """
 
     def __init__(self, params: Sequence[Tensor], comm: Communicator, bucket_size: int,
-                 first_bucket_size: int = FIRST_BUCKET_SIZE):
+                 first_bucket_size: int = FIRST_BUCKET_SIZE, *,
+                 hook_for_step: Callable[[], ReduceHook | None] | None = None,
+                 describe_step: Callable[[], str] | None = None,
+                 on_reduced: Callable[[], None] | None = None, agreement: bool = True):
         self.comm = comm
         self.params = [p for p in params if p.requires_grad]
         plan = plan_buckets(self.params, bucket_size, first_bucket_size)
         self.buckets = [Bucket(i, [self.params[j] for j in members]) for i, members in enumerate(plan)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self.reduce_fn: ReduceFn = mean_all_reduce(comm)
-        self.mean_over_active = True
-        """Rescale to the mean over active ranks (see DistOpt.join); off for reduce_fns that
-        send buckets elsewhere instead of reducing them (the parameter-server client)."""
-        self.armed = False
-        self.last_fn: ReduceFn = self.reduce_fn
-        self._ready: list[bool] = []
-        self._next = 0
-        self._handles: list[Handle] = []
+        default = MeanAllReduce(comm)
+        self.hook_for_step = hook_for_step or (lambda: default)
+        self.describe_step = describe_step or (lambda: "plain")
+        self.on_reduced = on_reduced or (lambda: None)
+        self.agreement = agreement
+        """Check that the ranks agree before each step's first bucket (off where `comm` holds ranks
+        that do not take steps: the parameter-server client's channel to the servers)."""
+        self.enabled = True
+        """False: backward leaves gradients local (no_sync, or a strategy that reduces otherwise)."""
+        self.last_hook: ReduceHook = default
+        self.in_step = False
+        self.last_active = comm.world_size
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
-    def begin(self, reduce_fn: ReduceFn | None = None) -> None:
-        """Start a step: clear gradients and buckets, listen for gradients."""
-        for p in self.params:
-            p.grad = None
+    # --- one step ------------------------------------------------------------------------
+
+    def _open(self, hook: ReduceHook | None = None) -> None:
+        """Open a step: empty buckets, pick the hook, start the agreement check."""
         for b in self.buckets:
             b.reset()
-        self._active_fn = reduce_fn or self.reduce_fn
-        self.last_fn = self._active_fn
-        self._scale = getattr(self._active_fn, "prescale", None)
+        self._hook = hook or self.hook_for_step()
+        self.last_hook = self._hook
+        self._scale = self._hook.prescale
         self._ready = [False] * len(self.buckets)
         self._next = 0
-        self._handles = []
-        self.armed = True
+        self._handles: list[Handle] = []
+        trainable = "".join("1" if p.requires_grad else "0" for p in self.params)
+        self._agreement: Agreement | None = (
+            Agreement.start(self.comm, f"{self.describe_step()}, trainable {trainable}") if self.agreement else None
+        )
+        self.in_step = True
 
     def _on_grad(self, param: Tensor) -> None:
-        if not self.armed:
+        if not self.enabled:
             return
+        if not self.in_step:
+            hook = self.hook_for_step()
+            if hook is None:  # this step's strategy keeps gradients local
+                return
+            rec = trace._recorder
+            if rec is not None:
+                rec.mark("backward")
+            self._open(hook)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._add(param)
+        self._launch_ready()
+
+    def _add(self, param: Tensor) -> None:
         bucket = self._bucket_of[id(param)]
         if bucket.add_grad(param, param.grad, self._scale):
             self._ready[bucket.index] = True
-            self._launch_ready()
         # The averaged gradient comes back as a view of the bucket; free autograd's copy now.
         param.grad = None
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self._ready[self._next]:
+            if self._agreement is not None:  # before the first bucket: do all ranks take this step?
+                agreement, self._agreement = self._agreement, None
+                try:
+                    agreement.check()
+                except BaseException:
+                    self.in_step = False
+                    raise
             bucket = self.buckets[self._next]
             bucket.seal()
-            self._handles.append(self._active_fn(bucket))
+            self._handles.append(self._hook(bucket))
             self._next += 1
 
-    def finish(self) -> int:
-        """After backward: launch what is left, wait for everything, hand gradients back.
-
-        Returns how many ranks were active (had data) this step.
-        """
-        self.armed = False
-        self._ready = [True] * len(self.buckets)
-        self._launch_ready()
-        for bucket, handle in zip(self.buckets, self._handles):
-            with watchdog.waiting(bucket.label):
-                handle.wait()
-        world = self.comm.world_size if self.mean_over_active else None
-        return min(bucket.unpack(world) for bucket in self.buckets)
-
-    def shadow(self) -> int:
-        """Join the other ranks' step with zero gradients, marked inactive; return how many were active."""
-        self.begin(self.last_fn)
-        for bucket in self.buckets:
-            bucket.active = False
-        return self.finish()
-
-    def backward(self, loss: Tensor, reduce_fn: ReduceFn | None = None) -> int:
-        """``loss.backward()`` with each bucket reduced by `reduce_fn` as it fills; returns the active ranks."""
-        self.begin(reduce_fn)
-        try:
-            loss.backward()
-        except BaseException:
-            self.abort()
-            raise
+    def _end_of_backward(self) -> None:
         rec = trace._recorder
         if rec is not None:
             rec.mark("backward_end")
+        self.finish()
+
+    def finish(self) -> int:
+        """Launch what is left, wait for everything, hand gradients back; return the active ranks.
+
+        A gradient that reached ``p.grad`` without this step's hook (accumulated under
+        no_sync and not touched by the last backward, or written by hand) is added now.
+        """
+        try:
+            for bucket in self.buckets:
+                for k, p in enumerate(bucket.params):
+                    if not bucket.used[k] and p.grad is not None:
+                        self._add(p)
+            self._ready = [True] * len(self.buckets)
+            self._launch_ready()
+            for bucket, handle in zip(self.buckets, self._handles):
+                with watchdog.waiting(bucket.label):
+                    handle.wait()
+            world = self.comm.world_size if self._hook.mean_over_active else None
+            self.last_active = min((bucket.unpack(world) for bucket in self.buckets), default=self.comm.world_size)
+        finally:
+            self.in_step = False
+        rec = trace._recorder
+        if rec is not None:
+            rec.mark("reduced")
+        self.on_reduced()
+        return self.last_active
+
+    def reduce_now(self, hook: ReduceHook | None = None) -> int:
+        """Reduce what ``p.grad`` holds now, without a backward; return the active ranks."""
+        self._open(hook)
+        return self.finish()
+
+    def shadow(self) -> int:
+        """Join the other ranks' step with zero gradients, marked inactive; return how many were active."""
+        for p in self.params:
+            p.grad = None
+        self._open(self.last_hook)
+        for bucket in self.buckets:
+            bucket.active = False
         return self.finish()
 
     def label_buckets(self, name_of: Callable[[Tensor], str]) -> None:
@@ -132,8 +175,8 @@ class GradReducer:
             b.label = f"gradient bucket {b.index + 1} of {len(self.buckets)} ({shown})"
 
     def abort(self) -> None:
-        """Stop listening after a failed backward (the step is abandoned)."""
-        self.armed = False
+        """Forget a step whose backward failed."""
+        self.in_step = False
 
     def remove(self) -> None:
         """Detach the hooks from the parameters."""

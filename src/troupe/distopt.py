@@ -1,0 +1,461 @@
+"""DistOpt: any torch optimizer, trained on many workers; the thin front over one UpdateStrategy."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from troupe.cluster.config import from_env as cluster_from_env
+from troupe.observe import trace
+from troupe.reliability import watchdog
+from troupe.reliability.nonfinite import NAN_POLICIES, NanPolicy, nonfinite
+from troupe.runtime import comm as comm_mod
+from troupe.runtime.comm import Handle
+from troupe.runtime.launch import Ticket, init
+from troupe.strategies import registry
+from troupe.strategies.base import UpdateStrategy
+from troupe.strategies.compressed import CompressionConfig
+from troupe.sync.bucket import DEFAULT_BUCKET_SIZE, FIRST_BUCKET_SIZE
+from troupe.sync.reducer import GradReducer
+
+DIST_OPTIONS = registry.DIST_OPTIONS
+
+
+class DistOpt(torch.optim.Optimizer):
+    """Averages gradients across ranks, overlapped with backward, then steps the wrapped optimizer.
+
+    Accepted wherever torch takes an optimizer (LR schedulers, ``GradScaler``); its
+    ``param_groups`` and ``state`` are the wrapped optimizer's. Gradients are summed across
+    ranks and divided by the world size before the wrapped optimizer runs, so momentum and
+    weight decay see the averaged gradient. Rank 0's parameters are broadcast at construction.
+
+    >>> sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.005, momentum=0.9))
+    >>> loss = F.cross_entropy(model(x), y)
+    >>> loss.backward()                # buckets are all-reduced as autograd produces gradients
+    >>> sgd.step(); sgd.zero_grad()    # or SINGA's sgd(loss): backward, all-reduce, step
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        ticket: Ticket | str | None = None,
+        nccl_id: Ticket | str | None = None,
+        local_rank: int | None = None,
+        world_size: int | None = None,
+        rank: int | None = None,
+        backend: str | None = None,
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        first_bucket_size: int = FIRST_BUCKET_SIZE,
+        timeout: float | None = None,
+        join_timeout: float | None = None,
+        compression: CompressionConfig | None = None,
+        nan_policy: NanPolicy = "raise",
+        dist_option: str = "plain",
+        spars: float | None = None,
+    ):
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DistOpt):
+            raise TypeError(f"DistOpt wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        for name, size in (("bucket_size", bucket_size), ("first_bucket_size", first_bucket_size)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be a positive number of elements, got {size!r}")
+        if nan_policy not in NAN_POLICIES:
+            raise ValueError(f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}")
+        if compression is not None and not isinstance(compression, CompressionConfig):
+            raise TypeError(f"compression must be a troupe.CompressionConfig, got {type(compression).__name__}")
+        if ticket is not None and nccl_id is not None:
+            raise ValueError("give ticket= or its SINGA alias nccl_id=, not both")
+        registry.check_option(dist_option)
+        self.info = init(ticket if ticket is not None else nccl_id, local_rank, world_size, rank=rank,
+                         backend=backend, timeout=timeout, join_timeout=join_timeout)
+        self.optimizer = optimizer
+        self.bucket_size, self.first_bucket_size = bucket_size, first_bucket_size
+        self.nan_policy = nan_policy
+        self.skipped_steps = 0
+        self.step_count = 0
+        self._names: dict[int, str] = {}
+        self._pending: list[Handle] = []
+        self._synced = False
+        self._strategies: dict[tuple, UpdateStrategy] = {}
+        cluster = cluster_from_env()
+        if cluster is not None:
+            # The bootstrap owns roles: on a server rank this call serves and ends the process
+            # (it never returns); a worker gets its view of the job (workers only) and its strategy.
+            from troupe.cluster import bootstrap
+
+            self.info, self.strategy = bootstrap.worker_strategy(cluster, optimizer, self.info, bucket_size,
+                                                                 nan_policy)
+            self.communicator = comm_mod.default()
+            self._check_and_broadcast()
+            self.reducer = self.strategy.reducer
+            self._own_reducer = False
+            self._ctx = None
+            self.strategy.start()  # Put/Get the initial parameters
+        else:
+            self.communicator = comm_mod.default()
+            self._check_and_broadcast()
+            self._own_reducer = True
+            self.reducer = self._make_reducer()
+            self._ctx = registry.Context(self.communicator, self.reducer, optimizer, self._params(),
+                                         compression or CompressionConfig(), lambda: self.step_count,
+                                         self.param_name)
+            args = dict(registry.DIST_OPTION_ARGS.get(dist_option, {}))
+            if spars is not None and registry.DIST_OPTIONS[dist_option] == "backward_and_sparse_update":
+                args["spars"] = spars
+            self.strategy = self._strategy_for(dist_option, **args)
+        if self.reducer is not None:
+            self.reducer.on_reduced = self._mark_synced
+            self.reducer.label_buckets(self.param_name)  # by position; by name once a model is attached
+
+    # --- where this process is -------------------------------------------------------
+
+    @property
+    def local_rank(self) -> int:
+        return self.info.local_rank
+
+    @property
+    def global_rank(self) -> int:
+        return self.info.global_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
+    def device(self) -> torch.device:
+        """``cuda:local_rank`` under NCCL, else the CPU."""
+        return self.info.device
+
+    # SINGA's older names
+    rank_in_local = local_rank
+    rank_in_global = global_rank
+
+    # --- torch.optim.Optimizer's state: the wrapped optimizer's, read through (its
+    # load_state_dict replaces these objects, so they are never copied here)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    # --- the PyTorch loop ---------------------------------------------------------------
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside the block accumulates gradients locally, with no communication
+        (gradient accumulation); the next backward outside it reduces the sum."""
+        if self.reducer is None:
+            yield
+            return
+        before, self.reducer.enabled = self.reducer.enabled, False
+        try:
+            yield
+        finally:
+            self.reducer.enabled = before
+
+    def synchronize(self) -> None:
+        """Leave in ``p.grad`` what `step()` will apply: the mean over ranks (waits for the
+        reductions of the last backward; reduces gradients that arrived without one)."""
+        if not self._synced:
+            self.strategy.synchronize()
+            self._synced = True
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Synchronize if needed, apply `nan_policy`, then the strategy's update (the wrapped optimizer's step)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.synchronize()
+        self._synced = False
+        if self.nan_policy != "ignore" and not self.strategy.all_finite():
+            self._skip()
+        else:
+            self._finish_step(self.strategy.step())
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._abandon_open_step()
+        self._synced = False
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add parameters (on every rank, in the same order): rank 0's values are broadcast and
+        the new parameters join the reduction."""
+        if not self._own_reducer:
+            raise ValueError("add_param_group is not available under a parameter-server cluster: "
+                             "give the optimizer every parameter before creating the DistOpt")
+        self.optimizer.add_param_group(param_group)
+        self._check_and_broadcast()
+        self.reducer = self._rebuild_reducer()
+
+    # --- SINGA's update methods -----------------------------------------------------------
+
+    def backward_and_update(self, loss: Tensor) -> None:
+        """Backward, average gradients across ranks (overlapped with backward), optimizer step."""
+        self._singa_step(loss, "plain")
+
+    __call__ = backward_and_update
+
+    def backward_and_update_half(
+        self, loss: Tensor, clipping: bool = False, clip_value: float = 100, dtype: str = "fp16"
+    ) -> None:
+        """Like `backward_and_update`, but gradients travel as fp16 (or ``dtype="bf16"``).
+
+        Each rank divides by the world size before the cast, so the sum cannot overflow;
+        `clipping` first clips every gradient element to [-clip_value, clip_value] (SINGA).
+        """
+        self._singa_step(loss, "bf16" if dtype == "bf16" else "fp16", clipping=clipping, clip_value=clip_value,
+                         dtype=dtype)
+
+    def backward_and_partial_update(self, loss: Tensor) -> None:
+        """Local update on every rank, then one chunk of the parameters averaged, rotating.
+
+        Chunk size, periodic full averaging and warm-up come from `CompressionConfig`.
+        """
+        self._singa_step(loss, "partialUpdate")
+
+    def backward_and_sparse_update(
+        self, loss: Tensor, spars: float = 0.05, topK: bool = False, corr: bool = True
+    ) -> None:
+        """Send only part of each bucket's gradient as (index, value) pairs, sum, average, step.
+
+        `topK=True`: the ceil(spars * n) largest magnitudes (spars in (0, 1]);
+        `topK=False`: every element with ``|g| >= spars``. `corr` adds back what was not
+        sent in earlier steps (error feedback).
+        """
+        self._singa_step(loss, "sparseTopK" if topK else "sparseThreshold", spars=spars, topK=topK, corr=corr)
+
+    def update(self, loss: Tensor, dist_option: str = "plain", spars: float | None = None) -> None:
+        """Run the update that `dist_option` names (SINGA's names, see `DIST_OPTIONS`)."""
+        method = registry.check_option(dist_option)
+        kwargs = dict(registry.DIST_OPTION_ARGS.get(dist_option, {}))
+        if spars is not None and method == "backward_and_sparse_update":
+            kwargs["spars"] = spars
+        getattr(self, method)(loss, **kwargs)
+
+    @property
+    def last_step_stats(self) -> dict[str, Any]:
+        """Traffic of the last half/partial/sparse step: bytes_sent, dense_bytes, ratio, residual_norm."""
+        return self._last_stats
+
+    _last_stats: dict[str, Any] = {}
+
+    @contextmanager
+    def join(self):
+        """Let ranks with fewer batches finish an epoch without hanging (PyTorch's `Join`, for DistOpt).
+
+        Every rank wraps its loop in ``with sgd.join():``. A rank that leaves the block
+        keeps taking part in the others' gradient reductions with zero gradients, marked
+        inactive, and applies the same averaged update (so parameters stay equal), until
+        every rank has left. Gradients are averaged over the ranks that still had data.
+        Other collectives inside the loop (metrics every step) cannot be shadowed: reduce
+        them after the block.
+        """
+        yield self
+        if self.reducer is None or not self._own_reducer:
+            return
+        while self.reducer.shadow() > 0:
+            self.step()
+
+    # --- SINGA's collective helpers ---------------------------------------------------
+
+    def all_reduce(self, tensor: Tensor) -> None:
+        """Start summing `tensor` in place across ranks; `wait()` completes it."""
+        self._pending.append(self.communicator.all_reduce(tensor, "sum", async_op=True))
+
+    def wait(self) -> None:
+        """Complete every `all_reduce` started so far."""
+        pending, self._pending = self._pending, []
+        for handle in pending:
+            handle.wait()
+
+    def sync_parameters(self, model: nn.Module) -> None:
+        """Copy rank 0's parameters and buffers to every rank (call on all ranks)."""
+        named = list(model.named_parameters()) + list(model.named_buffers())
+        self._names.update({id(p): n for n, p in model.named_parameters()})
+        self._check_same_everywhere([(n, tuple(t.shape), str(t.dtype)) for n, t in named], "the model")
+        self._broadcast([t for _, t in named])
+        if self.reducer is not None:
+            self.reducer.label_buckets(self.param_name)
+
+    def param_name(self, param: Tensor) -> str:
+        """The parameter's name in the attached model, or its position in the optimizer."""
+        if id(param) in self._names:
+            return self._names[id(param)]
+        return f"param[{[id(p) for p in self._params()].index(id(param))}]"
+
+    # --- checkpoints ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        strategies: dict[str, Any] = {"residuals": {}}
+        if self._ctx is not None:
+            strategies["residuals"] = {k: v.clone() for k, v in self._ctx.residuals.items()}
+        for s in self._strategies.values():
+            strategies.update(s.state_dict())
+        return {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count, "strategies": strategies}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = int(state["step_count"])
+        strategies = state.get("strategies", {})
+        if self._ctx is not None:
+            self._ctx.residuals.clear()
+            self._ctx.residuals.update({k: v.clone() for k, v in strategies.get("residuals", {}).items()})
+        self._restored = strategies
+        for s in self._strategies.values():
+            s.load_state_dict(strategies)
+
+    _restored: dict[str, Any] = {}
+
+    def close(self) -> None:
+        """Leave cleanly: under a parameter-server cluster, tell the servers this worker has finished (also done at exit)."""
+        self.strategy.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"DistOpt({type(self.optimizer).__name__}, {self.strategy.name}, rank {self.global_rank}/"
+            f"{self.world_size}, {self.info.backend}, bucket_size={self.bucket_size})"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a DistOpt holds process-group state and cannot be pickled; save state_dict() instead")
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _singa_step(self, loss: Tensor, option: str, **args: Any) -> None:
+        """One of SINGA's methods: zero the gradients, backward under `option`'s strategy, step."""
+        rec = trace._recorder
+        if rec is not None:
+            rec.note_loss(loss)
+        if self._own_reducer:
+            self.strategy = self._strategy_for(option, **args)
+        elif registry.DIST_OPTIONS[option] != "backward_and_update":
+            raise ValueError(f"dist_option {option!r} is not available under a parameter-server cluster: use 'plain'")
+        self.zero_grad()
+        try:
+            loss.backward()
+        except BaseException:
+            self._abandon_open_step()
+            raise
+        self.step()
+
+    def _strategy_for(self, option: str, **args: Any) -> UpdateStrategy:
+        key = (option, tuple(sorted(args.items())))
+        strategy = self._strategies.get(key)
+        if strategy is None:
+            strategy = registry.build(option, self._ctx, **args)
+            strategy.load_state_dict(self._restored)
+            self._strategies[key] = strategy
+        return strategy
+
+    def _make_reducer(self) -> GradReducer | None:
+        if self.world_size == 1:
+            return None
+        return GradReducer(self._params(), self.communicator, self.bucket_size, self.first_bucket_size,
+                           hook_for_step=lambda: self.strategy.reduce_hook(),
+                           describe_step=lambda: self.strategy.describe())
+
+    def _rebuild_reducer(self) -> GradReducer | None:
+        if self.reducer is not None:
+            self.reducer.remove()
+        reducer = self._make_reducer()
+        self._ctx.reducer, self._ctx.params = reducer, self._params()
+        self._strategies.clear()
+        self.strategy = self._strategy_for("plain") if self.strategy.name == "plain" else \
+            registry.build(self.strategy.name, self._ctx)
+        if reducer is not None:
+            reducer.on_reduced = self._mark_synced
+            reducer.label_buckets(self.param_name)
+        return reducer
+
+    def _mark_synced(self) -> None:
+        self._synced = True
+
+    def _abandon_open_step(self) -> None:
+        if self.reducer is not None and self.reducer.in_step:
+            self.reducer.abort()
+
+    def _skip(self) -> None:
+        """A non-finite gradient (the same verdict on every rank): raise, or skip the step."""
+        bad = nonfinite(self._params())
+        names = ", ".join(self.param_name(p) for p in bad[:5]) or "a gradient"
+        if self.nan_policy == "raise":
+            raise FloatingPointError(
+                f"rank {self.global_rank}: non-finite gradient at step {self.step_count} in {names} "
+                "(DistOpt(nan_policy='skip') skips such steps instead)"
+            )
+        warnings.warn(f"troupe: skipped step {self.step_count}: non-finite gradient in {names}")
+        self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self._finish_step({})
+
+    def _finish_step(self, stats: dict[str, Any]) -> None:
+        """Count the step; per-step stats and the watchdog see it."""
+        self.step_count += 1
+        if stats:
+            self._last_stats = {**stats, "step": self.step_count - 1}
+        watchdog.set_step(self.step_count)
+        rec = trace._recorder
+        if rec is not None:
+            extra = {k: v for k, v in stats.items() if k in ("option", "ratio", "residual_norm", "staleness")}
+            rec.end_step(self.step_count, self.communicator.bytes_sent(), extra)
+
+    def _params(self) -> list[Tensor]:
+        seen: dict[int, Tensor] = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _check_and_broadcast(self) -> None:
+        params = self._params()
+        self._check_same_everywhere([(tuple(p.shape), str(p.dtype)) for p in params], "the optimizer's parameters")
+        self._broadcast(params)
+
+    def _check_same_everywhere(self, signature: list, what: str) -> None:
+        if self.world_size == 1:
+            return
+        everyone = self.communicator.all_gather_object(signature)
+        for r, theirs in enumerate(everyone):
+            if theirs != signature:
+                diff = next((i for i, (a, b) in enumerate(zip(signature, theirs)) if a != b), None)
+                where = (
+                    f"first difference at entry {diff}: {signature[diff]} here vs {theirs[diff]} on rank {r}"
+                    if diff is not None
+                    else f"{len(signature)} entries here vs {len(theirs)} on rank {r}"
+                )
+                raise ValueError(
+                    f"rank {self.global_rank}: {what} differs across ranks ({where}); "
+                    "every rank must build the same model"
+                )
+
+    @torch.no_grad()
+    def _broadcast(self, tensors: Iterable[Tensor]) -> None:
+        """Broadcast rank 0's values, one fused message per dtype and device."""
+        if self.world_size == 1:
+            return
+        groups: dict[tuple, list[Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        for key in sorted(groups, key=str):
+            members = groups[key]
+            flat = torch.cat([t.detach().reshape(-1) for t in members])
+            self.communicator.broadcast(flat, src=0)
+            offset = 0
+            for t in members:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

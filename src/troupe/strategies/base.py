@@ -1,0 +1,66 @@
+"""The UpdateStrategy interface: how one DistOpt turns gradients into an update.
+
+DistOpt holds exactly one strategy for a step. A strategy receives everything it needs
+(communicator, reducer, parameters, the wrapped optimizer) in ``__init__`` and never
+reaches into DistOpt or module globals; DistOpt does step counting, nan_policy, stats
+and trace marks once, around `step()`.
+
+The life of one step, in the PyTorch loop:
+
+* ``loss.backward()``: the GradReducer asks `reduce_hook()` for the hook of this step
+  (None: gradients stay local) and `describe()` for what the ranks must agree on;
+* `synchronize()`: afterwards ``p.grad`` holds what `step()` will apply (the mean over
+  ranks, for the synchronous strategies);
+* `all_finite()`: the same answer on every rank (nan_policy);
+* `step()`: the update (optimizer step, and whatever the regime sends afterwards);
+  returns the step's stats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+from troupe.reliability.nonfinite import all_finite
+from troupe.sync.hooks import ReduceHook
+from troupe.sync.reducer import GradReducer
+
+StepStats = dict[str, Any]
+"""What one step adds to the stats row: option, bytes_sent, dense_bytes, ratio, residual_norm, ..."""
+
+
+@runtime_checkable
+class UpdateStrategy(Protocol):
+    name: str
+    """The dist_option (or cluster role) this strategy implements, for messages and stats."""
+
+    def describe(self) -> str:
+        """What every rank must agree on for this step (compared before the first collective)."""
+
+    def reduce_hook(self) -> ReduceHook | None:
+        """The reduce hook for this step's buckets; None keeps gradients local."""
+
+    def synchronize(self) -> None:
+        """Leave in ``p.grad`` what `step()` applies (waits for reductions in flight)."""
+
+    def all_finite(self) -> bool:
+        """Are this step's gradients finite? The same answer on every rank."""
+
+    def step(self) -> StepStats:
+        """Apply the update; return this step's stats."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None:
+        """Leave the job's collective life cleanly (a last sync, telling servers)."""
+
+
+def reduced_buckets_finite(reducer: GradReducer | None, params: Sequence[Tensor]) -> bool:
+    """All-finite over reduced gradients (the same everywhere): one sum per bucket."""
+    if reducer is not None:
+        return all_finite([b.data for b in reducer.buckets])
+    return all_finite([p.grad for p in params if p.grad is not None])
