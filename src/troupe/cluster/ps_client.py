@@ -140,14 +140,14 @@ class PSClient:
 
     def step(self) -> dict:
         """Send the Updates (unless backward did), then collect the fresh slices."""
-        changed = self._changed()
-        if not self.overlap:
+        changed, sent = self._changed(), self.overlap
+        if not sent:
             self._refresh()
             self._begin()
             for bucket in self.reducer.buckets:
                 self._post_bucket(bucket, self._op)
         self._end_step(changed)
-        if changed and self.overlap:
+        if changed and sent:
             raise RuntimeError(
                 f"worker {self.rank}: the gradients changed between backward and step() at step {self.steps}, "
                 "after they had left for the servers (earlier steps left them alone, so they were sent during "
