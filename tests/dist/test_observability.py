@@ -27,10 +27,11 @@ def test_stats_and_timeline(tmp_path):
     rows = [json.loads(line) for line in stats.read_text().splitlines()]
     assert sorted((r["rank"], r["step"]) for r in rows) == [(r, s) for r in (0, 1) for s in range(1, 6)]
     # tiny_train's model: 212 parameters in 4 tensors, one bucket with 4 used flags + 1 active flag;
-    # a ring all-reduce on 2 ranks sends the whole buffer once: (212 + 5) * 4 bytes per step.
+    # a ring all-reduce on 2 ranks sends the whole buffer once: (212 + 5) * 4 bytes per step, after
+    # the step's agreement (12 bytes: troupe.sync.agree).
     for r in rows:
         if r["step"] > 1:  # step 1 also carries the initial broadcast of rank 0's parameters
-            assert r["bytes_sent"] == (212 + 5) * 4
+            assert r["bytes_sent"] == (212 + 5) * 4 + 12
         for key in ("time_ms", "forward_ms", "backward_ms", "comm_exposed_ms", "comm_overlapped_ms", "optimizer_ms"):
             assert r[key] >= 0
         assert r["time_ms"] >= r["backward_ms"] + r["optimizer_ms"] - 1e-6
@@ -80,9 +81,9 @@ def test_tensorboard_alone_writes_every_steps_scalars_per_rank(tmp_path):
             assert [s for s, _ in scalars[tag]] == [1, 2, 3, 4, 5], tag
             assert all(v >= 0 for _, v in scalars[tag]), tag
         # the same count as the stats test: the whole (212 + 5)-float bucket, once per step on 2 ranks
-        assert [v for _, v in scalars["comm/bytes_sent"]][1:] == [(212 + 5) * 4] * 4
+        assert [v for _, v in scalars["comm/bytes_sent"]][1:] == [(212 + 5) * 4 + 12] * 4
         first = scalars["comm/bytes_sent"][0][1]
-        assert first > (212 + 5) * 4 if rank == 0 else first == (212 + 5) * 4  # rank 0 also broadcast
+        assert first > (212 + 5) * 4 + 12 if rank == 0 else first == (212 + 5) * 4 + 12  # rank 0 also broadcast
         step_ms = dict(scalars["time/step_ms"])
         for step, v in scalars["time/compute_ms"]:
             assert v == pytest.approx(step_ms[step] - dict(scalars["comm/exposed_ms"])[step], abs=1e-3)
@@ -109,5 +110,6 @@ def test_tensorboard_scalars_equal_the_stats_rows_with_compression(tmp_path):
             assert expected, key
             assert [s for s, _ in scalars[tag]] == [s for s, _ in expected], tag
             assert [v for _, v in scalars[tag]] == pytest.approx([v for _, v in expected], rel=1e-6), tag
-        # fp16 sends half the bytes of the dense fp32 step
-        assert [v for _, v in scalars["comm/compression_ratio"]] == pytest.approx([0.5] * 4, abs=0.02)
+        # fp16 sends half the bytes of the dense fp32 step; every step's row carries its own ratio
+        # (before engine v2 the row of step k carried step k-1's, so step 1 had none)
+        assert [v for _, v in scalars["comm/compression_ratio"]] == pytest.approx([0.5] * 5, abs=0.02)

@@ -19,6 +19,7 @@ from troupe.compress import Compressor, residual_norm
 from troupe.runtime.comm import Communicator
 from troupe.strategies.base import StepStats, reduced_buckets_finite
 from troupe.strategies.compressed import CompressedReduce
+from troupe.sync.agree import PAYLOAD_BYTES as AGREEMENT_BYTES
 from troupe.sync.hooks import MeanAllReduce, ReduceHook
 from troupe.sync.reducer import GradReducer
 
@@ -94,8 +95,8 @@ class AllReduce:
 
 
 def dense_bytes(reducer: GradReducer | None, world_size: int) -> int:
-    """Wire bytes of one plain fp32 step (every bucket all-reduced)."""
+    """Wire bytes of one plain fp32 step (the step's agreement, every bucket all-reduced)."""
     if reducer is None:
         return 0
-    payload = sum(b.buffer.numel() * b.buffer.element_size() for b in reducer.buckets)
+    payload = AGREEMENT_BYTES + sum(b.buffer.numel() * b.buffer.element_size() for b in reducer.buckets)
     return int(2 * (world_size - 1) / world_size * payload)

@@ -5,7 +5,7 @@ Ranks that disagree (one calls ``update(loss, "fp16")`` while another calls ``"p
 different parameters frozen) would otherwise issue collectives of different sizes, which
 Gloo answers by aborting the process with a C++ trace. Here each rank puts a 31-bit
 digest of its step into one tiny all-reduce of a fixed shape (max of ``[d, -d, bad]``),
-so every rank learns in the same collective whether all digests were equal (and whether
+so every rank learns in the same collective (12 bytes: three int32) whether all digests were equal (and whether
 any rank saw a non-finite gradient, for strategies whose gradients stay local). On a
 mismatch every rank gathers the descriptions and raises the same readable error.
 """
@@ -18,6 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from troupe.runtime.comm import Communicator, Handle
+
+
+PAYLOAD_BYTES = 12
+"""Bytes of one agreement (three int32): what every step adds to a rank's collectives."""
 
 
 class StepMismatchError(RuntimeError):
@@ -39,10 +43,13 @@ class Agreement:
     handle: Handle
 
     @classmethod
-    def start(cls, comm: Communicator, description: str, bad: bool = False) -> Agreement:
+    def start(cls, comm: Communicator, description: str, bad: bool = False, before: str = "") -> Agreement:
+        """Start the check; `before` names what it guards (stall and failure reports say it)."""
         d = digest(description)
-        buffer = torch.tensor([d, -d, int(bad)], dtype=torch.int64)
-        return cls(comm, description, buffer, comm.all_reduce(buffer, "max", async_op=True))
+        buffer = torch.tensor([d, -d, int(bad)], dtype=torch.int32)
+        handle = comm.all_reduce(buffer, "max", async_op=True)
+        handle.label = f"{before}: the step's agreement" if before else "the step's agreement"
+        return cls(comm, description, buffer, handle)
 
     def check(self) -> bool:
         """Wait; raise StepMismatchError when ranks disagree; return whether any rank flagged `bad`."""

@@ -63,6 +63,8 @@ class GradReducer:
         self.enabled = True
         """False: backward leaves gradients local (no_sync, or a strategy that reduces otherwise)."""
         self.last_hook: ReduceHook = default
+        self._override: ReduceHook | None = None
+        self._finished = 0
         self.in_step = False
         self.last_active = comm.world_size
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -81,7 +83,8 @@ class GradReducer:
         self._handles: list[Handle] = []
         trainable = "".join("1" if p.requires_grad else "0" for p in self.params)
         self._agreement: Agreement | None = (
-            Agreement.start(self.comm, f"{self.describe_step()}, trainable {trainable}") if self.agreement else None
+            Agreement.start(self.comm, f"{self.describe_step()}, trainable {trainable}", before=self.buckets[0].label)
+            if self.agreement and self.buckets else None
         )
         self.in_step = True
 
@@ -89,7 +92,7 @@ class GradReducer:
         if not self.enabled:
             return
         if not self.in_step:
-            hook = self.hook_for_step()
+            hook = self._override or self.hook_for_step()
             if hook is None:  # this step's strategy keeps gradients local
                 return
             rec = trace._recorder
@@ -147,10 +150,26 @@ class GradReducer:
             self.last_active = min((bucket.unpack(world) for bucket in self.buckets), default=self.comm.world_size)
         finally:
             self.in_step = False
+        self._finished += 1
         rec = trace._recorder
         if rec is not None:
             rec.mark("reduced")
         self.on_reduced()
+        return self.last_active
+
+    def backward(self, loss: Tensor, hook: ReduceHook | None = None) -> int:
+        """``loss.backward()`` with each bucket reduced by `hook` (default: `hook_for_step()`);
+        returns the active ranks. Gradients are reduced even if none reached a hook."""
+        finished, self._override = self._finished, hook
+        try:
+            loss.backward()
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self._override = None
+        if self._finished == finished:
+            return self.reduce_now(hook)
         return self.last_active
 
     def reduce_now(self, hook: ReduceHook | None = None) -> int:
