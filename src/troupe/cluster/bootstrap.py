@@ -179,6 +179,10 @@ def hand_over(job: Job, spec: TrainingSpec) -> NoReturn:
     """The rest of a server rank's life: serve until every worker has finished, then end the process."""
     stats = serve(job, spec)
     print(f"troupe server rank {job.role.rank}: {stats}", file=sys.stderr, flush=True)
+    # What this server sent, by operation ([payload bytes, wire bytes]): a server started without the
+    # training script has no other way to report its counters (benchmarks/bytes_per_step.py).
+    traffic = {op: [t.payload_bytes, t.wire_bytes] for op, t in sorted(comm_mod.process_traffic().items())}
+    print(f"troupe server rank {job.role.rank}: traffic {json.dumps(traffic)}", file=sys.stderr, flush=True)
     shutdown()
     # Gloo's threads may still drop the last references to the server's receives while the
     # interpreter finalizes, which aborts a process that finished cleanly ("terminate called
@@ -224,6 +228,11 @@ def serve(job: Job, spec: TrainingSpec) -> ServerStats:
 
 
 def _leave() -> None:
+    # Under mpiexec the launcher counts a rank that leaves without MPI_Finalize as failed
+    # (mpi4py finalizes at exit, in a handler this one skips): finalize here first.
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
