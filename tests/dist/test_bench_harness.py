@@ -65,9 +65,9 @@ def test_throughput_benchmark_runs_on_loopback_and_simulated_hosts(tmp_path):
     assert set(summary) == set(links) and plot.stat().st_size > 1000
     # 2 workers all-reduce the whole CNN once per step, in 2 buckets ([linear*], [conv*]) each
     # with a used flag per tensor and an active flag: (431080 params + 10 flags) * 4 bytes,
-    # sent once on a 2-rank ring
+    # and the step's agreement (12 bytes), sent once on a 2-rank ring
     for link in links:
-        assert summary[link]["2"]["bytes_per_step"] == pytest.approx((431080 + 10) * 4)
+        assert summary[link]["2"]["bytes_per_step"] == pytest.approx((431080 + 10) * 4 + 12)
     if "none" in links:
         assert "| none | 2 |" in proc.stdout
     leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
