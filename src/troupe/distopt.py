@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from troupe.cluster.config import from_env as cluster_from_env
 from troupe.observe import trace
-from troupe.reliability import watchdog
+from troupe.runtime import watchdog
 from troupe.reliability.nonfinite import NAN_POLICIES, NanPolicy, nonfinite
 from troupe.runtime import comm as comm_mod
 from troupe.runtime.comm import Handle

@@ -96,6 +96,7 @@ class PSClient:
         self._sealed: dict[int, int] = {}  # bucket index -> its buffer's version counter when sealed
         self._in_flight = False  # this step's Updates have left, their replies are not collected yet
         self._finite = True  # every bucket sent so far this step was finite
+        self._prepared: bool | None = None  # this step's gradients changed after backward (None: not looked yet)
         on_shutdown(self.close)  # at exit too: troupe.shutdown() runs at exit
 
     def start(self) -> None:
@@ -124,25 +125,21 @@ class PSClient:
 
     def all_finite(self) -> bool:
         """This worker's verdict, before its gradients reach a server; a non-finite step is Skipped there."""
-        if self.overlap:
-            ok = self._finite
-        else:
-            self._refresh()
-            ok = finite([b.data for b in self.reducer.buckets])
+        changed = self._prepare()
+        ok = self._finite if self.overlap else finite([b.data for b in self.reducer.buckets])
         if ok:
             return True
         if not self.overlap:
             self._begin()
             for s in self.slices:
                 self._post(Op.SKIP, s, self.server_of[s.id])
-        self._end_step(changed=False)
+        self._end_step(changed)
         return False
 
     def step(self) -> dict:
         """Send the Updates (unless backward did), then collect the fresh slices."""
-        changed, sent = self._changed(), self.overlap
+        changed, sent = self._prepare(), self.overlap
         if not sent:
-            self._refresh()
             self._begin()
             for bucket in self.reducer.buckets:
                 self._post_bucket(bucket, self._op)
@@ -183,6 +180,7 @@ class PSClient:
                 "call step() after each backward (accumulate gradients under no_sync())"
             )
         self._sealed.clear()
+        self._prepared = None
         if self.overlap:
             self._begin()
         return self.reduce_hook()
@@ -206,6 +204,7 @@ class PSClient:
         """Collect the replies; the next step overlaps only if this one's gradients were left alone."""
         self._collect(count_staleness=True)
         self._in_flight = False
+        self._prepared = None
         self.may_overlap = self.may_overlap and not changed
         self.overlap = self.may_overlap
 
@@ -227,6 +226,15 @@ class PSClient:
             for s in self.by_param[self.index[id(p)]]:
                 self._post(op, s, self.server_of[s.id], None if op is Op.SKIP else flat[s.start : s.stop])
 
+    def _prepare(self) -> bool:
+        """Once per step, after backward: did the loop change the gradients? If so, and the Updates
+        have not left yet, take into the buckets what ``p.grad`` holds now."""
+        if self._prepared is None:
+            self._prepared = self._changed()
+            if self._prepared and not self.overlap:
+                self._refresh()
+        return self._prepared
+
     def _changed(self) -> bool:
         """Did the loop change the gradients after backward packed them (in place, or by replacing ``p.grad``)?"""
         for b in self.reducer.buckets:
@@ -245,7 +253,8 @@ class PSClient:
             for k, p in enumerate(b.params):
                 view, g = b.view(k), p.grad
                 if g is None:
-                    view.zero_()
+                    if b.used[k]:  # removed by the loop (an unused parameter's slot is zero already)
+                        view.zero_()
                 elif g.data_ptr() != view.data_ptr():
                     view.copy_(g)
 

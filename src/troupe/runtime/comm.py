@@ -20,7 +20,7 @@ from torch import Tensor
 
 from troupe.runtime import launch as _launch
 from troupe.observe import trace
-from troupe.reliability import watchdog
+from troupe.runtime import watchdog
 
 Op = Literal["sum", "mean", "max", "min"]
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from troupe.observe import trace
-from troupe.reliability import watchdog
+from troupe.runtime import watchdog
 
 log = logging.getLogger("troupe")
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from troupe.observe import trace
-from troupe.reliability import watchdog
+from troupe.runtime import watchdog
 from troupe.runtime.comm import Communicator, Handle
 from troupe.sync.agree import Agreement
 from troupe.sync.bucket import FIRST_BUCKET_SIZE, Bucket, plan_buckets
