@@ -9,7 +9,7 @@ For each total size S the gradient is 8 tensors of S/8 (fp32):
 
 The two take turns call by call (`engine`); the table gives the median per call, the
 ratio of medians, bus bandwidth S/t * 2(n-1)/n, and t = alpha + S * beta fitted to the
-flat medians by least squares.
+flat medians by least squares on relative error.
 """
 
 from __future__ import annotations
@@ -30,8 +30,13 @@ FLAT, TROUPE = "flat all_reduce", "troupe buckets"
 
 
 def fit_alpha_beta(sizes: list[int], times: list[float]) -> tuple[float, float]:
-    """Least-squares alpha (s) and beta (s/byte) for t = alpha + beta * bytes."""
-    beta, alpha = np.polyfit(np.array(sizes, dtype=float), np.array(times), 1)
+    """Least-squares alpha (s) and beta (s/byte) for t = alpha + beta * bytes, on relative error.
+
+    Each residual is weighted by 1/t, so a slow large size (whose absolute noise is largest
+    on a shared machine) does not decide alpha alone.
+    """
+    t = np.array(times, dtype=float)
+    beta, alpha = np.polyfit(np.array(sizes, dtype=float), t, 1, w=1 / t)
     return float(alpha), float(beta)
 
 
@@ -102,7 +107,7 @@ def table(records: list[Record]) -> str:
             row.append(f"{render.ms(alpha + beta * size)} ms")
         bandwidth = f" ({1 / beta / 1e9:.2f} GB/s algorithm bandwidth)" if beta > 0 else " (noise: beta <= 0)"
         fit = (f"\n\nalpha = {alpha * 1e6:.1f} us per all-reduce, beta = {beta * 1e9:.3f} ns/byte{bandwidth}, "
-               "fitted to the flat medians")
+               "fitted to the flat medians (relative error)")
     else:
         fit = "\n\nalpha = (needs two sizes or more)"
     return out + render.markdown(header, rows) + fit
