@@ -7,6 +7,11 @@ The same script runs under every launcher, unedited:
     mpiexec -n 2 python examples/mnist_cnn.py
     python examples/mnist_multiprocess.py 2        # the Ticket + multiprocessing pattern
     python examples/mnist_cnn.py                   # one process
+
+`--loop torch` trains with the PyTorch loop instead of SINGA's train_one_batch: gradient
+accumulation under `sgd.no_sync()` (`--accum K`), `sgd.synchronize()`, clipping
+(`--clip`), `torch.amp.GradScaler` with bf16 autocast (`--amp`), and an LR scheduler
+built on the DistOpt (`--lr-step`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -67,6 +73,12 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (troupe run --checkpoint-dir)")
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--loop", choices=("singa", "torch"), default="singa",
+                   help="singa: model.train_one_batch; torch: backward / synchronize / clip / step")
+    p.add_argument("--accum", type=int, default=1, help="--loop torch: micro-batches per step (no_sync)")
+    p.add_argument("--clip", type=float, default=None, help="--loop torch: clip_grad_norm_ to this")
+    p.add_argument("--amp", action="store_true", help="--loop torch: bf16 autocast and a GradScaler")
+    p.add_argument("--lr-step", type=int, default=None, help="--loop torch: StepLR(step_size=N steps, gamma=0.5)")
     p.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
     return p.parse_args(argv)
 
@@ -78,8 +90,10 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
     torch.manual_seed(args.seed)
     model = CNN()
     sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-5)
-    sgd = troupe.DistOpt(sgd, ticket=ticket, local_rank=local_rank, world_size=world_size)
+    sgd = troupe.DistOpt(sgd, ticket=ticket, local_rank=local_rank, world_size=world_size,
+                         dist_option=args.dist_option, spars=args.spars)
     model.set_optimizer(sgd)
+    torch_loop = TorchLoop(model, sgd, args) if args.loop == "torch" else None
     dev = sgd.device
     model.to(dev)
     main = sgd.global_rank == 0
@@ -138,7 +152,10 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
                 os._exit(17)  # simulate a dying process (tests only)
             sel = idx[b * bs : (b + 1) * bs]
             tx, ty = train_x[sel].to(dev), train_y[sel].to(dev)
-            out, loss = model.train_one_batch(tx, ty, args.dist_option, args.spars)
+            if torch_loop is None:
+                out, loss = model.train_one_batch(tx, ty, args.dist_option, args.spars)
+            else:
+                out, loss = torch_loop.step(tx, ty)
             train_correct += accuracy(out, ty)
             train_loss += loss.item()
             speed.add(bs)
@@ -162,6 +179,39 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
             print(f"Evaluation accuracy = {test_acc:f}, {rate:.0f} samples/s", flush=True)
         history.append({"epoch": epoch, "train_loss": train_loss, "train_acc": train_acc, "eval_acc": test_acc})
     return model, history
+
+
+class TorchLoop:
+    """The PyTorch loop on a DistOpt: micro-batches under no_sync, synchronize, clip, GradScaler, scheduler."""
+
+    def __init__(self, model, sgd, args):
+        self.model, self.sgd, self.args = model, sgd, args
+        self.scaler = torch.amp.GradScaler("cpu", enabled=args.amp)
+        self.sched = torch.optim.lr_scheduler.StepLR(sgd, args.lr_step, gamma=0.5) if args.lr_step else None
+
+    def step(self, x, y):
+        """One optimizer step on batch (x, y), cut into --accum micro-batches; returns (outputs, loss)."""
+        k = self.args.accum
+        outs, total = [], 0.0
+        for i, (mx, my) in enumerate(zip(x.chunk(k), y.chunk(k))):
+            last = i == k - 1
+            with nullcontext() if last else self.sgd.no_sync():  # only the last backward communicates
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.args.amp):
+                    out = self.model(mx)
+                    loss = F.cross_entropy(out.float(), my) * (len(my) / len(y))
+                self.scaler.scale(loss).backward()
+            outs.append(out.detach().float())
+            total += loss.detach()
+        self.sgd.synchronize()  # p.grad: the mean over ranks
+        if self.args.clip is not None:
+            self.scaler.unscale_(self.sgd)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
+        self.scaler.step(self.sgd)
+        self.scaler.update()
+        self.sgd.zero_grad()
+        if self.sched is not None:
+            self.sched.step()
+        return torch.cat(outs), total
 
 
 def main(argv=None):

@@ -31,22 +31,32 @@ def check_ranks(out: Path, world_size: int, launcher: str):
             assert torch.equal(a, b)
 
 
-def test_troupe_run(tmp_path):
-    run([sys.executable, "-m", "troupe.cli", "run", "-n", "2", TINY, str(tmp_path)])
+LOOPS = [[], ["--loop", "fp16"]]
+"""SINGA's sgd(loss), and the PyTorch loop (no_sync, GradScaler, clipping, StepLR) with a dist_option."""
+
+
+@pytest.mark.parametrize("loop", [[]] + [["--loop", o] for o in
+                                         ("plain", "fp16", "bf16", "sparseTopK", "sparseThreshold", "partialUpdate")])
+def test_troupe_run(tmp_path, loop):
+    run([sys.executable, "-m", "troupe.cli", "run", "-n", "2", TINY, str(tmp_path), *loop])
     check_ranks(tmp_path, 2, "troupe")
 
 
-def test_ticket_multiprocessing(tmp_path):
-    run([sys.executable, TINY, str(tmp_path), "--ticket", "3"])
+@pytest.mark.parametrize("loop", LOOPS)
+def test_ticket_multiprocessing(tmp_path, loop):
+    run([sys.executable, TINY, str(tmp_path), "--ticket", "3", *loop])
     check_ranks(tmp_path, 3, "ticket")
 
 
-def test_torchrun(tmp_path):
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", TINY, str(tmp_path)])
+@pytest.mark.parametrize("loop", LOOPS)
+def test_torchrun(tmp_path, loop):
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", TINY, str(tmp_path),
+         *loop])
     check_ranks(tmp_path, 2, "torchrun")
 
 
-def test_mpiexec(tmp_path):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_mpiexec(tmp_path, loop):
     mpiexec = shutil.which("mpiexec")
     try:
         import mpi4py  # noqa: F401
@@ -55,7 +65,7 @@ def test_mpiexec(tmp_path):
     if mpiexec is None:
         pytest.skip("mpiexec/mpi4py not installed (pip install 'troupe[mpi]'); the README's test setup installs them")
     env = {**ENV, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
-    run([mpiexec, "-n", "2", "--oversubscribe", sys.executable, TINY, str(tmp_path)], env=env)
+    run([mpiexec, "-n", "2", "--oversubscribe", sys.executable, TINY, str(tmp_path), *loop], env=env)
     check_ranks(tmp_path, 2, "mpi")
 
 
@@ -64,11 +74,13 @@ def test_single_process(tmp_path):
     check_ranks(tmp_path, 1, "single")
 
 
-def test_mnist_example_reaches_accuracy():
-    """Real MNIST, 2 ranks, one short epoch on 20k images: a real bar, not a smoke test."""
+@pytest.mark.parametrize("loop", [[], ["--loop", "torch", "--accum", "2", "--clip", "5", "--lr-step", "100"]])
+def test_mnist_example_reaches_accuracy(loop):
+    """Real MNIST, 2 ranks, one short epoch on 20k images: a real bar, not a smoke test (SINGA's
+    train_one_batch, and the PyTorch loop with accumulation, clipping and a scheduler)."""
     proc = run(
         [sys.executable, "-m", "troupe.cli", "run", "-n", "2", "--threads", "1", "examples/mnist_cnn.py",
-         "--epochs", "1", "--train-size", "20000", "--quiet"],
+         "--epochs", "1", "--train-size", "20000", "--quiet", *loop],
         timeout=240,
     )
     acc = [float(a) for a in re.findall(r"Evaluation accuracy = ([0-9.]+)", proc.stdout)]

@@ -2,11 +2,14 @@
 
     python tiny_train.py OUT                   # under troupe run, torchrun or mpiexec
     python tiny_train.py OUT --ticket N        # the multiprocessing + Ticket pattern, N ranks
+    python tiny_train.py OUT --loop OPTION     # the PyTorch loop (no_sync accumulation, GradScaler,
+                                               # clipping, StepLR) with DistOpt(dist_option=OPTION)
 """
 
 import multiprocessing
 import os
 import sys
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -15,17 +18,39 @@ from torch import nn
 import troupe
 
 
-def train(out, ticket=None, local_rank=None, world_size=None):
+def torch_loop(model, opt, g, steps=5, accum=2):
+    """The issue's loop: micro-batches under no_sync, synchronize, unscale, clip, scaler.step, StepLR."""
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    scaler = torch.amp.GradScaler("cpu")
+    for _ in range(steps):
+        for i in range(accum):
+            x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+            with nullcontext() if i == accum - 1 else opt.no_sync():
+                scaler.scale(F.cross_entropy(model(x), y) / accum).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        sched.step()
+
+
+def train(out, ticket=None, local_rank=None, world_size=None, option=None):
     torch.set_num_threads(1)
     torch.manual_seed(os.getpid())  # a different init everywhere: DistOpt must broadcast rank 0's
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = troupe.DistOpt(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), ticket=ticket, local_rank=local_rank, world_size=world_size
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), ticket=ticket, local_rank=local_rank,
+        world_size=world_size, dist_option=option or "plain", spars=0.5 if option == "sparseTopK" else None,
     )
     g = torch.Generator().manual_seed(opt.global_rank)
-    for _ in range(5):
-        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
-        opt(F.cross_entropy(model(x), y))
+    if option is not None:
+        torch_loop(model, opt, g)
+    else:
+        for _ in range(5):
+            x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+            opt(F.cross_entropy(model(x), y))
     info = troupe.info()
     torch.save(
         {"params": [p.detach() for p in model.parameters()], "world_size": opt.world_size, "launcher": info.launcher},
@@ -34,12 +59,13 @@ def train(out, ticket=None, local_rank=None, world_size=None):
 
 
 if __name__ == "__main__":
-    out = sys.argv[1]
-    if len(sys.argv) > 2 and sys.argv[2] == "--ticket":
-        ticket, n = troupe.Ticket(), int(sys.argv[3])
+    out, rest = sys.argv[1], sys.argv[2:]
+    option = rest[rest.index("--loop") + 1] if "--loop" in rest else None
+    if "--ticket" in rest:
+        ticket, n = troupe.Ticket(), int(rest[rest.index("--ticket") + 1])
         ctx = multiprocessing.get_context("spawn")
-        procs = [ctx.Process(target=train, args=(out, ticket, r, n)) for r in range(n)]
+        procs = [ctx.Process(target=train, args=(out, ticket, r, n, option)) for r in range(n)]
         for p in procs:
             p.start()
         sys.exit(troupe.wait_all(procs))
-    train(out)
+    train(out, option=option)
