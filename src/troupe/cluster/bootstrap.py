@@ -26,6 +26,7 @@ import os
 import socket
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -39,8 +40,10 @@ from troupe.cluster.spec import TrainingSpec
 from troupe.cluster.ps_client import PSClient
 from troupe.cluster.worker import CoLocated, trainable
 from troupe.runtime import comm as comm_mod
+from troupe.runtime import settings
 from troupe.runtime.comm import Communicator
 from troupe.runtime.launch import DistInfo, init, shutdown
+from troupe.strategies.base import UpdateStrategy
 
 log = logging.getLogger("troupe.cluster.config")
 
@@ -68,7 +71,7 @@ class Job:
 
 
 def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, info: DistInfo, bucket_size: int,
-                    nan_policy: str = "raise"):
+                    nan_policy: str = "raise") -> tuple[DistInfo, UpdateStrategy]:
     """Take this rank's role. A server rank serves and ends the process here; a worker gets
     (its view of the job: rank and world size among the workers, its strategy)."""
     job = join(cluster, info)
@@ -131,7 +134,7 @@ def join(cluster: ClusterConfig, info: DistInfo) -> Job:
                processes_comms, timeout)
 
 
-def exchange(job: Job, describe=None) -> TrainingSpec | None:
+def exchange(job: Job, describe: Callable[[], TrainingSpec] | None = None) -> TrainingSpec:
     """Worker 0's `TrainingSpec` to every rank (JSON, never pickled code); a server checks it can
     build its shard. Every rank learns of any rank's failure here and raises, so none is left waiting.
 
@@ -214,7 +217,7 @@ def serve(job: Job, spec: TrainingSpec) -> ServerStats:
     server = Server(job.world, shard, job.workers, putters, dict(enumerate(job.processes)),
                     fail_on_death=job.cluster.synchronous)
     path = _checkpoint_path(job.role.rank)
-    if path is not None and os.environ.get("TROUPE_RESUME", "no") in ("yes", "auto") and os.path.isfile(path):
+    if path is not None and settings.current().resume in ("yes", "auto") and os.path.isfile(path):
         shard.load_state_dict(torch.load(path, weights_only=True))
         print(f"troupe server rank {job.role.rank}: resumed {len(shard.slices)} slice(s) from {path}",
               file=sys.stderr)
@@ -240,15 +243,12 @@ def _leave() -> None:
 
 def ps_timeout() -> float:
     """Seconds a parameter-server message may wait (``TROUPE_PS_TIMEOUT``)."""
-    value = float(os.environ.get("TROUPE_PS_TIMEOUT", DEFAULT_PS_TIMEOUT))
-    if value <= 0:
-        raise ValueError(f"TROUPE_PS_TIMEOUT must be > 0 seconds, got {value}")
-    return value
+    return settings.current().ps_timeout
 
 
 def _checkpoint_path(rank: int) -> str | None:
     """Where a server keeps its slices and optimizer state (under ``TROUPE_CHECKPOINT_DIR``)."""
-    directory = os.environ.get("TROUPE_CHECKPOINT_DIR")
+    directory = settings.current().checkpoint_dir
     return os.path.join(directory, f"ps-server-{rank}.pt") if directory else None
 
 
