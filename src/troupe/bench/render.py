@@ -100,9 +100,10 @@ def generic_table(records: Sequence[Record]) -> str:
     for (name, metric), rs in group(records, lambda r: (r.contestant, r.metric)).items():
         values = [r.value for r in rs if r.value is not None]
         unit = f" {rs[0].unit}" if rs[0].unit in ("s", "B", "samples/s", "1/s") else ""
+        fmt = (lambda v: f"{v:,.0f}") if rs[0].unit == "B" else (lambda v: f"{v:.6g}")
         if values:
             s = summarize(values)
-            rows.append([name, metric, f"{s.median:.6g}{unit}", f"{s.low:.6g}-{s.high:.6g}", f"{s.n}/{len(rs)}"])
+            rows.append([name, metric, f"{fmt(s.median)}{unit}", f"{fmt(s.low)}-{fmt(s.high)}", f"{s.n}/{len(rs)}"])
         else:
             rows.append([name, metric, "not reached", "-", f"0/{len(rs)}"])
     return markdown(["contestant", "metric", "median", "range (min-max)", "measured/reps"], rows)
