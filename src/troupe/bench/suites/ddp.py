@@ -3,8 +3,8 @@
 Per workload (default: the example's MNIST CNN and ResNet-18 with CIFAR shapes), the
 contestants train separate copies of the same model (same initial weights) on the same
 batches with the same optimizer, taking turns step by step (`engine`): DDP (its
-defaults: bucket_cap_mb 25), troupe at each bucket size of ``--sweep`` (default:
-DistOpt's default), and with ``--local`` / ``--flat`` the model without communication
+defaults: bucket_cap_mb 25), troupe at each bucket size of ``--sweep`` (default 2**19
+elements, passed explicitly so the label says what ran), and with ``--local`` / ``--flat`` the model without communication
 and with one flat all-reduce after backward.
 """
 
