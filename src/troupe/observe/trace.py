@@ -129,11 +129,10 @@ def _rank_path(path: str, rank: int) -> str:
     return f"{root}.rank{rank}{ext}"
 
 
-def start(rank: int) -> Recorder | None:
-    """Start recording if TROUPE_STATS, TROUPE_TIMELINE or TROUPE_TENSORBOARD is set."""
+def start(rank: int, stats: str | None = None, timeline: str | None = None, board: str | None = None) -> Recorder | None:
+    """Start recording when a stats file, a timeline or a TensorBoard directory is given
+    (TROUPE_STATS, TROUPE_TIMELINE, TROUPE_TENSORBOARD: `troupe.init()` passes them)."""
     global _recorder
-    stats, timeline = os.environ.get("TROUPE_STATS"), os.environ.get("TROUPE_TIMELINE")
-    board = os.environ.get("TROUPE_TENSORBOARD")
     if _recorder is None and (stats or timeline or board):
         _recorder = Recorder(rank, stats, timeline, board)
     return _recorder

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from troupe.runtime import comm
+from troupe.runtime import comm, settings
 
 MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -169,5 +169,5 @@ def from_env() -> tuple[Path | None, str]:
     Mode is "no" (start fresh), "yes" (``--resume``: a checkpoint must exist) or
     "auto" (a restart after a failure: resume if a checkpoint exists).
     """
-    directory = os.environ.get("TROUPE_CHECKPOINT_DIR")
-    return (Path(directory) if directory else None), os.environ.get("TROUPE_RESUME", "no")
+    env = settings.current()
+    return env.checkpoint_dir, env.resume

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from troupe.observe import trace
-from troupe.runtime import watchdog
+from troupe.runtime import settings, watchdog
 
 log = logging.getLogger("troupe")
 
@@ -121,9 +121,9 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
-def _seconds(value: float | None, env: str, default: float) -> float:
+def _seconds(value: float | None, from_env: float | None, default: float) -> float:
     if value is None:
-        value = float(os.environ.get(env, default))
+        value = from_env if from_env is not None else default
     if value <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {value}")
     return float(value)
@@ -156,8 +156,9 @@ def init(
         _bump_generation()
         _info = _adopt_existing_group()
         return _info
-    timeout = _seconds(timeout, "TROUPE_TIMEOUT", DEFAULT_TIMEOUT)
-    join_timeout = _seconds(join_timeout, "TROUPE_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT)
+    env = settings.freeze()  # every TROUPE_* variable, read once for this process's life in the job
+    timeout = _seconds(timeout, env.timeout, DEFAULT_TIMEOUT)
+    join_timeout = _seconds(join_timeout, env.join_timeout, DEFAULT_JOIN_TIMEOUT)
     how = _detect(ticket, local_rank, world_size, rank)
     _check_ranks(how.rank, how.local_rank, how.world_size)
     backend = _pick_backend(backend, how.local_rank, how.local_world)
@@ -177,7 +178,7 @@ def init(
             side = _side_store(t.addr, t.port, f"troupe/{t.token}/")
     if side is not None:
         watchdog.start(side, how.rank, how.world_size)
-    trace.start(how.rank)
+    trace.start(how.rank, env.stats, env.timeline, env.tensorboard)
     atexit.register(shutdown)  # leave in order: background threads must not outlive the store
     _bump_generation()
     _info = DistInfo(how.rank, how.local_rank, how.world_size, how.local_world, _device(backend, how.local_rank),
@@ -198,9 +199,9 @@ class _Launch:
 def _detect(ticket: Ticket | str | None, local_rank: int | None, world_size: int | None,
             rank: int | None) -> _Launch:
     """Which launcher started this process, and where it puts this rank."""
-    if ticket is None and os.environ.get("TROUPE_TICKET"):
+    if ticket is None and settings.current().ticket:
         world = _env_int("WORLD_SIZE")
-        return _Launch("troupe", Ticket.decode(os.environ["TROUPE_TICKET"]), _env_int("RANK"),
+        return _Launch("troupe", Ticket.decode(settings.current().ticket), _env_int("RANK"),
                        _env_int("LOCAL_RANK"), world, _env_int("LOCAL_WORLD_SIZE") or world)
     if ticket is not None:
         if local_rank is None or world_size is None:
@@ -237,7 +238,7 @@ def _check_ranks(rank: int, local_rank: int, world_size: int) -> None:
 
 
 def _pick_backend(backend: str | None, local_rank: int, local_world: int) -> str:
-    backend = backend or os.environ.get("TROUPE_BACKEND") or None
+    backend = backend or settings.current().backend
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend is None:
         return "nccl" if gpus >= local_world and dist.is_nccl_available() else "gloo"
@@ -354,10 +355,10 @@ def _mpi_ticket() -> tuple[Ticket, int, int, int, int]:
     local_rank, local_world = node.Get_rank(), node.Get_size()
     ticket = None
     if rank == 0:
-        addr = os.environ.get("TROUPE_MASTER_ADDR") or (
+        addr = settings.current().master_addr or (
             LOOPBACK if local_world == world else socket.gethostbyname(socket.gethostname())
         )
-        ticket = Ticket(addr=addr, port=int(os.environ.get("TROUPE_MASTER_PORT", 0)))
+        ticket = Ticket(addr=addr, port=settings.current().master_port)
     # SINGA broadcasts its NCCL id the same way.
     ticket = comm.bcast(ticket, root=0)
     return ticket, rank, local_rank, world, local_world
@@ -383,6 +384,7 @@ def shutdown() -> None:
     for hook in reversed(hooks):  # e.g. a parameter-server worker telling its servers it is done
         hook()
     watchdog.stop()
+    settings.forget()
     from troupe.runtime import comm
 
     comm.forget_default()

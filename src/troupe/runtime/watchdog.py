@@ -24,6 +24,7 @@ import time
 import traceback
 from contextlib import contextmanager
 
+from troupe.runtime import settings
 import torch.distributed as dist
 
 log = logging.getLogger("troupe")
@@ -33,22 +34,16 @@ class PeerFailure(RuntimeError):
     """A collective failed because another rank died, raised, or stopped responding."""
 
 
-def _env_float(name: str, default: float) -> float:
-    value = float(os.environ.get(name, default))
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-    return value
-
-
 class Watchdog:
     """Heartbeat thread plus the bookkeeping the main thread updates (step, current wait)."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, *, interval: float | None = None,
                  stall_seconds: float | None = None, peer_timeout: float | None = None):
         self.store, self.rank, self.world_size = store, rank, world_size
-        self.interval = interval or _env_float("TROUPE_HEARTBEAT", 1.0)
-        self.stall_seconds = stall_seconds or _env_float("TROUPE_STALL_SECONDS", 30.0)
-        self.peer_timeout = peer_timeout or _env_float("TROUPE_PEER_TIMEOUT", 45.0)
+        env = settings.current()
+        self.interval = interval or env.heartbeat
+        self.stall_seconds = stall_seconds or env.stall_seconds
+        self.peer_timeout = peer_timeout or env.peer_timeout
         self.step = 0
         self.waiting_on: str | None = None
         self.waiting_since = 0.0
@@ -178,7 +173,7 @@ _current: Watchdog | None = None
 def start(store: dist.Store, rank: int, world_size: int) -> Watchdog | None:
     """Start this process's watchdog (no-op for a world of one or with TROUPE_WATCHDOG=0)."""
     global _current
-    if world_size > 1 and os.environ.get("TROUPE_WATCHDOG", "1") != "0":
+    if world_size > 1 and settings.current().watchdog:
         _current = Watchdog(store, rank, world_size)
     return _current
 

@@ -1,0 +1,125 @@
+"""Settings: every ``TROUPE_*`` environment variable, read in one place.
+
+`troupe run` (and users under torchrun or mpiexec) pass options to the ranks through
+the environment. `Settings.from_env()` reads and validates all of them at once; the
+rest of troupe asks `current()` (the settings read when this process joined the job,
+or a fresh read before it has) instead of touching ``os.environ``. The timeouts that
+matter are here together, each with the trade-off it makes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+RESUME_MODES = ("no", "yes", "auto")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """What the environment says to this rank (each field names its variable)."""
+
+    ticket: str | None = None
+    """TROUPE_TICKET: ADDR:PORT:TOKEN, set by `troupe run` for every rank."""
+    token: str | None = None
+    """TROUPE_TOKEN: the job token `troupe run --nnodes > 1` uses when --token is not given."""
+    backend: str | None = None
+    """TROUPE_BACKEND: "gloo" or "nccl" (default: NCCL when every local rank has a GPU)."""
+    master_addr: str | None = None
+    """TROUPE_MASTER_ADDR: where rank 0 listens under mpiexec (default: loopback on one host)."""
+    master_port: int = 0
+    """TROUPE_MASTER_PORT: its port under mpiexec (0: any free port)."""
+    timeout: float | None = None
+    """TROUPE_TIMEOUT: seconds one collective may wait (default 300). Longer rides out slow
+    peers and long evaluations between steps; shorter names a hung peer sooner."""
+    join_timeout: float | None = None
+    """TROUPE_JOIN_TIMEOUT: seconds to wait for every rank to join (default 60)."""
+    heartbeat: float = 1.0
+    """TROUPE_HEARTBEAT: seconds between watchdog heartbeats in the rendezvous store."""
+    stall_seconds: float = 30.0
+    """TROUPE_STALL_SECONDS: a collective waiting this long gets a stall report (who is late)."""
+    peer_timeout: float = 45.0
+    """TROUPE_PEER_TIMEOUT: a peer whose heartbeat is this old is declared hung or unreachable.
+    Longer tolerates long GC pauses and swapping; shorter ends a job with a dead host sooner."""
+    watchdog: bool = True
+    """TROUPE_WATCHDOG: 0 turns the heartbeat thread off."""
+    ps_timeout: float = 7 * 24 * 3600.0
+    """TROUPE_PS_TIMEOUT: seconds a parameter-server message may wait (a dead peer fails at once
+    anyway; a server waits as long as workers train between two messages)."""
+    cluster: str | None = None
+    """TROUPE_CLUSTER: JSON, a framework name or a cluster file (parameter servers)."""
+    stats: str | None = None
+    """TROUPE_STATS: per-step stats as JSON lines, one file per rank."""
+    timeline: str | None = None
+    """TROUPE_TIMELINE: a Chrome trace, merged by `troupe run`."""
+    tensorboard: str | None = None
+    """TROUPE_TENSORBOARD: a TensorBoard run directory per rank."""
+    checkpoint_dir: Path | None = None
+    """TROUPE_CHECKPOINT_DIR: where scripts and servers keep checkpoints."""
+    resume: str = "no"
+    """TROUPE_RESUME: no | yes | auto (resume from the latest complete checkpoint)."""
+    cache: Path = Path.home() / ".cache" / "troupe"
+    """TROUPE_CACHE: where downloaded data sets are kept."""
+    mnist_url: str = "https://storage.googleapis.com/cvdf-datasets/mnist/"
+    """TROUPE_MNIST_URL: where load_mnist downloads from when no offline copy is found."""
+
+    def __post_init__(self) -> None:
+        for name in ("timeout", "join_timeout", "heartbeat", "stall_seconds", "peer_timeout", "ps_timeout"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"TROUPE_{name.upper()} must be > 0 seconds, got {value}")
+        if self.resume not in RESUME_MODES:
+            raise ValueError(f"TROUPE_RESUME must be one of {RESUME_MODES}, got {self.resume!r}")
+        if self.backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"TROUPE_BACKEND must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.master_port < 0:
+            raise ValueError(f"TROUPE_MASTER_PORT must be >= 0, got {self.master_port}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Read every TROUPE_* variable (empty counts as unset); bad values raise ValueError naming the variable."""
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            var = f"TROUPE_{f.name.upper()}"
+            raw = env.get(var, "")
+            if raw == "":
+                continue
+            kind = str(f.type)
+            try:
+                if "float" in kind:
+                    values[f.name] = float(raw)
+                elif "int" in kind:
+                    values[f.name] = int(raw)
+                elif "bool" in kind:
+                    values[f.name] = raw not in ("0", "false", "no", "off")
+                elif "Path" in kind:
+                    values[f.name] = Path(raw)
+                else:
+                    values[f.name] = raw
+            except ValueError:
+                raise ValueError(f"{var}={raw!r} is not a valid {kind.split(' ')[0]}") from None
+        return cls(**values)
+
+
+_read: Settings | None = None
+
+
+def current() -> Settings:
+    """The settings this process joined the job with (read once, at `troupe.init()`), or a fresh read before."""
+    return _read if _read is not None else Settings.from_env()
+
+
+def freeze() -> Settings:
+    """Read the environment once for this process's life in the job (called by `troupe.init()`)."""
+    global _read
+    _read = Settings.from_env()
+    return _read
+
+
+def forget() -> None:
+    """Leave the job: a later init() reads the environment afresh."""
+    global _read
+    _read = None
