@@ -346,6 +346,10 @@ class DistOpt(torch.optim.Optimizer):
         elif registry.DIST_OPTIONS[option] != "backward_and_update":
             raise ValueError(f"dist_option {option!r} is not available under a parameter-server cluster: use 'plain'")
         self.zero_grad()
+        if self._own_reducer and self.reducer is not None:
+            hook = self.strategy.reduce_hook()
+            if hook is not None:  # start the step's agreement now: it overlaps backward
+                self.reducer.open_step(hook, exchange=True)
         try:
             loss.backward()
         except BaseException:

@@ -64,10 +64,10 @@ def test_throughput_benchmark_runs_on_loopback_and_simulated_hosts(tmp_path):
     summary = json.loads(data.read_text())
     assert set(summary) == set(links) and plot.stat().st_size > 1000
     # 2 workers all-reduce the whole CNN once per step, in 2 buckets ([linear*], [conv*]) each
-    # with a used flag per tensor and an active flag: (431080 params + 10 flags) * 4 bytes,
-    # and the step's agreement (12 bytes), sent once on a 2-rank ring
+    # with a used flag per tensor, an active flag and two digest slots: (431080 params + 14 flags)
+    # * 4 bytes, and the step's agreement (12 bytes: SINGA's sgd(loss)), sent once on a 2-rank ring
     for link in links:
-        assert summary[link]["2"]["bytes_per_step"] == pytest.approx((431080 + 10) * 4 + 12)
+        assert summary[link]["2"]["bytes_per_step"] == pytest.approx((431080 + 14) * 4 + 12)
     if "none" in links:
         assert "| none | 2 |" in proc.stdout
     leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -13,9 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-DENSE = 2 * ((431080 + 10) * 4 + 12)
+DENSE = 2 * ((431080 + 14) * 4 + 12)
 """Plain step, both workers: the step's agreement (12 bytes) and the CNN's 2 buckets (431,080 parameters
-+ 10 flags, fp32), sent once on a 2-rank ring."""
++ 14 flags: used, active and two digest slots, fp32), sent once on a 2-rank ring."""
 
 
 def bytes_per_step(tmp_path: Path, net: str, *configs: str) -> tuple[dict[str, dict], str]:

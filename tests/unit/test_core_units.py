@@ -60,7 +60,8 @@ class TestBucket:
         bucket.buffer[2:5] = 7.0  # stale values from an earlier step must be cleared
         assert not bucket.add_grad(c, torch.tensor([3.0]))
         bucket.seal()
-        assert bucket.buffer.tolist() == [1, 2, 0, 0, 0, 3, 1, 0, 1, 1]  # grads, used flags, active
+        # grads, used flags, active, the two digest slots (zero: no digest this step)
+        assert bucket.buffer.tolist() == [1, 2, 0, 0, 0, 3, 1, 0, 1, 1, 0, 0]
         assert bucket.unpack(world_size=1) == 1
         assert a.grad.tolist() == [1, 2] and b.grad is None and c.grad.tolist() == [3]
 
@@ -68,9 +69,22 @@ class TestBucket:
         (a,) = params(2)
         bucket = Bucket(0, [a])
         # As if reduced over 4 ranks of which 2 were active: sum/4 is rescaled to sum/2.
-        bucket.buffer.copy_(torch.tensor([1.0, 3.0, 2.0, 2.0]))
+        bucket.buffer.copy_(torch.tensor([1.0, 3.0, 2.0, 2.0, 0.0, 0.0]))
         assert bucket.unpack(world_size=4) == 2
         assert a.grad.tolist() == [2.0, 6.0]
+
+    def test_digest_rides_in_the_flags_exactly(self):
+        from troupe.sync.agree import flag_digest
+
+        (a,) = params(2)
+        bucket = Bucket(0, [a])
+        d = flag_digest("plain, trainable 1", 1000)
+        assert all(0 <= x < 2**24 // 1000 for x in d) and d != flag_digest("plain, trainable 0", 1000)
+        bucket.reset(d)
+        bucket.add_grad(a, torch.ones(2))
+        bucket.seal()
+        bucket.flags.mul_(1000)  # as if summed over 1000 ranks that agree: exact in float32
+        assert bucket.digest_sums() == [1000 * x for x in d]
 
     def test_second_gradient_in_one_step_is_an_error(self):
         (a,) = params(2)

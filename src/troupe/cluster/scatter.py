@@ -43,6 +43,7 @@ class BucketScatter:
             self.layout[b.index] = (positions, max(len(o) for o in owned) + b.flags.numel())
 
     mean_over_active = True
+    carries_digest = False
 
     def __call__(self, bucket: Bucket) -> Handle:
         positions, length = self.layout[bucket.index]

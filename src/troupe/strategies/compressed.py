@@ -61,6 +61,7 @@ class CompressedReduce:
     min_compress_size: int = 0
     prescale: None = None
     mean_over_active: bool = True
+    carries_digest: bool = False  # a half-precision payload cannot carry the digest exactly
 
     def __call__(self, bucket: Bucket) -> Handle:
         comm, compressor, n = self.comm, self.compressor, self.comm.world_size

@@ -1,13 +1,23 @@
-"""Step agreement: every rank checks, before a step's first gradient collective, that the
-others are taking the same kind of step.
+"""Step agreement: every rank checks that the others are taking the same kind of step.
 
 Ranks that disagree (one calls ``update(loss, "fp16")`` while another calls ``"plain"``;
 different parameters frozen) would otherwise issue collectives of different sizes, which
-Gloo answers by aborting the process with a C++ trace. Here each rank puts a 31-bit
-digest of its step into one tiny all-reduce of a fixed shape (max of ``[d, -d, bad]``),
-so every rank learns in the same collective (12 bytes: three int32) whether all digests were equal (and whether
-any rank saw a non-finite gradient, for strategies whose gradients stay local). On a
-mismatch every rank gathers the descriptions and raises the same readable error.
+Gloo answers by aborting the process with a C++ trace. Two ways, chosen per step by the
+GradReducer:
+
+* in the flags (`flag_digest`): when the step's bucket collectives have the same shape on
+  every rank whatever the step is (the plain mean all-reduce of a DistOpt whose strategy
+  is fixed: the PyTorch loop), two digests of the step ride in every bucket's flags and are
+  summed with them; no extra message.
+* an exchange (`Agreement`): when the kind of step is chosen per call (SINGA's
+  ``update(loss, option)`` and ``backward_and_*`` methods) or the hook cannot carry the
+  digest exactly (compressed payloads), one tiny all-reduce of a fixed shape (max of
+  ``[d, -d, bad]``, 12 bytes) goes first, started before backward and checked before the
+  first bucket leaves; it also tells whether any rank saw a non-finite gradient, for
+  strategies whose gradients stay local.
+
+Either way every rank reaches the same verdict, and on a mismatch every rank gathers the
+descriptions and raises the same readable `StepMismatchError`.
 """
 
 from __future__ import annotations
@@ -26,6 +36,30 @@ PAYLOAD_BYTES = 12
 
 class StepMismatchError(RuntimeError):
     """Ranks disagreed about what this step is."""
+
+
+def flag_digest(description: str, world_size: int) -> tuple[int, int]:
+    """Two independent digests small enough that their sum over `world_size` ranks is exact in
+    float32 (2**24): they ride in every bucket's flags when the step's collectives have the same
+    shape on every rank whatever they describe (the plain mean all-reduce of a fixed strategy).
+    Every rank compares the sums with its own digest times the world size; ranks that differ
+    fail that test on every rank except with probability about 2**-40."""
+    bound = max(2, 2**24 // world_size)
+    raw = description.encode()
+    return zlib.crc32(raw) % bound, zlib.adler32(raw) % bound
+
+
+def raise_mismatch(comm: Communicator, description: str) -> None:
+    """Every rank calls this on the same verdict: gather the descriptions, raise one readable error."""
+    everyone = comm.all_gather_object(description)
+    groups: dict[str, list[int]] = {}
+    for rank, text in enumerate(everyone):
+        groups.setdefault(text, []).append(rank)
+    detail = "; ".join(f"ranks {ranks}: {text}" for text, ranks in groups.items())
+    raise StepMismatchError(
+        f"rank {comm.rank}: ranks disagree about this step ({detail}); every rank must take "
+        "the same dist_option with the same parameters trainable"
+    )
 
 
 def digest(description: str) -> int:
@@ -56,13 +90,5 @@ class Agreement:
         self.handle.wait()
         high, neg_low, bad = (int(v) for v in self.buffer.tolist())
         if high != -neg_low:
-            everyone = self.comm.all_gather_object(self.description)
-            groups: dict[str, list[int]] = {}
-            for rank, text in enumerate(everyone):
-                groups.setdefault(text, []).append(rank)
-            detail = "; ".join(f"ranks {ranks}: {text}" for text, ranks in groups.items())
-            raise StepMismatchError(
-                f"rank {self.comm.rank}: ranks disagree about this step ({detail}); every rank must take "
-                "the same dist_option with the same parameters trainable"
-            )
+            raise_mismatch(self.comm, self.description)
         return bool(bad)

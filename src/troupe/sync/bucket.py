@@ -1,10 +1,11 @@
 """Gradient buckets: a fixed, rank-independent layout of parameters into flat buffers.
 
 A bucket's buffer holds its parameters' gradients back to back, followed by one
-"used" flag per parameter and one "active" flag for the rank. Summing the flags across
-ranks tells every rank, in the same collective and without another message, which
-parameters got no gradient on any rank this step (they keep ``grad = None``, as in a
-single process) and how many ranks still had data (see `DistOpt.join`).
+"used" flag per parameter, one "active" flag for the rank and two digest slots. Summing
+the flags across ranks tells every rank, in the same collective and without another
+message, which parameters got no gradient on any rank this step (they keep ``grad =
+None``, as in a single process), how many ranks still had data (see `DistOpt.join`), and
+whether every rank described its step alike (`troupe.sync.agree`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from torch import Tensor
 
 DEFAULT_BUCKET_SIZE = 2**19
 """Elements per bucket (2 MiB of fp32); see docs/benchmarks.md for the measurement."""
+DIGEST_SLOTS = 2
+"""Flag slots for the step digest (`troupe.sync.agree.flag_digest`)."""
 FIRST_BUCKET_SIZE = 2**18
 """Cap of the first bucket (1 MiB of fp32), so the last layers' gradients go out early."""
 
@@ -61,7 +64,7 @@ class Bucket:
         self.offsets = [sum(self.numels[:k]) for k in range(len(self.params))]
         self.numel = sum(self.numels)
         p0 = self.params[0]
-        self.buffer = torch.zeros(self.numel + len(self.params) + 1, dtype=p0.dtype, device=p0.device)
+        self.buffer = torch.zeros(self.numel + len(self.params) + 1 + DIGEST_SLOTS, dtype=p0.dtype, device=p0.device)
         self.slot = {id(p): k for k, p in enumerate(self.params)}
         self.label = f"gradient bucket {index + 1} ({len(self.params)} tensors, {self.numel} elements)"
         self.reset()
@@ -79,7 +82,8 @@ class Bucket:
         """
         return self.buffer[self.numel :]
 
-    def reset(self) -> None:
+    def reset(self, digest: tuple[int, ...] = (0,) * 2) -> None:
+        self.digest = digest
         self.used = [False] * len(self.params)
         self.pending = len(self.params)
         self.active = True
@@ -108,7 +112,11 @@ class Bucket:
         for k, used in enumerate(self.used):
             if not used:
                 self.view(k).zero_()
-        self.flags.copy_(torch.tensor([*self.used, self.active], dtype=self.buffer.dtype))
+        self.flags.copy_(torch.tensor([*self.used, self.active, *self.digest], dtype=self.buffer.dtype))
+
+    def digest_sums(self) -> list[int]:
+        """After the reduction: the sum over ranks of each digest slot."""
+        return [int(v) for v in self.flags[-DIGEST_SLOTS:].tolist()]
 
     def unpack(self, world_size: int | None) -> int:
         """Hand the reduced gradients back to the parameters (as views of the buffer); return the active ranks.
@@ -117,7 +125,7 @@ class Bucket:
         had run out of data and joined with zeros), the mean is over the active ones. A
         parameter that no rank produced a gradient for keeps ``grad = None``.
         """
-        *counts, active = self.flags.tolist()
+        *counts, active = self.flags[:-DIGEST_SLOTS].tolist()
         if world_size is not None and 0 < active < world_size:
             self.data.mul_(world_size / active)
         for k, p in enumerate(self.params):

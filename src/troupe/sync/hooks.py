@@ -20,6 +20,9 @@ class ReduceHook(Protocol):
 
     prescale: float | None
     """Gradients enter the bucket multiplied by this (None: as they are)."""
+    carries_digest: bool
+    """Does the bucket's collective have the same shape on every rank whatever the step is, and
+    sum the flags exactly? Then the step's agreement rides in the flags (no extra collective)."""
     mean_over_active: bool
     """Rescale to the mean over the ranks still with data (`DistOpt.join`); off for hooks that
     send buckets elsewhere instead of reducing them (the parameter-server client)."""
@@ -34,6 +37,7 @@ class MeanAllReduce:
 
     comm: Communicator
     mean_over_active: bool = True
+    carries_digest: bool = True
 
     @property
     def prescale(self) -> float:
@@ -51,6 +55,7 @@ class SendBuckets:
     send: object
     prescale: None = None
     mean_over_active: bool = False
+    carries_digest: bool = False
 
     def __call__(self, bucket: Bucket) -> Handle:
         return self.send(bucket)  # type: ignore[operator]

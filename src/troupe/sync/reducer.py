@@ -24,7 +24,7 @@ from torch import Tensor
 from troupe.observe import trace
 from troupe.runtime import watchdog
 from troupe.runtime.comm import Communicator, Handle
-from troupe.sync.agree import Agreement
+from troupe.sync.agree import Agreement, flag_digest, raise_mismatch
 from troupe.sync.bucket import FIRST_BUCKET_SIZE, Bucket, plan_buckets
 from troupe.sync.hooks import MeanAllReduce, ReduceHook
 
@@ -63,43 +63,60 @@ class GradReducer:
         self.enabled = True
         """False: backward leaves gradients local (no_sync, or a strategy that reduces otherwise)."""
         self.last_hook: ReduceHook = default
+        self.last_exchange = False
         self._override: ReduceHook | None = None
         self._finished = 0
         self.in_step = False
+        self._callback_queued = False
         self.last_active = comm.world_size
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     # --- one step ------------------------------------------------------------------------
 
-    def _open(self, hook: ReduceHook | None = None) -> None:
-        """Open a step: empty buckets, pick the hook, start the agreement check."""
-        for b in self.buckets:
-            b.reset()
+    def open_step(self, hook: ReduceHook | None = None, *, exchange: bool = False) -> None:
+        """Open a step before backward (SINGA's methods do, so the agreement overlaps backward).
+
+        `exchange` forces the agreement collective even where the hook could carry the digest in
+        its flags: a step whose kind is chosen per call (``update(loss, option)``) may differ
+        in shape from another rank's.
+        """
+        self._open(hook, exchange=exchange)
+
+    def _open(self, hook: ReduceHook | None = None, *, exchange: bool = False) -> None:
+        """Open a step: pick the hook, start the agreement (its collective, or a digest in the flags)."""
         self._hook = hook or self.hook_for_step()
-        self.last_hook = self._hook
+        self.last_hook, self.last_exchange = self._hook, exchange
         self._scale = self._hook.prescale
         self._ready = [False] * len(self.buckets)
         self._next = 0
         self._handles: list[Handle] = []
         trainable = "".join("1" if p.requires_grad else "0" for p in self.params)
-        self._agreement: Agreement | None = (
-            Agreement.start(self.comm, f"{self.describe_step()}, trainable {trainable}", before=self.buckets[0].label)
-            if self.agreement and self.buckets else None
-        )
+        self._description = f"{self.describe_step()}, trainable {trainable}"
+        self._agreement: Agreement | None = None
+        self._digest: tuple[int, int] | None = None
+        if self.agreement and self.buckets:
+            if self._hook.carries_digest and not exchange:
+                self._digest = flag_digest(self._description, self.comm.world_size)
+            else:
+                self._agreement = Agreement.start(self.comm, self._description, before=self.buckets[0].label)
+        for b in self.buckets:
+            b.reset(self._digest or (0, 0))
         self.in_step = True
 
     def _on_grad(self, param: Tensor) -> None:
         if not self.enabled:
             return
-        if not self.in_step:
-            hook = self._override or self.hook_for_step()
-            if hook is None:  # this step's strategy keeps gradients local
-                return
+        if not self._callback_queued:  # the first gradient of this backward
+            if not self.in_step:
+                hook = self._override or self.hook_for_step()
+                if hook is None:  # this step's strategy keeps gradients local
+                    return
+                self._open(hook)
             rec = trace._recorder
             if rec is not None:
                 rec.mark("backward")
-            self._open(hook)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
         self._add(param)
         self._launch_ready()
 
@@ -146,10 +163,14 @@ class GradReducer:
             for bucket, handle in zip(self.buckets, self._handles):
                 with watchdog.waiting(bucket.label):
                     handle.wait()
+            if self._digest is not None and any(
+                    s != self.comm.world_size * d for b in self.buckets for s, d in zip(b.digest_sums(), self._digest)):
+                raise_mismatch(self.comm, self._description)  # the same verdict on every rank
             world = self.comm.world_size if self._hook.mean_over_active else None
             self.last_active = min((bucket.unpack(world) for bucket in self.buckets), default=self.comm.world_size)
         finally:
             self.in_step = False
+            self._callback_queued = False
         self._finished += 1
         rec = trace._recorder
         if rec is not None:
@@ -174,14 +195,15 @@ class GradReducer:
 
     def reduce_now(self, hook: ReduceHook | None = None) -> int:
         """Reduce what ``p.grad`` holds now, without a backward; return the active ranks."""
-        self._open(hook)
+        if not self.in_step:  # a step opened ahead of a backward that produced no gradient stays
+            self._open(hook)
         return self.finish()
 
     def shadow(self) -> int:
         """Join the other ranks' step with zero gradients, marked inactive; return how many were active."""
         for p in self.params:
             p.grad = None
-        self._open(self.last_hook)
+        self._open(self.last_hook, exchange=self.last_exchange)
         for bucket in self.buckets:
             bucket.active = False
         return self.finish()
@@ -196,6 +218,7 @@ class GradReducer:
     def abort(self) -> None:
         """Forget a step whose backward failed."""
         self.in_step = False
+        self._callback_queued = False
 
     def remove(self) -> None:
         """Detach the hooks from the parameters."""
