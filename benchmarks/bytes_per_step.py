@@ -5,9 +5,10 @@
 Each configuration trains the example's MNIST CNN (examples/mnist_cnn.py: its model, its
 `train_one_batch(x, y, dist_option, spars)`, its SGD settings, batch 64 per worker of real
 MNIST) with 2 workers, twice: for `--steps A B` steps. Every process reports the bytes all
-of its Communicators counted, a worker at exit and a server as it leaves DistOpt
-(`troupe.runtime.comm.process_traffic()`: payload = bytes handed to collectives and sent messages,
-wire = what the textbook algorithm sends). With network namespaces (benchmarks/netns.py;
+of its Communicators counted (`troupe.runtime.comm.process_traffic()`: payload = bytes handed to
+collectives and sent messages, wire = what the textbook algorithm sends): a worker at exit, on
+stdout; a server, which `troupe run` starts as `python -m troupe.cluster.bootstrap` (it never runs
+this script), in the `troupe server rank R: traffic {...}` line it writes to stderr as it leaves. With network namespaces (benchmarks/netns.py;
 needs root) every process runs on a simulated host of its own, launched with
 `troupe run --nnodes P --node-rank i --master ...`, and each host's veth transmit counter
 is read before and after. Per step = (run B - run A) / (B - A): start-up, rendezvous, the
@@ -25,6 +26,7 @@ import argparse
 import atexit
 import json
 import os
+import re
 import secrets
 import statistics
 import subprocess
@@ -48,6 +50,9 @@ FRAMEWORKS: dict[str, tuple[list[str], int]] = {
 """Parameter-server frameworks through `troupe run` (plain updates; servers' sends counted too)."""
 
 MARK = "BYTES "
+SERVER_TRAFFIC = re.compile(r"^troupe server rank (\d+): traffic (\{.*\})$")
+"""The line a server rank writes to stderr as it leaves (troupe.cluster.bootstrap.hand_over):
+what it sent, by operation, as [payload bytes, wire bytes]."""
 WORKERS = 2
 """Workers in every configuration (a step is one update by each)."""
 
@@ -56,16 +61,20 @@ WORKERS = 2
 # --- the training script every process runs ---------------------------------------------------
 
 
+def _summary(rank: int, role: str, ops: dict[str, list[int]]) -> dict:
+    """A process's report from its counters by operation ([payload bytes, wire bytes] each)."""
+    # a message's bytes are counted once, by its sender (a receive buffer is no payload sent)
+    payload = sum(p for op, (p, _) in ops.items() if op != "recv")
+    wire = sum(w for _, w in ops.values())
+    return {"rank": rank, "role": role, "payload": payload, "wire": wire, "ops": dict(sorted(ops.items()))}
+
+
 def _report(role: str) -> None:
-    """Print this process's counters: a worker's after its steps, a server's when it leaves DistOpt."""
+    """Print this process's counters (a worker's, after its steps and troupe's shutdown hooks)."""
     from troupe.runtime import comm
 
-    ops = comm.process_traffic()
-    # a message's bytes are counted once, by its sender (a receive buffer is no payload sent)
-    payload = sum(t.payload_bytes for op, t in ops.items() if op != "recv")
-    wire = sum(t.wire_bytes for t in ops.values())
-    line = json.dumps({"rank": int(os.environ.get("RANK", 0)), "role": role, "payload": payload, "wire": wire,
-                       "ops": {op: [t.payload_bytes, t.wire_bytes] for op, t in sorted(ops.items())}})
+    ops = {op: [t.payload_bytes, t.wire_bytes] for op, t in comm.process_traffic().items()}
+    line = json.dumps(_summary(int(os.environ.get("RANK", 0)), role, ops))
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), (MARK + line + "\n").encode())  # one write: the job's ranks share the pipe
 
@@ -83,15 +92,12 @@ def worker(args: argparse.Namespace) -> None:
     model = CNN()
     sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-5)  # the example's
     # A worker reports at exit, after troupe's shutdown hooks (registered later, so run earlier)
-    # have sent what they send (a Hogwild sync still in flight, a PS worker's stop). A server
-    # serves inside DistOpt and leaves without running exit hooks: it reports on its way out.
-    role = {"now": "server"}
-    atexit.register(lambda: role["now"] == "worker" and _report("worker"))
-    try:
-        sgd = troupe.DistOpt(sgd)
-    except SystemExit:
-        _report("server")
-        raise
+    # have sent what they send (a Hogwild sync still in flight, a PS worker's stop). Server ranks
+    # never get here: troupe run starts them as `python -m troupe.cluster.bootstrap`, and they
+    # report on stderr (SERVER_TRAFFIC).
+    done = {"steps": False}
+    atexit.register(lambda: done["steps"] and _report("worker"))
+    sgd = troupe.DistOpt(sgd)
     model.set_optimizer(sgd)
     if args.data == "mnist":
         x, y, _, _ = troupe.data.load_mnist()
@@ -102,7 +108,7 @@ def worker(args: argparse.Namespace) -> None:
     for step in range(args.worker_steps):
         i = step % (len(x) // bs)
         model.train_one_batch(x[i * bs : (i + 1) * bs], y[i * bs : (i + 1) * bs], args.option, args.spars)
-    role["now"] = "worker"  # a worker that failed before its last step does not report
+    done["steps"] = True  # a worker that failed before its last step does not report
 
 
 # --- the driver ---------------------------------------------------------------------------------
@@ -114,8 +120,14 @@ def _worker_args(args: argparse.Namespace, option: str, steps: int) -> list[str]
             "--data", args.data, *(["--spars", str(spars)] if spars is not None else [])]
 
 
-def _reports(out: str) -> list[dict]:
-    return [json.loads(line[len(MARK):]) for line in out.splitlines() if line.startswith(MARK)]
+def _reports(out: str, err: str) -> list[dict]:
+    """The workers' reports (stdout) and the servers' (their traffic lines on stderr)."""
+    reports = [json.loads(line[len(MARK):]) for line in out.splitlines() if line.startswith(MARK)]
+    for line in err.splitlines():
+        m = SERVER_TRAFFIC.match(line)
+        if m:
+            reports.append(_summary(int(m.group(1)), "server", json.loads(m.group(2))))
+    return reports
 
 
 def _totals(reports: list[dict], nprocs: int, failed: bool, stderr: str) -> dict[str, float]:
@@ -134,7 +146,7 @@ def _totals(reports: list[dict], nprocs: int, failed: bool, stderr: str) -> dict
 def run_loopback(flags: list[str], nprocs: int, script: list[str], timeout: float) -> dict[str, float]:
     cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(nprocs), "--threads", "1", *flags, *script]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    return _totals(_reports(proc.stdout), nprocs, proc.returncode != 0, proc.stderr)
+    return _totals(_reports(proc.stdout, proc.stderr), nprocs, proc.returncode != 0, proc.stderr)
 
 
 def run_hosts(flags: list[str], nprocs: int, script: list[str], timeout: float) -> dict[str, float]:
@@ -158,7 +170,7 @@ def run_hosts(flags: list[str], nprocs: int, script: list[str], timeout: float) 
                     p.wait()
         veth = sum(hosts.tx_bytes(i) - before[i] for i in range(nprocs))
         retransmits = sum(_retransmitted_segments(hosts.names[i]) for i in range(nprocs))
-    reports = [r for out, _ in outs for r in _reports(out)]
+    reports = [r for out, err in outs for r in _reports(out, err)]
     stderr = "\n".join(err[-1500:] for _, err in outs)
     return {**_totals(reports, nprocs, any(p.returncode for p in procs), stderr), "veth": veth,
             "retransmits": retransmits}
