@@ -44,6 +44,7 @@ class BucketScatter:
 
     mean_over_active = True
     carries_digest = False
+    coalesce = False
 
     def __call__(self, bucket: Bucket) -> Handle:
         positions, length = self.layout[bucket.index]

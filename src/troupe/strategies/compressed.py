@@ -62,6 +62,7 @@ class CompressedReduce:
     prescale: None = None
     mean_over_active: bool = True
     carries_digest: bool = False  # a half-precision payload cannot carry the digest exactly
+    coalesce: bool = False  # compresses bucket by bucket
 
     def __call__(self, bucket: Bucket) -> Handle:
         comm, compressor, n = self.comm, self.compressor, self.comm.world_size

@@ -54,17 +54,58 @@ def plan_buckets(params: Sequence[Tensor], bucket_size: int, first_bucket_size: 
     return buckets
 
 
+def buffer_size(params: Sequence[Tensor]) -> int:
+    """Elements of a bucket's buffer: the gradients, a used flag each, the active flag, the digest slots."""
+    return sum(p.numel() for p in params) + len(params) + 1 + DIGEST_SLOTS
+
+
+def allocate(plan: Sequence[Sequence[Tensor]]) -> list[Bucket]:
+    """The buckets of a plan, their buffers slices of one contiguous storage per dtype and device
+    in bucket order, so buckets that are ready together can be reduced as one `Span`."""
+    sizes: dict[tuple, int] = {}
+    for params in plan:
+        key = (params[0].dtype, params[0].device)
+        sizes[key] = sizes.get(key, 0) + buffer_size(params)
+    storage = {key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
+    offset = dict.fromkeys(sizes, 0)
+    buckets = []
+    for i, params in enumerate(plan):
+        key, n = (params[0].dtype, params[0].device), buffer_size(params)
+        buckets.append(Bucket(i, params, storage[key][offset[key] : offset[key] + n]))
+        offset[key] += n
+    return buckets
+
+
+class Span:
+    """Consecutive buckets whose buffers are adjacent, reduced by one collective (a reduce hook
+    that `coalesce`s reads only `buffer` and `label`)."""
+
+    def __init__(self, buckets: Sequence[Bucket]):
+        self.buckets = list(buckets)
+        first, last = self.buckets[0], self.buckets[-1]
+        start = first.buffer.storage_offset()
+        stop = last.buffer.storage_offset() + last.buffer.numel()
+        self.buffer = first.buffer.as_strided((stop - start,), (1,), start)
+        self.index = first.index
+        self.label = (first.label if len(self.buckets) == 1 else
+                      f"gradient bucket {first.index + 1} to {last.index + 1} (reduced as one)")
+
+
 class Bucket:
     """One bucket's flat buffer and its per-step state."""
 
-    def __init__(self, index: int, params: Sequence[Tensor]):
+    def __init__(self, index: int, params: Sequence[Tensor], buffer: Tensor | None = None):
         self.index = index
         self.params = list(params)
         self.numels = [p.numel() for p in self.params]
         self.offsets = [sum(self.numels[:k]) for k in range(len(self.params))]
         self.numel = sum(self.numels)
         p0 = self.params[0]
-        self.buffer = torch.zeros(self.numel + len(self.params) + 1 + DIGEST_SLOTS, dtype=p0.dtype, device=p0.device)
+        size = buffer_size(self.params)
+        self.buffer = torch.zeros(size, dtype=p0.dtype, device=p0.device) if buffer is None else buffer
+        if self.buffer.numel() != size:
+            raise ValueError(f"bucket {index} needs a buffer of {size} elements, got {self.buffer.numel()}")
+        self._views = [self.buffer[o : o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, self.params)]
         self.slot = {id(p): k for k, p in enumerate(self.params)}
         self.label = f"gradient bucket {index + 1} ({len(self.params)} tensors, {self.numel} elements)"
         self.reset()
@@ -89,7 +130,13 @@ class Bucket:
         self.active = True
 
     def view(self, k: int) -> Tensor:
-        return self.data[self.offsets[k] : self.offsets[k] + self.numels[k]].view_as(self.params[k])
+        return self._views[k]
+
+    def precedes(self, other: Bucket) -> bool:
+        """Does `other`'s buffer start where this one's ends (so both can travel as one span)?"""
+        b, o = self.buffer, other.buffer
+        return (b.dtype == o.dtype and b.device == o.device
+                and o.data_ptr() == b.data_ptr() + b.numel() * b.element_size())
 
     def add_grad(self, param: Tensor, grad: Tensor, scale: float | None = None) -> bool:
         """Copy one gradient in (times `scale`, if given); True when every parameter has arrived."""

@@ -20,6 +20,8 @@ class ReduceHook(Protocol):
 
     prescale: float | None
     """Gradients enter the bucket multiplied by this (None: as they are)."""
+    coalesce: bool
+    """May buckets that are ready together go as one `Span` (one collective over their buffers)?"""
     carries_digest: bool
     """Does the bucket's collective have the same shape on every rank whatever the step is, and
     sum the flags exactly? Then the step's agreement rides in the flags (no extra collective)."""
@@ -38,6 +40,7 @@ class MeanAllReduce:
     comm: Communicator
     mean_over_active: bool = True
     carries_digest: bool = True
+    coalesce: bool = True
 
     @property
     def prescale(self) -> float:
@@ -56,6 +59,7 @@ class SendBuckets:
     prescale: None = None
     mean_over_active: bool = False
     carries_digest: bool = False
+    coalesce: bool = False
 
     def __call__(self, bucket: Bucket) -> Handle:
         return self.send(bucket)  # type: ignore[operator]

@@ -25,7 +25,7 @@ from troupe.observe import trace
 from troupe.runtime import watchdog
 from troupe.runtime.comm import Communicator, Handle
 from troupe.sync.agree import Agreement, flag_digest, raise_mismatch
-from troupe.sync.bucket import FIRST_BUCKET_SIZE, Bucket, plan_buckets
+from troupe.sync.bucket import FIRST_BUCKET_SIZE, Bucket, Span, allocate, plan_buckets
 from troupe.sync.hooks import MeanAllReduce, ReduceHook
 
 ReduceFn = ReduceHook  # the earlier name
@@ -51,7 +51,7 @@ class GradReducer:
         self.comm = comm
         self.params = [p for p in params if p.requires_grad]
         plan = plan_buckets(self.params, bucket_size, first_bucket_size)
-        self.buckets = [Bucket(i, [self.params[j] for j in members]) for i, members in enumerate(plan)]
+        self.buckets = allocate([[self.params[j] for j in members] for members in plan])
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         default = MeanAllReduce(comm)
         self.hook_for_step = hook_for_step or (lambda: default)
@@ -89,7 +89,7 @@ class GradReducer:
         self._scale = self._hook.prescale
         self._ready = [False] * len(self.buckets)
         self._next = 0
-        self._handles: list[Handle] = []
+        self._handles: list[tuple[list[Bucket], Handle]] = []
         trainable = "".join("1" if p.requires_grad else "0" for p in self.params)
         self._description = f"{self.describe_step()}, trainable {trainable}"
         self._agreement: Agreement | None = None
@@ -136,10 +136,15 @@ class GradReducer:
                 except BaseException:
                     self.in_step = False
                     raise
-            bucket = self.buckets[self._next]
-            bucket.seal()
-            self._handles.append(self._hook(bucket))
-            self._next += 1
+            run = [self.buckets[self._next]]
+            # Buckets ready together (at the end of backward, or without one) go as one collective.
+            while (self._hook.coalesce and self._next + len(run) < len(self.buckets)
+                   and self._ready[self._next + len(run)] and run[-1].precedes(self.buckets[self._next + len(run)])):
+                run.append(self.buckets[self._next + len(run)])
+            for bucket in run:
+                bucket.seal()
+            self._handles.append((run, self._hook(run[0] if len(run) == 1 else Span(run))))
+            self._next += len(run)
 
     def _end_of_backward(self) -> None:
         rec = trace._recorder
@@ -160,8 +165,8 @@ class GradReducer:
                         self._add(p)
             self._ready = [True] * len(self.buckets)
             self._launch_ready()
-            for bucket, handle in zip(self.buckets, self._handles):
-                with watchdog.waiting(bucket.label):
+            for run, handle in self._handles:
+                with watchdog.waiting(run[0].label if len(run) == 1 else Span(run).label):
                     handle.wait()
             if self._digest is not None and any(
                     s != self.comm.world_size * d for b in self.buckets for s, d in zip(b.digest_sums(), self._digest)):
