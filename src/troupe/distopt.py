@@ -22,6 +22,7 @@ from troupe.strategies.base import UpdateStrategy
 from troupe.strategies.compressed import CompressionConfig
 from troupe.sync.bucket import DEFAULT_BUCKET_SIZE, FIRST_BUCKET_SIZE
 from troupe.sync.reducer import GradReducer
+from troupe.util import check_int, pack, unpack_into
 
 DIST_OPTIONS = registry.DIST_OPTIONS
 
@@ -61,9 +62,8 @@ class DistOpt(torch.optim.Optimizer):
     ):
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DistOpt):
             raise TypeError(f"DistOpt wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        for name, size in (("bucket_size", bucket_size), ("first_bucket_size", first_bucket_size)):
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"{name} must be a positive number of elements, got {size!r}")
+        check_int("bucket_size", bucket_size)
+        check_int("first_bucket_size", first_bucket_size)
         if nan_policy not in NAN_POLICIES:
             raise ValueError(f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}")
         if compression is not None and not isinstance(compression, CompressionConfig):
@@ -456,10 +456,6 @@ class DistOpt(torch.optim.Optimizer):
         for t in tensors:
             groups.setdefault((t.dtype, t.device), []).append(t)
         for key in sorted(groups, key=str):
-            members = groups[key]
-            flat = torch.cat([t.detach().reshape(-1) for t in members])
+            flat = pack(groups[key])
             self.communicator.broadcast(flat, src=0)
-            offset = 0
-            for t in members:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            unpack_into(flat, groups[key])

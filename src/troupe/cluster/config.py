@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from troupe.runtime import settings
+from troupe.util import check_int
 
 ENV_VAR = "TROUPE_CLUSTER"
 """Environment variable through which `troupe run` hands the cluster (JSON) to every rank."""
@@ -82,8 +83,8 @@ class ClusterConfig:
             elif f.type == "int | None":
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                     raise ValueError(f"{f.name} must be an integer >= 0 or unset, got {value!r}")
-            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{f.name} must be an integer >= 1, got {value!r}")
+            else:
+                check_int(f.name, value)
         if self.nworker_groups % self.nserver_groups:
             raise ValueError(
                 f"nworker_groups ({self.nworker_groups}) must be divisible by nserver_groups "

@@ -21,6 +21,7 @@ from torch import Tensor
 from troupe.runtime import launch as _launch
 from troupe.observe import trace
 from troupe.runtime import watchdog
+from troupe.util import pack, unpack_into
 
 Op = Literal["sum", "mean", "max", "min"]
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -180,15 +181,12 @@ class Communicator:
         """All-reduce several tensors of one dtype as one flat buffer, results copied back in place."""
         if not tensors:
             return Handle(None) if async_op else None
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+        flat = pack(tensors)
         inner = self.all_reduce(flat, op, async_op=True)
 
         def unpack() -> None:
             inner.wait()
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            unpack_into(flat, tensors)
 
         handle = Handle(None, unpack)
         return _complete(handle, async_op, None)
@@ -395,6 +393,8 @@ class _Outside:
 def set_default(communicator: Communicator) -> None:
     """Make `communicator` what `default()` returns (a worker's group under a parameter-server cluster)."""
     global _default
+    if _default is None:
+        _launch.on_shutdown(forget_default)
     _default = communicator
 
 
@@ -409,11 +409,8 @@ def forget_default() -> None:
 
 def default() -> Communicator:
     """The communicator over the whole job, created on first use (joins the job if needed)."""
-    global _default
-    from troupe.runtime.launch import init
-
-    init()
+    _launch.init()
     # A new world (after troupe.shutdown() and init()) needs a new communicator.
     if _default is None or _default.generation != _launch.generation:
-        _default = Communicator()
+        set_default(Communicator())
     return _default

@@ -385,9 +385,6 @@ def shutdown() -> None:
         hook()
     watchdog.stop()
     settings.forget()
-    from troupe.runtime import comm
-
-    comm.forget_default()
     if dist.is_initialized():
         dist.destroy_process_group()
     # Collect now what still references the groups' work objects: their last references must not

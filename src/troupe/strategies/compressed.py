@@ -17,6 +17,7 @@ from torch import Tensor
 from troupe.compress import Compressor
 from troupe.runtime.comm import Communicator, Handle
 from troupe.sync.bucket import Bucket
+from troupe.util import check_int
 
 DEFAULT_CHUNK_SIZE = 2**17
 """Elements averaged per partial-update step (the MNIST CNN's 431k parameters make 4 chunks)."""
@@ -37,9 +38,7 @@ class CompressionConfig:
 
     def __post_init__(self) -> None:
         for name in ("warmup_steps", "min_compress_size", "chunk_size", "full_sync_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+            check_int(name, getattr(self, name), minimum=0)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from troupe.strategies.allreduce import dense_bytes
 from troupe.sync.agree import Agreement
 from troupe.sync.hooks import MeanAllReduce, ReduceHook
 from troupe.sync.reducer import GradReducer
+from troupe.util import check_int
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,7 @@ def plan_chunks(params: Sequence[Tensor], chunk_size: int) -> list[list[Piece]]:
     Parameters of different dtype or device never share a chunk. The plan depends only
     on shapes and dtypes, so it is the same on every rank.
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of elements, got {chunk_size!r}")
+    check_int("chunk_size", chunk_size)
     groups: dict[str, list[int]] = {}
     for i in reversed(range(len(params))):
         groups.setdefault(f"{params[i].dtype}/{params[i].device}", []).append(i)

@@ -46,8 +46,10 @@ def train(mode, ticket=None, local_rank=None, world_size=None):
         opt(F.cross_entropy(model(x), y))
         time.sleep(0.05)
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-    print(f"rank {rank} finished: steps={opt.step_count} skipped={opt.skipped_steps} finite={finite} "
-          f"checksum={sum(float(p.sum()) for p in model.parameters()):.6f}", flush=True)
+    line = (f"rank {rank} finished: steps={opt.step_count} skipped={opt.skipped_steps} finite={finite} "
+            f"checksum={sum(float(p.sum()) for p in model.parameters()):.6f}\n")
+    sys.stdout.flush()
+    os.write(1, line.encode())  # one write: the ranks share the pipe, and print's parts can interleave
 
 
 if __name__ == "__main__":

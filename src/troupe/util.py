@@ -1,0 +1,32 @@
+"""Small helpers every layer uses, written once: argument checks and flat-buffer packing.
+
+A leaf module: it imports nothing from troupe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def check_int(name: str, value: object, minimum: int = 1) -> int:
+    """`value` as an int >= `minimum` (bools refused), else a ValueError naming `name` and the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def pack(tensors: Sequence[Tensor]) -> Tensor:
+    """The tensors back to back in one new flat tensor (all of one dtype and device)."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+@torch.no_grad()
+def unpack_into(flat: Tensor, tensors: Sequence[Tensor]) -> None:
+    """Copy consecutive pieces of `flat` back into `tensors` (the inverse of `pack`)."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
