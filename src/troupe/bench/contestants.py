@@ -80,8 +80,9 @@ def ddp(workload: Workload, batches: list[Batch], *, seed: int = 0, bucket_cap_m
 
 def troupe_opt(workload: Workload, batches: list[Batch], *, seed: int = 0, bucket_size: int | str | None = None,
                option: str = "plain", spars: float | None = None, micro: int = 1, clip: float | None = None,
-               chunk_size: int | None = None, name: str | None = None) -> Contestant:
-    """troupe.DistOpt: SINGA style (``sgd(loss)`` / ``sgd.update``), PyTorch style when accumulating."""
+               chunk_size: int | None = None, name: str | None = None, loop: str = "singa") -> Contestant:
+    """troupe.DistOpt: SINGA style (``sgd(loss)`` / ``sgd.update``), or PyTorch style (``loss.backward();
+    sgd.synchronize(); sgd.step(); sgd.zero_grad()``) with ``loop="torch"`` and always when accumulating."""
     import troupe
     from troupe.runtime import comm as comm_mod
 
@@ -96,7 +97,7 @@ def troupe_opt(workload: Workload, batches: list[Batch], *, seed: int = 0, bucke
     sgd = troupe.DistOpt(make_sgd(model.parameters()), **kwargs)
     sgd.sync_parameters(model)
     comm = comm_mod.default()
-    if micro == 1 and clip is None:
+    if micro == 1 and clip is None and loop == "singa":
         inner = _train_step(workload, model, batches, lambda loss: sgd.update(loss, option, spars), lambda: None,
                             1, None)
     else:
@@ -118,6 +119,8 @@ def troupe_opt(workload: Workload, batches: list[Batch], *, seed: int = 0, bucke
 
     buckets = getattr(sgd, "reducer", None) and sgd.reducer.buckets
     label = name or (f"troupe bucket {bucket_label(bucket_size)}" if bucket_size is not None else f"troupe {option}")
+    if loop == "torch" and name is None:
+        label += " (PyTorch loop)"
     params: dict[str, Any] = {"buckets": len(buckets) if buckets else "-", "option": option}
     if bucket_size is not None:
         params["bucket_size"] = bucket_label(bucket_size)

@@ -38,6 +38,7 @@ def build(workload: workloads.Workload, options: Options, rank: int, world_size:
     batches = workload.batches(rank, world_size, batch_size, count, data=data, seed=options.seed)
     made = [kinds.ddp(workload, batches, seed=options.seed)]
     made += [kinds.troupe_opt(workload, batches, seed=options.seed, bucket_size=b) for b in options.sweep]
+    made.append(kinds.troupe_opt(workload, batches, seed=options.seed, bucket_size=options.sweep[0], loop="torch"))
     if options.flat:
         made.append(kinds.flat(workload, batches, seed=options.seed))
     if options.local:
