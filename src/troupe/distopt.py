@@ -71,6 +71,10 @@ class DistOpt(torch.optim.Optimizer):
         if ticket is not None and nccl_id is not None:
             raise ValueError("give ticket= or its SINGA alias nccl_id=, not both")
         registry.check_option(dist_option)
+        cluster = cluster_from_env()
+        if cluster is not None and registry.DIST_OPTIONS[dist_option] != "backward_and_update":
+            raise ValueError(f"dist_option {dist_option!r} is not available under a parameter-server cluster: "
+                             "use 'plain' (the cluster's workers and servers exchange updates their own way)")
         self.info = init(ticket if ticket is not None else nccl_id, local_rank, world_size, rank=rank,
                          backend=backend, timeout=timeout, join_timeout=join_timeout)
         self.optimizer = optimizer
@@ -82,7 +86,6 @@ class DistOpt(torch.optim.Optimizer):
         self._pending: list[Handle] = []
         self._synced = False
         self._strategies: dict[tuple, UpdateStrategy] = {}
-        cluster = cluster_from_env()
         if cluster is not None:
             # The bootstrap owns roles: on a server rank this call serves and ends the process
             # (it never returns); a worker gets its view of the job (workers only) and its strategy.

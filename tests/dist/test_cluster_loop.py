@@ -293,3 +293,15 @@ def test_troupe_run_starts_servers_without_the_script(tmp_path):
     assert "cannot import the optimizer class '__main__.MyOpt'" in done.stderr
     assert "define the optimizer in a module on the PYTHONPATH" in done.stderr
     assert "unreachable" not in done.stdout
+
+
+def test_a_compressed_dist_option_under_a_cluster_is_refused_at_construction(monkeypatch):
+    """Checked before the job is joined (no process group is made here)."""
+    import pytest
+    import torch
+
+    import troupe
+
+    monkeypatch.setenv("TROUPE_CLUSTER", "sandblaster")
+    with pytest.raises(ValueError, match="dist_option 'fp16' is not available under a parameter-server cluster"):
+        troupe.DistOpt(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), dist_option="fp16")
