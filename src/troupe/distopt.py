@@ -86,6 +86,8 @@ class DistOpt(torch.optim.Optimizer):
         self._pending: list[Handle] = []
         self._synced = False
         self._strategies: dict[tuple, UpdateStrategy] = {}
+        self._last_stats: dict[str, Any] = {}
+        self._restored: dict[str, Any] = {}  # strategies' state from load_state_dict, for those made later
         if cluster is not None:
             # The bootstrap owns roles: on a server rank this call serves and ends the process
             # (it never returns); a worker gets its view of the job (workers only) and its strategy.
@@ -255,8 +257,6 @@ class DistOpt(torch.optim.Optimizer):
         """Traffic of the last half/partial/sparse step: bytes_sent, dense_bytes, ratio, residual_norm."""
         return self._last_stats
 
-    _last_stats: dict[str, Any] = {}
-
     @contextmanager
     def join(self):
         """Let ranks with fewer batches finish an epoch without hanging (PyTorch's `Join`, for DistOpt).
@@ -321,8 +321,6 @@ class DistOpt(torch.optim.Optimizer):
         self._restored = strategies
         for s in self._strategies.values():
             s.load_state_dict(strategies)
-
-    _restored: dict[str, Any] = {}
 
     def close(self) -> None:
         """Leave cleanly: under a parameter-server cluster, tell the servers this worker has finished (also done at exit)."""
