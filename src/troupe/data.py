@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import importlib.metadata
-import os
 import pickle
 import urllib.request
 from pathlib import Path

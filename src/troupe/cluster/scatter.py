@@ -22,7 +22,7 @@ from troupe.cluster.shard import Slice
 
 
 class BucketScatter:
-    """A `ReduceFn` for `GradReducer`: after its handle completes, ``bucket.data`` holds the group's
+    """A reduce hook for `GradReducer`: after its handle completes, ``bucket.data`` holds the group's
     mean gradient at the elements of this rank's slices (elsewhere: this rank's own), and
     ``bucket.flags`` the summed flags, as after an all-reduce."""
 

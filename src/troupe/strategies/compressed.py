@@ -102,11 +102,6 @@ class CompressedReduce:
         return Handle(None, finish)
 
 
-def compressed_reduce(comm: Communicator, compressor: Compressor, min_compress_size: int = 0) -> CompressedReduce:
-    """The CompressedReduce hook (the benchmarks' spelling)."""
-    return CompressedReduce(comm, compressor, min_compress_size)
-
-
 def _carries_flags(payload: list[Tensor], world_size: int) -> bool:
     """Is the payload one floating tensor whose dtype sums the flags (at most world_size) exactly?"""
     if len(payload) != 1 or not payload[0].is_floating_point():

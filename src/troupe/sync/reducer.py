@@ -28,14 +28,6 @@ from troupe.sync.agree import Agreement, flag_digest, raise_mismatch
 from troupe.sync.bucket import FIRST_BUCKET_SIZE, Bucket, Span, allocate, plan_buckets
 from troupe.sync.hooks import MeanAllReduce, ReduceHook
 
-ReduceFn = ReduceHook  # the earlier name
-
-
-def mean_all_reduce(comm: Communicator) -> MeanAllReduce:
-    """The plain mean all-reduce hook (kept for the benchmarks' spelling)."""
-    return MeanAllReduce(comm)
-
-
 class GradReducer:
     """Buckets the given parameters and reduces their gradients as backward produces them.
 
