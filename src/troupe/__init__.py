@@ -2,7 +2,9 @@
 
 >>> import troupe, torch
 >>> sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.005, momentum=0.9))
->>> model.set_optimizer(sgd)            # model is a troupe.Model
+>>> loss = F.cross_entropy(model(x), y)
+>>> loss.backward(); sgd.step(); sgd.zero_grad()   # the PyTorch loop
+>>> model.set_optimizer(sgd)                       # or SINGA's: model is a troupe.Model
 >>> out, loss = model.train_one_batch(x, y)
 """
 
@@ -12,7 +14,9 @@ from troupe.runtime.comm import Communicator
 from troupe.runtime.launch import DistInfo, Ticket, info, init, shutdown, wait_all
 from troupe.model import Model
 from troupe.distopt import DIST_OPTIONS, DistOpt
+from troupe.strategies.base import UpdateStrategy
 from troupe.strategies.compressed import CompressionConfig
+from troupe.sync.agree import StepMismatchError
 
 __version__ = "0.1.0"
 
@@ -23,7 +27,9 @@ __all__ = [
     "DistInfo",
     "DistOpt",
     "Model",
+    "StepMismatchError",
     "Ticket",
+    "UpdateStrategy",
     "checkpoint",
     "data",
     "info",
