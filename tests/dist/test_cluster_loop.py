@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist.world import run_world
+from tests.dist.test_cluster import MLP  # the same model as the SINGA-loop cluster tests
 from troupe.cluster.config import ClusterConfig
 
 STEPS = 8
@@ -30,15 +31,6 @@ CLIP = 0.05
 """Small enough that clipping acts in every step (the gradient norms here are 0.2-1)."""
 TIMEOUT = 120
 
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(12, 16)
-        self.fc2 = nn.Linear(16, 5)
-
-    def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(x)))
 
 
 def data(nworkers: int, steps: int = STEPS):
