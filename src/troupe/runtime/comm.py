@@ -232,6 +232,36 @@ class Communicator:
             dist.all_gather(out, src.contiguous(), group=self.group)
         return [o.to(tensor.device) for o in out]
 
+    def all_gather_into(self, output: Tensor, input: Tensor) -> Tensor:
+        """Every rank's `input` (all the same shape) concatenated along dim 0 in rank order, into `output`."""
+        n = self.world_size
+        if output.numel() != n * input.numel():
+            raise ValueError(f"all_gather_into: output has {output.numel()} elements, needs {n} x {input.numel()}")
+        nbytes = input.numel() * input.element_size()
+        self._count("all_gather", nbytes, (n - 1) * nbytes)
+        out, src = self._staged(output), self._staged(input).contiguous()
+        with watchdog.waiting(f"all_gather of {nbytes} bytes"):
+            dist.all_gather_into_tensor(out, src, group=self.group)
+        if out is not output:
+            output.copy_(out)
+        return output
+
+    def all_to_all(self, output: Tensor, input: Tensor) -> Tensor:
+        """Rank r sends chunk j of `input` (world_size equal chunks along dim 0) to rank j, which
+        receives it as chunk r of `output`."""
+        n = self.world_size
+        if input.shape[0] % n or output.numel() != input.numel():
+            raise ValueError(f"all_to_all: input of shape {tuple(input.shape)} must split into {n} equal chunks "
+                             f"along dim 0 and output must have as many elements, has {output.numel()}")
+        nbytes = input.numel() * input.element_size()
+        self._count("all_to_all", nbytes, (n - 1) / n * nbytes)
+        out, src = self._staged(output), self._staged(input).contiguous()
+        with watchdog.waiting(f"all_to_all of {nbytes} bytes"):
+            dist.all_to_all_single(out, src, group=self.group)
+        if out is not output:
+            output.copy_(out)
+        return output
+
     def all_gather_varsize(self, tensor: Tensor) -> list[Tensor]:
         """Every rank's 1-D `tensor`, whose length may differ per rank (even be zero)."""
         if tensor.dim() != 1:
