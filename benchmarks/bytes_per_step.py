@@ -5,7 +5,7 @@
 Each configuration trains the example's MNIST CNN (examples/mnist_cnn.py: its model, its
 `train_one_batch(x, y, dist_option, spars)`, its SGD settings, batch 64 per worker of real
 MNIST) with 2 workers, twice: for `--steps A B` steps. Every process reports the bytes all
-of its Communicators counted (`troupe.runtime.comm.process_traffic()`: payload = bytes handed to
+of its Communicators counted (`troupe.init().traffic`: payload = bytes handed to
 collectives and sent messages, wire = what the textbook algorithm sends): a worker at exit, on
 stdout; a server, which `troupe run` starts as `python -m troupe.cluster.bootstrap` (it never runs
 this script), in the `troupe server rank R: traffic {...}` line it writes to stderr as it leaves. With network namespaces (benchmarks/netns.py;
@@ -69,11 +69,9 @@ def _summary(rank: int, role: str, ops: dict[str, list[int]]) -> dict:
     return {"rank": rank, "role": role, "payload": payload, "wire": wire, "ops": dict(sorted(ops.items()))}
 
 
-def _report(role: str) -> None:
+def _report(role: str, world) -> None:
     """Print this process's counters (a worker's, after its steps and troupe's shutdown hooks)."""
-    from troupe.runtime import comm
-
-    ops = {op: [t.payload_bytes, t.wire_bytes] for op, t in comm.process_traffic().items()}
+    ops = {op: [t.payload_bytes, t.wire_bytes] for op, t in world.traffic.items()}
     line = json.dumps(_summary(int(os.environ.get("RANK", 0)), role, ops))
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), (MARK + line + "\n").encode())  # one write: the job's ranks share the pipe
@@ -96,8 +94,9 @@ def worker(args: argparse.Namespace) -> None:
     # never get here: troupe run starts them as `python -m troupe.cluster.bootstrap`, and they
     # report on stderr (SERVER_TRAFFIC).
     done = {"steps": False}
-    atexit.register(lambda: done["steps"] and _report("worker"))
+    atexit.register(lambda: done["steps"] and _report("worker", world))
     sgd = troupe.DistOpt(sgd)
+    world = troupe.init()  # joined by DistOpt; its counters outlive troupe.shutdown()
     model.set_optimizer(sgd)
     if args.data == "mnist":
         x, y, _, _ = troupe.data.load_mnist()

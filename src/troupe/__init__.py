@@ -11,7 +11,8 @@
 from troupe import data, metrics
 from troupe.reliability import checkpoint
 from troupe.runtime.comm import Communicator
-from troupe.runtime.launch import DistInfo, Ticket, info, init, shutdown, wait_all
+from troupe.runtime.launch import DistInfo, Ticket, wait_all
+from troupe.runtime.world import World, info, init, shutdown
 from troupe.model import Model
 from troupe.distopt import DIST_OPTIONS, DistOpt
 from troupe.strategies.base import UpdateStrategy
@@ -30,6 +31,7 @@ __all__ = [
     "StepMismatchError",
     "Ticket",
     "UpdateStrategy",
+    "World",
     "checkpoint",
     "data",
     "info",

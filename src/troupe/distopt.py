@@ -11,12 +11,10 @@ import torch
 from torch import Tensor, nn
 
 from troupe.cluster.config import from_env as cluster_from_env
-from troupe.observe import trace
-from troupe.runtime import watchdog
 from troupe.reliability.nonfinite import NAN_POLICIES, NanPolicy, nonfinite
-from troupe.runtime import comm as comm_mod
+from troupe.runtime import world as world_mod
 from troupe.runtime.comm import Handle
-from troupe.runtime.launch import Ticket, init
+from troupe.runtime.launch import Ticket
 from troupe.strategies import registry
 from troupe.strategies.base import UpdateStrategy
 from troupe.strategies.compressed import CompressionConfig
@@ -75,8 +73,9 @@ class DistOpt(torch.optim.Optimizer):
         if cluster is not None and registry.DIST_OPTIONS[dist_option] != "backward_and_update":
             raise ValueError(f"dist_option {dist_option!r} is not available under a parameter-server cluster: "
                              "use 'plain' (the cluster's workers and servers exchange updates their own way)")
-        self.info = init(ticket if ticket is not None else nccl_id, local_rank, world_size, rank=rank,
-                         backend=backend, timeout=timeout, join_timeout=join_timeout)
+        self.world = world_mod.init(ticket if ticket is not None else nccl_id, local_rank, world_size, rank=rank,
+                                    backend=backend, timeout=timeout, join_timeout=join_timeout)
+        self.info = self.world.info
         self.optimizer = optimizer
         self.bucket_size, self.first_bucket_size = bucket_size, first_bucket_size
         self.nan_policy = nan_policy
@@ -93,16 +92,16 @@ class DistOpt(torch.optim.Optimizer):
             # (it never returns); a worker gets its view of the job (workers only) and its strategy.
             from troupe.cluster import bootstrap
 
-            self.info, self.strategy = bootstrap.worker_strategy(cluster, optimizer, self.info, bucket_size,
+            self.info, self.strategy = bootstrap.worker_strategy(cluster, optimizer, self.world, bucket_size,
                                                                  nan_policy)
-            self.communicator = comm_mod.default()
+            self.communicator = self.world.comm
             self._check_and_broadcast()
             self.reducer = self.strategy.reducer
             self._own_reducer = False
             self._ctx = None
             self.strategy.start()  # Put/Get the initial parameters
         else:
-            self.communicator = comm_mod.default()
+            self.communicator = self.world.comm
             self._check_and_broadcast()
             self._own_reducer = True
             self.reducer = self._make_reducer()
@@ -339,7 +338,7 @@ class DistOpt(torch.optim.Optimizer):
 
     def _singa_step(self, loss: Tensor, option: str, **args: Any) -> None:
         """One of SINGA's methods: zero the gradients, backward under `option`'s strategy, step."""
-        rec = trace._recorder
+        rec = self.world.recorder
         if rec is not None:
             rec.note_loss(loss)
         if self._own_reducer:
@@ -413,8 +412,8 @@ class DistOpt(torch.optim.Optimizer):
         self.step_count += 1
         if stats:
             self._last_stats = {**stats, "step": self.step_count - 1}
-        watchdog.set_step(self.step_count)
-        rec = trace._recorder
+        self.world.set_step(self.step_count)
+        rec = self.world.recorder
         if rec is not None:
             extra = {k: v for k, v in stats.items() if k in ("option", "ratio", "residual_norm", "staleness")}
             rec.end_step(self.step_count, self.communicator.bytes_sent(), extra)

@@ -10,7 +10,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from troupe.runtime import comm
+from troupe.runtime import world
 
 T = TypeVar("T")
 
@@ -18,7 +18,7 @@ T = TypeVar("T")
 def reduce_variable(value: float | int | Tensor, op: str = "sum") -> float:
     """`value` combined across every rank ("sum", "mean", "max" or "min"); the same result on all ranks."""
     t = torch.as_tensor(value, dtype=torch.float64).reshape(1).clone()
-    comm.default().all_reduce(t, op)  # type: ignore[arg-type]
+    world.init().comm.all_reduce(t, op)  # type: ignore[arg-type]
     return float(t.item())
 
 
@@ -31,7 +31,7 @@ def accuracy(out: Tensor, y: Tensor) -> int:
 
 def is_main() -> bool:
     """True on global rank 0 (the rank that prints)."""
-    return comm.default().rank == 0
+    return world.init().comm.rank == 0
 
 
 def progress(items: Iterable[T], total: int | None = None, desc: str = "", enabled: bool | None = None) -> Iterator[T]:

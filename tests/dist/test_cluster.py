@@ -376,7 +376,7 @@ def reduce_scatter_buckets(rank, world_size):
     torch.manual_seed(0)
     params = [nn.Parameter(torch.zeros(n)) for n in (5, 40, 3, 17, 1)]  # several buckets, slices across params
     slices = plan_slices([p.numel() for p in params], world_size)
-    comm = troupe.runtime.comm.default()
+    comm = troupe.init().comm
     reducer = GradReducer(params, comm, bucket_size=20, first_bucket_size=8)
     g = torch.Generator().manual_seed(rank)
     coeffs = [torch.randn(p.numel(), generator=g) for p in params]

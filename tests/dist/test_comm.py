@@ -10,7 +10,7 @@ from tests.dist.world import run_world
 def _collectives(rank, world_size):
     import troupe
 
-    c = troupe.runtime.comm.default()
+    c = troupe.init().comm
     n = world_size
     out = {}
     t = torch.full((4,), float(rank + 1))

@@ -84,7 +84,7 @@ def troupe_opt(workload: Workload, batches: list[Batch], *, seed: int = 0, bucke
     """troupe.DistOpt: SINGA style (``sgd(loss)`` / ``sgd.update``), or PyTorch style (``loss.backward();
     sgd.synchronize(); sgd.step(); sgd.zero_grad()``) with ``loop="torch"`` and always when accumulating."""
     import troupe
-    from troupe.runtime import comm as comm_mod
+    from troupe.runtime import world
 
     model = workload.model(seed)
     kwargs: dict[str, Any] = {}
@@ -96,7 +96,7 @@ def troupe_opt(workload: Workload, batches: list[Batch], *, seed: int = 0, bucke
         kwargs["compression"] = troupe.CompressionConfig(chunk_size=chunk_size)
     sgd = troupe.DistOpt(make_sgd(model.parameters()), **kwargs)
     sgd.sync_parameters(model)
-    comm = comm_mod.default()
+    comm = world.init().comm
     if micro == 1 and clip is None and loop == "singa":
         inner = _train_step(workload, model, batches, lambda loss: sgd.update(loss, option, spars), lambda: None,
                             1, None)
@@ -131,11 +131,11 @@ def troupe_opt(workload: Workload, batches: list[Batch], *, seed: int = 0, bucke
 
 def flat(workload: Workload, batches: list[Batch], *, seed: int = 0, name: str = "flat all-reduce") -> Contestant:
     """Backward, then one mean all-reduce of all gradients in one flat buffer (no overlap), then step."""
-    from troupe.runtime import comm as comm_mod
+    from troupe.runtime import world
 
     model = workload.model(seed)
     opt = make_sgd(model.parameters())
-    comm = comm_mod.default()
+    comm = world.init().comm
     params = [p for p in model.parameters() if p.requires_grad]
     with torch.no_grad():  # start equal, as DDP and DistOpt do
         start = torch.cat([p.reshape(-1) for p in params])

@@ -36,9 +36,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, ticket: Any, thre
 
         troupe.init(ticket, rank, world_size)
         value = fn(rank, world_size, *args)
-        from troupe.runtime import comm
-
-        comm.default().barrier()  # every rank has finished its collectives before any leaves
+        troupe.init().comm.barrier()  # every rank has finished its collectives before any leaves
         results.put((rank, True, value if rank == 0 else None))
     except BaseException as e:  # report every failure to the parent (the other ranks then stop)
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))

@@ -39,10 +39,9 @@ from troupe.cluster.shared import SharedMemory
 from troupe.cluster.spec import TrainingSpec
 from troupe.cluster.ps_client import PSClient
 from troupe.cluster.worker import CoLocated, trainable
-from troupe.runtime import comm as comm_mod
-from troupe.runtime import settings
 from troupe.runtime.comm import Communicator
-from troupe.runtime.launch import DistInfo, init, shutdown
+from troupe.runtime.launch import DistInfo
+from troupe.runtime.world import World, init, shutdown
 from troupe.strategies.base import UpdateStrategy
 
 log = logging.getLogger("troupe.cluster.config")
@@ -56,6 +55,7 @@ class Job:
     """One rank's view of the cluster: its role and the groups every rank made, in the same order."""
 
     cluster: ClusterConfig
+    runtime: World
     role: Role
     everyone: list[Role]
     world: Communicator
@@ -70,18 +70,20 @@ class Job:
     """(hostname, pid) of every rank, to tell a dead peer from a slow one."""
 
 
-def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, info: DistInfo, bucket_size: int,
+def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, world: World, bucket_size: int,
                     nan_policy: str = "raise") -> tuple[DistInfo, UpdateStrategy]:
     """Take this rank's role. A server rank serves and ends the process here; a worker gets
-    (its view of the job: rank and world size among the workers, its strategy)."""
-    job = join(cluster, info)
+    (its view of the job: rank and world size among the workers, its strategy), and the
+    World's data-parallel communicator becomes the workers'."""
+    info = world.info
+    job = join(cluster, world)
     params, param_group_of = trainable(optimizer)
     describe = (lambda: TrainingSpec.from_optimizer(optimizer, params, param_group_of)) \
         if info.global_rank == 0 else None
     spec = exchange(job, describe)
     if job.role.worker is None:
         hand_over(job, spec)
-    comm_mod.set_default(job.workers_comm)
+    world.use_for_data_parallel(job.workers_comm)
     role, k = job.role, cluster.nworkers_per_procs
     view = dataclasses.replace(info, global_rank=job.workers.index(role.rank), world_size=len(job.workers))
     alive = lambda rank: process_alive(*job.processes[rank])  # noqa: E731
@@ -93,11 +95,13 @@ def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, in
     else:
         strategy = CoLocated(cluster, role, job.group_comms[role.worker[0]], optimizer, bucket_size,
                              job.sync_channels, alive, job.timeout)
+    world.on_shutdown(strategy.close)  # tell the servers (or peers) this worker is done, at exit too
     return view, strategy
 
 
-def join(cluster: ClusterConfig, info: DistInfo) -> Job:
+def join(cluster: ClusterConfig, runtime: World) -> Job:
     """Check the job's size against the cluster, take this rank's role and make every group."""
+    info = runtime.info
     everyone = roles(cluster)
     if len(everyone) != info.world_size:
         raise ValueError(
@@ -110,11 +114,11 @@ def join(cluster: ClusterConfig, info: DistInfo) -> Job:
         warnings.warn("share_memory has no effect with one worker per process (nworkers_per_procs 1)")
     if cluster.fetch_freq != 1 and not cluster.server_worker_separate:
         warnings.warn(f"fetch_freq {cluster.fetch_freq} has no effect: co-located servers update the workers' copy")
-    timeout = ps_timeout()
+    timeout = runtime.settings.ps_timeout
     # Every rank creates every group, in the same order (torch.distributed requires it).
     # Messages get a group of their own with a long timeout: a server waits as long as the
     # workers train between two messages, and a timed-out Gloo receive breaks the channel.
-    world = comm_mod.default().new_group(range(info.world_size), timeout=timeout)
+    world = runtime.job.new_group(range(info.world_size), timeout=timeout)
     workers = [r.rank for r in everyone if r.worker]
     workers_comm = world.new_group(workers)
     group_comms = [
@@ -130,7 +134,7 @@ def join(cluster: ClusterConfig, info: DistInfo) -> Job:
     processes_comms = [world.new_group(range(p * k, (p + 1) * k)) for p in range(len(everyone) // k)] \
         if cluster.in_memory else []
     log.info("troupe: %s", role.describe())
-    return Job(cluster, role, everyone, world, workers, workers_comm, group_comms, sync_channels,
+    return Job(cluster, runtime, role, everyone, world, workers, workers_comm, group_comms, sync_channels,
                processes_comms, timeout)
 
 
@@ -184,7 +188,7 @@ def hand_over(job: Job, spec: TrainingSpec) -> NoReturn:
     print(f"troupe server rank {job.role.rank}: {stats}", file=sys.stderr, flush=True)
     # What this server sent, by operation ([payload bytes, wire bytes]): a server started without the
     # training script has no other way to report its counters (benchmarks/bytes_per_step.py).
-    traffic = {op: [t.payload_bytes, t.wire_bytes] for op, t in sorted(comm_mod.process_traffic().items())}
+    traffic = {op: [t.payload_bytes, t.wire_bytes] for op, t in sorted(job.runtime.traffic.items())}
     print(f"troupe server rank {job.role.rank}: traffic {json.dumps(traffic)}", file=sys.stderr, flush=True)
     shutdown()
     # Gloo's threads may still drop the last references to the server's receives while the
@@ -216,8 +220,8 @@ def serve(job: Job, spec: TrainingSpec) -> ServerStats:
     putters = {r.rank for r in job.everyone if r.worker and r.worker[0] == 0}
     server = Server(job.world, shard, job.workers, putters, dict(enumerate(job.processes)),
                     fail_on_death=job.cluster.synchronous)
-    path = _checkpoint_path(job.role.rank)
-    if path is not None and settings.current().resume in ("yes", "auto") and os.path.isfile(path):
+    path = _checkpoint_path(job)
+    if path is not None and job.runtime.settings.resume in ("yes", "auto") and os.path.isfile(path):
         shard.load_state_dict(torch.load(path, weights_only=True))
         print(f"troupe server rank {job.role.rank}: resumed {len(shard.slices)} slice(s) from {path}",
               file=sys.stderr)
@@ -241,15 +245,10 @@ def _leave() -> None:
     os._exit(0)
 
 
-def ps_timeout() -> float:
-    """Seconds a parameter-server message may wait (``TROUPE_PS_TIMEOUT``)."""
-    return settings.current().ps_timeout
-
-
-def _checkpoint_path(rank: int) -> str | None:
+def _checkpoint_path(job: Job) -> str | None:
     """Where a server keeps its slices and optimizer state (under ``TROUPE_CHECKPOINT_DIR``)."""
-    directory = settings.current().checkpoint_dir
-    return os.path.join(directory, f"ps-server-{rank}.pt") if directory else None
+    directory = job.runtime.settings.checkpoint_dir
+    return os.path.join(directory, f"ps-server-{job.role.rank}.pt") if directory else None
 
 
 def server_ranks(cluster: ClusterConfig) -> set[int]:
@@ -267,8 +266,7 @@ def main() -> int:
         # A server's work is messages and element-wise optimizer steps on its slices; its processes
         # share the machine with the workers (troupe run --threads N sets OMP_NUM_THREADS).
         torch.set_num_threads(1)
-    info = init()
-    job = join(cluster, info)
+    job = join(cluster, init())
     if job.role.worker is not None:
         print(f"troupe.cluster.bootstrap: {job.role.describe()} is a worker: run the training script there",
               file=sys.stderr)

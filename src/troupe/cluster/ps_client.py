@@ -22,7 +22,6 @@ from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageErro
 from troupe.cluster.shard import plan_slices
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator, Handle
-from troupe.runtime.launch import on_shutdown
 from troupe.sync.bucket import Bucket
 from troupe.sync.hooks import SendBuckets
 from troupe.sync.reducer import GradReducer
@@ -97,7 +96,6 @@ class PSClient:
         self._in_flight = False  # this step's Updates have left, their replies are not collected yet
         self._finite = True  # every bucket sent so far this step was finite
         self._prepared: bool | None = None  # this step's gradients changed after backward (None: not looked yet)
-        on_shutdown(self.close)  # at exit too: troupe.shutdown() runs at exit
 
     def start(self) -> None:
         """The first worker group Puts the initial parameters (shared out among its workers); everyone Gets."""

@@ -24,7 +24,6 @@ from torch import Tensor
 from troupe.cluster.config import ClusterConfig, Role
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
-from troupe.runtime.launch import on_shutdown
 from troupe.cluster.groupsync import GroupSync
 from troupe.cluster.shard import plan_slices
 
@@ -54,7 +53,6 @@ class SharedMemory:
         self.staleness: list[int] = []
         """Per step: this worker's updates since its process last synchronised (0 with one process)."""
         self.closed = False
-        on_shutdown(self.close)
 
     @torch.no_grad()
     def start(self) -> None:

@@ -22,7 +22,6 @@ from troupe.cluster.groupsync import GroupSync
 from troupe.cluster.scatter import BucketScatter
 from troupe.cluster.shard import ParamShard, plan_slices
 from troupe.runtime.comm import Communicator
-from troupe.runtime.launch import on_shutdown
 from troupe.strategies.base import reduced_buckets_finite
 from troupe.sync.hooks import MeanAllReduce
 from troupe.sync.reducer import GradReducer
@@ -74,7 +73,6 @@ class CoLocated:
         self.sync_channels, self.alive, self.timeout = sync_channels, alive, timeout
         self.groups: GroupSync | None = None
         self.closed = False
-        on_shutdown(self.close)
 
     def start(self) -> None:
         """Parameters were broadcast from worker 0: they are every server's and every master copy's initial values."""

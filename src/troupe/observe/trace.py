@@ -23,8 +23,6 @@ from typing import Any
 
 from troupe.observe.tensorboard import ScalarWriter
 
-_recorder: Recorder | None = None
-
 
 def _now_us() -> float:
     return time.perf_counter_ns() / 1000.0
@@ -62,7 +60,7 @@ class Recorder:
         """A collective that ran from start to end (any thread)."""
         with self._lock:
             self._spans.append((start_us, end_us))
-            if self.timeline_path:
+            if self.timeline_path and self.events is not None:  # None: closed (the rank left the job)
                 self.events.append({"name": name, "ph": "X", "ts": start_us, "dur": end_us - start_us,
                                     "pid": self.rank, "tid": 1, "args": args})
 
@@ -92,7 +90,7 @@ class Recorder:
             self._stats_file.write(json.dumps(row) + "\n")
         if self._board:
             self._board.write(row)
-        if self.timeline_path:
+        if self.timeline_path and self.events is not None:
             for name, a, b in (("forward", start, bwd), ("backward", bwd, bwd_end),
                                ("wait for reductions", bwd_end, reduced), ("optimizer step", reduced, end)):
                 if b > a:
@@ -103,8 +101,10 @@ class Recorder:
         self._marks = {"forward": _now_us()}
 
     def close(self) -> None:
+        """Flush and close the files (at `troupe.shutdown()` and at exit; the second call does nothing)."""
         if self._board:
             self._board.close()
+            self._board = None
         if self._stats_file:
             self._stats_file.close()
             self._stats_file = None
@@ -118,7 +118,8 @@ class Recorder:
             with open(tmp, "w") as f:
                 json.dump({"traceEvents": names + self.events, "displayTimeUnit": "ms"}, f)
             os.replace(tmp, path)
-            self.events = None  # type: ignore[assignment]
+            with self._lock:
+                self.events = None  # type: ignore[assignment]
 
 
 def _rank_path(path: str, rank: int) -> str:
@@ -130,16 +131,12 @@ def _rank_path(path: str, rank: int) -> str:
 
 
 def start(rank: int, stats: str | None = None, timeline: str | None = None, board: str | None = None) -> Recorder | None:
-    """Start recording when a stats file, a timeline or a TensorBoard directory is given
-    (TROUPE_STATS, TROUPE_TIMELINE, TROUPE_TENSORBOARD: `troupe.init()` passes them)."""
-    global _recorder
-    if _recorder is None and (stats or timeline or board):
-        _recorder = Recorder(rank, stats, timeline, board)
-    return _recorder
-
-
-def recorder() -> Recorder | None:
-    return _recorder
+    """A Recorder when a stats file, a timeline or a TensorBoard directory is given
+    (TROUPE_STATS, TROUPE_TIMELINE, TROUPE_TENSORBOARD: `troupe.init()` passes them and the
+    World holds it), else None: nothing is recorded."""
+    if stats or timeline or board:
+        return Recorder(rank, stats, timeline, board)
+    return None
 
 
 def merge_timelines(path: str, world_size: int) -> None:

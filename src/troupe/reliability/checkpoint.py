@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from troupe.runtime import comm, settings
+from troupe.runtime import world
 
 MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -75,7 +75,7 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
     `extra` holds plain data the script needs to resume (epoch, batch index, numpy RNG state).
     The newest `keep` complete checkpoints are kept.
     """
-    c = comm.default()
+    c = world.init().comm
     target = Path(directory) / f"step-{step:08d}"
     target.mkdir(parents=True, exist_ok=True)
     state = {
@@ -144,7 +144,7 @@ def latest(directory: str | Path) -> Path | None:
 
 def load(checkpoint: str | Path, model: nn.Module, optimizer) -> dict[str, Any]:
     """Restore this rank's model, optimizer and RNG from `checkpoint`; return its `extra` and `step`."""
-    c = comm.default()
+    c = world.init().comm
     checkpoint = Path(checkpoint)
     manifest = verify(checkpoint)
     if manifest["world_size"] != c.world_size:
@@ -169,5 +169,5 @@ def from_env() -> tuple[Path | None, str]:
     Mode is "no" (start fresh), "yes" (``--resume``: a checkpoint must exist) or
     "auto" (a restart after a failure: resume if a checkpoint exists).
     """
-    env = settings.current()
+    env = world.init().settings
     return env.checkpoint_dir, env.resume

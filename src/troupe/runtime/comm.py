@@ -6,7 +6,6 @@ bytes per collective without instrumenting the backend.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import weakref
 from collections import defaultdict
@@ -18,9 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from troupe.runtime import launch as _launch
-from troupe.observe import trace
-from troupe.runtime import watchdog
+from troupe.observe.trace import Recorder, _now_us
+from troupe.runtime.watchdog import Watchdog, waiting
 from troupe.util import pack, unpack_into
 
 Op = Literal["sum", "mean", "max", "min"]
@@ -38,26 +36,8 @@ class Traffic:
     """Bytes this rank sends under the textbook algorithm (ring all-reduce: 2(n-1)/n of the payload)."""
 
 
-_process_traffic: dict[str, Traffic] = defaultdict(Traffic)
-
-
-def process_traffic() -> dict[str, Traffic]:
-    """What every Communicator of this process has counted so far, by operation (subgroups and
-    parameter-server messages too; a copy)."""
-    return {op: dataclasses.replace(t) for op, t in _process_traffic.items()}
-
-
 # torch 2.13 renamed reduce_scatter_tensor (which now warns) to reduce_scatter_single
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _trace(work: dist.Work, op: str, nbytes: int) -> None:
-    """With a timeline or stats enabled, record when this collective really completes."""
-    rec = trace._recorder
-    if rec is None:
-        return
-    start = trace._now_us()
-    work.get_future().add_done_callback(lambda _: rec.span(op, start, trace._now_us(), bytes=nbytes))
 
 
 def _complete(handle: Handle, async_op: bool, result):
@@ -71,16 +51,18 @@ def _complete(handle: Handle, async_op: bool, result):
 class Handle:
     """A collective in flight. `wait()` completes it and then runs its epilogue once."""
 
-    def __init__(self, work: dist.Work | None, then: Callable[[], None] | None = None, label: str = "a collective"):
+    def __init__(self, work: dist.Work | None, then: Callable[[], None] | None = None, label: str = "a collective",
+                 dog: Watchdog | None = None):
         self._work, self._then, self.done = work, then, False
         self.label = label
         """What the stall inspector and failure messages call this collective."""
+        self._dog = dog
 
     def wait(self) -> None:
         if self.done:
             return
         if self._work is not None:
-            with watchdog.waiting(self.label):
+            with waiting(self._dog, self.label):
                 self._work.wait()
         if self._then is not None:
             self._then()
@@ -90,13 +72,13 @@ class Handle:
 class Future(Handle):
     """A Handle whose epilogue produces a value: `result()` completes it and returns the value."""
 
-    def __init__(self, work: dist.Work | None, produce: Callable[[], object]):
+    def __init__(self, work: dist.Work | None, produce: Callable[[], object], dog: Watchdog | None = None):
         self._value: object = None
 
         def then() -> None:
             self._value = produce()
 
-        super().__init__(work, then)
+        super().__init__(work, then, dog=dog)
 
     def result(self) -> object:
         self.wait()
@@ -111,18 +93,22 @@ class Communicator:
     >>> h = comm.all_reduce(t, async_op=True); ...; h.wait()
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, *, watchdog: Watchdog | None = None,
+                 recorder: Recorder | None = None, totals: dict[str, Traffic] | None = None):
+        """`watchdog` names a failed peer when a collective fails; `recorder` gets every collective's
+        span; `totals` adds this communicator's counts to the process's (the World's)."""
         if not dist.is_initialized():
             raise RuntimeError("Communicator needs an initialised process group: call troupe.init() first")
         # Hold the group weakly (torch's registry holds it until destroy_process_group): a
         # strong reference would keep Gloo's threads alive into interpreter shutdown, where
         # their last release of a work object aborts the process.
         self._group = None if group is None else weakref.ref(group)
-        self.generation = _launch.generation  # which world this is
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
         self.traffic: dict[str, Traffic] = defaultdict(Traffic)
+        self.watchdog, self.recorder = watchdog, recorder
+        self._totals = totals if totals is not None else defaultdict(Traffic)
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -137,7 +123,7 @@ class Communicator:
     # --- bookkeeping -------------------------------------------------------------
 
     def _count(self, op: str, payload: int, wire: float) -> None:
-        for t in (self.traffic[op], _process_traffic[op]):
+        for t in (self.traffic[op], self._totals[op]):
             t.calls += 1
             t.payload_bytes += payload
             t.wire_bytes += int(wire)
@@ -148,6 +134,14 @@ class Communicator:
 
     def reset_counters(self) -> None:
         self.traffic.clear()
+
+    def _trace(self, work: dist.Work, op: str, nbytes: int) -> None:
+        """With a timeline or stats enabled, record when this collective really completes."""
+        rec = self.recorder
+        if rec is None:
+            return
+        start = _now_us()
+        work.get_future().add_done_callback(lambda _: rec.span(op, start, _now_us(), bytes=nbytes))
 
     def _staged(self, tensor: Tensor) -> Tensor:
         """NCCL reduces device tensors only: stage a CPU tensor through this rank's GPU."""
@@ -166,7 +160,7 @@ class Communicator:
         self._count("all_reduce", nbytes, 2 * (n - 1) / n * nbytes)
         work_tensor = self._staged(tensor)
         work = dist.all_reduce(work_tensor, _REDUCE_OPS[op], group=self.group, async_op=True)
-        _trace(work, "all_reduce", nbytes)
+        self._trace(work, "all_reduce", nbytes)
 
         def finish() -> None:
             if op == "mean":
@@ -174,7 +168,7 @@ class Communicator:
             if work_tensor is not tensor:
                 tensor.copy_(work_tensor)
 
-        handle = Handle(work, finish, label=f"all_reduce of {nbytes} bytes")
+        handle = Handle(work, finish, label=f"all_reduce of {nbytes} bytes", dog=self.watchdog)
         return _complete(handle, async_op, tensor)
 
     def fused_all_reduce(self, tensors: Sequence[Tensor], op: Op = "sum", async_op: bool = False) -> Handle | None:
@@ -197,9 +191,9 @@ class Communicator:
         self._count("broadcast", nbytes, nbytes if self.rank == src else 0)
         work_tensor = self._staged(tensor)
         work = dist.broadcast(work_tensor, src, group=self.group, async_op=True)
-        _trace(work, "broadcast", nbytes)
+        self._trace(work, "broadcast", nbytes)
         handle = Handle(work, (lambda: tensor.copy_(work_tensor)) if work_tensor is not tensor else None,
-                        label=f"broadcast of {nbytes} bytes")
+                        label=f"broadcast of {nbytes} bytes", dog=self.watchdog)
         return _complete(handle, async_op, tensor)
 
     def reduce_scatter(self, output: Tensor, input: Tensor, async_op: bool = False) -> Handle | Tensor:
@@ -213,13 +207,13 @@ class Communicator:
         self._count("reduce_scatter", nbytes, (n - 1) / n * nbytes * (1 if self.backend == "nccl" else 2))
         out, src = self._staged(output), self._staged(input)
         work = _reduce_scatter(out, src.contiguous(), group=self.group, async_op=True)
-        _trace(work, "reduce_scatter", nbytes)
+        self._trace(work, "reduce_scatter", nbytes)
 
         def finish() -> None:
             if out is not output:
                 output.copy_(out)
 
-        handle = Handle(work, finish, label=f"reduce_scatter of {nbytes} bytes")
+        handle = Handle(work, finish, label=f"reduce_scatter of {nbytes} bytes", dog=self.watchdog)
         return _complete(handle, async_op, output)
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
@@ -228,7 +222,7 @@ class Communicator:
         self._count("all_gather", nbytes, (self.world_size - 1) * nbytes)
         src = self._staged(tensor)
         out = [torch.empty_like(src) for _ in range(self.world_size)]
-        with watchdog.waiting(f"all_gather of {nbytes} bytes"):
+        with waiting(self.watchdog, f"all_gather of {nbytes} bytes"):
             dist.all_gather(out, src.contiguous(), group=self.group)
         return [o.to(tensor.device) for o in out]
 
@@ -240,7 +234,7 @@ class Communicator:
         nbytes = input.numel() * input.element_size()
         self._count("all_gather", nbytes, (n - 1) * nbytes)
         out, src = self._staged(output), self._staged(input).contiguous()
-        with watchdog.waiting(f"all_gather of {nbytes} bytes"):
+        with waiting(self.watchdog, f"all_gather of {nbytes} bytes"):
             dist.all_gather_into_tensor(out, src, group=self.group)
         if out is not output:
             output.copy_(out)
@@ -256,7 +250,7 @@ class Communicator:
         nbytes = input.numel() * input.element_size()
         self._count("all_to_all", nbytes, (n - 1) / n * nbytes)
         out, src = self._staged(output), self._staged(input).contiguous()
-        with watchdog.waiting(f"all_to_all of {nbytes} bytes"):
+        with waiting(self.watchdog, f"all_to_all of {nbytes} bytes"):
             dist.all_to_all_single(out, src, group=self.group)
         if out is not output:
             output.copy_(out)
@@ -312,7 +306,7 @@ class Communicator:
         if same_sizes:
             work, gathered = self._all_gather_async(blob)
             everyone = [lengths] * self.world_size
-            return Future(work, lambda: unpack([g.to(device) for g in gathered], everyone))
+            return Future(work, lambda: unpack([g.to(device) for g in gathered], everyone), self.watchdog)
 
         work, sizes = self._all_gather_async(torch.tensor(lengths, dtype=torch.int64, device=device))
 
@@ -328,7 +322,7 @@ class Communicator:
             inner.wait()
             return unpack([g.to(device) for g in gathered], everyone)
 
-        return Future(work, exchange_payload)
+        return Future(work, exchange_payload, self.watchdog)
 
     def _all_gather_async(self, tensor: Tensor) -> tuple[dist.Work, list[Tensor]]:
         nbytes = tensor.numel() * tensor.element_size()
@@ -343,7 +337,7 @@ class Communicator:
         self._count("gather", nbytes, 0 if self.rank == dst else nbytes)
         src = self._staged(tensor).contiguous()
         out = [torch.empty_like(src) for _ in range(self.world_size)] if self.rank == dst else None
-        with watchdog.waiting(f"gather of {nbytes} bytes"):
+        with waiting(self.watchdog, f"gather of {nbytes} bytes"):
             dist.gather(src, out, dst=dst, group=self.group)
         return None if out is None else [o.to(tensor.device) for o in out]
 
@@ -355,7 +349,7 @@ class Communicator:
         self._count("scatter", nbytes, (self.world_size - 1) * nbytes if self.rank == src else 0)
         dst = self._staged(out)
         staged = None if chunks is None else [self._staged(c).contiguous() for c in chunks]
-        with watchdog.waiting(f"scatter of {nbytes} bytes"):
+        with waiting(self.watchdog, f"scatter of {nbytes} bytes"):
             dist.scatter(dst, staged, src=src, group=self.group)
         if dst is not out:
             out.copy_(dst)
@@ -364,14 +358,14 @@ class Communicator:
     def all_gather_object(self, obj: object) -> list[object]:
         """Every rank's picklable `obj`, in rank order (for one-off checks, not hot paths)."""
         out: list[object] = [None] * self.world_size
-        with watchdog.waiting("all_gather_object"):
+        with waiting(self.watchdog, "all_gather_object"):
             dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def barrier(self) -> None:
         """Wait until every rank arrives."""
         self._count("barrier", 0, 0)
-        with watchdog.waiting("barrier"):
+        with waiting(self.watchdog, "barrier"):
             dist.barrier(group=self.group)
 
     # --- point-to-point (parameter-server messages) ----------------------------------
@@ -396,12 +390,12 @@ class Communicator:
         """Start sending `tensor` to `dst`; keep `tensor` unchanged until the handle is waited on."""
         nbytes = tensor.numel() * tensor.element_size()
         self._count("send", nbytes, nbytes)
-        return Handle(dist.isend(self._staged(tensor).contiguous(), dst, group=self.group, tag=tag))
+        return Handle(dist.isend(self._staged(tensor).contiguous(), dst, group=self.group, tag=tag), dog=self.watchdog)
 
     def irecv(self, tensor: Tensor, src: int, tag: int = 0) -> Handle:
         """Start receiving into `tensor` from `src`."""
         self._count("recv", tensor.numel() * tensor.element_size(), 0)
-        return Handle(dist.irecv(tensor, src, group=self.group, tag=tag))
+        return Handle(dist.irecv(tensor, src, group=self.group, tag=tag), dog=self.watchdog)
 
     def new_group(self, ranks: Sequence[int], timeout: float | None = None) -> Communicator:
         """A communicator over a subset of global ranks; every rank of the job must call it, in the same order.
@@ -410,7 +404,9 @@ class Communicator:
         """
         kwargs = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
         group = dist.new_group(sorted(ranks), **kwargs)
-        return Communicator(group) if dist.get_rank() in ranks else _Outside()
+        if dist.get_rank() not in ranks:
+            return _Outside()
+        return Communicator(group, watchdog=self.watchdog, recorder=self.recorder, totals=self._totals)
 
 
 class _Outside:
@@ -418,29 +414,3 @@ class _Outside:
 
     def __getattr__(self, name: str):
         raise RuntimeError(f"this rank ({dist.get_rank()}) is not a member of the group; cannot call {name}")
-
-
-def set_default(communicator: Communicator) -> None:
-    """Make `communicator` what `default()` returns (a worker's group under a parameter-server cluster)."""
-    global _default
-    if _default is None:
-        _launch.on_shutdown(forget_default)
-    _default = communicator
-
-
-_default: Communicator | None = None
-
-
-def forget_default() -> None:
-    """Drop the default communicator (at shutdown)."""
-    global _default
-    _default = None
-
-
-def default() -> Communicator:
-    """The communicator over the whole job, created on first use (joins the job if needed)."""
-    _launch.init()
-    # A new world (after troupe.shutdown() and init()) needs a new communicator.
-    if _default is None or _default.generation != _launch.generation:
-        set_default(Communicator())
-    return _default

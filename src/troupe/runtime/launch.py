@@ -1,5 +1,8 @@
 """Rendezvous: the job Ticket, launcher detection and process-group setup.
 
+`join()` does the rendezvous and returns what it made; `troupe.init()` (runtime/world.py)
+wraps that in the World. Nothing here is kept in module state.
+
 Four launchers reach the same `init()`:
 
 * an explicit `Ticket` (the reference's multiprocessing pattern),
@@ -12,9 +15,7 @@ With none of them the process is a world of one.
 
 from __future__ import annotations
 
-import atexit
 import datetime
-import gc
 import hashlib
 import hmac
 import logging
@@ -27,8 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from troupe.observe import trace
-from troupe.runtime import settings, watchdog
+from troupe.runtime.settings import Settings
 
 log = logging.getLogger("troupe")
 
@@ -101,17 +101,15 @@ class DistInfo:
         return self.global_rank
 
 
-_info: DistInfo | None = None
-_store: dist.Store | None = None  # keeps rank 0's TCP server alive
-generation = 0
-"""Bumped by every init(), so objects can tell which world they belong to."""
-_shutdown_hooks: list = []
+@dataclass
+class Joined:
+    """What `join()` made: this rank's facts and what must stay alive while it is in the job."""
 
-
-def on_shutdown(hook) -> None:
-    """Run `hook()` when this process leaves the job (`shutdown()` or exit), before the groups go."""
-    _shutdown_hooks.append(hook)
-_listen_sockets: list[socket.socket] = []
+    info: DistInfo
+    side_store: dist.Store | None
+    """A second connection to the job's store, for the watchdog (None: no store to beat through)."""
+    keep: list = field(default_factory=list)
+    """Rank 0's TCP store: the job's rendezvous lives as long as it does."""
 
 
 def _env_int(*names: str) -> int | None:
@@ -129,7 +127,8 @@ def _seconds(value: float | None, from_env: float | None, default: float) -> flo
     return float(value)
 
 
-def init(
+def join(
+    env: Settings,
     ticket: Ticket | str | None = None,
     local_rank: int | None = None,
     world_size: int | None = None,
@@ -138,52 +137,32 @@ def init(
     backend: str | None = None,
     timeout: float | None = None,
     join_timeout: float | None = None,
-) -> DistInfo:
-    """Join the job (idempotent) and return this process's rank, world size and device.
-
-    Args:
-        ticket: given by the multiprocessing launcher; otherwise read from the
-            environment of `troupe run`, `torchrun` or `mpiexec`.
-        rank: global rank, when it differs from ``local_rank`` (several nodes).
-        backend: "gloo" or "nccl"; default NCCL when every local rank has a GPU.
-        timeout: seconds a collective may wait (``TROUPE_TIMEOUT``, default 300).
-        join_timeout: seconds to wait for all ranks to join (``TROUPE_JOIN_TIMEOUT``, 60).
-    """
-    global _info
-    if _info is not None:
-        return _info
+) -> Joined:
+    """Find the launcher, meet the other ranks and build the process group (`troupe.init()` documents the arguments)."""
     if dist.is_initialized():
-        _bump_generation()
-        _info = _adopt_existing_group()
-        return _info
-    env = settings.freeze()  # every TROUPE_* variable, read once for this process's life in the job
+        return Joined(_adopt_existing_group(), None)
     timeout = _seconds(timeout, env.timeout, DEFAULT_TIMEOUT)
     join_timeout = _seconds(join_timeout, env.join_timeout, DEFAULT_JOIN_TIMEOUT)
-    how = _detect(ticket, local_rank, world_size, rank)
+    how = _detect(env, ticket, local_rank, world_size, rank)
     _check_ranks(how.rank, how.local_rank, how.world_size)
-    backend = _pick_backend(backend, how.local_rank, how.local_world)
+    backend = _pick_backend(backend or env.backend, how.local_rank, how.local_world)
     pg_timeout = datetime.timedelta(seconds=timeout)
-    side = None
+    side, keep = None, []
     if how.launcher == "torchrun":  # torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT
         dist.init_process_group(backend, init_method="env://", timeout=pg_timeout)
         side = _side_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), "troupe/")
     else:
         t = how.ticket
-        store = dist.HashStore() if t is None else _join(t, how.rank, how.world_size, join_timeout)
+        store = dist.HashStore() if t is None else _join(t, how.rank, how.world_size, join_timeout, keep)
         if t is not None and t.addr in (LOOPBACK, "localhost"):
             # Gloo picks its interface from the hostname; keep a local job on loopback.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(backend, store=store, rank=how.rank, world_size=how.world_size, timeout=pg_timeout)
         if t is not None:
             side = _side_store(t.addr, t.port, f"troupe/{t.token}/")
-    if side is not None:
-        watchdog.start(side, how.rank, how.world_size)
-    trace.start(how.rank, env.stats, env.timeline, env.tensorboard)
-    atexit.register(shutdown)  # leave in order: background threads must not outlive the store
-    _bump_generation()
-    _info = DistInfo(how.rank, how.local_rank, how.world_size, how.local_world, _device(backend, how.local_rank),
-                     backend, how.launcher)
-    return _info
+    info = DistInfo(how.rank, how.local_rank, how.world_size, how.local_world, _device(backend, how.local_rank),
+                    backend, how.launcher)
+    return Joined(info, side, keep)
 
 
 @dataclass(frozen=True)
@@ -196,12 +175,12 @@ class _Launch:
     local_world: int
 
 
-def _detect(ticket: Ticket | str | None, local_rank: int | None, world_size: int | None,
+def _detect(env: Settings, ticket: Ticket | str | None, local_rank: int | None, world_size: int | None,
             rank: int | None) -> _Launch:
     """Which launcher started this process, and where it puts this rank."""
-    if ticket is None and settings.current().ticket:
+    if ticket is None and env.ticket:
         world = _env_int("WORLD_SIZE")
-        return _Launch("troupe", Ticket.decode(settings.current().ticket), _env_int("RANK"),
+        return _Launch("troupe", Ticket.decode(env.ticket), _env_int("RANK"),
                        _env_int("LOCAL_RANK"), world, _env_int("LOCAL_WORLD_SIZE") or world)
     if ticket is not None:
         if local_rank is None or world_size is None:
@@ -214,18 +193,13 @@ def _detect(ticket: Ticket | str | None, local_rank: int | None, world_size: int
         return _Launch("torchrun", None, _env_int("RANK"), _env_int("LOCAL_RANK") or 0, world,
                        _env_int("LOCAL_WORLD_SIZE") or world)
     if _env_int("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE") is not None:
-        return _Launch("mpi", *_mpi_ticket())
+        return _Launch("mpi", *_mpi_ticket(env))
     if (world_size or 1) > 1 or local_rank or rank:
         raise ValueError(
             f"local_rank={local_rank}, world_size={world_size} were given without a ticket: make "
             "ticket = troupe.Ticket() in the parent process and pass it to every rank"
         )
     return _Launch("single", None, 0, 0, 1, 1)
-
-
-def _bump_generation() -> None:
-    global generation
-    generation += 1
 
 
 def _check_ranks(rank: int, local_rank: int, world_size: int) -> None:
@@ -238,7 +212,6 @@ def _check_ranks(rank: int, local_rank: int, world_size: int) -> None:
 
 
 def _pick_backend(backend: str | None, local_rank: int, local_world: int) -> str:
-    backend = backend or settings.current().backend
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend is None:
         return "nccl" if gpus >= local_world and dist.is_nccl_available() else "gloo"
@@ -263,6 +236,7 @@ def _digest(salt: str, token: str) -> str:
 
 
 def _open_store(ticket: Ticket, is_master: bool, timeout: float) -> dist.TCPStore:
+    """The job's store (on rank 0: hosted here)."""
     td = datetime.timedelta(seconds=timeout)
     if not is_master:
         try:
@@ -284,17 +258,18 @@ def _open_store(ticket: Ticket, is_master: bool, timeout: float) -> dist.TCPStor
             f"rank 0 cannot listen on {ticket.addr}:{ticket.port} for the rendezvous: {e.strerror} "
             "(port already in use? pick another with --master HOST:PORT or Ticket(port=...))"
         ) from None
-    store = dist.TCPStore(
-        ticket.addr, ticket.port, is_master=True, timeout=td, wait_for_workers=False, master_listen_fd=sock.fileno()
+    # The store serves on this fd for the rest of the process: Python must never close it
+    # (a peer may still be reading from the store while this rank leaves).
+    return dist.TCPStore(
+        ticket.addr, ticket.port, is_master=True, timeout=td, wait_for_workers=False, master_listen_fd=sock.detach()
     )
-    _listen_sockets.append(sock)  # the store serves on this fd: keep it open
-    return store
 
 
-def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float) -> dist.Store:
-    """Check the token, register this rank and wait for the whole world; return the job's store."""
-    global _store
+def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float, keep: list) -> dist.Store:
+    """Check the token, register this rank and wait for the whole world; return the job's store
+    (what must outlive the rendezvous is appended to `keep`)."""
     base = _open_store(ticket, rank == 0, join_timeout)
+    keep.append(base)
     if rank == 0:
         salt = secrets.token_hex(16)
         base.set("troupe/digest", f"{salt}:{_digest(salt, ticket.token)}")
@@ -305,7 +280,6 @@ def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float) -> di
             f"rank {rank}: refused by the job at {ticket.addr}:{ticket.port}: wrong ticket token "
             "(only processes given this job's Ticket may join)"
         )
-    _store = base
     store = dist.PrefixStore(f"troupe/{ticket.token}/", base)
     if store.add(f"rank/{rank}/count", 1) > 1:
         raise ValueError(f"rank {rank} was started twice (world_size {world_size})")
@@ -342,7 +316,7 @@ def _side_store(addr: str, port: int, prefix: str) -> dist.Store:
     return dist.PrefixStore(prefix, client)
 
 
-def _mpi_ticket() -> tuple[Ticket, int, int, int, int]:
+def _mpi_ticket(env: Settings) -> tuple[Ticket, int, int, int, int]:
     try:
         from mpi4py import MPI
     except ImportError:
@@ -355,10 +329,10 @@ def _mpi_ticket() -> tuple[Ticket, int, int, int, int]:
     local_rank, local_world = node.Get_rank(), node.Get_size()
     ticket = None
     if rank == 0:
-        addr = settings.current().master_addr or (
+        addr = env.master_addr or (
             LOOPBACK if local_world == world else socket.gethostbyname(socket.gethostname())
         )
-        ticket = Ticket(addr=addr, port=settings.current().master_port)
+        ticket = Ticket(addr=addr, port=env.master_port)
     # SINGA broadcasts its NCCL id the same way.
     ticket = comm.bcast(ticket, root=0)
     return ticket, rank, local_rank, world, local_world
@@ -370,27 +344,6 @@ def _adopt_existing_group() -> DistInfo:
     backend = dist.get_backend()
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     return DistInfo(rank, local_rank, world, _env_int("LOCAL_WORLD_SIZE") or world, device, backend, "external")
-
-
-def info() -> DistInfo:
-    """This process's place in the job, joining it first if needed."""
-    return init()
-
-
-def shutdown() -> None:
-    """Leave the job: destroy the process group so a later `init()` starts afresh."""
-    global _info, _store
-    hooks, _shutdown_hooks[:] = list(_shutdown_hooks), []
-    for hook in reversed(hooks):  # e.g. a parameter-server worker telling its servers it is done
-        hook()
-    watchdog.stop()
-    settings.forget()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    # Collect now what still references the groups' work objects: their last references must not
-    # be dropped by a backend thread during interpreter shutdown (that aborts the process).
-    gc.collect()
-    _info, _store = None, None
 
 
 def wait_all(processes, grace: float = 10.0) -> int:

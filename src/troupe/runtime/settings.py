@@ -104,22 +104,6 @@ class Settings:
         return cls(**values)
 
 
-_read: Settings | None = None
-
-
 def current() -> Settings:
-    """The settings this process joined the job with (read once, at `troupe.init()`), or a fresh read before."""
-    return _read if _read is not None else Settings.from_env()
-
-
-def freeze() -> Settings:
-    """Read the environment once for this process's life in the job (called by `troupe.init()`)."""
-    global _read
-    _read = Settings.from_env()
-    return _read
-
-
-def forget() -> None:
-    """Leave the job: a later init() reads the environment afresh."""
-    global _read
-    _read = None
+    """The environment's settings now (a process in a job uses its World's, read once at `troupe.init()`)."""
+    return Settings.from_env()

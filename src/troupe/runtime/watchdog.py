@@ -24,7 +24,7 @@ import time
 import traceback
 from contextlib import contextmanager
 
-from troupe.runtime import settings
+from troupe.runtime.settings import Settings
 import torch.distributed as dist
 
 log = logging.getLogger("troupe")
@@ -37,13 +37,9 @@ class PeerFailure(RuntimeError):
 class Watchdog:
     """Heartbeat thread plus the bookkeeping the main thread updates (step, current wait)."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, *, interval: float | None = None,
-                 stall_seconds: float | None = None, peer_timeout: float | None = None):
+    def __init__(self, store: dist.Store, rank: int, world_size: int, env: Settings):
         self.store, self.rank, self.world_size = store, rank, world_size
-        env = settings.current()
-        self.interval = interval or env.heartbeat
-        self.stall_seconds = stall_seconds or env.stall_seconds
-        self.peer_timeout = peer_timeout or env.peer_timeout
+        self.interval, self.stall_seconds, self.peer_timeout = env.heartbeat, env.stall_seconds, env.peer_timeout
         self.step = 0
         self.waiting_on: str | None = None
         self.waiting_since = 0.0
@@ -167,32 +163,16 @@ class Watchdog:
         self._previous_hook(kind, value, tb)
 
 
-_current: Watchdog | None = None
-
-
-def start(store: dist.Store, rank: int, world_size: int) -> Watchdog | None:
-    """Start this process's watchdog (no-op for a world of one or with TROUPE_WATCHDOG=0)."""
-    global _current
-    if world_size > 1 and settings.current().watchdog:
-        _current = Watchdog(store, rank, world_size)
-    return _current
-
-
-def current() -> Watchdog | None:
-    return _current
-
-
-def stop() -> None:
-    global _current
-    if _current is not None:
-        _current.stop()
-        _current = None
+def start(store: dist.Store, rank: int, world_size: int, env: Settings) -> Watchdog | None:
+    """This process's watchdog (None for a world of one or with TROUPE_WATCHDOG=0); the World holds it."""
+    if world_size > 1 and env.watchdog:
+        return Watchdog(store, rank, world_size, env)
+    return None
 
 
 @contextmanager
-def waiting(what: str):
-    """Mark a blocking collective; a failure inside becomes a PeerFailure naming the culprit."""
-    dog = _current
+def waiting(dog: Watchdog | None, what: str):
+    """Mark a blocking collective; under a watchdog, a failure inside becomes a PeerFailure naming the culprit."""
     if dog is None:
         yield
         return
@@ -203,8 +183,3 @@ def waiting(what: str):
             raise
         except RuntimeError as e:
             raise dog.explain(e) from e
-
-
-def set_step(step: int) -> None:
-    if _current is not None:
-        _current.step = step

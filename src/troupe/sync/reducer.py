@@ -21,8 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from troupe.observe import trace
-from troupe.runtime import watchdog
+from troupe.runtime.watchdog import waiting
 from troupe.runtime.comm import Communicator, Handle
 from troupe.sync.agree import Agreement, flag_digest, raise_mismatch
 from troupe.sync.bucket import FIRST_BUCKET_SIZE, Bucket, Span, allocate, plan_buckets
@@ -104,7 +103,7 @@ class GradReducer:
                 if hook is None:  # this step's strategy keeps gradients local
                     return
                 self._open(hook)
-            rec = trace._recorder
+            rec = self.comm.recorder
             if rec is not None:
                 rec.mark("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -139,7 +138,7 @@ class GradReducer:
             self._next += len(run)
 
     def _end_of_backward(self) -> None:
-        rec = trace._recorder
+        rec = self.comm.recorder
         if rec is not None:
             rec.mark("backward_end")
         self.finish()
@@ -158,7 +157,7 @@ class GradReducer:
             self._ready = [True] * len(self.buckets)
             self._launch_ready()
             for run, handle in self._handles:
-                with watchdog.waiting(run[0].label if len(run) == 1 else Span(run).label):
+                with waiting(self.comm.watchdog, run[0].label if len(run) == 1 else Span(run).label):
                     handle.wait()
             if self._digest is not None and any(
                     s != self.comm.world_size * d for b in self.buckets for s, d in zip(b.digest_sums(), self._digest)):
@@ -169,7 +168,7 @@ class GradReducer:
             self.in_step = False
             self._callback_queued = False
         self._finished += 1
-        rec = trace._recorder
+        rec = self.comm.recorder
         if rec is not None:
             rec.mark("reduced")
         self.on_reduced()

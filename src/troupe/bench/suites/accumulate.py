@@ -20,7 +20,7 @@ from troupe.bench.suites.ddp import table as ddp_table
 
 
 def run(rank: int, world_size: int, options: Options) -> list[Record]:
-    from troupe.runtime import comm as comm_mod
+    from troupe.runtime import world
 
     if world_size < 2:
         raise ValueError("accumulate compares communication: run it on 2 or more ranks (-n 2)")
@@ -41,7 +41,7 @@ def run(rank: int, world_size: int, options: Options) -> list[Record]:
             made.append(kinds.local(workload, batches, seed=opts.seed, micro=m, clip=clip))
         params = {"batch_size": batch_size, "micro": m, "clip": clip, "data": data, "steps": opts.steps,
                   "burnin": opts.burnin}
-        measured = run_ab(made, schedule(opts), comm_mod.default())
+        measured = run_ab(made, schedule(opts), world.init().comm)
         records += to_records(measured, made, benchmark="accumulate", workload=name, params=params,
                               world_size=world_size)
     return records

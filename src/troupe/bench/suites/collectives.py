@@ -42,9 +42,9 @@ def fit_alpha_beta(sizes: list[int], times: list[float]) -> tuple[float, float]:
 
 def _contestants(size: int, bucket_size: int | None) -> tuple[list[Contestant], object]:
     import troupe
-    from troupe.runtime import comm as comm_mod
+    from troupe.runtime import world
 
-    comm = comm_mod.default()
+    comm = world.init().comm
     numel = size // 4
     params = [nn.Parameter(torch.zeros(max(numel // TENSORS, 1))) for _ in range(TENSORS)]
     grads = [torch.randn(p.numel()) for p in params]
@@ -66,14 +66,14 @@ def _contestants(size: int, bucket_size: int | None) -> tuple[list[Contestant], 
 
 
 def run(rank: int, world_size: int, options: Options) -> list[Record]:
-    from troupe.runtime import comm as comm_mod
+    from troupe.runtime import world
 
     if options.bucket_size == "all":
         raise ValueError("collectives: --bucket-size takes a number of elements here, not 'all'")
     records = []
     for size in options.sizes:
         contestants, sgd = _contestants(size, options.bucket_size)
-        measured = run_ab(contestants, schedule(options), comm_mod.default())
+        measured = run_ab(contestants, schedule(options), world.init().comm)
         params = {"bytes": size, "tensors": TENSORS, "bucket_size": options.bucket_size or "default",
                   "steps": options.steps, "burnin": options.burnin}
         records += to_records(measured, contestants, benchmark="collectives", workload=f"{TENSORS} fp32 tensors",

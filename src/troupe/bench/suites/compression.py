@@ -23,7 +23,7 @@ CHUNK_SIZE = 2**17
 
 
 def run(rank: int, world_size: int, options: Options) -> list[Record]:
-    from troupe.runtime import comm as comm_mod
+    from troupe.runtime import world
 
     if world_size < 2:
         raise ValueError("compression measures communication: run it on 2 or more ranks (-n 2)")
@@ -40,7 +40,7 @@ def run(rank: int, world_size: int, options: Options) -> list[Record]:
                                  chunk_size=CHUNK_SIZE, name=o) for o in options.dist_options]
         params = {"batch_size": batch_size, "data": data, "steps": options.steps, "burnin": options.burnin,
                   "chunk_size": CHUNK_SIZE}
-        measured = run_ab(made, schedule(options), comm_mod.default())
+        measured = run_ab(made, schedule(options), world.init().comm)
         records += to_records(measured, made, benchmark="compression", workload=name, params=params,
                               world_size=world_size)
     return records

@@ -48,7 +48,7 @@ def build(workload: workloads.Workload, options: Options, rank: int, world_size:
 
 
 def run(rank: int, world_size: int, options: Options) -> list[Record]:
-    from troupe.runtime import comm as comm_mod
+    from troupe.runtime import world
 
     if world_size < 2:
         raise ValueError("ddp compares communication: run it on 2 or more ranks (-n 2)")
@@ -57,7 +57,7 @@ def run(rank: int, world_size: int, options: Options) -> list[Record]:
         workload = workloads.get(name)
         opts = per_workload(options, name)
         made, params = build(workload, opts, rank, world_size)
-        measured = run_ab(made, schedule(opts), comm_mod.default())
+        measured = run_ab(made, schedule(opts), world.init().comm)
         records += to_records(measured, made, benchmark="ddp", workload=name, params=params, world_size=world_size)
         del made
     return records

@@ -1,0 +1,176 @@
+"""World: this process's membership in the job, as one object made by `troupe.init()`.
+
+It holds the rank facts (`DistInfo`), the settings read from the environment at init,
+the communicators (the whole job; the data-parallel one; named subgroups), the
+recorder (stats, timeline, TensorBoard) and the watchdog, and runs the shutdown hooks.
+`troupe.shutdown()` ends it. `_current` below is the only per-job state kept in a
+module: everything else is handed what it needs (a strategy gets its communicator).
+
+>>> world = troupe.init()             # joins the job (idempotent)
+>>> world.rank, world.world_size
+>>> world.comm.all_reduce(t)           # the data-parallel communicator
+>>> pipe = world.group("pipe", [0, 1]) # a named subgroup, made once by every rank
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import torch.distributed as dist
+
+from troupe.observe import trace
+from troupe.observe.trace import Recorder
+from troupe.runtime import watchdog as watchdog_mod
+from troupe.runtime.comm import Communicator, Traffic
+from troupe.runtime.launch import DistInfo, Joined, Ticket, join
+from troupe.runtime.settings import Settings
+
+
+class World:
+    """One process's place in one job: who it is, whom it talks to, what watches and records it."""
+
+    def __init__(self, joined: Joined, env: Settings):
+        self.info: DistInfo = joined.info
+        self.settings = env
+        """Every TROUPE_* variable, read once when this process joined."""
+        self._keep = joined.keep
+        self.watchdog = None if joined.side_store is None else \
+            watchdog_mod.start(joined.side_store, self.info.global_rank, self.info.world_size, env)
+        self.recorder: Recorder | None = trace.start(self.info.global_rank, env.stats, env.timeline, env.tensorboard)
+        self.traffic: dict[str, Traffic] = defaultdict(Traffic)
+        """What every communicator of this process has counted, by operation."""
+        self.job = Communicator(watchdog=self.watchdog, recorder=self.recorder, totals=self.traffic)
+        """Every rank of the job."""
+        self.comm = self.job
+        """The data-parallel communicator: the whole job, or a parameter-server cluster's workers."""
+        self.groups: dict[str, Communicator] = {}
+        self._hooks: list[Callable[[], None]] = []
+        self.closed = False
+
+    # --- the rank facts (what troupe.init() returned before the World: DistInfo) ----------
+
+    global_rank = property(lambda self: self.info.global_rank)
+    rank = global_rank
+    local_rank = property(lambda self: self.info.local_rank)
+    world_size = property(lambda self: self.info.world_size)
+    local_world_size = property(lambda self: self.info.local_world_size)
+    device = property(lambda self: self.info.device)
+    backend = property(lambda self: self.info.backend)
+    launcher = property(lambda self: self.info.launcher)
+
+    # --- communicators --------------------------------------------------------------------
+
+    def group(self, name: str, ranks: Sequence[int] | None = None, *, timeout: float | None = None) -> Communicator:
+        """The subgroup called `name`. The first call gives its global `ranks` and makes it:
+        every rank of the job must make the same groups in the same order (torch.distributed's
+        rule); a rank outside `ranks` gets an object that refuses to be used."""
+        if ranks is None:
+            if name not in self.groups:
+                raise KeyError(f"no group named {name!r} (made so far: {sorted(self.groups)})")
+            return self.groups[name]
+        ranks = sorted(int(r) for r in ranks)
+        if not ranks or ranks[0] < 0 or ranks[-1] >= self.world_size or len(set(ranks)) != len(ranks):
+            raise ValueError(f"group {name!r}: ranks must be distinct and in [0, {self.world_size}), got {ranks}")
+        if name in self.groups:
+            raise ValueError(f"a group named {name!r} already exists")
+        self.groups[name] = self.job.new_group(ranks, timeout=timeout)
+        return self.groups[name]
+
+    def use_for_data_parallel(self, comm: Communicator) -> None:
+        """Make `comm` what data-parallel code reduces over (a cluster's workers, without its servers)."""
+        self.comm = comm
+
+    # --- leaving ----------------------------------------------------------------------------
+
+    def on_shutdown(self, hook: Callable[[], None]) -> None:
+        """Run `hook()` when this process leaves the job (`shutdown()` or exit), before the groups go."""
+        self._hooks.append(hook)
+
+    def set_step(self, step: int) -> None:
+        """The training step this rank is at (what the watchdog reports)."""
+        if self.watchdog is not None:
+            self.watchdog.step = step
+
+    def close(self) -> None:
+        """Leave the job: run the hooks, stop the watchdog, flush the recorder, destroy the process group."""
+        if self.closed:
+            return
+        self.closed = True
+        hooks, self._hooks = self._hooks, []
+        for hook in reversed(hooks):  # e.g. a parameter-server worker telling its servers it is done
+            hook()
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.recorder is not None:
+            self.recorder.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # Collect now what still references the groups' work objects: their last references must not
+        # be dropped by a backend thread during interpreter shutdown (that aborts the process).
+        self.groups.clear()
+        self.job = self.comm = None  # type: ignore[assignment]
+        gc.collect()
+
+    def __repr__(self) -> str:
+        i = self.info
+        return (f"World(rank {i.global_rank}/{i.world_size}, local {i.local_rank}/{i.local_world_size}, "
+                f"{i.backend}, {i.launcher}, groups={sorted(self.groups)})")
+
+
+_current: World | None = None
+
+
+def init(
+    ticket: Ticket | str | None = None,
+    local_rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    rank: int | None = None,
+    backend: str | None = None,
+    timeout: float | None = None,
+    join_timeout: float | None = None,
+) -> World:
+    """Join the job (idempotent) and return the World: rank, world size, device, communicators.
+
+    Args:
+        ticket: given by the multiprocessing launcher; otherwise read from the
+            environment of `troupe run`, `torchrun` or `mpiexec`.
+        rank: global rank, when it differs from ``local_rank`` (several nodes).
+        backend: "gloo" or "nccl"; default NCCL when every local rank has a GPU.
+        timeout: seconds a collective may wait (``TROUPE_TIMEOUT``, default 300).
+        join_timeout: seconds to wait for all ranks to join (``TROUPE_JOIN_TIMEOUT``, 60).
+    """
+    global _current
+    if _current is not None:
+        return _current
+    env = Settings.from_env()
+    joined = join(env, ticket, local_rank, world_size, rank=rank, backend=backend, timeout=timeout,
+                  join_timeout=join_timeout)
+    _current = World(joined, env)
+    atexit.register(shutdown)  # leave in order: background threads must not outlive the store
+    return _current
+
+
+def current() -> World | None:
+    """The World this process is in, or None before `init()` (never joins)."""
+    return _current
+
+
+def info() -> World:
+    """This process's place in the job, joining it first if needed."""
+    return init()
+
+
+def shutdown() -> None:
+    """Leave the job: destroy the process group so a later `init()` starts afresh."""
+    global _current
+    world, _current = _current, None
+    if world is not None:
+        world.close()
+    elif dist.is_initialized():
+        dist.destroy_process_group()
+        gc.collect()
+
