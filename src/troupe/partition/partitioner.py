@@ -1,0 +1,176 @@
+"""The partitioner: cut the job into worker groups, replace a model's layers in place by
+partitioned ones, label every parameter with the ranks that hold it, and put the whole
+model back together for checkpoints (`full_state_dict`).
+
+It owns the worker groups' communicators (made here, every rank in the same order) and
+the `_troupe_holders` labels; it never reduces gradients (DistOpt does, over the holders).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from troupe.partition.connect import WorkerGroup
+from troupe.partition.layers import FeatureSplit, OnOneWorker, PartitionedLayer
+from troupe.partition.plan import Plan, check_world, resolve_plan
+from troupe.util import pack, unpack_into
+
+if TYPE_CHECKING:
+    from troupe.runtime.comm import Communicator
+
+HOLDERS = "_troupe_holders"
+"""The attribute on every parameter: sorted global ranks holding the same tensor."""
+
+
+def _job_comm(comm: Communicator | None) -> Communicator:
+    """The job-wide communicator: `comm` if given, else the World's (joining the job if needed)."""
+    if comm is not None:
+        return comm
+    # troupe.init() itself, imported from its home: importing `troupe` would close a cycle
+    from troupe.runtime.world import init
+
+    return init().comm
+
+
+def partition(
+    model: nn.Module,
+    plan: Plan,
+    workers_per_group: int,
+    *,
+    comm: Communicator | None = None,
+    default: int | None = None,
+) -> nn.Module:
+    """Partition `model`'s nn.Linear / nn.Conv2d layers inside worker groups (SINGA 0.x), in place.
+
+    The world of W ranks is cut into W // k groups of k consecutive ranks; a group computes
+    one replica, each worker feeding its own b samples (the same b on every worker). Per layer, partition_dim 0 replicates
+    it (data parallel), 1 splits its output features over the group's workers, -1 runs it on
+    the group's worker 0 only. Rank 0's parameters and buffers are broadcast first, so every
+    rank partitions the same initial model. Every rank must call this with the same model and
+    plan (it makes the groups' communicators, a collective).
+
+    >>> model = partition(CNN(), {"conv*": 0, "linear*": 1}, workers_per_group=2)
+    >>> loss = F.cross_entropy(model(x_own), y_own)   # x_own: this worker's b samples
+
+    Args:
+        plan: one partition_dim for every Linear/Conv2d, or a dict of module-name glob ->
+            dim (see `resolve_plan`); "*" or `default` for layers no key matches (0).
+        comm: the job-wide communicator (its ranks are the global ranks); the World's by default.
+    """
+    dims = resolve_plan(model, plan, workers_per_group, default=default)
+    job = _job_comm(comm)
+    ngroups = check_world(job.world_size, workers_per_group)
+    moved = [name for name, dim in dims.items() if dim != 0]
+    _check_untied(model, moved)
+    _broadcast_from_rank0(model, job)
+    group = _make_group(job, workers_per_group, ngroups)
+    everyone = tuple(range(job.world_size))
+    for p in model.parameters():
+        setattr(p, HOLDERS, everyone)
+    for name in moved:
+        layer = model.get_submodule(name)
+        new = FeatureSplit(layer, group) if dims[name] == 1 else OnOneWorker(layer, group)
+        holders = group.holders(group.index) if dims[name] == 1 else group.holders(0)
+        for p in new.parameters():
+            setattr(p, HOLDERS, holders)
+        _replace(model, layer, new)
+    return model
+
+
+def _check_untied(model: nn.Module, names: list[str]) -> None:
+    """A layer to slice or move must not share a parameter with another module (the tie would
+    break); one module registered under two names is fine: it is replaced under both."""
+    owners: dict[int, dict[int, str]] = defaultdict(dict)  # parameter -> owning module -> a name
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False):
+            owners[id(p)].setdefault(id(module), f"{mname}.{pname}" if mname else pname)
+    for name in names:
+        for p in model.get_submodule(name).parameters():
+            if len(owners[id(p)]) > 1:
+                raise ValueError(f"{name} shares a parameter with another module ({sorted(owners[id(p)].values())}): "
+                                 "a tied parameter cannot be partitioned")
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(model: nn.Module, job: Communicator) -> None:
+    """Every rank gets rank 0's parameters and buffers (one message per dtype and device)."""
+    if job.world_size == 1:
+        return
+    by_kind: dict[tuple, list[Tensor]] = defaultdict(list)
+    for t in [*model.parameters(), *model.buffers()]:
+        by_kind[(t.dtype, t.device)].append(t.detach())
+    for _, tensors in sorted(by_kind.items(), key=lambda kv: str(kv[0])):
+        flat = pack(tensors)
+        job.broadcast(flat, src=0)
+        unpack_into(flat, tensors)
+
+
+def _make_group(job: Communicator, k: int, ngroups: int) -> WorkerGroup:
+    """This rank's worker group; every rank makes every group's communicator, in group order."""
+    me = job.rank
+    if k == 1:
+        comm = None
+    elif ngroups == 1:
+        comm = job
+    else:
+        comms = [job.new_group(list(range(g * k, (g + 1) * k))) for g in range(ngroups)]
+        comm = comms[me // k]
+    return WorkerGroup(comm, k, me % k, me // k, ngroups)
+
+
+def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Put `new` wherever `old` is registered (a module shared under two names is replaced under both)."""
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if module is old:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, new)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The unpartitioned model's state_dict on every rank (a collective: every rank calls it).
+
+    Split layers are all-gathered, worker-0 layers broadcast from worker 0; the keys are the
+    original model's, so ``plain_model.load_state_dict(full_state_dict(model))`` works.
+    """
+    local = model.state_dict()
+    owned: dict[str, list[str]] = defaultdict(list)
+    for key in local:
+        owned[key.rpartition(".")[0]].append(key)
+    whole: dict[int, dict[str, Tensor]] = {}
+    out: dict[str, Tensor] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{name}." if name else ""
+        if isinstance(module, PartitionedLayer):
+            if id(module) not in whole:  # shared under two names: one collective
+                whole[id(module)] = module.full_tensors()
+            out.update({prefix + k: v for k, v in whole[id(module)].items()})
+        else:
+            out.update({key: local[key] for key in owned.get(name, [])})
+    return out
+
+
+class LayerInfo(NamedTuple):
+    """One row of `describe`."""
+
+    name: str
+    type: str
+    partition_dim: int
+    local_params: int
+    """Parameter elements this rank holds for the layer."""
+
+
+def describe(model: nn.Module) -> list[LayerInfo]:
+    """(name, type, partition_dim, local parameter count) for every leaf module and every module
+    with parameters of its own, in module order (partitioned or not)."""
+    rows = []
+    for name, module in model.named_modules():
+        own = sum(p.numel() for p in module.parameters(recurse=False))
+        if isinstance(module, PartitionedLayer):
+            rows.append(LayerInfo(name, module.kind, module.partition_dim, own))
+        elif own or not any(True for _ in module.children()):
+            rows.append(LayerInfo(name, type(module).__name__, 0, own))
+    return rows

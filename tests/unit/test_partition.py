@@ -1,0 +1,200 @@
+"""troupe.partition without other processes: plan resolution and its errors, slicing
+arithmetic, the layer spec against torch's layers, and a world of one end to end."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import troupe
+import troupe.partition as tp
+from troupe.partition import check_world, resolve_plan, slice_rows
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 4, 3), nn.Conv2d(4, 8, 3, padding=1, padding_mode="reflect")
+        self.fc1, self.fc2 = nn.Linear(8 * 3 * 3, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        y = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        y = F.max_pool2d(F.relu(self.conv2(y)), 2)
+        return self.fc2(F.relu(self.fc1(y.flatten(1))))
+
+
+class Net(nn.Module):
+    """A container with a norm layer inside, for inheritance and the non-splittable errors."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, groups=2))
+        self.classifier = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6))
+
+
+# --- plan resolution ----------------------------------------------------------------------
+
+
+def test_an_int_plan_is_every_linear_and_conv():
+    dims = resolve_plan(CNN(), -1, 2)
+    assert dims == {"conv1": -1, "conv2": -1, "fc1": -1, "fc2": -1}
+    assert list(dims) == ["conv1", "conv2", "fc1", "fc2"]  # module order
+
+
+def test_globs_default_star_and_exact_names():
+    assert resolve_plan(CNN(), {"conv*": 0, "fc*": 1}, 2) == {"conv1": 0, "conv2": 0, "fc1": 1, "fc2": 1}
+    assert resolve_plan(CNN(), {"fc1": 1}, 2) == {"conv1": 0, "conv2": 0, "fc1": 1, "fc2": 0}  # default 0
+    assert resolve_plan(CNN(), {"*": 1, "conv1": 0}, 2) == {"conv1": 0, "conv2": 1, "fc1": 1, "fc2": 1}
+    assert resolve_plan(CNN(), {"conv1": 0}, 2, default=-1) == {"conv1": 0, "conv2": -1, "fc1": -1, "fc2": -1}
+    # an exact name wins over a glob that also matches it
+    assert resolve_plan(CNN(), {"fc*": 1, "fc2": -1}, 2)["fc2"] == -1
+
+
+def test_a_container_key_reaches_the_layers_under_it():
+    dims = resolve_plan(Net(), {"classifier": 1, "features.0": -1}, 2)
+    assert dims == {"features.0": -1, "features.3": 0, "classifier.0": 1, "classifier.2": 1}
+    # a key on a parameterless module (ReLU) is allowed: it works on any layout
+    assert resolve_plan(Net(), {"classifier.1": 1}, 2)["classifier.2"] == 0
+
+
+def test_subclasses_of_linear_are_left_alone():
+    model = nn.Sequential(nn.MultiheadAttention(8, 2), nn.Linear(8, 4))
+    assert resolve_plan(model, 1, 2) == {"1": 1}  # not the attention's out_proj
+
+
+@pytest.mark.parametrize(
+    "model, plan, k, kwargs, error, words",
+    [
+        (CNN, {"fc*": 1, "nope*": 0}, 2, {}, ValueError, ["'nope*'", "matches no module", "conv1"]),
+        (CNN, {"fc1": 2}, 2, {}, ValueError, ["plan['fc1']", "(0, 1, -1)", "got 2"]),
+        (CNN, {"fc1": True}, 2, {}, ValueError, ["got True"]),
+        (CNN, 3, 2, {}, ValueError, ["plan", "got 3"]),
+        (CNN, {"conv1": 0}, 2, {"default": 5}, ValueError, ["default", "got 5"]),
+        (CNN, {"*": 1}, 2, {"default": 0}, ValueError, ["plan['*'] (1)", "default (0)"]),
+        (CNN, 1, 2, {"default": 0}, ValueError, ["int plan (1)", "default=0"]),
+        (CNN, "fc1", 2, {}, TypeError, ["plan must be an int or a dict", "str"]),
+        (CNN, {"fc*": 1, "*2": -1}, 2, {}, ValueError, ["'fc2'", "'fc*': 1", "'*2': -1"]),
+        (Net, {"features.1": 1}, 2, {}, ValueError, ["features.1", "BatchNorm2d", "partition_dim 1"]),
+        (Net, {"features.1": -1}, 2, {}, ValueError, ["BatchNorm2d", "partition_dim -1"]),
+        (Net, {"features.3": 1}, 2, {}, ValueError, ["features.3", "groups=2"]),
+        (CNN, {"fc2": 1}, 3, {}, ValueError, ["fc2", "workers_per_group (3)", "out_features (4)"]),
+        (CNN, {"conv2": 1}, 3, {}, ValueError, ["conv2", "out_channels (8)"]),
+        (CNN, 0, 0, {}, ValueError, ["workers_per_group", "got 0"]),
+    ],
+)
+def test_bad_plans_name_the_values(model, plan, k, kwargs, error, words):
+    with pytest.raises(error) as info:
+        resolve_plan(model(), plan, k, **kwargs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_a_batch_norm_may_keep_dim_0_and_a_grouped_conv_may_go_to_one_worker():
+    assert resolve_plan(Net(), {"features.1": 0, "features.3": -1}, 2)["features.3"] == -1
+
+
+def test_world_size_must_be_a_multiple_of_the_group():
+    assert check_world(6, 3) == 2 and check_world(1, 1) == 1
+    with pytest.raises(ValueError, match=r"workers_per_group \(4\) must divide the world size \(6\)"):
+        check_world(6, 4)
+    with pytest.raises(ValueError, match="workers_per_group must be an integer >= 1, got -2"):
+        check_world(4, -2)
+
+
+# --- slicing arithmetic and the layer spec ----------------------------------------------------
+
+
+def test_slices_cover_the_rows_once_in_order():
+    whole = torch.arange(12.0).reshape(6, 2)
+    pieces = [whole[slice_rows(6, 3, j)] for j in range(3)]
+    assert [p.shape[0] for p in pieces] == [2, 2, 2]
+    assert torch.equal(torch.cat(pieces), whole)
+    with pytest.raises(ValueError, match="6 rows do not split into 4"):
+        slice_rows(6, 4, 0)
+    with pytest.raises(ValueError, match="index 3 is out of range for 3"):
+        slice_rows(6, 3, 3)
+
+
+@pytest.mark.parametrize(
+    "layer, shape",
+    [
+        (nn.Linear(5, 3), (4, 5)),
+        (nn.Linear(5, 3, bias=False), (4, 2, 5)),  # features are the last dim
+        (nn.Conv2d(2, 6, 3, stride=2, padding=1, dilation=1), (3, 2, 9, 9)),
+        (nn.Conv2d(2, 6, 3, padding=2, dilation=2, padding_mode="reflect"), (3, 2, 8, 8)),
+        (nn.Conv2d(2, 6, (3, 1), padding="same", padding_mode="circular"), (3, 2, 7, 5)),
+        (nn.Conv2d(4, 6, 3, groups=2, bias=False), (2, 4, 6, 6)),
+    ],
+)
+def test_layer_spec_computes_what_the_layer_does(layer, shape):
+    x = torch.randn(shape)
+    spec = tp.LayerSpec.of(layer)
+    torch.testing.assert_close(spec.apply(x, layer.weight, layer.bias), layer(x))
+    assert spec.out_size == (layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels)
+
+
+def test_layer_spec_refuses_unbatched_input():
+    with pytest.raises(ValueError, match=r"batched input.*\(2, 5, 5\)"):
+        tp.LayerSpec.of(nn.Conv2d(2, 2, 1)).apply(torch.randn(2, 5, 5), torch.randn(2, 2, 1, 1), None)
+
+
+# --- a world of one ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = troupe.init()
+    yield w
+    troupe.shutdown()
+
+
+def test_world_of_one_runs_every_dim_and_round_trips(world):
+    torch.manual_seed(0)
+    plain = CNN()
+    model = tp.partition(copy.deepcopy(plain), {"conv1": 1, "conv2": -1, "fc1": 1}, 1)
+    assert isinstance(model.conv1, tp.FeatureSplit) and isinstance(model.conv2, tp.OnOneWorker)
+    assert isinstance(model.fc2, nn.Linear)  # dim 0: untouched
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert all(p._troupe_holders == (0,) for p in model.parameters())
+    assert (model.fc1.partition_dim, model.fc1.workers_per_group, model.conv2.partition_dim) == (1, 1, -1)
+    assert "partition_dim=1" in repr(model.fc1) and "Linear(72, 16)" in repr(model.fc1)
+
+    x = torch.randn(5, 1, 16, 16)
+    out, ref = model(x), plain(x)
+    torch.testing.assert_close(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+    full = tp.full_state_dict(model)
+    assert list(full) == list(plain.state_dict())
+    fresh = CNN()
+    fresh.load_state_dict(full, strict=True)
+    torch.testing.assert_close(fresh(x), ref)
+
+    rows = tp.describe(model)
+    assert [(r.name, r.type, r.partition_dim) for r in rows] == [
+        ("conv1", "Conv2d", 1), ("conv2", "Conv2d", -1), ("fc1", "Linear", 1), ("fc2", "Linear", 0)]
+    assert [r.local_params for r in rows] == [sum(p.numel() for p in m.parameters()) for m in plain.children()]
+
+
+def test_a_shared_layer_is_replaced_under_both_names(world):
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    tp.partition(model, {"0": 1}, 1)
+    assert isinstance(model[0], tp.FeatureSplit) and model[2] is model[0]
+    assert list(tp.full_state_dict(model)) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_a_tied_parameter_cannot_be_partitioned(world):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].weight = model[0].weight
+    with pytest.raises(ValueError, match=r"1 shares a parameter .*'0.weight', '1.weight'"):
+        tp.partition(model, {"1": 1}, 1)
+    with pytest.raises(ValueError, match=r"workers_per_group \(2\) must divide the world size \(1\)"):
+        tp.partition(model, {"1": 1}, 2)
