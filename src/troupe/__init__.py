@@ -8,7 +8,8 @@
 >>> out, loss = model.train_one_batch(x, y)
 """
 
-from troupe import data, metrics
+from troupe import data, metrics, partition
+from troupe.partition import full_state_dict
 from troupe.reliability import checkpoint
 from troupe.runtime.comm import Communicator
 from troupe.runtime.launch import DistInfo, Ticket, wait_all
@@ -34,9 +35,11 @@ __all__ = [
     "World",
     "checkpoint",
     "data",
+    "full_state_dict",
     "info",
     "init",
     "metrics",
+    "partition",
     "shutdown",
     "wait_all",
 ]

@@ -3,29 +3,32 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from troupe.cluster.config import from_env as cluster_from_env
 from troupe.reliability.nonfinite import NAN_POLICIES, NanPolicy, nonfinite
 from troupe.runtime import world as world_mod
 from troupe.runtime.comm import Handle
 from troupe.runtime.launch import Ticket
+from troupe.singa import SingaMethods
 from troupe.strategies import registry
 from troupe.strategies.base import UpdateStrategy
+from troupe.strategies.choice import Fixed, OptionSwitch
 from troupe.strategies.compressed import CompressionConfig
+from troupe.strategies.partitioned import split_by_holders
 from troupe.sync.bucket import DEFAULT_BUCKET_SIZE, FIRST_BUCKET_SIZE
 from troupe.sync.reducer import GradReducer
-from troupe.util import check_int, pack, unpack_into
+from troupe.util import check_int
 
 DIST_OPTIONS = registry.DIST_OPTIONS
 
 
-class DistOpt(torch.optim.Optimizer):
+class DistOpt(SingaMethods, torch.optim.Optimizer):
     """Averages gradients across ranks, overlapped with backward, then steps the wrapped optimizer.
 
     Accepted wherever torch takes an optimizer (LR schedulers, ``GradScaler``); its
@@ -84,37 +87,31 @@ class DistOpt(torch.optim.Optimizer):
         self._names: dict[int, str] = {}
         self._pending: list[Handle] = []
         self._synced = False
-        self._strategies: dict[tuple, UpdateStrategy] = {}
         self._last_stats: dict[str, Any] = {}
-        self._restored: dict[str, Any] = {}  # strategies' state from load_state_dict, for those made later
+        self._choice: OptionSwitch | Fixed
         if cluster is not None:
             # The bootstrap owns roles: on a server rank this call serves and ends the process
             # (it never returns); a worker gets its view of the job (workers only) and its strategy.
             from troupe.cluster import bootstrap
 
-            self.info, self.strategy = bootstrap.worker_strategy(cluster, optimizer, self.world, bucket_size,
-                                                                 nan_policy)
+            if split_by_holders(self._params(), self.world.world_size)[1]:
+                raise ValueError("a partitioned model (troupe.partition) under a parameter-server cluster is not "
+                                 "supported yet: use the synchronous all-reduce (no cluster)")
+            self.info, strategy = bootstrap.worker_strategy(cluster, optimizer, self.world, bucket_size, nan_policy)
             self.communicator = self.world.comm
             self._check_and_broadcast()
-            self.reducer = self.strategy.reducer
-            self._own_reducer = False
-            self._ctx = None
-            self.strategy.start()  # Put/Get the initial parameters
+            self._choice = Fixed(strategy)
+            strategy.start()  # Put/Get the initial parameters
         else:
             self.communicator = self.world.comm
             self._check_and_broadcast()
-            self._own_reducer = True
-            self.reducer = self._make_reducer()
-            self._ctx = registry.Context(self.communicator, self.reducer, optimizer, self._params(),
-                                         compression or CompressionConfig(), lambda: self.step_count,
-                                         self.param_name)
             args = dict(registry.DIST_OPTION_ARGS.get(dist_option, {}))
             if spars is not None and registry.DIST_OPTIONS[dist_option] == "backward_and_sparse_update":
                 args["spars"] = spars
-            self.strategy = self._strategy_for(dist_option, **args)
-        if self.reducer is not None:
-            self.reducer.on_reduced = self._mark_synced
-            self.reducer.label_buckets(self.param_name)  # by position; by name once a model is attached
+            self._choice = OptionSwitch(self.communicator, self._params(), optimizer,
+                                        compression or CompressionConfig(), lambda: self.step_count,
+                                        self.param_name, bucket_size, first_bucket_size, dist_option, **args)
+        self._watch_reducer()
 
     # --- where this process is -------------------------------------------------------
 
@@ -131,13 +128,19 @@ class DistOpt(torch.optim.Optimizer):
         return self.info.world_size
 
     @property
+    def strategy(self) -> UpdateStrategy:
+        """The strategy this step uses (SINGA's per-call dist_option, or the cluster's)."""
+        return self._choice.current
+
+    @property
+    def reducer(self) -> GradReducer | None:
+        """The GradReducer that reduces gradients during backward (None in a world of one)."""
+        return self._choice.reducer
+
+    @property
     def device(self) -> torch.device:
         """``cuda:local_rank`` under NCCL, else the CPU."""
         return self.info.device
-
-    # SINGA's older names
-    rank_in_local = local_rank
-    rank_in_global = global_rank
 
     # --- torch.optim.Optimizer's state: the wrapped optimizer's, read through (its
     # load_state_dict replaces these objects, so they are never copied here)
@@ -199,57 +202,13 @@ class DistOpt(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add parameters (on every rank, in the same order): rank 0's values are broadcast and
         the new parameters join the reduction."""
-        if not self._own_reducer:
+        if not self._choice.local:
             raise ValueError("add_param_group is not available under a parameter-server cluster: "
                              "give the optimizer every parameter before creating the DistOpt")
         self.optimizer.add_param_group(param_group)
         self._check_and_broadcast()
-        self.reducer = self._rebuild_reducer()
-
-    # --- SINGA's update methods -----------------------------------------------------------
-
-    def backward_and_update(self, loss: Tensor) -> None:
-        """Backward, average gradients across ranks (overlapped with backward), optimizer step."""
-        self._singa_step(loss, "plain")
-
-    __call__ = backward_and_update
-
-    def backward_and_update_half(
-        self, loss: Tensor, clipping: bool = False, clip_value: float = 100, dtype: str = "fp16"
-    ) -> None:
-        """Like `backward_and_update`, but gradients travel as fp16 (or ``dtype="bf16"``).
-
-        Each rank divides by the world size before the cast, so the sum cannot overflow;
-        `clipping` first clips every gradient element to [-clip_value, clip_value] (SINGA).
-        """
-        self._singa_step(loss, "bf16" if dtype == "bf16" else "fp16", clipping=clipping, clip_value=clip_value,
-                         dtype=dtype)
-
-    def backward_and_partial_update(self, loss: Tensor) -> None:
-        """Local update on every rank, then one chunk of the parameters averaged, rotating.
-
-        Chunk size, periodic full averaging and warm-up come from `CompressionConfig`.
-        """
-        self._singa_step(loss, "partialUpdate")
-
-    def backward_and_sparse_update(
-        self, loss: Tensor, spars: float = 0.05, topK: bool = False, corr: bool = True
-    ) -> None:
-        """Send only part of each bucket's gradient as (index, value) pairs, sum, average, step.
-
-        `topK=True`: the ceil(spars * n) largest magnitudes (spars in (0, 1]);
-        `topK=False`: every element with ``|g| >= spars``. `corr` adds back what was not
-        sent in earlier steps (error feedback).
-        """
-        self._singa_step(loss, "sparseTopK" if topK else "sparseThreshold", spars=spars, topK=topK, corr=corr)
-
-    def update(self, loss: Tensor, dist_option: str = "plain", spars: float | None = None) -> None:
-        """Run the update that `dist_option` names (SINGA's names, see `DIST_OPTIONS`)."""
-        method = registry.check_option(dist_option)
-        kwargs = dict(registry.DIST_OPTION_ARGS.get(dist_option, {}))
-        if spars is not None and method == "backward_and_sparse_update":
-            kwargs["spars"] = spars
-        getattr(self, method)(loss, **kwargs)
+        self._choice.add_params(self._params())
+        self._watch_reducer()
 
     @property
     def last_step_stats(self) -> dict[str, Any]:
@@ -268,31 +227,10 @@ class DistOpt(torch.optim.Optimizer):
         them after the block.
         """
         yield self
-        if self.reducer is None or not self._own_reducer:
+        if self.reducer is None or not self._choice.local:
             return
         while self.reducer.shadow() > 0:
             self.step()
-
-    # --- SINGA's collective helpers ---------------------------------------------------
-
-    def all_reduce(self, tensor: Tensor) -> None:
-        """Start summing `tensor` in place across ranks; `wait()` completes it."""
-        self._pending.append(self.communicator.all_reduce(tensor, "sum", async_op=True))
-
-    def wait(self) -> None:
-        """Complete every `all_reduce` started so far."""
-        pending, self._pending = self._pending, []
-        for handle in pending:
-            handle.wait()
-
-    def sync_parameters(self, model: nn.Module) -> None:
-        """Copy rank 0's parameters and buffers to every rank (call on all ranks)."""
-        named = list(model.named_parameters()) + list(model.named_buffers())
-        self._names.update({id(p): n for n, p in model.named_parameters()})
-        self._check_same_everywhere([(n, tuple(t.shape), str(t.dtype)) for n, t in named], "the model")
-        self._broadcast([t for _, t in named])
-        if self.reducer is not None:
-            self.reducer.label_buckets(self.param_name)
 
     def param_name(self, param: Tensor) -> str:
         """The parameter's name in the attached model, or its position in the optimizer."""
@@ -303,23 +241,13 @@ class DistOpt(torch.optim.Optimizer):
     # --- checkpoints ----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        strategies: dict[str, Any] = {"residuals": {}}
-        if self._ctx is not None:
-            strategies["residuals"] = {k: v.clone() for k, v in self._ctx.residuals.items()}
-        for s in self._strategies.values():
-            strategies.update(s.state_dict())
-        return {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count, "strategies": strategies}
+        return {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count,
+                "strategies": self._choice.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step_count"])
-        strategies = state.get("strategies", {})
-        if self._ctx is not None:
-            self._ctx.residuals.clear()
-            self._ctx.residuals.update({k: v.clone() for k, v in strategies.get("residuals", {}).items()})
-        self._restored = strategies
-        for s in self._strategies.values():
-            s.load_state_dict(strategies)
+        self._choice.load_state_dict(state.get("strategies", {}))
 
     def close(self) -> None:
         """Leave cleanly: under a parameter-server cluster, tell the servers this worker has finished (also done at exit)."""
@@ -341,13 +269,10 @@ class DistOpt(torch.optim.Optimizer):
         rec = self.world.recorder
         if rec is not None:
             rec.note_loss(loss)
-        if self._own_reducer:
-            self.strategy = self._strategy_for(option, **args)
-        elif registry.DIST_OPTIONS[option] != "backward_and_update":
-            raise ValueError(f"dist_option {option!r} is not available under a parameter-server cluster: use 'plain'")
+        strategy = self._choice.select(option, **args)
         self.zero_grad()
-        if self._own_reducer and self.reducer is not None:
-            hook = self.strategy.reduce_hook()
+        if self._choice.local and self.reducer is not None:
+            hook = strategy.reduce_hook()
             if hook is not None:  # start the step's agreement now: it overlaps backward
                 self.reducer.open_step(hook, exchange=True)
         try:
@@ -357,34 +282,10 @@ class DistOpt(torch.optim.Optimizer):
             raise
         self.step()
 
-    def _strategy_for(self, option: str, **args: Any) -> UpdateStrategy:
-        key = (option, tuple(sorted(args.items())))
-        strategy = self._strategies.get(key)
-        if strategy is None:
-            strategy = registry.build(option, self._ctx, **args)
-            strategy.load_state_dict(self._restored)
-            self._strategies[key] = strategy
-        return strategy
-
-    def _make_reducer(self) -> GradReducer | None:
-        if self.world_size == 1:
-            return None
-        return GradReducer(self._params(), self.communicator, self.bucket_size, self.first_bucket_size,
-                           hook_for_step=lambda: self.strategy.reduce_hook(),
-                           describe_step=lambda: self.strategy.describe())
-
-    def _rebuild_reducer(self) -> GradReducer | None:
+    def _watch_reducer(self) -> None:
         if self.reducer is not None:
-            self.reducer.remove()
-        reducer = self._make_reducer()
-        self._ctx.reducer, self._ctx.params = reducer, self._params()
-        self._strategies.clear()
-        self.strategy = self._strategy_for("plain") if self.strategy.name == "plain" else \
-            registry.build(self.strategy.name, self._ctx)
-        if reducer is not None:
-            reducer.on_reduced = self._mark_synced
-            reducer.label_buckets(self.param_name)
-        return reducer
+            self.reducer.on_reduced = self._mark_synced
+            self.reducer.label_buckets(self.param_name)  # by position; by name once a model is attached
 
     def _mark_synced(self) -> None:
         self._synced = True
@@ -426,36 +327,7 @@ class DistOpt(torch.optim.Optimizer):
         return list(seen.values())
 
     def _check_and_broadcast(self) -> None:
-        params = self._params()
-        self._check_same_everywhere([(tuple(p.shape), str(p.dtype)) for p in params], "the optimizer's parameters")
-        self._broadcast(params)
-
-    def _check_same_everywhere(self, signature: list, what: str) -> None:
-        if self.world_size == 1:
-            return
-        everyone = self.communicator.all_gather_object(signature)
-        for r, theirs in enumerate(everyone):
-            if theirs != signature:
-                diff = next((i for i, (a, b) in enumerate(zip(signature, theirs)) if a != b), None)
-                where = (
-                    f"first difference at entry {diff}: {signature[diff]} here vs {theirs[diff]} on rank {r}"
-                    if diff is not None
-                    else f"{len(signature)} entries here vs {len(theirs)} on rank {r}"
-                )
-                raise ValueError(
-                    f"rank {self.global_rank}: {what} differs across ranks ({where}); "
-                    "every rank must build the same model"
-                )
-
-    @torch.no_grad()
-    def _broadcast(self, tensors: Iterable[Tensor]) -> None:
-        """Broadcast rank 0's values, one fused message per dtype and device."""
-        if self.world_size == 1:
-            return
-        groups: dict[tuple, list[Tensor]] = {}
-        for t in tensors:
-            groups.setdefault((t.dtype, t.device), []).append(t)
-        for key in sorted(groups, key=str):
-            flat = pack(groups[key])
-            self.communicator.broadcast(flat, src=0)
-            unpack_into(flat, groups[key])
+        # A partitioned model's slices differ by rank by design (troupe.partition broadcast them whole).
+        params, _ = split_by_holders(self._params(), self.world.world_size)
+        self.communicator.check_same([(tuple(p.shape), str(p.dtype)) for p in params], "the optimizer's parameters")
+        self.communicator.broadcast_tensors(params)

@@ -9,17 +9,32 @@ This package owns the plan, the partitioned layers, the connection layers betwee
 and `full_state_dict`. It does not reduce gradients: DistOpt sums each parameter's
 gradient over the ranks in its `_troupe_holders` and divides by the world size.
 
->>> model = troupe.partition.partition(CNN(), {"conv*": 0, "linear*": 1}, workers_per_group=2)
+>>> model = troupe.partition(CNN(), {"conv*": 0, "linear*": 1}, workers_per_group=2)
 >>> loss = F.cross_entropy(model(x_own), y_own)
 >>> plain.load_state_dict(troupe.partition.full_state_dict(model))
 """
 
 from __future__ import annotations
 
+import sys
+import types
+
 from troupe.partition.connect import WorkerGroup
 from troupe.partition.layers import FeatureSplit, LayerSpec, OnOneWorker, PartitionedLayer
 from troupe.partition.partitioner import HOLDERS, LayerInfo, describe, full_state_dict, partition
 from troupe.partition.plan import PARTITION_DIMS, Plan, check_world, resolve_plan, slice_rows
+
+
+
+class _Package(types.ModuleType):
+    """This package, callable: ``troupe.partition(model, plan, k)`` is `partition` (the issue's
+    spelling), while ``troupe.partition.full_state_dict`` and the rest stay reachable."""
+
+    def __call__(self, *args, **kwargs):
+        return partition(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "HOLDERS",

@@ -38,6 +38,7 @@ class Traffic:
 
 # torch 2.13 renamed reduce_scatter_tensor (which now warns) to reduce_scatter_single
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _complete(handle: Handle, async_op: bool, result):
@@ -235,7 +236,7 @@ class Communicator:
         self._count("all_gather", nbytes, (n - 1) * nbytes)
         out, src = self._staged(output), self._staged(input).contiguous()
         with waiting(self.watchdog, f"all_gather of {nbytes} bytes"):
-            dist.all_gather_into_tensor(out, src, group=self.group)
+            _all_gather_into(out, src, group=self.group)
         if out is not output:
             output.copy_(out)
         return output
@@ -334,19 +335,19 @@ class Communicator:
     def gather(self, tensor: Tensor, dst: int = 0) -> list[Tensor] | None:
         """Every rank's `tensor` on rank `dst` (None elsewhere)."""
         nbytes = tensor.numel() * tensor.element_size()
-        self._count("gather", nbytes, 0 if self.rank == dst else nbytes)
+        self._count("gather", nbytes, 0 if dist.get_rank() == dst else nbytes)
         src = self._staged(tensor).contiguous()
-        out = [torch.empty_like(src) for _ in range(self.world_size)] if self.rank == dst else None
+        out = [torch.empty_like(src) for _ in range(self.world_size)] if dist.get_rank() == dst else None
         with waiting(self.watchdog, f"gather of {nbytes} bytes"):
             dist.gather(src, out, dst=dst, group=self.group)
         return None if out is None else [o.to(tensor.device) for o in out]
 
     def scatter(self, out: Tensor, chunks: Sequence[Tensor] | None = None, src: int = 0) -> Tensor:
         """Rank `src` sends ``chunks[r]`` to rank r, which receives it into `out`."""
-        if (self.rank == src) != (chunks is not None):
+        if (dist.get_rank() == src) != (chunks is not None):
             raise ValueError(f"scatter: chunks must be given on the source rank {src} only")
         nbytes = out.numel() * out.element_size()
-        self._count("scatter", nbytes, (self.world_size - 1) * nbytes if self.rank == src else 0)
+        self._count("scatter", nbytes, (self.world_size - 1) * nbytes if dist.get_rank() == src else 0)
         dst = self._staged(out)
         staged = None if chunks is None else [self._staged(c).contiguous() for c in chunks]
         with waiting(self.watchdog, f"scatter of {nbytes} bytes"):
@@ -361,6 +362,36 @@ class Communicator:
         with waiting(self.watchdog, "all_gather_object"):
             dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def check_same(self, signature: list, what: str) -> None:
+        """Raise the same readable ValueError on every rank unless every rank passes an equal `signature`
+        (a list of entries: the first differing entry and the rank that has it are named)."""
+        if self.world_size == 1:
+            return
+        everyone = self.all_gather_object(signature)
+        for r, theirs in enumerate(everyone):
+            if theirs != signature:
+                diff = next((i for i, (a, b) in enumerate(zip(signature, theirs)) if a != b), None)
+                where = (
+                    f"first difference at entry {diff}: {signature[diff]} here vs {theirs[diff]} on rank {r}"
+                    if diff is not None
+                    else f"{len(signature)} entries here vs {len(theirs)} on rank {r}"
+                )
+                raise ValueError(f"rank {dist.get_rank()}: {what} differs across ranks ({where}); "
+                                 "every rank must build the same model")
+
+    @torch.no_grad()
+    def broadcast_tensors(self, tensors: Sequence[Tensor], src: int = 0) -> None:
+        """Copy `src`'s values into every rank's `tensors`, one fused message per dtype and device."""
+        if self.world_size == 1:
+            return
+        groups: dict[tuple, list[Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        for key in sorted(groups, key=str):
+            flat = pack(groups[key])
+            self.broadcast(flat, src=src)
+            unpack_into(flat, groups[key])
 
     def barrier(self) -> None:
         """Wait until every rank arrives."""

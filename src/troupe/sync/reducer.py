@@ -48,6 +48,8 @@ class GradReducer:
         self.hook_for_step = hook_for_step or (lambda: default)
         self.describe_step = describe_step or (lambda: "plain")
         self.on_reduced = on_reduced or (lambda: None)
+        self.also_reduce: Callable[[], None] | None = None
+        """More to reduce whenever the buckets have been (a partitioned model's slices, over their holders)."""
         self.agreement = agreement
         """Check that the ranks agree before each step's first bucket (off where `comm` holds ranks
         that do not take steps: the parameter-server client's channel to the servers)."""
@@ -168,6 +170,8 @@ class GradReducer:
             self.in_step = False
             self._callback_queued = False
         self._finished += 1
+        if self.also_reduce is not None:
+            self.also_reduce()
         rec = self.comm.recorder
         if rec is not None:
             rec.mark("reduced")

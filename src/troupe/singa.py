@@ -1,0 +1,94 @@
+"""SINGA's DistOpt methods, kept word for word for scripts written against SINGA.
+
+`DistOpt` inherits them; each update method is one `_singa_step(loss, option, **args)`
+of the front (zero the gradients, backward under that option's strategy, step). Nothing
+here holds state of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from troupe.strategies import registry
+
+
+class SingaMethods:
+    """SINGA's names: rank_in_local/global, the backward_and_* updates, update(loss, dist_option),
+    all_reduce/wait, sync_parameters."""
+
+    @property
+    def rank_in_local(self) -> int:
+        return self.local_rank
+
+    @property
+    def rank_in_global(self) -> int:
+        return self.global_rank
+
+    # --- updates ---------------------------------------------------------------------------
+
+    def backward_and_update(self, loss: Tensor) -> None:
+        """Backward, average gradients across ranks (overlapped with backward), optimizer step."""
+        self._singa_step(loss, "plain")
+
+    def __call__(self, loss: Tensor) -> None:
+        self.backward_and_update(loss)
+
+    def backward_and_update_half(
+        self, loss: Tensor, clipping: bool = False, clip_value: float = 100, dtype: str = "fp16"
+    ) -> None:
+        """Like `backward_and_update`, but gradients travel as fp16 (or ``dtype="bf16"``).
+
+        Each rank divides by the world size before the cast, so the sum cannot overflow;
+        `clipping` first clips every gradient element to [-clip_value, clip_value] (SINGA).
+        """
+        self._singa_step(loss, "bf16" if dtype == "bf16" else "fp16", clipping=clipping, clip_value=clip_value,
+                         dtype=dtype)
+
+    def backward_and_partial_update(self, loss: Tensor) -> None:
+        """Local update on every rank, then one chunk of the parameters averaged, rotating.
+
+        Chunk size, periodic full averaging and warm-up come from `CompressionConfig`.
+        """
+        self._singa_step(loss, "partialUpdate")
+
+    def backward_and_sparse_update(
+        self, loss: Tensor, spars: float = 0.05, topK: bool = False, corr: bool = True
+    ) -> None:
+        """Send only part of each bucket's gradient as (index, value) pairs, sum, average, step.
+
+        `topK=True`: the ceil(spars * n) largest magnitudes (spars in (0, 1]);
+        `topK=False`: every element with ``|g| >= spars``. `corr` adds back what was not
+        sent in earlier steps (error feedback).
+        """
+        self._singa_step(loss, "sparseTopK" if topK else "sparseThreshold", spars=spars, topK=topK, corr=corr)
+
+    def update(self, loss: Tensor, dist_option: str = "plain", spars: float | None = None) -> None:
+        """Run the update that `dist_option` names (SINGA's names, see `DIST_OPTIONS`)."""
+        method = registry.check_option(dist_option)
+        kwargs: dict[str, Any] = dict(registry.DIST_OPTION_ARGS.get(dist_option, {}))
+        if spars is not None and method == "backward_and_sparse_update":
+            kwargs["spars"] = spars
+        getattr(self, method)(loss, **kwargs)
+
+    # --- collectives ----------------------------------------------------------------------
+
+    def all_reduce(self, tensor: Tensor) -> None:
+        """Start summing `tensor` in place across ranks; `wait()` completes it."""
+        self._pending.append(self.communicator.all_reduce(tensor, "sum", async_op=True))
+
+    def wait(self) -> None:
+        """Complete every `all_reduce` started so far."""
+        pending, self._pending = self._pending, []
+        for handle in pending:
+            handle.wait()
+
+    def sync_parameters(self, model: nn.Module) -> None:
+        """Copy rank 0's parameters and buffers to every rank (call on all ranks)."""
+        named = list(model.named_parameters()) + list(model.named_buffers())
+        self._names.update({id(p): n for n, p in model.named_parameters()})
+        self.communicator.check_same([(n, tuple(t.shape), str(t.dtype)) for n, t in named], "the model")
+        self.communicator.broadcast_tensors([t for _, t in named])
+        if self.reducer is not None:
+            self.reducer.label_buckets(self.param_name)

@@ -1,0 +1,108 @@
+"""Gradients of a partitioned model: each parameter reduced only among the ranks that hold it.
+
+`troupe.partition` labels every parameter with its holders (``_troupe_holders``: the
+global ranks holding the same tensor): the whole job for a replicated (dim 0) layer,
+worker j of every group for slice j of a dim-1 layer, worker 0 of every group for a
+dim -1 layer. A partitioned layer's gradient on a holder already sums the contributions
+of its whole group's samples (the connection layers' backward adds them), so the rule
+that gives one process's gradient on the combined batch is the same for every
+parameter: sum over the holders, divide by the world size.
+
+The replicated parameters go through the strategy's GradReducer as usual (overlapped
+with backward, compressed if the option says so); `Partitioned` wraps that strategy and
+reduces the rest, one fused all-reduce per holder group, right after the reducer's buckets
+(its `also_reduce`), or in `synchronize()` when there is no reducer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from troupe.partition.partitioner import HOLDERS
+from troupe.reliability.nonfinite import all_finite
+from troupe.runtime.comm import Communicator
+from troupe.strategies.base import StepStats, UpdateStrategy
+from troupe.sync.reducer import GradReducer
+from troupe.util import pack, unpack_into
+
+
+def split_by_holders(params: Sequence[Tensor], world_size: int) -> tuple[list[Tensor], dict[tuple[int, ...], list[Tensor]]]:
+    """(parameters every rank holds, {holders: parameters} for the partitioned rest)."""
+    everyone, partitioned = [], {}
+    for p in params:
+        holders = getattr(p, HOLDERS, None)
+        if holders is None or len(holders) == world_size:
+            everyone.append(p)
+        else:
+            partitioned.setdefault(tuple(holders), []).append(p)
+    return everyone, partitioned
+
+
+class HolderGroups:
+    """One communicator per set of holders this rank belongs to, made on every rank in one order."""
+
+    def __init__(self, job: Communicator, partitioned: dict[tuple[int, ...], list[Tensor]]):
+        self.world_size = job.world_size
+        # Every rank must create every group, in the same order: learn every rank's holder sets.
+        mine = sorted(partitioned)
+        every = sorted({h for theirs in job.all_gather_object(mine) for h in theirs})
+        made = {h: job.new_group(list(h)) if len(h) > 1 else None for h in every}
+        self.groups: list[tuple[Communicator | None, list[Tensor]]] = [(made[h], partitioned[h]) for h in mine]
+        self.params = [p for _, ps in self.groups for p in ps]
+
+    def reduce(self) -> None:
+        """Sum each partitioned gradient over its holders and divide by the world size (in place)."""
+        for comm, params in self.groups:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = pack(grads)
+            if comm is not None:
+                comm.all_reduce(flat, "sum")
+            flat.div_(self.world_size)
+            unpack_into(flat, grads)
+            for p, g in zip(params, grads):
+                if p.grad is None:
+                    p.grad = g
+
+
+class Partitioned:
+    """`inner` for the replicated parameters, plus the holder-group reduction of the partitioned ones."""
+
+    def __init__(self, inner: UpdateStrategy, holders: HolderGroups, job: Communicator,
+                 reducer: GradReducer | None):
+        self.inner, self.holders, self.job = inner, holders, job
+        self.reducer = reducer
+        self.name = inner.name
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    def reduce_hook(self):
+        return self.inner.reduce_hook()
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()  # with a reducer, its also_reduce reduces the slices too
+        if self.reducer is None:
+            self.holders.reduce()
+
+    def all_finite(self) -> bool:
+        # The partitioned gradients differ from group to group: agree on one verdict.
+        verdict = torch.tensor([0.0 if self.inner.all_finite() and all_finite(
+            [p.grad for p in self.holders.params if p.grad is not None]) else 1.0])
+        self.job.all_reduce(verdict, "max")
+        return verdict.item() == 0.0
+
+    def step(self) -> StepStats:
+        return self.inner.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,127 @@
+"""Partitioned models trained by DistOpt (20 steps of SGD with momentum) equal one process on
+the combined batch: each parameter reduced over its holders only, every loop and option."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.dist.test_partition import MODELS
+from tests.dist.world import run_world
+
+STEPS = 20
+B_OWN = 3
+TOL = 1e-5
+
+CASES = {
+    2: [  # label, workers per group, model, plan, loop
+        ("mlp all dim 1, torch loop", 2, "mlp", 1, "torch"),
+        ("cnn hybrid + dim -1, SINGA sgd(loss)", 2, "cnn", {"conv*": 0, "fc1": 1, "fc2": -1}, "singa"),
+        ("mlp hybrid, accumulate 2 under no_sync + clip", 2, "mlp", {"fc1": 0, "fc2": 1, "fc3": -1}, "accumulate"),
+    ],
+    4: [
+        ("cnn two groups x two workers, torch loop", 2, "cnn", {"conv1": 0, "conv2": 1, "fc1": -1, "fc2": 1},
+         "torch"),
+        ("mlp two groups, SINGA fp16", 2, "mlp", {"fc1": 1, "fc2": 0, "fc3": 1}, "fp16"),
+    ],
+}
+
+
+def data(world_size: int, step: int, shape):
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn((world_size * B_OWN, *shape), generator=gen)
+    return x, torch.randint(0, 4, (world_size * B_OWN,), generator=gen)
+
+
+def micro_rows(world_size: int, micro: int) -> list[int]:
+    """Micro-batch `micro` when accumulating: each rank's first two samples, then its third."""
+    part = range(0, 2) if micro == 0 else range(2, 3)
+    return [r * B_OWN + i for r in range(world_size) for i in part]
+
+
+def reference(world_size: int, model_name: str, loop: str) -> dict[str, torch.Tensor]:
+    """One process, the combined batch, the same steps (the same two micro-batches when accumulating)."""
+    make, shape = MODELS[model_name]
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(STEPS):
+        x, y = data(world_size, step, shape)
+        opt.zero_grad()
+        if loop == "accumulate":
+            for micro in range(2):
+                rows = micro_rows(world_size, micro)
+                (F.cross_entropy(model(x[rows]), y[rows]) / 2).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        else:
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def train(rank: int, world_size: int, k: int, model_name: str, plan, loop: str) -> dict[str, torch.Tensor]:
+    """Partition, then train with this rank's own samples under `loop`; the whole model at the end."""
+    import troupe
+
+    make, shape = MODELS[model_name]
+    torch.manual_seed(0)
+    model = troupe.partition(make(), plan, workers_per_group=k)
+    sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    own = slice(rank * B_OWN, (rank + 1) * B_OWN)
+    for step in range(STEPS):
+        x, y = data(world_size, step, shape)
+        if loop in ("singa", "fp16"):
+            sgd.update(F.cross_entropy(model(x[own]), y[own]), "plain" if loop == "singa" else "fp16")
+        elif loop == "accumulate":
+            sgd.zero_grad()
+            for micro in range(2):
+                rows = [i for i in micro_rows(world_size, micro) if own.start <= i < own.stop]
+                with sgd.no_sync() if micro == 0 else nullcontext():
+                    (F.cross_entropy(model(x[rows]), y[rows]) / 2).backward()
+            sgd.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # a no-op bound: clipping runs between
+            sgd.step()
+        else:
+            sgd.zero_grad()
+            F.cross_entropy(model(x[own]), y[own]).backward()
+            sgd.step()
+    return troupe.full_state_dict(model)
+
+
+def _world(rank, world_size):
+    return {label: train(rank, world_size, k, model_name, plan, loop)
+            for label, k, model_name, plan, loop in CASES[world_size]}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_partitioned_training_equals_one_process(world_size):
+    results = run_world(_world, world_size, timeout=150)
+    for label, _, model_name, _, loop in CASES[world_size]:
+        ref = reference(world_size, model_name, loop)
+        tol = 2e-3 if loop == "fp16" else TOL
+        for rank, by_case in enumerate(results):
+            got = by_case[label]
+            assert list(got) == list(ref), (label, rank)
+            err = max((got[n] - ref[n]).abs().max().item() for n in ref)
+            assert err < tol, f"rank {rank}, {label}: differs from one process by {err:.3g}"
+
+
+def _refused(rank, world_size):
+    import troupe
+
+    model = troupe.partition(MODELS["mlp"][0](), {"fc2": 1}, workers_per_group=2)
+    sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(B_OWN, 8)
+    try:
+        sgd.update(model(x).sum(), "partialUpdate")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_partial_update_of_a_partitioned_model_is_refused():
+    for message in run_world(_refused, 2, timeout=60):
+        assert message and "cannot average a partitioned model's slices" in message
