@@ -55,6 +55,10 @@ class CNN(troupe.Model):
         return out, loss
 
 
+PARTITIONS = {"data": 0, "hybrid": {"conv*": 0, "linear*": 1}, "model": 1}
+"""--partition: the partition_dim of each layer (SINGA 0.x; troupe.partition)."""
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=3)
@@ -79,6 +83,11 @@ def parse_args(argv=None):
     p.add_argument("--clip", type=float, default=None, help="--loop torch: clip_grad_norm_ to this")
     p.add_argument("--amp", action="store_true", help="--loop torch: bf16 autocast and a GradScaler")
     p.add_argument("--lr-step", type=int, default=None, help="--loop torch: StepLR(step_size=N steps, gamma=0.5)")
+    p.add_argument("--partition", choices=sorted(PARTITIONS), default="data",
+                   help="data: every rank the whole model; hybrid: convolutions split the batch, linear layers "
+                        "their output features (Krizhevsky's 'one weird trick'); model: every layer its features")
+    p.add_argument("--workers-per-group", type=int, default=None,
+                   help="--partition hybrid/model: ranks that compute one model replica (default: all)")
     p.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
     return p.parse_args(argv)
 
@@ -89,6 +98,9 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model = CNN()
+    if args.partition != "data":
+        world = troupe.init(ticket, local_rank, world_size)
+        troupe.partition(model, PARTITIONS[args.partition], args.workers_per_group or world.world_size)
     sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-5)
     sgd = troupe.DistOpt(sgd, ticket=ticket, local_rank=local_rank, world_size=world_size,
                          dist_option=args.dist_option, spars=args.spars)
@@ -205,7 +217,9 @@ class TorchLoop:
         self.sgd.synchronize()  # p.grad: the mean over ranks
         if self.args.clip is not None:
             self.scaler.unscale_(self.sgd)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip)
+            # troupe's counts every slice of a partitioned layer once, on every rank (torch's sees this rank's)
+            clip = troupe.clip_grad_norm_ if self.args.partition != "data" else torch.nn.utils.clip_grad_norm_
+            clip(self.model.parameters(), self.args.clip)
         self.scaler.step(self.sgd)
         self.scaler.update()
         self.sgd.zero_grad()

@@ -9,7 +9,7 @@
 """
 
 from troupe import data, metrics, partition
-from troupe.partition import full_state_dict
+from troupe.partition import clip_grad_norm_, full_state_dict
 from troupe.reliability import checkpoint
 from troupe.runtime.comm import Communicator
 from troupe.runtime.launch import DistInfo, Ticket, wait_all
@@ -34,6 +34,7 @@ __all__ = [
     "UpdateStrategy",
     "World",
     "checkpoint",
+    "clip_grad_norm_",
     "data",
     "full_state_dict",
     "info",

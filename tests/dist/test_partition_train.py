@@ -15,6 +15,8 @@ from tests.dist.world import run_world
 STEPS = 20
 B_OWN = 3
 TOL = 1e-5
+CLIP = 0.3
+"""Below the gradient norm of many of the clip case's steps (the test checks that it binds)."""
 
 CASES = {
     2: [  # label, workers per group, model, plan, loop
@@ -26,6 +28,7 @@ CASES = {
         ("cnn two groups x two workers, torch loop", 2, "cnn", {"conv1": 0, "conv2": 1, "fc1": -1, "fc2": 1},
          "torch"),
         ("mlp two groups, SINGA fp16", 2, "mlp", {"fc1": 1, "fc2": 0, "fc3": 1}, "fp16"),
+        ("cnn two groups, clipped to a binding norm", 2, "cnn", {"conv*": 0, "fc1": 1, "fc2": -1}, "clip"),
     ],
 }
 
@@ -58,6 +61,8 @@ def reference(world_size: int, model_name: str, loop: str) -> dict[str, torch.Te
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
         else:
             F.cross_entropy(model(x), y).backward()
+            if loop == "clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -71,6 +76,7 @@ def train(rank: int, world_size: int, k: int, model_name: str, plan, loop: str) 
     model = troupe.partition(make(), plan, workers_per_group=k)
     sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     own = slice(rank * B_OWN, (rank + 1) * B_OWN)
+    norms: list[float] = []
     for step in range(STEPS):
         x, y = data(world_size, step, shape)
         if loop in ("singa", "fp16"):
@@ -87,8 +93,11 @@ def train(rank: int, world_size: int, k: int, model_name: str, plan, loop: str) 
         else:
             sgd.zero_grad()
             F.cross_entropy(model(x[own]), y[own]).backward()
+            if loop == "clip":
+                sgd.synchronize()
+                norms.append(float(troupe.clip_grad_norm_(model.parameters(), CLIP)))
             sgd.step()
-    return troupe.full_state_dict(model)
+    return {"state": troupe.full_state_dict(model), "norms": norms}
 
 
 def _world(rank, world_size):
@@ -103,10 +112,13 @@ def test_partitioned_training_equals_one_process(world_size):
         ref = reference(world_size, model_name, loop)
         tol = 2e-3 if loop == "fp16" else TOL
         for rank, by_case in enumerate(results):
-            got = by_case[label]
+            got = by_case[label]["state"]
             assert list(got) == list(ref), (label, rank)
             err = max((got[n] - ref[n]).abs().max().item() for n in ref)
             assert err < tol, f"rank {rank}, {label}: differs from one process by {err:.3g}"
+            if loop == "clip":  # every rank clipped by the same (whole model's) norm, and it bound
+                norms = by_case[label]["norms"]
+                assert norms == results[0][label]["norms"] and sum(n > CLIP for n in norms) >= STEPS // 4, norms
 
 
 def _refused(rank, world_size):
@@ -125,3 +137,4 @@ def _refused(rank, world_size):
 def test_partial_update_of_a_partitioned_model_is_refused():
     for message in run_world(_refused, 2, timeout=60):
         assert message and "cannot average a partitioned model's slices" in message
+

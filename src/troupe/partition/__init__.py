@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 import types
 
+from troupe.partition.clip import clip_grad_norm_
 from troupe.partition.connect import WorkerGroup
 from troupe.partition.layers import FeatureSplit, LayerSpec, OnOneWorker, PartitionedLayer
 from troupe.partition.partitioner import HOLDERS, LayerInfo, describe, full_state_dict, partition
@@ -47,6 +48,7 @@ __all__ = [
     "Plan",
     "WorkerGroup",
     "check_world",
+    "clip_grad_norm_",
     "describe",
     "full_state_dict",
     "partition",
