@@ -1,0 +1,228 @@
+"""Krizhevsky's "one weird trick" (2014) on simulated hosts: data parallel vs partitioned.
+
+    python benchmarks/partition.py --links loopback 1gbit 100mbit --workloads cnn fcnet \
+        --out benchmarks/results/partition.jsonl
+
+Four workers (one process per simulated host; "loopback": four local processes) train
+the same model under several plans, taking turns step by step in the same processes
+(`troupe.bench.engine.run_ab`: burn-in, then repetitions of measured steps, order
+reversed every other step; the slowest rank's time per step; median per repetition):
+
+* ``data``:      every worker the whole model, gradients all-reduced (DistOpt, plain);
+* ``data fp16``: the same with fp16 gradients;
+* ``hybrid kK``: groups of K workers, convolutions split the batch (dim 0) and the
+                 linear layers their output features (dim 1): the weird trick;
+* ``model k4``:  one group of 4, every layer split by features (dim 1).
+
+Workloads: "cnn", the example's MNIST CNN (its linear layers hold 95% of its 431k
+parameters), and "fcnet", an AlexNet-style net whose three linear layers hold 97.5% of
+2.1M parameters; batch 32 per worker, MNIST-shaped synthetic data for timing. Every
+plan computes the same function (tests/dist/test_partition_train.py), so training loss
+per step is the same for all plain-fp32 plans: `--steps-to-loss` trains data and hybrid
+side by side on real MNIST on loopback and records the step at which each reached the
+loss, to turn step time into time to that loss. Records: troupe bench JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+WORKERS = 4
+BATCH = 32
+
+
+def fcnet():
+    """AlexNet's shape, small: two convolutions, then three linear layers holding 97.5% of the parameters."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class FCNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2 = nn.Conv2d(1, 32, 5), nn.Conv2d(32, 64, 5)
+            self.linear1, self.linear2, self.linear3 = nn.Linear(1024, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 10)
+
+        def forward(self, x):
+            y = F.max_pool2d(F.relu(self.conv1(x)), 2)
+            y = F.max_pool2d(F.relu(self.conv2(y)), 2).flatten(1)
+            return self.linear3(F.relu(self.linear2(F.relu(self.linear1(y)))))
+
+    return FCNet()
+
+
+def make_model(name: str):
+    if name == "fcnet":
+        return fcnet()
+    sys.path.insert(0, str(ROOT / "examples"))
+    from mnist_cnn import CNN
+
+    return CNN()
+
+
+CLASSIFIER = {"cnn": "linear2", "fcnet": "linear3"}
+"""The last layer (10 outputs: 4 workers cannot split it; it stays data parallel, 0.1-2% of the parameters)."""
+HYBRID = {"conv*": 0, "linear*": 1}
+PLANS = {  # name -> (workers per group, plan, dist_option)
+    "data": (1, 0, "plain"),
+    "data fp16": (1, 0, "fp16"),
+    "hybrid k2": (2, HYBRID, "plain"),
+    "hybrid k4": (4, HYBRID, "plain"),
+    "model k4": (4, {"*": 1}, "plain"),
+}
+
+
+def contestant(name: str, workload: str, batches, seed: int = 0):
+    """One plan's model and DistOpt; its step trains batch i (this worker's share)."""
+    import torch
+    import torch.nn.functional as F
+
+    import troupe
+    from troupe.bench.engine import Contestant
+
+    k, plan, option = PLANS[name]
+    torch.manual_seed(seed)
+    model = make_model(workload)
+    if k > 1:
+        troupe.partition(model, {**plan, CLASSIFIER[workload]: 0}, workers_per_group=k)
+    sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+
+    def step(i: int) -> dict[str, float]:
+        x, y = batches[i % len(batches)]
+        before = sgd.communicator.bytes_sent()
+        sgd.update(F.cross_entropy(model(x), y), option)
+        return {"wire_bytes": float(sgd.communicator.bytes_sent() - before)}
+
+    params = sum(p.numel() for p in model.parameters())
+    return Contestant(name, step, {"workers_per_group": k, "option": option, "param_elements": params}), model, sgd
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    import troupe
+    from troupe.bench.engine import Schedule, run_ab
+    from troupe.bench.suites.common import to_records
+
+    torch.set_num_threads(1)
+    world = troupe.init()
+    x, y = troupe.data.synthetic(BATCH * 8, seed=world.rank)
+    batches = [(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]) for i in range(8)]
+    made = [contestant(name, args.workload, batches)[0] for name in args.plans]
+    schedule = Schedule(reps=args.reps, steps=args.steps, burnin=args.burnin)
+    measured = run_ab(made, schedule, world.comm)
+    records = to_records(measured, made, benchmark="partition", workload=args.workload,
+                         params={"link": args.link, "batch_size": BATCH}, world_size=world.world_size)
+    if world.rank == 0:
+        for r in records:
+            print("RECORD " + r.to_json(), flush=True)
+    if args.steps_to_loss:
+        steps_to_loss(args, world)
+
+
+def steps_to_loss(args: argparse.Namespace, world) -> None:
+    """Train "data" and "hybrid k2" side by side on real MNIST; the step at which each reached the loss."""
+    import torch
+    import torch.nn.functional as F
+
+    import troupe
+
+    train_x, train_y, _, _ = troupe.data.load_mnist()
+    x, y = troupe.data.partition(train_x, train_y, world.rank, world.world_size)
+    reached: dict[str, int | None] = {}
+    for name in ("data", "hybrid k2"):
+        _, model, sgd = contestant(name, args.workload, [])
+        average, reached[name] = None, None
+        for step in range(args.max_loss_steps):
+            sel = slice((step * BATCH) % (len(x) - BATCH), (step * BATCH) % (len(x) - BATCH) + BATCH)
+            loss = F.cross_entropy(model(x[sel]), y[sel])
+            sgd.update(loss, "plain")
+            mean = torch.tensor([loss.item()])
+            world.comm.all_reduce(mean, "mean")
+            average = mean.item() if average is None else 0.9 * average + 0.1 * mean.item()
+            if step >= 10 and average < args.loss:
+                reached[name] = step + 1
+                break
+    if world.rank == 0:
+        print("STEPS " + json.dumps({"workload": args.workload, "loss": args.loss, "steps": reached}), flush=True)
+
+
+def _lines(out: str, tag: str) -> list[dict]:
+    return [json.loads(line[len(tag) + 1:]) for line in out.splitlines() if line.startswith(tag + " ")]
+
+
+def launch(args: argparse.Namespace, workload: str, link: str) -> str:
+    """Run the worker on 4 local processes (loopback) or 4 simulated hosts; its stdout (rank 0's)."""
+    flags = ["--worker", "--workload", workload, "--link", link, "--reps", str(args.reps), "--steps",
+             str(args.steps), "--burnin", str(args.burnin), "--plans", *args.plans]
+    if args.steps_to_loss and link == "loopback":
+        flags += ["--steps-to-loss", "--loss", str(args.loss)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_TIMEOUT": "600"}
+    if link == "loopback":
+        cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(WORKERS), "--threads", "1", __file__, *flags]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=ROOT, env=env)
+        if proc.returncode:
+            raise RuntimeError(proc.stderr[-3000:])
+        return proc.stdout
+    from netns import Hosts
+
+    token, port = secrets.token_hex(8), 29700 + secrets.randbelow(200)
+    with Hosts(WORKERS, rate=link, delay=args.delay) as hosts:
+        procs = []
+        for i in range(WORKERS):
+            cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "1", "--threads", "1", "--nnodes", str(WORKERS),
+                   "--node-rank", str(i), "--master", f"{hosts.addr(0)}:{port}", "--token", token, __file__, *flags]
+            procs.append(hosts.popen(i, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     cwd=ROOT))
+        outs = [p.communicate(timeout=3600) for p in procs]
+        if any(p.returncode for p in procs):
+            raise RuntimeError("\n".join(err[-1500:] for _, err in outs))
+        return outs[0][0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--workload", default="cnn", help=argparse.SUPPRESS)
+    p.add_argument("--link", default="loopback", help=argparse.SUPPRESS)
+    p.add_argument("--workloads", nargs="+", default=["cnn", "fcnet"])
+    p.add_argument("--links", nargs="+", default=["loopback", "1gbit", "100mbit"])
+    p.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
+    p.add_argument("--reps", type=int, default=11)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--burnin", type=int, default=2)
+    p.add_argument("--delay", default=None, help="netem delay per link, e.g. 1ms")
+    p.add_argument("--steps-to-loss", action="store_true", help="also measure steps to --loss on real MNIST (loopback)")
+    p.add_argument("--loss", type=float, default=0.5)
+    p.add_argument("--max-loss-steps", type=int, default=2000, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help="append the records (JSON lines) here")
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    from troupe.bench import render
+    from troupe.bench.records import Record, save, stamp
+
+    run = stamp(ROOT)
+    for workload in args.workloads:
+        for link in args.links:
+            out = launch(args, workload, link)
+            records = [Record.from_dict(r) for r in _lines(out, "RECORD")]
+            if args.out:
+                save(args.out, records, run)
+            for s in _lines(out, "STEPS"):
+                print(json.dumps(s), flush=True)
+            print(f"\n{workload}, {link}:\n" + render.long_table(records, label="plan", reference="data"), flush=True)
+
+
+if __name__ == "__main__":
+    main()
