@@ -1,5 +1,6 @@
 """The `troupe` command: `troupe run` starts a job's local processes, `troupe info` describes the machine,
-`troupe bench` runs and renders benchmarks (troupe.bench)."""
+`troupe bench` runs and renders benchmarks (troupe.bench), `troupe plan` prices partition plans
+(troupe.partition.planner)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     sub.add_parser("info", help="what this machine offers: torch, backends, devices, MPI")
     _add_bench_parser(sub)
+    _add_plan_parser(sub)
     return parser
 
 
@@ -115,6 +117,40 @@ def _add_bench_parser(sub) -> None:
         p.add_argument("--run", default=None, help="only this run's records (its id)")
 
 
+def _add_plan_parser(sub) -> None:
+    """`troupe plan SCRIPT.py -n W --link 1gbit` (troupe.partition.planner.command does the work)."""
+    plan = sub.add_parser("plan", help="profile a script's model; predict step time, bytes and memory of every "
+                                       "partition plan and communication option; pick one")
+
+    def one_line_error(message: str) -> None:  # bad input: exit 2 with one line, not usage + error
+        print(f"troupe plan: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    plan.error = one_line_error
+    plan.add_argument("script", help="the training script (imported, its main not run)")
+    plan.add_argument("-n", "--nproc", default="2", help="workers in the job, W (default 2)")
+    plan.add_argument("--link", default="loopback",
+                      help="loopback (default), 100mbit, 1gbit, 10gbit, a bandwidth (2.5gbit, 400mb/s), "
+                           "alpha=50us,beta=1gbit, or measure (fit on loopback now)")
+    plan.add_argument("--batch", default="64", help="samples per worker, b (default 64)")
+    plan.add_argument("--input", default=None, help="one sample's shape without the batch dim, e.g. 1,28,28 "
+                                                    "(default: the script's INPUT_SHAPE)")
+    plan.add_argument("--model", default=None, help="a class or zero-argument function in the script "
+                                                    "(default: its one nn.Module class)")
+    plan.add_argument("--workers-per-group", nargs="+", default=None, metavar="K",
+                      help="group sizes to consider (default: every divisor of -n)")
+    plan.add_argument("--options", nargs="+", default=["plain", "fp16", "sparseTopK", "partialUpdate"],
+                      help="dist_options to price (plain, fp16, bf16, sparseTopK, partialUpdate)")
+    plan.add_argument("--spars", type=float, default=0.05, help="sparseTopK's fraction sent (default 0.05)")
+    plan.add_argument("--overlap", type=float, default=0.0,
+                      help="fraction of the data-parallel reduction hidden by backward (default 0)")
+    plan.add_argument("--optimizer-slots", type=int, default=0,
+                      help="optimizer state per parameter in the memory column (1 momentum, 2 Adam)")
+    plan.add_argument("--reps", default="5", help="timed repetitions per layer shape (median; default 5)")
+    plan.add_argument("--threads", type=int, default=1, help="torch threads while profiling (default 1)")
+    plan.add_argument("--json", action="store_true", help="JSON lines instead of the table")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "info":
@@ -124,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         from troupe.bench.command import main as bench_main
 
         return bench_main(args)
+    if args.command == "plan":
+        from troupe.partition.planner.command import main as plan_main
+
+        return plan_main(args)
     try:
         return run(args)
     except (ValueError, ImportError) as e:  # bad arguments; a missing optional package (tensorboard)

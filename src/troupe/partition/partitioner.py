@@ -20,6 +20,7 @@ from troupe.partition.plan import Plan, check_world, resolve_plan
 from troupe.util import pack, unpack_into
 
 if TYPE_CHECKING:
+    from troupe.partition.planner.link import Link
     from troupe.runtime.comm import Communicator
 
 HOLDERS = "_troupe_holders"
@@ -43,6 +44,8 @@ def partition(
     *,
     comm: Communicator | None = None,
     default: int | None = None,
+    sample: Tensor | None = None,
+    link: str | Link = "loopback",
 ) -> nn.Module:
     """Partition `model`'s nn.Linear / nn.Conv2d layers inside worker groups (SINGA 0.x), in place.
 
@@ -60,7 +63,14 @@ def partition(
         plan: one partition_dim for every Linear/Conv2d, or a dict of module-name glob ->
             dim (see `resolve_plan`); "*" or `default` for layers no key matches (0).
         comm: the job-wide communicator (its ranks are the global ranks); the World's by default.
+        sample, link: for plan "auto": rank 0 profiles the model on `sample` (one batch of this
+            worker's input) and the planner picks every layer's dim for this k on `link` (a
+            planner Link or spelling; default the "loopback" constants); every rank gets rank 0's plan.
     """
+    if isinstance(plan, str) and plan == "auto":
+        from troupe.partition.planner.auto import auto_plan  # only "auto" needs the planner and its profiling
+
+        plan = auto_plan(model, workers_per_group, _job_comm(comm), sample=sample, link=link)
     dims = resolve_plan(model, plan, workers_per_group, default=default)
     job = _job_comm(comm)
     ngroups = check_world(job.world_size, workers_per_group)

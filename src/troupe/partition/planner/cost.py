@@ -1,0 +1,251 @@
+"""The cost model: predicted step time, bytes per step and parameter memory of a partition plan.
+
+It models what troupe's partition runtime does (connect.py, layers.py, DistOpt's
+reductions), with W = G groups x k workers, b samples per worker, B = k*b per group,
+s bytes per element, a link (alpha, beta), and per layer P parameters, A_in / A_out
+activation elements per sample and c(n, parts) forward+backward seconds:
+
+    all-reduce over n ranks of m bytes:  messages*alpha + 2(n-1)/n*m*beta   (0 when n == 1)
+    dim 0:   c(b) + exposed(all-reduce over W of P*s, ceil(P/bucket) messages)
+    dim 1:   c(B, k) + [alpha + (k-1)*b*A_in*s*beta]              forward all-gather of the input
+                     + 2*[alpha + (k-1)/k*b*A_out*s*beta]          all-to-all, forward and backward
+                     + g*[alpha + 2(k-1)*b*A_in*s*beta]            reduce-scatter of the input gradient
+                     + all-reduce over G of P/k*s                  the slice's holders
+    dim -1:  c(B) + (k-1)*[2*alpha + b*(A_in + A_out)*s*beta]      forward, serialised at worker 0
+                  + (k-1)*[alpha + b*A_out*s*beta] + g*(k-1)*[alpha + b*A_in*s*beta]   backward
+                  + all-reduce over G of P*s                       the group roots
+    replicated leaves: c_rest(b) + exposed(all-reduce over W of P_rest*s)
+    transition between consecutive layers: 0 (see `transition_cost`)
+
+g is 1 when backward needs the layer's input gradient (0 for the model's first layer),
+a layer called m times per forward pays its compute and exchanges m times. "bytes" are
+the bytes whose transfer time is charged: what the busiest worker (worker 0) sends or,
+for its serialised exchanges, receives. The communication-saving options replace the
+data-parallel reduction of dim-0 (and replicated) parameters only: partitioned slices
+are always reduced in fp32 over their holders, which is what the runtime does.
+
+One deviation, in alpha only: the runtime fuses small gradients into shared buckets and
+all of a worker's partitioned slices into one message; here each layer pays its own
+alpha(s), so the cost stays a sum over layers and the search over the chain is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from troupe.partition.planner.link import Link
+from troupe.partition.planner.profile import LayerProfile, ModelProfile
+from troupe.sync.bucket import DEFAULT_BUCKET_SIZE
+from troupe.util import check_int
+
+DEFAULT_CHUNK_SIZE = 2**17
+"""Partial update's elements per step: troupe.strategies.compressed.DEFAULT_CHUNK_SIZE, written
+again because importing strategies (which imports partition) would close an import cycle."""
+
+OPTIONS = ("plain", "fp16", "bf16", "sparseTopK", "partialUpdate")
+"""The dist_options the model prices (SINGA's names)."""
+
+INDEX_BYTES = 4
+"""Top-K sends an int32 index with every value."""
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Seconds split by kind, and bytes per step; costs add."""
+
+    compute: float = 0.0
+    intra: float = 0.0
+    """Exchanges inside the worker group (connection layers)."""
+    reduce: float = 0.0
+    """Gradient/parameter reductions across groups (exposed part)."""
+    bytes: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.compute + self.intra + self.reduce
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.compute + other.compute, self.intra + other.intra, self.reduce + other.reduce,
+                    self.bytes + other.bytes)
+
+    def times(self, m: int) -> Cost:
+        return Cost(self.compute * m, self.intra * m, self.reduce * m, self.bytes * m)
+
+
+ZERO = Cost()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """Everything about a run the cost depends on, except the model and the plan."""
+
+    world_size: int
+    workers_per_group: int = 1
+    link: Link
+    option: str = "plain"
+    spars: float = 0.05
+    """sparseTopK: fraction of each gradient sent."""
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    """partialUpdate: parameter elements averaged per step."""
+    bucket_size: int = DEFAULT_BUCKET_SIZE
+    """Elements per data-parallel bucket (each bucket is one message)."""
+    overlap: float = 0.0
+    """Fraction of the data-parallel reduction hidden behind backward (see `exposed`)."""
+    optimizer_slots: int = 0
+    """Optimizer state per parameter, in parameter-sized tensors (1 for momentum, 2 for Adam)."""
+
+    def __post_init__(self) -> None:
+        check_int("world_size", self.world_size)
+        check_int("workers_per_group", self.workers_per_group)
+        if self.world_size % self.workers_per_group:
+            raise ValueError(f"workers_per_group ({self.workers_per_group}) must divide the world size "
+                             f"({self.world_size})")
+        if self.option not in OPTIONS:
+            raise ValueError(f"option must be one of {OPTIONS}, got {self.option!r}")
+        if not 0 < self.spars <= 1:
+            raise ValueError(f"spars must be in (0, 1], got {self.spars!r}")
+        if not 0 <= self.overlap <= 1:
+            raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
+        check_int("chunk_size", self.chunk_size)
+        check_int("bucket_size", self.bucket_size)
+        check_int("optimizer_slots", self.optimizer_slots, minimum=0)
+
+    @property
+    def groups(self) -> int:
+        """G: worker groups (replicas)."""
+        return self.world_size // self.workers_per_group
+
+
+def exposed(seconds: float, setup: Setup) -> float:
+    """The part of the bucketed data-parallel reduction backward does not hide.
+
+    Assumption (the one place to calibrate): a fixed fraction `setup.overlap` of it runs
+    under backward; the default 0 charges it all (no overlap). Reductions of partitioned
+    slices run after the buckets, synchronously, and are always charged in full.
+    """
+    return (1.0 - setup.overlap) * seconds
+
+
+def all_reduce(link: Link, ranks: int, nbytes: float, messages: float = 1) -> Cost:
+    """Ring all-reduce: each rank sends 2(n-1)/n of the buffer."""
+    if ranks == 1 or nbytes == 0:
+        return ZERO
+    sent = 2 * (ranks - 1) / ranks * nbytes
+    return Cost(reduce=link.seconds(sent, messages), bytes=sent)
+
+
+def _buckets(params: int, setup: Setup) -> int:
+    return max(1, math.ceil(params / setup.bucket_size))
+
+
+def dp_reduction(params: int, setup: Setup, s: int) -> Cost:
+    """Data-parallel reduction (over all W ranks) of `params` replicated parameters, per the option."""
+    n, link = setup.world_size, setup.link
+    if n == 1 or params == 0 or setup.option == "partialUpdate":  # partial update: see `partial_update`
+        return ZERO
+    messages = _buckets(params, setup)
+    if setup.option in ("fp16", "bf16"):
+        cost = all_reduce(link, n, params * 2, messages)
+    elif setup.option == "sparseTopK":
+        payload = math.ceil(setup.spars * params) * (INDEX_BYTES + s)
+        received = (n - 1) * payload  # all-gathered: payloads of different ranks cannot be summed
+        cost = Cost(reduce=link.seconds(received, messages), bytes=received)
+    else:
+        cost = all_reduce(link, n, params * s, messages)
+    return Cost(reduce=exposed(cost.reduce, setup), bytes=cost.bytes)
+
+
+def partial_update(dim0_params: int, setup: Setup, s: int) -> Cost:
+    """partialUpdate's one chunk of the replicated parameters averaged per step (after the update,
+    not overlapped): the parameters are cut into K = ceil(P0/chunk) equal chunks, one per step."""
+    if setup.option != "partialUpdate" or setup.world_size == 1 or dim0_params == 0:
+        return ZERO
+    chunk = dim0_params / math.ceil(dim0_params / setup.chunk_size)
+    return all_reduce(setup.link, setup.world_size, chunk * s)
+
+
+def _msg(link: Link, nbytes: float, messages: float = 1) -> Cost:
+    return Cost(intra=link.seconds(nbytes, messages), bytes=nbytes)
+
+
+def _dim1_exchanges(layer: LayerProfile, setup: Setup, b: int, s: int) -> Cost:
+    k, link = setup.workers_per_group, setup.link
+    g = 1 if layer.input_grad else 0
+    gather = _msg(link, (k - 1) * b * layer.in_elems * s)
+    to_owners = _msg(link, (k - 1) / k * b * layer.out_elems * s)
+    scatter = _msg(link, g * 2 * (k - 1) * b * layer.in_elems * s, g)  # Gloo: an all-reduce's bytes
+    return gather + to_owners + to_owners + scatter
+
+
+def _root_exchanges(layer: LayerProfile, setup: Setup, b: int, s: int) -> Cost:
+    k, link = setup.workers_per_group, setup.link
+    g = 1 if layer.input_grad else 0
+    forward = _msg(link, (k - 1) * b * (layer.in_elems + layer.out_elems) * s, 2 * (k - 1))
+    backward = _msg(link, (k - 1) * b * (layer.out_elems + g * layer.in_elems) * s, (1 + g) * (k - 1))
+    return forward + backward
+
+
+def layer_cost(layer: LayerProfile, dim: int, setup: Setup, batch: int, s: int = 4) -> Cost:
+    """One layer's cost per step with partition_dim `dim` (checked against the layer)."""
+    k, b = setup.workers_per_group, batch
+    if dim not in layer.dims(k):
+        raise ValueError(f"{layer.name}: partition_dim {dim} is not possible with workers_per_group {k} "
+                         f"(possible: {layer.dims(k)})")
+    if dim == 0:
+        return Cost(compute=layer.compute(b)).times(layer.calls) + dp_reduction(layer.params, setup, s)
+    if dim == 1:
+        work = Cost(compute=layer.compute(k * b, k)) + _dim1_exchanges(layer, setup, b, s)
+        return work.times(layer.calls) + all_reduce(setup.link, setup.groups, layer.params / k * s)
+    work = Cost(compute=layer.compute(k * b)) + _root_exchanges(layer, setup, b, s)
+    return work.times(layer.calls) + all_reduce(setup.link, setup.groups, layer.params * s)
+
+
+def transition_cost(prev_dim: int | None, dim: int, layer: LayerProfile, setup: Setup) -> Cost:
+    """Extra cost of entering `layer` with `dim` after a layer with `prev_dim` (None: first layer).
+
+    Zero in this runtime: every partitioned layer takes and returns activations in the layout
+    at module boundaries ("own b samples, all features"), so its own exchanges (priced in
+    `layer_cost`) are the whole connection. A fused dim1 -> dim1 connection (connect.py's
+    "later optimisation") would make this the place where it saves.
+    """
+    return ZERO
+
+
+def replicated_cost(profile: ModelProfile, setup: Setup) -> Cost:
+    """Everything outside the partitionable layers: computed on b samples, reduced over W."""
+    s = profile.bytes_per_element
+    return Cost(compute=profile.replicated_seconds) + dp_reduction(profile.replicated_params, setup, s)
+
+
+def dim0_params(profile: ModelProfile, dims: Sequence[int]) -> int:
+    """Parameters in the data-parallel reduction: replicated ones and those of dim-0 layers."""
+    return profile.replicated_params + sum(layer.params for layer, d in zip(profile.layers, dims) if d == 0)
+
+
+def _check_dims(profile: ModelProfile, dims: Sequence[int]) -> None:
+    if len(dims) != len(profile.layers):
+        raise ValueError(f"a plan needs one dim per layer ({len(profile.layers)}: {profile.names}), got {list(dims)}")
+
+
+def plan_cost(profile: ModelProfile, dims: Sequence[int], setup: Setup) -> Cost:
+    """Predicted cost per step of the whole plan (`dims` in `profile.layers` order)."""
+    _check_dims(profile, dims)
+    s = profile.bytes_per_element
+    total = replicated_cost(profile, setup) + partial_update(dim0_params(profile, dims), setup, s)
+    prev = None
+    for layer, dim in zip(profile.layers, dims):
+        total = total + transition_cost(prev, dim, layer, setup) + layer_cost(layer, dim, setup, profile.batch, s)
+        prev = dim
+    return total
+
+
+def param_bytes(profile: ModelProfile, dims: Sequence[int], setup: Setup) -> float:
+    """Parameter (and optimizer-state) bytes on the worker holding the most: worker 0 of a group
+    holds P of a dim-0 or dim -1 layer and P/k of a dim-1 layer."""
+    _check_dims(profile, dims)
+    k = setup.workers_per_group
+    held = profile.replicated_params + sum(layer.params / k if d == 1 else layer.params
+                                           for layer, d in zip(profile.layers, dims))
+    return held * profile.bytes_per_element * (1 + setup.optimizer_slots)

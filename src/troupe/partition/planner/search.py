@@ -1,0 +1,189 @@
+"""The search: the best partition_dim per layer for a group size, and the candidate list.
+
+`best_chain` is exact: dynamic programming over the layer chain with the previous layer's
+dim as the state, so any transition cost (zero in today's runtime, see
+`cost.transition_cost`) is priced exactly. `candidates` runs it for every factorisation
+W = G x k, adds the hand plans worth comparing (pure data parallel, Krizhevsky's "one weird
+trick", all dim 1) and the communication-saving options, and prices them all with
+`cost.plan_cost`. It measures nothing: profiles and links come in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from troupe.partition.planner.cost import Cost, Setup, dim0_params, layer_cost, param_bytes, plan_cost, transition_cost
+from troupe.partition.planner.link import Link
+from troupe.partition.planner.profile import ModelProfile
+from troupe.util import check_int
+
+LISTED_OPTIONS = ("plain", "fp16", "sparseTopK", "partialUpdate")
+"""Options `candidates` lists by default (bf16 costs what fp16 does)."""
+
+EXACT_OPTIONS = ("plain",)
+"""Options `pick` chooses among by default: the others change what the update computes."""
+
+DATA_PARALLEL = "data parallel"
+
+
+def best_chain(
+    allowed: Sequence[Sequence[int]],
+    node_cost: Callable[[int, int], float],
+    edge_cost: Callable[[int, int | None, int], float],
+) -> tuple[float, tuple[int, ...]]:
+    """Minimum over dim assignments of sum_i node_cost(i, d_i) + edge_cost(i, d_{i-1}, d_i).
+
+    `allowed[i]` lists layer i's dims in order of preference (ties go to the earlier one);
+    the first layer's edge has previous dim None. Exact, in O(layers * dims^2).
+    """
+    best: dict[int | None, tuple[float, tuple[int, ...]]] = {None: (0.0, ())}
+    for i, dims in enumerate(allowed):
+        if not dims:
+            raise ValueError(f"layer {i} has no allowed partition_dim")
+        step = {}
+        for d in dims:
+            here = node_cost(i, d)
+            step[d] = min(((total + edge_cost(i, prev, d) + here, path + (d,)) for prev, (total, path) in best.items()),
+                          key=lambda entry: entry[0])
+        best = step
+    return min(best.values(), key=lambda entry: entry[0])
+
+
+def best_dims(profile: ModelProfile, setup: Setup) -> tuple[int, ...]:
+    """The cheapest dims (in `profile.layers` order) for `setup`'s group size and option."""
+    if setup.option == "partialUpdate":
+        raise ValueError("option 'partialUpdate' costs one chunk of the total dim-0 parameters per step, not a sum "
+                         "over layers: search with another option and price fixed plans with plan_cost")
+    layers, k, s = profile.layers, setup.workers_per_group, profile.bytes_per_element
+    _, dims = best_chain(
+        [layer.dims(k) for layer in layers],
+        lambda i, d: layer_cost(layers[i], d, setup, profile.batch, s).seconds,
+        lambda i, prev, d: transition_cost(prev, d, layers[i], setup).seconds)
+    return dims
+
+
+def plan_for(profile: ModelProfile, setup: Setup) -> dict[str, int]:
+    """`best_dims` as a plan for `troupe.partition`: every layer by name (unused ones dim 0)."""
+    return {**dict(zip(profile.names, best_dims(profile, setup))), **{name: 0 for name in profile.unused}}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One priced plan: group size, dims per layer, option."""
+
+    name: str
+    workers_per_group: int
+    dims: tuple[int, ...]
+    layer_names: tuple[str, ...]
+    option: str
+    cost: Cost
+    param_bytes: float
+    """On the worker holding the most (see `cost.param_bytes`)."""
+
+    @property
+    def seconds(self) -> float:
+        return self.cost.seconds
+
+    @property
+    def plan(self) -> dict[str, int]:
+        return dict(zip(self.layer_names, self.dims))
+
+    def dims_text(self) -> str:
+        return ",".join(str(d) for d in self.dims) or "-"
+
+    def to_json(self) -> dict:
+        return {"candidate": self.name, "workers_per_group": self.workers_per_group, "dims": self.plan,
+                "option": self.option, "predicted_ms": self.seconds * 1e3,
+                "compute_ms": self.cost.compute * 1e3, "intra_ms": self.cost.intra * 1e3,
+                "reduce_ms": self.cost.reduce * 1e3, "mb_per_step": self.cost.bytes / 1e6,
+                "param_mb": self.param_bytes / 1e6}
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def hand_plans(profile: ModelProfile, k: int) -> dict[str, tuple[int, ...]]:
+    """Plans worth comparing by hand, for group size k: dim 1 where k divides the layer's outputs, else 0."""
+    def split(layer, want: bool) -> int:
+        return 1 if want and layer.allows_dim1(k) else 0
+
+    return {
+        "one weird trick": tuple(split(layer, layer.kind == "Linear") for layer in profile.layers),
+        "all dim 1": tuple(split(layer, True) for layer in profile.layers),
+    }
+
+
+def _price(profile: ModelProfile, name: str, dims: tuple[int, ...], setup: Setup) -> Candidate:
+    return Candidate(name, setup.workers_per_group, dims, profile.names, setup.option,
+                     plan_cost(profile, dims, setup), param_bytes(profile, dims, setup))
+
+
+def _plans(profile: ModelProfile, base: Setup, ks: Iterable[int]) -> list[tuple[str, Setup, tuple[int, ...]]]:
+    """(name, setup with its k, dims) of every plan to list, plain option."""
+    zeros = tuple(0 for _ in profile.layers)
+    plans = [(DATA_PARALLEL, replace(base, workers_per_group=1), zeros)]
+    for k in ks:
+        if k == 1:
+            continue
+        setup = replace(base, workers_per_group=k)
+        plans.append((f"best for k={k}", setup, best_dims(profile, setup)))
+        plans += [(name, setup, dims) for name, dims in hand_plans(profile, k).items()]
+    return plans
+
+
+def candidates(
+    profile: ModelProfile,
+    world_size: int,
+    link: Link,
+    *,
+    workers_per_group: Sequence[int] | None = None,
+    options: Sequence[str] = LISTED_OPTIONS,
+    **setup_args: object,
+) -> list[Candidate]:
+    """Every plan worth listing, priced, fastest first.
+
+    For each group size k (default: every divisor of `world_size`): the exact best dims
+    (plain option), the hand plans, and pure data parallel; then each option of `options`
+    on pure data parallel and on each k's best plan (an option reduces only the dim-0
+    parameters, so it composes with any plan that has some). A plan with every dim 0 is
+    data parallel whatever k is: equal plans are listed once, their names joined.
+
+    `setup_args` go to `cost.Setup` (spars, chunk_size, bucket_size, overlap, optimizer_slots).
+    """
+    check_int("world_size", world_size)
+    ks = sorted(set(divisors(world_size) if workers_per_group is None else workers_per_group))
+    base = Setup(world_size=world_size, link=link, **setup_args)
+    for k in ks:
+        replace(base, workers_per_group=k)  # validates: k divides W
+    if "plain" not in options:
+        options = ("plain", *options)
+    found: dict[tuple, Candidate] = {}
+    for name, setup, dims in _plans(profile, base, ks):
+        variants = options if name == DATA_PARALLEL or name.startswith("best") else ("plain",)
+        for option in variants:
+            if option != "plain" and dim0_params(profile, dims) == 0:
+                continue  # nothing for the option to reduce
+            _add(found, _price(profile, name, dims, replace(setup, option=option)))
+    return sorted(found.values(), key=lambda c: c.seconds)
+
+
+def _add(found: dict[tuple, Candidate], cand: Candidate) -> None:
+    k = 1 if not any(cand.dims) else cand.workers_per_group  # all dim 0: data parallel for any k
+    key = (k, cand.dims, cand.option)
+    if key in found:
+        old = found[key]
+        if cand.name not in old.name.split(" = "):
+            found[key] = replace(old, name=f"{old.name} = {cand.name}")
+    else:
+        found[key] = replace(cand, workers_per_group=k) if k != cand.workers_per_group else cand
+
+
+def pick(cands: Sequence[Candidate], options: Sequence[str] | None = EXACT_OPTIONS) -> Candidate:
+    """The fastest candidate whose option is in `options` (None: any option)."""
+    eligible = [c for c in cands if options is None or c.option in options]
+    if not eligible:
+        raise ValueError(f"no candidate with an option in {options} (candidates' options: "
+                         f"{sorted({c.option for c in cands})})")
+    return min(eligible, key=lambda c: c.seconds)
