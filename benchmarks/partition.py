@@ -69,8 +69,6 @@ def make_model(name: str):
     return CNN()
 
 
-CLASSIFIER = {"cnn": "linear2", "fcnet": "linear3"}
-"""The last layer (10 outputs: 4 workers cannot split it; it stays data parallel, 0.1-2% of the parameters)."""
 HYBRID = {"conv*": 0, "linear*": 1}
 PLANS = {  # name -> (workers per group, plan, dist_option)
     "data": (1, 0, "plain"),
@@ -81,7 +79,7 @@ PLANS = {  # name -> (workers per group, plan, dist_option)
 }
 
 
-def contestant(name: str, workload: str, batches, seed: int = 0):
+def contestant(name: str, workload: str, batches, seed: int = 0, plans: dict | None = None):
     """One plan's model and DistOpt; its step trains batch i (this worker's share)."""
     import torch
     import torch.nn.functional as F
@@ -89,11 +87,11 @@ def contestant(name: str, workload: str, batches, seed: int = 0):
     import troupe
     from troupe.bench.engine import Contestant
 
-    k, plan, option = PLANS[name]
+    k, plan, option = (plans or PLANS)[name]
     torch.manual_seed(seed)
     model = make_model(workload)
     if k > 1:
-        troupe.partition(model, {**plan, CLASSIFIER[workload]: 0}, workers_per_group=k)
+        troupe.partition(model, concrete(model, plan, k), workers_per_group=k)
     sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
 
     def step(i: int) -> dict[str, float]:
@@ -117,7 +115,13 @@ def worker(args: argparse.Namespace) -> None:
     world = troupe.init()
     x, y = troupe.data.synthetic(BATCH * 8, seed=world.rank)
     batches = [(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]) for i in range(8)]
-    made = [contestant(name, args.workload, batches)[0] for name in args.plans]
+    plans, profile = choose_plans(args, world, batches[0][0])
+    made, dims = [local_contestant(args.workload, batches)], {}
+    for name in plans:
+        c, model, _ = contestant(name, args.workload, batches, plans=plans)
+        dims[name] = dims_of(model)
+        c.params["dims"] = ",".join(map(str, dims[name]))
+        made.append(c)
     schedule = Schedule(reps=args.reps, steps=args.steps, burnin=args.burnin)
     measured = run_ab(made, schedule, world.comm)
     records = to_records(measured, made, benchmark="partition", workload=args.workload,
@@ -125,8 +129,94 @@ def worker(args: argparse.Namespace) -> None:
     if world.rank == 0:
         for r in records:
             print("RECORD " + r.to_json(), flush=True)
+        print("PRED " + json.dumps(predict(args, plans, dims, profile, records)), flush=True)
     if args.steps_to_loss:
         steps_to_loss(args, world)
+
+
+PICK = "planner pick"
+
+
+def concrete(model, plan, k: int) -> dict[str, int]:
+    """`plan` (globs) per layer, dim 1 only where k divides the layer's outputs (as the planner's hand
+    plans: 10 classes cannot be split 4 ways, the example's 50 filters neither)."""
+    import fnmatch
+
+    from torch import nn
+
+    out = {}
+    for name, m in model.named_modules():
+        if type(m) in (nn.Linear, nn.Conv2d):
+            dim = plan.get(name, next((d for g, d in plan.items() if fnmatch.fnmatch(name, g)), 0))
+            size = m.out_features if isinstance(m, nn.Linear) else m.out_channels
+            out[name] = 0 if dim == 1 and size % k else dim
+    return out
+
+
+def dims_of(model) -> list[int]:
+    """partition_dim of each Linear/Conv2d layer in forward-definition order."""
+    import troupe
+
+    return [row.partition_dim for row in troupe.partition.describe(model) if row.type in ("Linear", "Conv2d")]
+
+
+def choose_plans(args: argparse.Namespace, world, sample):
+    """The plans to measure, the planner's pick added, and the profile (rank 0's). Every rank
+    profiles at once, as they will train (4 processes sharing this machine's cores)."""
+    from troupe.partition.planner import candidates, parse_link, pick, profile_model
+
+    profile = profile_model(make_model(args.workload), sample, workers_per_group=[1, 2, 4], reps=5)
+    chosen = pick(candidates(profile, WORKERS, parse_link(args.link)))
+    profile, k, plan = world.comm.all_gather_object((profile, chosen.workers_per_group, chosen.plan))[0]
+    plans = {name: PLANS[name] for name in args.plans}
+    plans[PICK] = (k, plan, "plain")
+    return plans, profile
+
+
+def predict(args: argparse.Namespace, plans: dict, dims: dict, profile, records) -> dict:
+    """Predicted step seconds of each plan, the profile's compute calibrated once by the measured
+    "local" step (no communication: the same model, loss and optimizer step on b samples)."""
+    import dataclasses
+    import statistics
+
+    from troupe.partition.planner import Setup, parse_link, plan_cost
+
+    link = parse_link(args.link)
+    local = statistics.median(r.value for r in records if r.contestant == LOCAL and r.metric == "step_time")
+    zeros = [0] * len(profile.layers)
+    factor = local / plan_cost(profile, zeros, Setup(world_size=1, link=link)).seconds
+    scaled = dataclasses.replace(
+        profile, replicated_seconds=profile.replicated_seconds * factor,
+        layers=tuple(dataclasses.replace(layer, times={key: t * factor for key, t in layer.times.items()})
+                     for layer in profile.layers))
+    out = {"compute_factor": factor}
+    for name, (k, _, option) in plans.items():
+        setup = Setup(world_size=WORKERS, workers_per_group=k, link=link, option=option)
+        out[name] = {"seconds": plan_cost(scaled, dims[name], setup).seconds, "dims": dims[name], "k": k}
+    return out
+
+
+LOCAL = "local (no communication)"
+
+
+def local_contestant(workload: str, batches):
+    """The model's step without any communication: what the planner's compute is calibrated by."""
+    import torch
+    import torch.nn.functional as F
+
+    from troupe.bench.engine import Contestant
+
+    torch.manual_seed(0)
+    model = make_model(workload)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(i: int) -> None:
+        x, y = batches[i % len(batches)]
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return Contestant(LOCAL, step, {"workers_per_group": 1, "option": "none"})
 
 
 def steps_to_loss(args: argparse.Namespace, world) -> None:
@@ -189,6 +279,26 @@ def launch(args: argparse.Namespace, workload: str, link: str) -> str:
         return outs[0][0]
 
 
+def prediction_table(records, predicted: dict) -> str:
+    """Predicted vs measured step time per plan (measured: the median over repetitions)."""
+    import statistics
+
+    from troupe.bench import render
+
+    rows = []
+    for name, p in predicted.items():
+        if name == "compute_factor":
+            continue
+        values = [r.value for r in records if r.contestant == name and r.metric == "step_time"]
+        if not values:
+            continue
+        measured = statistics.median(values)
+        rows.append([name, p["k"], ",".join(map(str, p["dims"])), f"{p['seconds'] * 1e3:.1f}",
+                     f"{measured * 1e3:.1f}", f"{measured / p['seconds']:.2f}"])
+    return (f"compute calibrated by the local step: x{predicted['compute_factor']:.2f} the profile\n\n"
+            + render.markdown(["plan", "k", "dims", "predicted ms", "measured ms", "measured / predicted"], rows))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -222,6 +332,11 @@ def main() -> None:
             for s in _lines(out, "STEPS"):
                 print(json.dumps(s), flush=True)
             print(f"\n{workload}, {link}:\n" + render.long_table(records, label="plan", reference="data"), flush=True)
+            for pred in _lines(out, "PRED"):
+                print(prediction_table(records, pred), flush=True)
+                if args.out:
+                    with open(Path(args.out).with_suffix(".predicted.jsonl"), "a") as f:
+                        f.write(json.dumps({"workload": workload, "link": link, "predicted": pred}) + "\n")
 
 
 if __name__ == "__main__":
