@@ -55,7 +55,7 @@ class CNN(troupe.Model):
         return out, loss
 
 
-PARTITIONS = {"data": 0, "hybrid": {"conv*": 0, "linear*": 1}, "model": 1}
+PARTITIONS = {"data": 0, "hybrid": {"conv*": 0, "linear*": 1}, "model": 1, "auto": "auto"}
 """--partition: the partition_dim of each layer (SINGA 0.x; troupe.partition)."""
 
 
@@ -85,7 +85,9 @@ def parse_args(argv=None):
     p.add_argument("--lr-step", type=int, default=None, help="--loop torch: StepLR(step_size=N steps, gamma=0.5)")
     p.add_argument("--partition", choices=sorted(PARTITIONS), default="data",
                    help="data: every rank the whole model; hybrid: convolutions split the batch, linear layers "
-                        "their output features (Krizhevsky's 'one weird trick'); model: every layer its features")
+                        "their output features (Krizhevsky's 'one weird trick'); model: every layer its features; "
+                        "auto: the planner's pick (troupe plan) for the link given by --link")
+    p.add_argument("--link", default="loopback", help="--partition auto: the link between hosts (1gbit, 100mbit, ...)")
     p.add_argument("--workers-per-group", type=int, default=None,
                    help="--partition hybrid/model: ranks that compute one model replica (default: all)")
     p.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
@@ -100,7 +102,13 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
     model = CNN()
     if args.partition != "data":
         world = troupe.init(ticket, local_rank, world_size)
-        troupe.partition(model, PARTITIONS[args.partition], args.workers_per_group or world.world_size)
+        # "auto" profiles the model on a batch of this shape (its values do not matter)
+        troupe.partition(model, PARTITIONS[args.partition], args.workers_per_group or world.world_size,
+                         sample=torch.zeros(args.batch_size, 1, 28, 28), link=args.link)
+        if world.rank == 0:
+            dims = " ".join(f"{r.name}:{r.partition_dim}" for r in troupe.partition.describe(model) if r.local_params)
+            print(f"partition ({args.partition}): {dims}, {args.workers_per_group or world.world_size} workers "
+                  "per group", flush=True)
     sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-5)
     sgd = troupe.DistOpt(sgd, ticket=ticket, local_rank=local_rank, world_size=world_size,
                          dist_option=args.dist_option, spars=args.spars)

@@ -36,7 +36,7 @@ class OptionSwitch:
         self.comm, self.bucket_size, self.first_bucket_size = comm, bucket_size, first_bucket_size
         everyone, partitioned = split_by_holders(params, comm.world_size)
         self._partitioned = {h: [id(p) for p in ps] for h, ps in partitioned.items()}
-        self.holders = HolderGroups(comm, partitioned) if partitioned else None
+        self.holders = HolderGroups.make(comm, partitioned)
         """A partitioned model's parameters that only some ranks hold (troupe.partition)."""
         self.reducer = self._make_reducer(everyone)
         self.ctx = registry.Context(comm, self.reducer, optimizer, everyone, config, step_count, name_of)

@@ -45,11 +45,19 @@ def split_by_holders(params: Sequence[Tensor], world_size: int) -> tuple[list[Te
 class HolderGroups:
     """One communicator per set of holders this rank belongs to, made on every rank in one order."""
 
-    def __init__(self, job: Communicator, partitioned: dict[tuple[int, ...], list[Tensor]]):
-        self.world_size = job.world_size
-        # Every rank must create every group, in the same order: learn every rank's holder sets.
+    @classmethod
+    def make(cls, job: Communicator, partitioned: dict[tuple[int, ...], list[Tensor]]) -> HolderGroups | None:
+        """Every rank's holder sets (a collective on every rank, even one that holds no slice: a rank
+        without a dim -1 layer still takes part in the groups); None when no rank has any."""
         mine = sorted(partitioned)
-        every = sorted({h for theirs in job.all_gather_object(mine) for h in theirs})
+        every = sorted({h for theirs in job.all_gather_object(mine) for h in theirs}) if job.world_size > 1 else mine
+        return cls(job, partitioned, every) if every else None
+
+    def __init__(self, job: Communicator, partitioned: dict[tuple[int, ...], list[Tensor]],
+                 every: list[tuple[int, ...]]):
+        self.world_size = job.world_size
+        mine = sorted(partitioned)
+        # Every rank creates every group, in the same order (torch.distributed's rule).
         made = {h: job.new_group(list(h)) if len(h) > 1 else None for h in every}
         self.groups: list[tuple[Communicator | None, list[Tensor]]] = [(made[h], partitioned[h]) for h in mine]
         self.params = [p for _, ps in self.groups for p in ps]
