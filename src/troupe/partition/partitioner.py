@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from troupe.partition.connect import WorkerGroup
 from troupe.partition.layers import FeatureSplit, OnOneWorker, PartitionedLayer
 from troupe.partition.plan import Plan, check_world, resolve_plan
+from troupe.runtime import world
 from troupe.util import pack, unpack_into
 
 if TYPE_CHECKING:
@@ -29,12 +30,7 @@ HOLDERS = "_troupe_holders"
 
 def _job_comm(comm: Communicator | None) -> Communicator:
     """The job-wide communicator: `comm` if given, else the World's (joining the job if needed)."""
-    if comm is not None:
-        return comm
-    # troupe.init() itself, imported from its home: importing `troupe` would close a cycle
-    from troupe.runtime.world import init
-
-    return init().comm
+    return comm if comm is not None else world.init().comm
 
 
 def partition(
