@@ -116,6 +116,7 @@ def worker(args: argparse.Namespace) -> None:
     x, y = troupe.data.synthetic(BATCH * 8, seed=world.rank)
     batches = [(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]) for i in range(8)]
     plans, profile = choose_plans(args, world, batches[0][0])
+    measured_link = measure_job_link(world)
     made, dims = [local_contestant(args.workload, batches)], {}
     for name in plans:
         c, model, _ = contestant(name, args.workload, batches, plans=plans)
@@ -129,7 +130,7 @@ def worker(args: argparse.Namespace) -> None:
     if world.rank == 0:
         for r in records:
             print("RECORD " + r.to_json(), flush=True)
-        print("PRED " + json.dumps(predict(args, plans, dims, profile, records)), flush=True)
+        print("PRED " + json.dumps(predict(args, plans, dims, profile, records, measured_link)), flush=True)
     if args.steps_to_loss:
         steps_to_loss(args, world)
 
@@ -173,9 +174,41 @@ def choose_plans(args: argparse.Namespace, world, sample):
     return plans, profile
 
 
-def predict(args: argparse.Namespace, plans: dict, dims: dict, profile, records) -> dict:
+def measure_job_link(world):
+    """alpha and beta as this job sees them (every rank at once, as in training): alpha from a
+    4-byte all-reduce over the job, beta from all-gathers of 4 KiB and 1 MiB per rank (median of
+    repetitions; a ring all-gather sends (n-1) x the per-rank bytes)."""
+    import statistics
+    import time
+
+    import torch
+
+    from troupe.partition.planner import Link
+
+    def median_seconds(fn, reps: int = 30) -> float:
+        times = []
+        for _ in range(reps):
+            world.comm.barrier()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[5:])
+
+    n, tiny = world.world_size, torch.zeros(1)
+    alpha = median_seconds(lambda: world.comm.all_reduce(tiny))
+    sizes, times = (1024, 256 * 1024), []
+    for elems in sizes:
+        x, out = torch.zeros(elems), torch.zeros(n * elems)
+        times.append(median_seconds(lambda: world.comm.all_gather_into(out, x), reps=15))
+    beta = max((times[1] - times[0]) / ((n - 1) * (sizes[1] - sizes[0]) * 4), 0.0)
+    alpha, beta = world.comm.all_gather_object((alpha, beta))[0]
+    return Link(alpha, beta, name="measured in the job")
+
+
+def predict(args: argparse.Namespace, plans: dict, dims: dict, profile, records, measured) -> dict:
     """Predicted step seconds of each plan, the profile's compute calibrated once by the measured
-    "local" step (no communication: the same model, loss and optimizer step on b samples)."""
+    "local" step (no communication: the same model, loss and optimizer step on b samples); with
+    the link `--link` names, and with the link as measured in the job (`measure_job_link`)."""
     import dataclasses
     import statistics
 
@@ -189,10 +222,12 @@ def predict(args: argparse.Namespace, plans: dict, dims: dict, profile, records)
         profile, replicated_seconds=profile.replicated_seconds * factor,
         layers=tuple(dataclasses.replace(layer, times={key: t * factor for key, t in layer.times.items()})
                      for layer in profile.layers))
-    out = {"compute_factor": factor}
+    out = {"compute_factor": factor, "measured_link": [measured.alpha, measured.beta]}
     for name, (k, _, option) in plans.items():
         setup = Setup(world_size=WORKERS, workers_per_group=k, link=link, option=option)
-        out[name] = {"seconds": plan_cost(scaled, dims[name], setup).seconds, "dims": dims[name], "k": k}
+        in_job = dataclasses.replace(setup, link=measured)
+        out[name] = {"seconds": plan_cost(scaled, dims[name], setup).seconds, "dims": dims[name], "k": k,
+                     "seconds_measured_link": plan_cost(scaled, dims[name], in_job).seconds}
     return out
 
 
@@ -287,16 +322,22 @@ def prediction_table(records, predicted: dict) -> str:
 
     rows = []
     for name, p in predicted.items():
-        if name == "compute_factor":
+        if name in ("compute_factor", "measured_link"):
             continue
         values = [r.value for r in records if r.contestant == name and r.metric == "step_time"]
         if not values:
             continue
         measured = statistics.median(values)
+        in_job = p["seconds_measured_link"]
         rows.append([name, p["k"], ",".join(map(str, p["dims"])), f"{p['seconds'] * 1e3:.1f}",
-                     f"{measured * 1e3:.1f}", f"{measured / p['seconds']:.2f}"])
-    return (f"compute calibrated by the local step: x{predicted['compute_factor']:.2f} the profile\n\n"
-            + render.markdown(["plan", "k", "dims", "predicted ms", "measured ms", "measured / predicted"], rows))
+                     f"{in_job * 1e3:.1f}", f"{measured * 1e3:.1f}", f"{measured / p['seconds']:.2f}",
+                     f"{measured / in_job:.2f}"])
+    alpha, beta = predicted["measured_link"]
+    return (f"compute calibrated by the local step: x{predicted['compute_factor']:.2f} the profile; link measured "
+            f"in the job: alpha {alpha * 1e6:.0f} us, beta {beta * 1e9:.2f} ns/B\n\n"
+            + render.markdown(["plan", "k", "dims", "predicted ms (--link)", "predicted ms (measured link)",
+                               "measured ms", "measured / predicted (--link)", "measured / predicted (measured link)"],
+                              rows))
 
 
 def main() -> None:
