@@ -32,6 +32,10 @@ from troupe.reliability import checkpoint
 from troupe.metrics import Throughput, accuracy, progress, reduce_variable
 
 
+INPUT_SHAPE = (1, 28, 28)
+"""One sample's shape (what `troupe plan examples/mnist_cnn.py` profiles the model with)."""
+
+
 class CNN(troupe.Model):
     """conv 5x5x20 -> maxpool 2 -> conv 5x5x50 -> maxpool 2 -> fc 500 -> relu -> fc 10."""
 
