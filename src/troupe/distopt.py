@@ -226,6 +226,9 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         Other collectives inside the loop (metrics every step) cannot be shadowed: reduce
         them after the block.
         """
+        if self._choice.local and self._choice.holders is not None:
+            raise ValueError("join() cannot shadow a partitioned model: the other workers of a rank's group "
+                             "need it for every forward; give every rank the same number of batches")
         yield self
         if self.reducer is None or not self._choice.local:
             return

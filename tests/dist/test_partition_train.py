@@ -160,14 +160,22 @@ def _refused(rank, world_size):
     model = troupe.partition(MODELS["mlp"][0](), {"fc2": 1}, workers_per_group=2)
     sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1))
     x = torch.randn(B_OWN, 8)
+    messages = []
     try:
         sgd.update(model(x).sum(), "partialUpdate")
     except ValueError as e:
-        return str(e)
-    return None
+        messages.append(str(e))
+    try:
+        with sgd.join():
+            pass
+    except ValueError as e:
+        messages.append(str(e))
+    return messages
 
 
-def test_partial_update_of_a_partitioned_model_is_refused():
-    for message in run_world(_refused, 2, timeout=60):
-        assert message and "cannot average a partitioned model's slices" in message
+def test_partial_update_and_join_of_a_partitioned_model_are_refused():
+    for messages in run_world(_refused, 2, timeout=60):
+        assert len(messages) == 2, messages
+        assert "cannot average a partitioned model's slices" in messages[0]
+        assert "join() cannot shadow a partitioned model" in messages[1]
 

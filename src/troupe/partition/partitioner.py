@@ -11,14 +11,12 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch
 from torch import Tensor, nn
 
 from troupe.partition.connect import WorkerGroup
 from troupe.partition.layers import FeatureSplit, OnOneWorker, PartitionedLayer
 from troupe.partition.plan import Plan, check_world, resolve_plan
 from troupe.runtime import world
-from troupe.util import pack, unpack_into
 
 if TYPE_CHECKING:
     from troupe.partition.planner.link import Link
@@ -72,7 +70,7 @@ def partition(
     ngroups = check_world(job.world_size, workers_per_group)
     moved = [name for name, dim in dims.items() if dim != 0]
     _check_untied(model, moved)
-    _broadcast_from_rank0(model, job)
+    job.broadcast_tensors([*model.parameters(), *model.buffers()])  # every rank slices rank 0's model
     group = _make_group(job, workers_per_group, ngroups)
     everyone = tuple(range(job.world_size))
     for p in model.parameters():
@@ -99,20 +97,6 @@ def _check_untied(model: nn.Module, names: list[str]) -> None:
             if len(owners[id(p)]) > 1:
                 raise ValueError(f"{name} shares a parameter with another module ({sorted(owners[id(p)].values())}): "
                                  "a tied parameter cannot be partitioned")
-
-
-@torch.no_grad()
-def _broadcast_from_rank0(model: nn.Module, job: Communicator) -> None:
-    """Every rank gets rank 0's parameters and buffers (one message per dtype and device)."""
-    if job.world_size == 1:
-        return
-    by_kind: dict[tuple, list[Tensor]] = defaultdict(list)
-    for t in [*model.parameters(), *model.buffers()]:
-        by_kind[(t.dtype, t.device)].append(t.detach())
-    for _, tensors in sorted(by_kind.items(), key=lambda kv: str(kv[0])):
-        flat = pack(tensors)
-        job.broadcast(flat, src=0)
-        unpack_into(flat, tensors)
 
 
 def _make_group(job: Communicator, k: int, ngroups: int) -> WorkerGroup:
