@@ -19,12 +19,17 @@ import dataclasses
 import json
 import os
 import re
-import tomllib
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
 from troupe.runtime import settings
 from troupe.util import check_int
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, as the tomli package (a dependency there)
+    import tomli as tomllib
 
 ENV_VAR = "TROUPE_CLUSTER"
 """Environment variable through which `troupe run` hands the cluster (JSON) to every rank."""
