@@ -14,7 +14,7 @@ import sys
 import time
 
 from troupe.runtime import settings
-from troupe.runtime.launch import LOOPBACK, Ticket
+from troupe.runtime.launch import LOOPBACK, Ticket, free_port
 
 GRACE_SECONDS = 5.0
 """How long a rank gets to exit after SIGTERM before SIGKILL."""
@@ -275,6 +275,9 @@ def _run_once(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     """Start this node's ranks, watch them, and stop them all as soon as one fails."""
     ticket = _ticket(args)  # a fresh port and token for every attempt
     world_size = args.nproc * args.nnodes
+    # torch's env:// contract too, so a plain torch.distributed (DDP) script runs unchanged: its
+    # rendezvous on the next port after troupe's (every node computes the same one).
+    master_port = ticket.port + 1 if args.master else free_port(ticket.addr)
     procs: list[subprocess.Popen] = []
     for local_rank in range(args.nproc):
         env = {**os.environ, **extra_env}
@@ -284,6 +287,8 @@ def _run_once(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
             LOCAL_RANK=str(local_rank),
             WORLD_SIZE=str(world_size),
             LOCAL_WORLD_SIZE=str(args.nproc),
+            MASTER_ADDR=ticket.addr,
+            MASTER_PORT=str(master_port),
         )
         if args.backend:
             env["TROUPE_BACKEND"] = args.backend

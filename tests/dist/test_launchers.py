@@ -68,6 +68,13 @@ def test_mpiexec(tmp_path, loop):
     check_ranks(tmp_path, 2, "mpi")
 
 
+def test_troupe_run_starts_a_plain_ddp_script():
+    """troupe run also sets torch's env:// variables (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK)."""
+    script = str(Path(__file__).parent / "scripts" / "plain_ddp.py")
+    proc = run([sys.executable, "-m", "troupe.cli", "run", "-n", "2", "--threads", "1", script])
+    assert sorted(re.findall(r"plain ddp rank (\d) of 2 ok", proc.stdout)) == ["0", "1"], proc.stdout
+
+
 def test_single_process(tmp_path):
     run([sys.executable, TINY, str(tmp_path)])
     check_ranks(tmp_path, 1, "single")

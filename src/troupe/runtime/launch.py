@@ -39,7 +39,8 @@ DEFAULT_TIMEOUT = 300.0
 LOOPBACK = "127.0.0.1"
 
 
-def _free_port(addr: str) -> int:
+def free_port(addr: str) -> int:
+    """A TCP port free on `addr` now (the OS's pick)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
@@ -67,7 +68,7 @@ class Ticket:
         if not self.token or ":" in self.token:
             raise ValueError("Ticket token must be a non-empty string without ':'")
         if self.port == 0:
-            object.__setattr__(self, "port", _free_port(self.addr))
+            object.__setattr__(self, "port", free_port(self.addr))
 
     def encode(self) -> str:
         """The ticket as one string (for an environment variable or a command line)."""
