@@ -161,6 +161,19 @@ def _refused(rank, world_size):
     sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1))
     x = torch.randn(B_OWN, 8)
     messages = []
+    # nan_policy: a non-finite gradient in one rank's slice makes every rank skip the step
+    other = troupe.partition(MODELS["mlp"][0](), {"fc2": 1}, workers_per_group=2)
+    skipping = troupe.DistOpt(torch.optim.SGD(other.parameters(), lr=0.1), nan_policy="skip")
+    before = {n: p.detach().clone() for n, p in other.named_parameters()}
+    skipping.zero_grad()
+    other(x).sum().backward()
+    skipping.synchronize()
+    if rank == 1:
+        other.fc2.weight.grad[0, 0] = float("nan")  # fc2 is split: only rank 1 holds this slice
+    with pytest.warns(UserWarning, match="skipped step"):
+        skipping.step()
+    unchanged = all(torch.equal(p, before[n]) for n, p in other.named_parameters())
+    messages.append(f"skipped={skipping.skipped_steps} unchanged={unchanged}")
     try:
         sgd.update(model(x).sum(), "partialUpdate")
     except ValueError as e:
@@ -173,9 +186,10 @@ def _refused(rank, world_size):
     return messages
 
 
-def test_partial_update_and_join_of_a_partitioned_model_are_refused():
+def test_nan_skip_partial_update_and_join_on_a_partitioned_model():
     for messages in run_world(_refused, 2, timeout=60):
-        assert len(messages) == 2, messages
-        assert "cannot average a partitioned model's slices" in messages[0]
-        assert "join() cannot shadow a partitioned model" in messages[1]
+        assert len(messages) == 3, messages
+        assert messages[0] == "skipped=1 unchanged=True", messages[0]  # both ranks, though one saw the NaN
+        assert "cannot average a partitioned model's slices" in messages[1]
+        assert "join() cannot shadow a partitioned model" in messages[2]
 
