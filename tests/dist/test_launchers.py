@@ -54,6 +54,20 @@ def test_torchrun(tmp_path, loop):
     check_ranks(tmp_path, 2, "torchrun")
 
 
+def test_slurm_srun_environment(tmp_path):
+    """Two tasks started as srun starts them (the SLURM_* variables of a 2-task step on one node)."""
+    procs = []
+    for rank in range(2):
+        env = {**ENV, "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
+               "SLURM_JOB_ID": str(4242 + os.getpid()), "SLURM_JOB_NODELIST": "localhost",
+               "SLURM_TASKS_PER_NODE": "2"}
+        procs.append(subprocess.Popen([sys.executable, TINY, str(tmp_path)], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    check_ranks(tmp_path, 2, "slurm")
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_mpiexec(tmp_path, loop):
     mpiexec = shutil.which("mpiexec")

@@ -164,3 +164,33 @@ class TestData:
     def test_synthetic_is_deterministic(self):
         a, b = data.synthetic(4, (3, 8, 8)), data.synthetic(4, (3, 8, 8))
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[0].shape == (4, 3, 8, 8)
+
+
+class TestSlurm:
+    @pytest.mark.parametrize("nodelist,first", [
+        ("node[07-09,12],gpu1", "node07"), ("localhost", "localhost"), ("a1,b2", "a1"), ("cn[001]", "cn001"),
+        ("gpu-[3-4]", "gpu-3"),
+    ])
+    def test_first_host(self, nodelist, first):
+        from troupe.runtime.launch import first_host
+
+        assert first_host(nodelist) == first
+
+    def test_ranks_ticket_and_tasks_per_node_from_the_environment(self, monkeypatch):
+        from troupe.runtime import launch
+        from troupe.runtime.settings import Settings
+
+        for name in ("TROUPE_TICKET", "RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID"):
+            monkeypatch.delenv(name, raising=False)
+        env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "5", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
+               "SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "n[4-6]", "SLURM_STEP_TASKS_PER_NODE": "3,2"}
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        how = launch._detect(Settings.from_env({}), None, None, None, None)
+        assert (how.launcher, how.rank, how.local_rank, how.world_size, how.local_world) == ("slurm", 3, 0, 5, 2)
+        assert how.ticket.addr == "n4" and 20000 <= how.ticket.port < 40000
+        again = launch._detect(Settings.from_env({}), None, None, None, None)
+        assert again.ticket == how.ticket  # every task derives the same ticket on its own
+        mine = launch._detect(Settings.from_env({"TROUPE_TOKEN": "s3cret", "TROUPE_MASTER_PORT": "2999"}),
+                              None, None, None, None)
+        assert mine.ticket.token == "s3cret" and mine.ticket.port == 2999

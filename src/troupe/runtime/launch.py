@@ -3,11 +3,12 @@
 `join()` does the rendezvous and returns what it made; `troupe.init()` (runtime/world.py)
 wraps that in the World. Nothing here is kept in module state.
 
-Four launchers reach the same `init()`:
+Five launchers reach the same `init()`:
 
 * an explicit `Ticket` (the reference's multiprocessing pattern),
 * `troupe run` (sets ``TROUPE_TICKET``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``),
 * `torchrun` (its own rendezvous; ``env://``),
+* Slurm's `srun` (ranks from ``SLURM_*``; rank 0 listens on the job's first node),
 * `mpiexec` (ranks from the MPI environment; rank 0 broadcasts a Ticket with mpi4py).
 
 With none of them the process is a world of one.
@@ -20,6 +21,7 @@ import hashlib
 import hmac
 import logging
 import os
+import re
 import secrets
 import socket
 import time
@@ -95,7 +97,7 @@ class DistInfo:
     device: torch.device
     backend: str
     launcher: str
-    """One of "single", "ticket", "troupe", "torchrun", "mpi"."""
+    """One of "single", "ticket", "troupe", "torchrun", "slurm", "mpi"."""
 
     @property
     def rank(self) -> int:
@@ -193,6 +195,8 @@ def _detect(env: Settings, ticket: Ticket | str | None, local_rank: int | None, 
         world = _env_int("WORLD_SIZE")
         return _Launch("torchrun", None, _env_int("RANK"), _env_int("LOCAL_RANK") or 0, world,
                        _env_int("LOCAL_WORLD_SIZE") or world)
+    if _env_int("SLURM_PROCID") is not None and _env_int("SLURM_NTASKS", "SLURM_NPROCS") is not None:
+        return _slurm(env)
     if _env_int("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE") is not None:
         return _Launch("mpi", *_mpi_ticket(env))
     if (world_size or 1) > 1 or local_rank or rank:
@@ -315,6 +319,45 @@ def _side_store(addr: str, port: int, prefix: str) -> dist.Store:
     """A second connection to the job's store, for the watchdog thread (never blocked by the main thread)."""
     client = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=10))
     return dist.PrefixStore(prefix, client)
+
+
+def _slurm(env: Settings) -> _Launch:
+    """Ranks from srun's environment. Every task computes the same Ticket without talking to the
+    others: rank 0's node is the first of the step's node list, the port and token come from
+    TROUPE_MASTER_PORT / TROUPE_TOKEN or are derived from the job id (set TROUPE_TOKEN to a
+    secret where other users share the nodes)."""
+    rank, world = _env_int("SLURM_PROCID"), _env_int("SLURM_NTASKS", "SLURM_NPROCS")
+    job = os.environ.get("SLURM_JOB_ID", "0")
+    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or "localhost"
+    port = env.master_port or 20000 + int(hashlib.sha256(job.encode()).hexdigest(), 16) % 20000
+    token = env.token or hashlib.sha256(f"troupe-slurm:{job}".encode()).hexdigest()[:32]
+    ticket = Ticket(addr=env.master_addr or first_host(nodes), port=port, token=token)
+    local_world = _tasks_on_this_node() or world
+    return _Launch("slurm", ticket, rank, _env_int("SLURM_LOCALID") or 0, world, local_world)
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: "node[07-09,12],gpu1" -> "node07"."""
+    head = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
+    if head is None or not head.group(1) and not head.group(2):
+        raise ValueError(f"cannot read the Slurm node list {nodelist!r}")
+    prefix, ranges = head.group(1), head.group(2)
+    return prefix if ranges is None else prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _tasks_on_this_node() -> int | None:
+    """This node's task count from SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE ("2(x3),1")."""
+    text = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE")
+    node = _env_int("SLURM_NODEID") or 0
+    if not text:
+        return None
+    counts = []
+    for part in text.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m is None:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[node] if node < len(counts) else None
 
 
 def _mpi_ticket(env: Settings) -> tuple[Ticket, int, int, int, int]:
