@@ -41,3 +41,9 @@ def test_no_module_reads_troupe_variables_from_os_environ():
             if "os.environ" in line and "TROUPE_" in line and ("get(" in line or '["TROUPE_' in line):
                 offenders.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_a_torchrun_restart_resumes_by_itself():
+    assert Settings.from_env({"TORCHELASTIC_RESTART_COUNT": "0"}).resume == "no"
+    assert Settings.from_env({"TORCHELASTIC_RESTART_COUNT": "1"}).resume == "auto"
+    assert Settings.from_env({"TORCHELASTIC_RESTART_COUNT": "2", "TROUPE_RESUME": "no"}).resume == "no"

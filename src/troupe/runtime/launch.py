@@ -153,7 +153,9 @@ def join(
     side, keep = None, []
     if how.launcher == "torchrun":  # torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT
         dist.init_process_group(backend, init_method="env://", timeout=pg_timeout)
-        side = _side_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), "troupe/")
+        # torchrun keeps its store across --max-restarts: each attempt's heartbeats get their own keys
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        side = _side_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), f"troupe/{attempt}/")
     else:
         t = how.ticket
         store = dist.HashStore() if t is None else _join(t, how.rank, how.world_size, join_timeout, keep)

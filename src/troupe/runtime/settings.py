@@ -59,7 +59,8 @@ class Settings:
     checkpoint_dir: Path | None = None
     """TROUPE_CHECKPOINT_DIR: where scripts and servers keep checkpoints."""
     resume: str = "no"
-    """TROUPE_RESUME: no | yes | auto (resume from the latest complete checkpoint)."""
+    """TROUPE_RESUME: no | yes | auto (resume from the latest complete checkpoint); "auto" when
+    torchrun restarted the job (TORCHELASTIC_RESTART_COUNT > 0) and TROUPE_RESUME is not set."""
     cache: Path = Path.home() / ".cache" / "troupe"
     """TROUPE_CACHE: where downloaded data sets are kept."""
     mnist_url: str = "https://storage.googleapis.com/cvdf-datasets/mnist/"
@@ -101,6 +102,10 @@ class Settings:
                     values[f.name] = raw
             except ValueError:
                 raise ValueError(f"{var}={raw!r} is not a valid {kind.split(' ')[0]}") from None
+        restarts = env.get("TORCHELASTIC_RESTART_COUNT", "")
+        if "resume" not in values and restarts.isdigit() and int(restarts) > 0:
+            # torchrun --max-restarts started this job again: resume as troupe run's restarts do
+            values["resume"] = "auto"
         return cls(**values)
 
 
