@@ -139,19 +139,13 @@ PICK = "planner pick"
 
 
 def concrete(model, plan, k: int) -> dict[str, int]:
-    """`plan` (globs) per layer, dim 1 only where k divides the layer's outputs (as the planner's hand
-    plans: 10 classes cannot be split 4 ways, the example's 50 filters neither)."""
-    import fnmatch
+    """`plan` resolved per layer (troupe's own rule, checked for k = 1), dim 1 only where k divides
+    the layer's outputs, as the planner's hand plans do (10 classes cannot be split 4 ways, nor
+    the example's 50 filters)."""
+    from troupe.partition.plan import out_size, resolve_plan
 
-    from torch import nn
-
-    out = {}
-    for name, m in model.named_modules():
-        if type(m) in (nn.Linear, nn.Conv2d):
-            dim = plan.get(name, next((d for g, d in plan.items() if fnmatch.fnmatch(name, g)), 0))
-            size = m.out_features if isinstance(m, nn.Linear) else m.out_channels
-            out[name] = 0 if dim == 1 and size % k else dim
-    return out
+    dims = resolve_plan(model, plan, 1)
+    return {name: 0 if dim == 1 and out_size(model.get_submodule(name)) % k else dim for name, dim in dims.items()}
 
 
 def dims_of(model) -> list[int]:

@@ -1,10 +1,11 @@
 """Settings: every ``TROUPE_*`` environment variable, read in one place.
 
 `troupe run` (and users under torchrun or mpiexec) pass options to the ranks through
-the environment. `Settings.from_env()` reads and validates all of them at once; the
-rest of troupe asks `current()` (the settings read when this process joined the job,
-or a fresh read before it has) instead of touching ``os.environ``. The timeouts that
-matter are here together, each with the trade-off it makes.
+the environment. `Settings.from_env()` reads and validates all of them at once:
+`troupe.init()` keeps that read in the World (``world.settings``) for the job's life;
+code that runs before or without a job (the CLI, data loading, the cluster text) asks
+`current()`. Nothing else touches ``os.environ``. The timeouts that matter are here
+together, each with the trade-off it makes.
 """
 
 from __future__ import annotations

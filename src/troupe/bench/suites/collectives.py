@@ -14,7 +14,6 @@ flat medians by least squares on relative error.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -24,20 +23,15 @@ from troupe.bench.options import Options, size_label
 from troupe.bench.records import Record
 from troupe.bench.stats import paired_ratios, ratio_of_medians, summarize
 from troupe.bench.suites.common import schedule, to_records
+from troupe.partition.planner import link
 
 TENSORS = 8
 FLAT, TROUPE = "flat all_reduce", "troupe buckets"
 
 
 def fit_alpha_beta(sizes: list[int], times: list[float]) -> tuple[float, float]:
-    """Least-squares alpha (s) and beta (s/byte) for t = alpha + beta * bytes, on relative error.
-
-    Each residual is weighted by 1/t, so a slow large size (whose absolute noise is largest
-    on a shared machine) does not decide alpha alone.
-    """
-    t = np.array(times, dtype=float)
-    beta, alpha = np.polyfit(np.array(sizes, dtype=float), t, 1, w=1 / t)
-    return float(alpha), float(beta)
+    """alpha (s) and beta (s/byte) for t = alpha + beta * bytes, fitted on relative error (the planner's fit)."""
+    return link.fit_alpha_beta([float(s) for s in sizes], times, relative=True)
 
 
 def _contestants(size: int, bucket_size: int | None) -> tuple[list[Contestant], object]:

@@ -131,15 +131,20 @@ def link_from_text(text: str, timeout: float = 60.0) -> Link:
     return parse_link(text)
 
 
-def fit_alpha_beta(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares line ``seconds = alpha + size * beta`` (both clamped at 0)."""
+def fit_alpha_beta(sizes: list[float], seconds: list[float], *, relative: bool = False) -> tuple[float, float]:
+    """Least-squares line ``seconds = alpha + size * beta`` (both clamped at 0).
+
+    `relative`: weigh each residual by 1/seconds, so on a shared machine a slow large size
+    (whose absolute noise is largest) does not decide alpha alone.
+    """
     if len(sizes) != len(seconds) or len(set(sizes)) < 2:
         raise ValueError(f"need times for at least two different sizes, got sizes {sizes}")
-    n = len(sizes)
-    mx, my = sum(sizes) / n, sum(seconds) / n
-    sxx = sum((x - mx) ** 2 for x in sizes)
-    beta = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds)) / sxx
-    beta = max(beta, 0.0)
+    weights = [1.0 / (t * t) if relative else 1.0 for t in seconds]  # squared residual weights
+    total = sum(weights)
+    mx = sum(w * x for w, x in zip(weights, sizes)) / total
+    my = sum(w * y for w, y in zip(weights, seconds)) / total
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(weights, sizes))
+    beta = max(sum(w * (x - mx) * (y - my) for w, x, y in zip(weights, sizes, seconds)) / sxx, 0.0)
     return max(my - beta * mx, 0.0), beta
 
 
