@@ -13,7 +13,7 @@ import importlib.util
 import os
 from typing import Any
 
-INSTALL_HINT = "pip install tensorboard (or pip install 'troupe[test]')"
+INSTALL_HINT = "pip install tensorboard (or pip install 'torch-troupe[test]')"
 
 TAGS = {
     "time_ms": "time/step_ms",
