@@ -21,7 +21,6 @@ import os
 import time
 from contextlib import nullcontext
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -125,24 +124,25 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
     train_x, train_y, test_x, test_y = troupe.data.load_mnist(args.data)
     if args.train_size:
         train_x, train_y = train_x[: args.train_size], train_y[: args.train_size]
-    train_x, train_y = troupe.data.partition(train_x, train_y, sgd.global_rank, sgd.world_size)
-    test_x, test_y = troupe.data.partition(test_x, test_y, sgd.global_rank, sgd.world_size)
     bs = args.batch_size
-    num_train_batch = len(train_x) // bs
+    # Each rank its share of one fresh permutation per epoch; rank and world size are the DistOpt's
+    # data-parallel ones (under --partition every worker of a group still feeds its own share).
+    train = troupe.data.loader((train_x, train_y), bs, seed=args.seed, tail="drop", drop_last=True)
+    test_x, test_y = troupe.data.partition(test_x, test_y, sgd.global_rank, sgd.world_size)
+    num_train_batch = len(train)
     if args.max_steps:
         num_train_batch = min(num_train_batch, args.max_steps)
     num_test_batch = max(len(test_x) // bs, 1)
     if num_train_batch == 0:
-        raise ValueError(f"--batch-size {bs} is larger than this rank's {len(train_x)} training samples")
+        raise ValueError(f"--batch-size {bs} is larger than this rank's {len(train.sampler)} training samples")
     model.compile([train_x[:bs].to(dev)], is_train=True, use_graph=args.graph, sequential=True)
-    rng = np.random.default_rng(args.seed + sgd.global_rank)
     if main:
-        print(f"{sgd}: {len(train_x)} training samples per rank, batch {bs}", flush=True)
+        print(f"{sgd}: {len(train.sampler)} training samples per rank, batch {bs}", flush=True)
 
     ckpt_dir, resume = checkpoint.from_env()
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else ckpt_dir
     resume = "yes" if args.resume else resume
-    step, start_epoch, start_batch, epoch_rng, partial, resumed_at = 0, 0, 0, None, (0, 0.0), None
+    step, start_epoch, start_batch, partial, resumed_at = 0, 0, 0, (0, 0.0), None
     if resume != "no" and ckpt_dir is not None:
         found = checkpoint.latest(ckpt_dir)
         if found is None and resume == "yes":
@@ -151,7 +151,8 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
             state = checkpoint.load(found, model, sgd)
             step, start_epoch, start_batch = state["step"], state["epoch"], state["batch"]
             resumed_at = step
-            epoch_rng, partial = state["epoch_rng"], (state["train_correct"], state["train_loss"])
+            train.sampler.load_state_dict(state["sampler"])  # the epoch's permutation, after its first batches
+            partial = (state["train_correct"], state["train_loss"])
             if main:
                 print(f"Resumed from {found} (epoch {start_epoch}, batch {start_batch})", flush=True)
 
@@ -160,22 +161,20 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
         if main:
             print(f"Starting Epoch {epoch}:", flush=True)
         model.train()
-        if epoch_rng is not None:  # resuming mid-epoch: replay this epoch's shuffle
-            rng.bit_generator.state = epoch_rng
-        epoch_rng = rng.bit_generator.state
-        idx = torch.from_numpy(rng.permutation(len(train_x)))
+        train.sampler.set_epoch(epoch)  # resuming: keeps the position load_state_dict gave
+        batches = iter(train)
         first = start_batch if epoch == start_epoch else 0
         train_correct, train_loss = partial if epoch == start_epoch else (0, 0.0)
         speed = Throughput()
         for b in progress(range(first, num_train_batch), desc=f"epoch {epoch}", enabled=main and not args.quiet):
             if ckpt_dir is not None and step % args.checkpoint_every == 0 and step not in (0, resumed_at):
-                extra = dict(epoch=epoch, batch=b, epoch_rng=epoch_rng, train_correct=train_correct,
+                extra = dict(epoch=epoch, batch=b, sampler=train.sampler.state_dict(), train_correct=train_correct,
                              train_loss=train_loss)
                 checkpoint.save(ckpt_dir, step, model, sgd, extra)
             if step == args.crash_at_step and resumed_at is None and sgd.global_rank == 1:
                 os._exit(17)  # simulate a dying process (tests only)
-            sel = idx[b * bs : (b + 1) * bs]
-            tx, ty = train_x[sel].to(dev), train_y[sel].to(dev)
+            tx, ty = next(batches)
+            tx, ty = tx.to(dev), ty.to(dev)
             if torch_loop is None:
                 out, loss = model.train_one_batch(tx, ty, args.dist_option, args.spars)
             else:
@@ -184,7 +183,6 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
             train_loss += loss.item()
             speed.add(bs)
             step += 1
-        epoch_rng = None
         rate = speed.rate()
         train_correct = reduce_variable(train_correct)
         train_loss = reduce_variable(train_loss)
@@ -201,6 +199,9 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
         if main:
             print(f"Training loss = {train_loss:f}, training accuracy = {train_acc:f}", flush=True)
             print(f"Evaluation accuracy = {test_acc:f}, {rate:.0f} samples/s", flush=True)
+        # TensorBoard (troupe run --tensorboard DIR) beside troupe's per-step scalars; rank 0 writes
+        troupe.log({"epoch/train_loss": train_loss, "epoch/train_accuracy": train_acc,
+                    "epoch/eval_accuracy": test_acc}, step)
         history.append({"epoch": epoch, "train_loss": train_loss, "train_acc": train_acc, "eval_acc": test_acc})
     return model, history
 

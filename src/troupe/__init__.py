@@ -15,6 +15,7 @@ from troupe.runtime.comm import Communicator
 from troupe.runtime.launch import DistInfo, Ticket, wait_all
 from troupe.runtime.world import World, info, init, shutdown
 from troupe.model import Model
+from troupe.observe.log import log
 from troupe.distopt import DIST_OPTIONS, DistOpt
 from troupe.strategies.base import UpdateStrategy
 from troupe.strategies.compressed import CompressionConfig
@@ -39,6 +40,7 @@ __all__ = [
     "full_state_dict",
     "info",
     "init",
+    "log",
     "metrics",
     "partition",
     "shutdown",

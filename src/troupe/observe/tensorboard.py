@@ -1,7 +1,8 @@
 """Per-step stats as TensorBoard scalars: one run directory per rank (DIR/rank0, DIR/rank1, ...).
 
 Enabled by `troupe run --tensorboard DIR` (or ``TROUPE_TENSORBOARD=DIR``); then
-`trace.Recorder` hands every step's stats row to a `ScalarWriter`. Needs the optional
+`trace.Recorder` hands every step's stats row to a `ScalarWriter`, and `troupe.log`'s
+scalars under the tags the user names. Needs the optional
 `tensorboard` package, imported only when a writer is made so `import troupe` stays light.
 
     tensorboard --logdir DIR
@@ -74,6 +75,13 @@ class ScalarWriter:
             return
         step = int(row["step"])
         for tag, value in scalars(row).items():
+            self._writer.add_scalar(tag, value, step)
+
+    def write_scalars(self, step: int, values: dict[str, float]) -> None:
+        """Scalars under the tags given (`troupe.log`'s), x axis = `step`."""
+        if self._writer is None:
+            return
+        for tag, value in values.items():
             self._writer.add_scalar(tag, value, step)
 
     def close(self) -> None:

@@ -100,6 +100,13 @@ class Recorder:
         # self.forward(x) directly, as SINGA's do, so no module hook would see it.
         self._marks = {"forward": _now_us()}
 
+    def log(self, step: int, values: dict[str, float]) -> None:
+        """User scalars (`troupe.log`): TensorBoard tags as named, and a ``{"rank", "step", "log"}`` stats line."""
+        if self._board:
+            self._board.write_scalars(step, values)
+        if self._stats_file:
+            self._stats_file.write(json.dumps({"rank": self.rank, "step": step, "log": values}) + "\n")
+
     def close(self) -> None:
         """Flush and close the files (at `troupe.shutdown()` and at exit; the second call does nothing)."""
         if self._board:
@@ -159,6 +166,8 @@ def summarize(path: str) -> str:
     with open(path) as f:
         for line in f:
             row = json.loads(line)
+            if "log" in row:  # troupe.log's scalars, not a step
+                continue
             rows.setdefault(row["rank"], []).append(row)
     keys = ["time_ms", "forward_ms", "backward_ms", "comm_exposed_ms", "comm_overlapped_ms", "optimizer_ms"]
     lines = ["rank  steps  " + "  ".join(k.removesuffix("_ms").rjust(15) for k in keys) + "   bytes/step"]

@@ -1,0 +1,237 @@
+"""Each rank its share of a map-style dataset, reshuffled every epoch: `DistributedSampler` and `loader`.
+
+Re-exported from `troupe.data`; see there. Every rank draws the same permutation from
+``(seed, epoch)`` and takes every ``world_size``-th index starting at its rank, so the
+shares are disjoint and, together, the epoch. Owns no process state: the rank and world
+size are read once, from the World, when a sampler is made.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence, Sized
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+
+Tail = Literal["pad", "drop", "uneven"]
+TAILS: tuple[str, ...] = ("pad", "drop", "uneven")
+"""What happens to the samples left over when the dataset does not divide by world_size:
+pad: repeat samples from the start of the permutation so every rank gets as many (torch's default);
+drop: leave them out, every rank gets ``n // world_size``;
+uneven: keep every sample exactly once, the first ``n % world_size`` ranks get one more."""
+
+
+def _data_parallel_place(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world_size) of this process among the ranks that feed data: the World's data-parallel communicator."""
+    if (rank is None) != (world_size is None):
+        raise ValueError(f"give both rank and world_size, or neither (got rank={rank}, world_size={world_size})")
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    from troupe.runtime import world as world_mod  # the World joins the job: only when asked to
+
+    world = world_mod.init()
+    if world.settings.cluster and world.comm is world.job:
+        # Until the DistOpt's bootstrap has split the job, world.comm still counts the servers.
+        raise RuntimeError("under a parameter-server cluster (TROUPE_CLUSTER) make the sampler after the DistOpt: "
+                           "only then does this process know its rank among the workers")
+    return world.comm.rank, world.comm.world_size
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+class DistributedSampler(Sampler[int]):
+    """This rank's indices of a map-style dataset, a fresh global shuffle every epoch.
+
+    >>> sampler = troupe.data.DistributedSampler(dataset, tail="uneven")   # after troupe.init() / the DistOpt
+    >>> for epoch in range(epochs):
+    ...     sampler.set_epoch(epoch)                  # the same permutation on every rank
+    ...     with sgd.join():                          # tail="uneven": ranks may differ by one batch
+    ...         for i in sampler: ...
+
+    Args:
+        dataset_or_len: the dataset (anything with ``len``) or its number of samples.
+        rank, world_size: this rank among the ranks that feed data; default the World's
+            data-parallel communicator (`troupe.init()`; under a parameter-server cluster the
+            workers, known once the DistOpt is made; under `troupe.partition` every worker of
+            a group feeds its own share, so the global rank).
+        shuffle: a permutation per epoch from ``(seed, epoch)``; False: 0, 1, 2, ... in order.
+        seed: the same on every rank.
+        tail: "pad", "drop" or "uneven" (see `TAILS`). With "pad" or "drop" the indices are
+            those of ``torch.utils.data.DistributedSampler`` (``drop_last=False/True``).
+
+    With "uneven" a rank may have one batch more than another: under synchronous
+    all-reduce, ``with sgd.join():`` lets the ranks that run out shadow the others' last
+    steps with zero gradients, and each such step averages the gradients of the ranks
+    that still had a batch (each rank's mean loss counts once, so a short last batch
+    weighs as much as a full one). A partitioned model (`troupe.partition`) cannot be
+    joined: there use "pad" or "drop" (and ``drop_last=True`` for equal batches).
+    """
+
+    def __init__(self, dataset_or_len: Sized | int, *, rank: int | None = None, world_size: int | None = None,
+                 shuffle: bool = True, seed: int = 0, tail: Tail = "pad"):
+        if isinstance(dataset_or_len, int) and not isinstance(dataset_or_len, bool):
+            size = dataset_or_len
+        elif hasattr(dataset_or_len, "__len__"):
+            size = len(dataset_or_len)  # type: ignore[arg-type]
+        else:
+            raise TypeError(f"dataset_or_len must be a sized dataset or an int, got {type(dataset_or_len).__name__}")
+        if size < 1:
+            raise ValueError(f"the dataset is empty (dataset_or_len gives {size} samples)")
+        if tail not in TAILS:
+            raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
+        rank, world_size = _data_parallel_place(rank, world_size)
+        _int("world_size", world_size, 1)
+        _int("rank", rank, 0)
+        if rank >= world_size:
+            raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+        if tail == "drop" and size < world_size:
+            raise ValueError(f"tail='drop' leaves nothing: the dataset has {size} samples, fewer than world_size "
+                             f"{world_size} (use tail='pad' or 'uneven')")
+        _int("seed", seed, -(2**63))
+        self.size, self.rank, self.world_size = size, rank, world_size
+        self.shuffle, self.seed, self.tail = bool(shuffle), seed, tail
+        self.epoch = 0
+        self._start = 0     # where the next iteration begins in this epoch (set by load_state_dict)
+        self._yielded = 0   # indices handed out this epoch, counting the resumed-from ones
+
+    # --- sizes ------------------------------------------------------------------------------
+
+    @property
+    def num_samples(self) -> int:
+        """How many indices this rank gets in a whole epoch."""
+        if self.tail == "pad":
+            return math.ceil(self.size / self.world_size)
+        if self.tail == "drop":
+            return self.size // self.world_size
+        return len(range(self.rank, self.size, self.world_size))
+
+    @property
+    def total_size(self) -> int:
+        """Indices handed out per epoch over all ranks (the dataset size with "uneven")."""
+        if self.tail == "uneven":
+            return self.size
+        return self.world_size * (math.ceil(self.size / self.world_size) if self.tail == "pad"
+                                  else self.size // self.world_size)
+
+    def __len__(self) -> int:
+        """Indices the next iteration yields: `num_samples`, less those consumed before a resume."""
+        return self.num_samples - self._start
+
+    # --- the indices --------------------------------------------------------------------------
+
+    def global_indices(self, epoch: int | None = None) -> list[int]:
+        """Every rank's indices of `epoch` (default: the current one), rank r's at r, r + world_size, ..."""
+        epoch = self.epoch if epoch is None else epoch
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)  # as torch's DistributedSampler, so "pad"/"drop" match it
+            order = torch.randperm(self.size, generator=g).tolist()
+        else:
+            order = list(range(self.size))
+        total = self.total_size
+        while len(order) < total:  # "pad": repeat from the start (more than once on tiny datasets)
+            order += order[: total - len(order)]
+        return order[:total]
+
+    def indices(self, epoch: int | None = None) -> list[int]:
+        """This rank's indices of a whole `epoch` (default: the current one), ignoring any resume point."""
+        return self.global_indices(epoch)[self.rank :: self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        # Not a generator itself: the resume point is taken when iteration starts, not at the first next().
+        start, self._start = self._start, 0
+        self._yielded = start
+        return self._count(self.indices()[start:])
+
+    def _count(self, indices: list[int]) -> Iterator[int]:
+        for i in indices:
+            self._yielded += 1
+            yield i
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch `epoch`'s permutation from the next iteration on (call it at the start of every epoch)."""
+        _int("epoch", epoch, 0)
+        if epoch != self.epoch:  # set_epoch(the epoch just loaded) keeps the resume point
+            self._start = self._yielded = 0
+        self.epoch = epoch
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """Where this rank is: the epoch and how many of its indices were consumed.
+
+        `consumed` defaults to the indices handed out so far this epoch, which is what the
+        training loop has taken when a DataLoader with ``num_workers=0`` reads them; with
+        workers the DataLoader reads ahead: pass ``consumed=batches_done * batch_size``.
+        """
+        consumed = self._yielded if consumed is None else _int("consumed", consumed, 0)
+        if consumed > self.num_samples:
+            raise ValueError(f"consumed {consumed} is more than this rank's {self.num_samples} samples per epoch")
+        return {"epoch": self.epoch, "consumed": consumed, "size": self.size, "rank": self.rank,
+                "world_size": self.world_size, "seed": self.seed, "shuffle": self.shuffle, "tail": self.tail}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where `state` left off: the next iteration starts after its consumed indices."""
+        for key in ("size", "world_size", "seed", "shuffle", "tail"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(f"the sampler state was saved with {key}={state[key]!r}, this sampler has "
+                                 f"{key}={getattr(self, key)!r}: its position means nothing here")
+        epoch, consumed = _int("epoch", state["epoch"], 0), _int("consumed", state["consumed"], 0)
+        if consumed > self.num_samples:
+            raise ValueError(f"consumed {consumed} is more than this rank's {self.num_samples} samples per epoch")
+        self.epoch, self._start, self._yielded = epoch, consumed, consumed
+
+    def __repr__(self) -> str:
+        return (f"DistributedSampler({self.size} samples, rank {self.rank}/{self.world_size}, tail={self.tail!r}, "
+                f"shuffle={self.shuffle}, seed={self.seed}, epoch {self.epoch})")
+
+
+_OURS = ("sampler", "batch_sampler", "shuffle")
+
+
+def as_dataset(data: Dataset | Tensor | Sequence[Tensor]) -> Dataset:
+    """`data` itself, or a TensorDataset when it is a tensor or a tuple/list of tensors such as (x, y)."""
+    if isinstance(data, Tensor):
+        data = (data,)
+    if isinstance(data, (tuple, list)) and data and all(isinstance(t, Tensor) for t in data):
+        lengths = [len(t) if t.dim() else None for t in data]
+        if None in lengths or len(set(lengths)) != 1:
+            raise ValueError(f"the tensors must share their first dimension (one row per sample), got shapes "
+                             f"{[tuple(t.shape) for t in data]}")
+        return TensorDataset(*data)
+    if not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
+        raise TypeError(f"loader needs a map-style dataset (with __getitem__ and __len__) or tensors (x, y), "
+                        f"got {type(data).__name__}")
+    return data  # type: ignore[return-value]
+
+
+def loader(dataset: Dataset | Tensor | Sequence[Tensor], batch_size: int, *, shuffle: bool = True, seed: int = 0,
+           tail: Tail = "pad", rank: int | None = None, world_size: int | None = None,
+           **dataloader_kwargs: Any) -> DataLoader:
+    """A DataLoader over this rank's share of `dataset`; ``loader.sampler`` is its `DistributedSampler`.
+
+    >>> train = troupe.data.loader((x, y), batch_size=64, tail="drop")
+    >>> for epoch in range(epochs):
+    ...     train.sampler.set_epoch(epoch)
+    ...     for xb, yb in train: ...
+
+    `dataset` is a map-style dataset or tensors (x, y) sharing their first dimension;
+    other keyword arguments (num_workers, drop_last, pin_memory, collate_fn, ...) go to
+    the DataLoader. `batch_size` is per rank.
+    """
+    _int("batch_size", batch_size, 1)
+    clash = sorted(set(_OURS) & set(dataloader_kwargs))
+    if clash:
+        raise TypeError(f"loader makes its own sampler: do not pass {', '.join(clash)} (shuffle/seed/tail choose it)")
+    dataset = as_dataset(dataset)
+    sampler = DistributedSampler(dataset, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed, tail=tail)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **dataloader_kwargs)

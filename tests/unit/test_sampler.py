@@ -1,0 +1,195 @@
+"""troupe.data.DistributedSampler and loader without processes: every rank's share computed side by side."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from troupe.data import DistributedSampler, loader
+
+SIZES = [1, 2, 7, 10, 12, 13, 101]
+WORLDS = [1, 2, 3, 4, 8]
+
+
+def shares(size, world_size, **kw):
+    return [DistributedSampler(size, rank=r, world_size=world_size, **kw) for r in range(world_size)]
+
+
+def lists(samplers, epoch=0):
+    for s in samplers:
+        s.set_epoch(epoch)
+    return [list(s) for s in samplers]
+
+
+@pytest.mark.parametrize("size,world_size", list(itertools.product(SIZES, WORLDS)))
+def test_uneven_sees_every_sample_exactly_once_per_epoch(size, world_size):
+    samplers = shares(size, world_size, tail="uneven")
+    for epoch in range(3):
+        got = lists(samplers, epoch)
+        assert sorted(i for part in got for i in part) == list(range(size))
+        assert [len(p) for p in got] == [len(s) for s in samplers] == [s.num_samples for s in samplers]
+        assert max(map(len, got)) - min(map(len, got)) <= 1
+        # the first size % world_size ranks carry the extra sample
+        assert [len(p) for p in got] == [size // world_size + (r < size % world_size) for r in range(world_size)]
+
+
+@pytest.mark.parametrize("size,world_size,tail", [
+    (n, w, tail) for n, w in itertools.product(SIZES, WORLDS) for tail in ("pad", "drop")
+    if not (tail == "drop" and n < w)  # an error, tested below
+])
+def test_pad_and_drop_give_equal_disjoint_shares_and_match_torch(size, world_size, tail):
+    samplers = shares(size, world_size, tail=tail, seed=5)
+    for epoch in (0, 3):
+        got = lists(samplers, epoch)
+        n = -(-size // world_size) if tail == "pad" else size // world_size
+        assert [len(p) for p in got] == [n] * world_size == [len(s) for s in samplers]
+        flat = [i for part in got for i in part]
+        if tail == "drop":
+            assert len(set(flat)) == len(flat) == n * world_size  # disjoint: nothing repeats
+        else:
+            assert set(flat) == set(range(size))  # complete; only the padding repeats
+            assert len(flat) - size == n * world_size - size
+        for r, part in enumerate(got):
+            ref = torch.utils.data.DistributedSampler(range(size), num_replicas=world_size, rank=r, seed=5,
+                                                      drop_last=tail == "drop")
+            ref.set_epoch(epoch)
+            assert part == list(ref)
+
+
+def test_the_permutation_is_the_same_on_every_rank_and_changes_with_the_epoch():
+    a, b = shares(1000, 4, tail="uneven", seed=3)[:2]
+    assert a.global_indices(2) == b.global_indices(2)  # every rank draws the same permutation
+    assert a.global_indices(0) != a.global_indices(1)  # reshuffled between epochs
+    assert sorted(a.global_indices(1)) == list(range(1000))
+    assert DistributedSampler(1000, rank=0, world_size=4, seed=4).global_indices(0) != a.global_indices(0)
+    first = lists([a], 0)[0]
+    assert lists([a], 1)[0] != first and lists([a], 0)[0] == first  # deterministic per (seed, epoch)
+
+
+def test_no_shuffle_interleaves_in_order():
+    assert lists(shares(10, 3, shuffle=False, tail="uneven")) == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    assert lists(shares(10, 3, shuffle=False, tail="pad")) == [[0, 3, 6, 9], [1, 4, 7, 0], [2, 5, 8, 1]]
+    assert lists(shares(10, 3, shuffle=False, tail="drop")) == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]
+    # pad on a dataset smaller than the world: samples repeat more than once
+    assert lists(shares(2, 5, shuffle=False)) == [[0], [1], [0], [1], [0]]
+
+
+def test_a_dataset_or_its_length():
+    data = torch.utils.data.TensorDataset(torch.arange(9))
+    assert list(DistributedSampler(data, rank=1, world_size=2)) == list(DistributedSampler(9, rank=1, world_size=2))
+
+
+def test_state_dict_resumes_mid_epoch():
+    s = DistributedSampler(50, rank=1, world_size=3, seed=7, tail="uneven")
+    s.set_epoch(2)
+    whole = list(s)
+    it = iter(s)
+    head = [next(it) for _ in range(6)]
+    state = s.state_dict()
+    assert state["epoch"] == 2 and state["consumed"] == 6
+
+    fresh = DistributedSampler(50, rank=1, world_size=3, seed=7, tail="uneven")
+    fresh.load_state_dict(state)
+    fresh.set_epoch(2)  # the loop's own set_epoch for the resumed epoch keeps the position
+    assert len(fresh) == len(whole) - 6
+    assert head + list(fresh) == whole
+    assert len(fresh) == len(whole) and list(fresh) == whole  # the next iteration is a whole epoch again
+    fresh.set_epoch(3)
+    assert list(fresh) == s.indices(3)
+
+
+def test_state_dict_through_a_dataloader_and_an_explicit_count():
+    x = torch.arange(40)
+    train = loader((x, x * 2), 4, rank=0, world_size=2, seed=1, tail="drop")
+    train.sampler.set_epoch(1)
+    whole = [b[0].tolist() for b in train]
+    batches = iter(train)
+    done = [next(batches)[0].tolist() for _ in range(3)]
+    state = train.sampler.state_dict()
+    assert state["consumed"] == 12  # num_workers=0: the loader took exactly what was trained on
+    assert train.sampler.state_dict(consumed=8)["consumed"] == 8
+
+    again = loader((x, x * 2), 4, rank=0, world_size=2, seed=1, tail="drop")
+    again.sampler.load_state_dict(state)
+    again.sampler.set_epoch(1)
+    assert len(again) == len(whole) - 3
+    assert done + [b[0].tolist() for b in again] == whole
+
+
+def test_state_from_another_setup_is_refused():
+    state = DistributedSampler(50, rank=0, world_size=2).state_dict()
+    with pytest.raises(ValueError, match="world_size=2"):
+        DistributedSampler(50, rank=0, world_size=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="size=50"):
+        DistributedSampler(49, rank=0, world_size=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="consumed 26"):
+        DistributedSampler(50, rank=0, world_size=2).load_state_dict({"epoch": 0, "consumed": 26})
+
+
+def test_loader_batches_this_ranks_share_of_tensors():
+    x, y = torch.arange(10.0).unsqueeze(1), torch.arange(10)
+    parts = [loader((x, y), 3, rank=r, world_size=2, tail="uneven", shuffle=False) for r in range(2)]
+    assert [[yb.tolist() for _, yb in p] for p in parts] == [[[0, 2, 4], [6, 8]], [[1, 3, 5], [7, 9]]]
+    xb, _ = next(iter(parts[0]))
+    assert xb.shape == (3, 1)
+    assert isinstance(parts[0].sampler, DistributedSampler)
+    single = loader(torch.arange(6), 6, rank=0, world_size=1, shuffle=False, drop_last=True)
+    assert [b[0].tolist() for b in single] == [[0, 1, 2, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(rank=0, world_size=0), ValueError, "world_size must be >= 1"),
+    (dict(rank=2, world_size=2), ValueError, "rank 2 is out of range for world_size 2"),
+    (dict(rank=-1, world_size=2), ValueError, "rank must be >= 0"),
+    (dict(rank=0), ValueError, "both rank and world_size"),
+    (dict(rank=0, world_size=2, tail="last"), ValueError, "tail must be one of"),
+    (dict(rank=0, world_size=20, tail="drop"), ValueError, "fewer than world_size 20"),
+    (dict(rank=0, world_size=2.0), TypeError, "world_size must be an int"),
+])
+def test_bad_sampler_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DistributedSampler(10, **kwargs)
+
+
+def test_bad_datasets_and_loader_arguments():
+    with pytest.raises(ValueError, match="empty"):
+        DistributedSampler(0, rank=0, world_size=1)
+    with pytest.raises(TypeError, match="sized dataset or an int"):
+        DistributedSampler(3.5, rank=0, world_size=1)
+    with pytest.raises(TypeError, match="epoch must be an int"):
+        DistributedSampler(4, rank=0, world_size=1).set_epoch("1")
+    with pytest.raises(ValueError, match="share their first dimension"):
+        loader((torch.zeros(4, 2), torch.zeros(5)), 2, rank=0, world_size=1)
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        loader(torch.zeros(4), 0, rank=0, world_size=1)
+    with pytest.raises(TypeError, match="do not pass sampler"):
+        loader(torch.zeros(4), 2, rank=0, world_size=1, sampler=None)
+    with pytest.raises(TypeError, match="map-style dataset"):
+        loader(iter([1, 2]), 2, rank=0, world_size=1)
+
+
+def fake_world(monkeypatch, cluster, split):
+    from types import SimpleNamespace
+
+    from troupe.runtime import world as world_mod
+
+    job = SimpleNamespace(rank=4, world_size=5)
+    comm = SimpleNamespace(rank=1, world_size=3) if split else job
+    world = SimpleNamespace(settings=SimpleNamespace(cluster=cluster), job=job, comm=comm)
+    monkeypatch.setattr(world_mod, "init", lambda: world)
+
+
+def test_rank_and_world_size_default_to_the_data_parallel_communicator(monkeypatch):
+    fake_world(monkeypatch, "downpour", split=True)  # a cluster's workers, after the DistOpt
+    s = DistributedSampler(30)
+    assert (s.rank, s.world_size) == (1, 3)
+    fake_world(monkeypatch, None, split=False)  # plain data parallelism (and troupe.partition): the job
+    assert (DistributedSampler(30).rank, DistributedSampler(30).world_size) == (4, 5)
+
+
+def test_a_cluster_sampler_made_before_the_distopt_is_refused(monkeypatch):
+    fake_world(monkeypatch, "downpour", split=False)
+    with pytest.raises(RuntimeError, match="after the DistOpt"):
+        DistributedSampler(30)
