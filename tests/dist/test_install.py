@@ -24,7 +24,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(Path(__file__).parent / "scripts" / "tiny_train.py")
-SITE = Path(sysconfig.get_paths()["purelib"])
+SITES = dict.fromkeys(Path(p) for p in (sysconfig.get_path("purelib"), sysconfig.get_path("platlib"),
+                                         Path(torch.__file__).parents[1]))
+"""Where this environment's packages (torch among them) live."""
 TIMEOUT = 120
 """Seconds for one command: importing torch alone can take 30 s on a loaded 2-core machine."""
 
@@ -58,13 +60,15 @@ def _venv_with_torch(tmp: Path) -> Path:
     """A fresh venv that sees this environment's packages, except troupe (the editable install)."""
     deps = tmp / "deps"
     deps.mkdir()
-    for entry in SITE.iterdir():
-        if "troupe" not in entry.name and not entry.name.startswith("__editable__") and entry.suffix != ".pth":
-            (deps / entry.name).symlink_to(entry)
+    for site in SITES:
+        for entry in site.iterdir():
+            skip = "troupe" in entry.name or entry.name.startswith("__editable__") or entry.suffix == ".pth"
+            if not skip and not (deps / entry.name).exists():
+                (deps / entry.name).symlink_to(entry)
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp)
-    purelib = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True, timeout=TIMEOUT).stdout.strip()
+    query = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    purelib = _run([str(venv / "bin" / "python"), "-c", query], cwd=tmp).stdout.strip()
     # A path line in a .pth extends sys.path; .pth files inside that folder are not run.
     Path(purelib, "existing-env.pth").write_text(f"{deps}\n")
     return venv

@@ -77,5 +77,6 @@ def test_distribution_metadata():
     assert (SRC / "__main__.py").is_file(), "python -m troupe"
     assert (SRC / "py.typed").is_file() and "py.typed" in PYPROJECT["tool"]["setuptools"]["package-data"]["troupe"]
     low = tuple(int(x) for x in project["requires-python"].removeprefix(">=").split("."))
-    listed = {c.rsplit(" :: ", 1)[1] for c in project["classifiers"] if c.startswith("Programming Language :: Python :: 3.")}
+    python = "Programming Language :: Python :: "
+    listed = {c.removeprefix(python) for c in project["classifiers"] if c.startswith(python + "3.")}
     assert f"{low[0]}.{low[1]}" in listed, f"requires-python {project['requires-python']} but classifiers list {listed}"
