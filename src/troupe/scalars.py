@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from troupe.runtime import world as world_mod
+
 
 def log(values: Mapping[str, Any], step: int, *, all_ranks: bool = False) -> None:
     """Record scalars at `step`; by default only the data-parallel rank 0 records (its values
@@ -33,8 +35,6 @@ def log(values: Mapping[str, Any], step: int, *, all_ranks: bool = False) -> Non
         raise ValueError(f"troupe.log: step must be >= 0, got {step}")
     for name, value in values.items():
         _check(name, value)
-    from troupe.runtime import world as world_mod  # runtime imports observe, not the other way at import time
-
     world = world_mod.current()
     if world is None or world.recorder is None or not values:
         return
