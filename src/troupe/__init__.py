@@ -15,7 +15,7 @@ from troupe.runtime.comm import Communicator
 from troupe.runtime.launch import DistInfo, Ticket, wait_all
 from troupe.runtime.world import World, info, init, shutdown
 from troupe.model import Model
-from troupe.observe.log import log
+from troupe.scalars import log
 from troupe.distopt import DIST_OPTIONS, DistOpt
 from troupe.strategies.base import UpdateStrategy
 from troupe.strategies.compressed import CompressionConfig
