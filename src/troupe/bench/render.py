@@ -180,7 +180,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise ImportError("plots need matplotlib: pip install 'troupe[bench]'") from None
+        raise ImportError("plots need matplotlib: pip install 'torch-troupe[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

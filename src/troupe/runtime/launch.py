@@ -367,7 +367,7 @@ def _mpi_ticket(env: Settings) -> tuple[Ticket, int, int, int, int]:
         from mpi4py import MPI
     except ImportError:
         raise ImportError(
-            "launched by mpiexec, but mpi4py is not installed: pip install 'troupe[mpi]'"
+            "launched by mpiexec, but mpi4py is not installed: pip install 'torch-troupe[mpi]'"
         ) from None
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
