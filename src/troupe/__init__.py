@@ -9,6 +9,7 @@
 """
 
 from troupe import data, metrics, partition
+from troupe import cd
 from troupe.partition import clip_grad_norm_, full_state_dict
 from troupe.reliability import checkpoint
 from troupe.runtime.comm import Communicator
@@ -34,6 +35,7 @@ __all__ = [
     "Ticket",
     "UpdateStrategy",
     "World",
+    "cd",
     "checkpoint",
     "clip_grad_norm_",
     "data",
