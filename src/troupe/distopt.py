@@ -252,6 +252,21 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         self.step_count = int(state["step_count"])
         self._choice.load_state_dict(state.get("strategies", {}))
 
+    def per_rank_state(self) -> list[str]:
+        """Why this DistOpt's state belongs to each rank and cannot move to another world size
+        (empty: every rank's model and optimizer state is the job's; troupe.checkpoint reshards it)."""
+        reasons = []
+        if not self._choice.local:
+            reasons.append("parameter-server worker (the parameters and their optimizer live on the servers)")
+        elif self._choice.holders is not None:
+            reasons.append("partitioned model (each rank holds its own slices)")
+        state = self._choice.state_dict()
+        if state.get("residuals"):
+            reasons.append("top-K/threshold error-feedback residuals (what each rank has not sent yet)")
+        if "partial_counter" in state:
+            reasons.append("partial update (each rank's parameters and momentum differ)")
+        return reasons
+
     def close(self) -> None:
         """Leave cleanly: under a parameter-server cluster, tell the servers this worker has finished (also done at exit)."""
         self.strategy.close()

@@ -66,9 +66,12 @@ def test_save_prune_verify_and_load(tmp_path):
 
 
 def test_world_size_mismatch_refused(tmp_path):
+    # A data-parallel checkpoint resumes on any world size (tests/dist/test_checkpoint_reshard.py);
+    # one whose state belongs to each rank (partial update: each rank's own parameters) does not.
     run_world(_save_one, 2, str(tmp_path))
     results = run_world(_load_expect_error, 1, str(tmp_path))
     assert "written by 2 ranks, this job has 1" in results[0]
+    assert "partial update" in results[0]
 
 
 def _save_one(rank, world_size, directory):
@@ -76,7 +79,9 @@ def _save_one(rank, world_size, directory):
     from troupe.reliability import checkpoint
 
     model = torch.nn.Linear(2, 2)
-    checkpoint.save(directory, 5, model, troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1)))
+    opt = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.backward_and_partial_update(model(torch.full((1, 2), float(rank))).sum())
+    checkpoint.save(directory, 5, model, opt)
 
 
 def _load_expect_error(rank, world_size, directory):
