@@ -86,13 +86,15 @@ def parse_args(argv=None):
     p.add_argument("--clip", type=float, default=None, help="--loop torch: clip_grad_norm_ to this")
     p.add_argument("--amp", action="store_true", help="--loop torch: bf16 autocast and a GradScaler")
     p.add_argument("--lr-step", type=int, default=None, help="--loop torch: StepLR(step_size=N steps, gamma=0.5)")
-    p.add_argument("--partition", choices=sorted(PARTITIONS), default="data",
+    p.add_argument("--partition", choices=sorted(PARTITIONS), default=None,
                    help="data: every rank the whole model; hybrid: convolutions split the batch, linear layers "
                         "their output features (Krizhevsky's 'one weird trick'); model: every layer its features; "
-                        "auto: the planner's pick (troupe plan) for the link given by --link")
+                        "auto: the planner's pick (troupe plan) for the link given by --link (default: the "
+                        "cluster's partition_dim under --cluster, else data)")
     p.add_argument("--link", default="loopback", help="--partition auto: the link between hosts (1gbit, 100mbit, ...)")
     p.add_argument("--workers-per-group", type=int, default=None,
-                   help="--partition hybrid/model: ranks that compute one model replica (default: all)")
+                   help="--partition hybrid/model: ranks that compute one model replica (default: all; "
+                        "under --cluster its nworkers_per_group)")
     p.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
     return p.parse_args(argv)
 
@@ -105,13 +107,14 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
     model = CNN()
     if args.partition != "data":
         world = troupe.init(ticket, local_rank, world_size)
+        plan = PARTITIONS[args.partition] if args.partition else None  # None: the cluster's partition_dim, if any
+        k = args.workers_per_group or (None if world.settings.cluster else world.world_size)
         # "auto" profiles the model on a batch of this shape (its values do not matter)
-        troupe.partition(model, PARTITIONS[args.partition], args.workers_per_group or world.world_size,
-                         sample=torch.zeros(args.batch_size, 1, 28, 28), link=args.link)
-        if world.rank == 0:
-            dims = " ".join(f"{r.name}:{r.partition_dim}" for r in troupe.partition.describe(model) if r.local_params)
-            print(f"partition ({args.partition}): {dims}, {args.workers_per_group or world.world_size} workers "
-                  "per group", flush=True)
+        troupe.partition(model, plan, k, sample=torch.zeros(args.batch_size, 1, 28, 28), link=args.link)
+        rows = troupe.partition.describe(model)
+        if world.rank == 0 and any(r.partition_dim for r in rows):
+            dims = " ".join(f"{r.name}:{r.partition_dim}" for r in rows if r.local_params)
+            print(f"partition ({args.partition or 'cluster'}): {dims}", flush=True)
     sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-5)
     sgd = troupe.DistOpt(sgd, ticket=ticket, local_rank=local_rank, world_size=world_size,
                          dist_option=args.dist_option, spars=args.spars)
@@ -231,8 +234,7 @@ class TorchLoop:
         if self.args.clip is not None:
             self.scaler.unscale_(self.sgd)
             # troupe's counts every slice of a partitioned layer once, on every rank (torch's sees this rank's)
-            clip = troupe.clip_grad_norm_ if self.args.partition != "data" else torch.nn.utils.clip_grad_norm_
-            clip(self.model.parameters(), self.args.clip)
+            troupe.clip_grad_norm_(self.model.parameters(), self.args.clip)
         self.scaler.step(self.sgd)
         self.scaler.update()
         self.sgd.zero_grad()

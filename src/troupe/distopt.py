@@ -94,9 +94,6 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
             # (it never returns); a worker gets its view of the job (workers only) and its strategy.
             from troupe.cluster import bootstrap
 
-            if split_by_holders(self._params(), self.world.world_size)[1]:
-                raise ValueError("a partitioned model (troupe.partition) under a parameter-server cluster is not "
-                                 "supported yet: use the synchronous all-reduce (no cluster)")
             self.info, strategy = bootstrap.worker_strategy(cluster, optimizer, self.world, bucket_size, nan_policy)
             self.communicator = self.world.comm
             self._check_and_broadcast()
@@ -346,6 +343,6 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
 
     def _check_and_broadcast(self) -> None:
         # A partitioned model's slices differ by rank by design (troupe.partition broadcast them whole).
-        params, _ = split_by_holders(self._params(), self.world.world_size)
+        params, _ = split_by_holders(self._params(), self.communicator.world_size)
         self.communicator.check_same([(tuple(p.shape), str(p.dtype)) for p in params], "the optimizer's parameters")
         self.communicator.broadcast_tensors(params)

@@ -30,3 +30,15 @@ def unpack_into(flat: Tensor, tensors: Sequence[Tensor]) -> None:
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+HOLDERS = "_troupe_holders"
+"""The attribute `troupe.partition` sets on every parameter: the sorted global ranks holding the
+same tensor (every data-parallel rank for a replicated layer, fewer for a partitioned one).
+Here, in the leaf module, so the layers that send parameters (strategies, cluster) can read
+it without importing the partitioner."""
+
+
+def holders_of(param: Tensor) -> tuple[int, ...] | None:
+    """The ranks holding `param` (None: not labelled, i.e. every rank holds it)."""
+    return getattr(param, HOLDERS, None)

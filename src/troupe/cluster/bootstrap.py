@@ -32,7 +32,9 @@ from typing import NoReturn
 
 import torch
 
+from troupe.cluster import layout
 from troupe.cluster.config import ClusterConfig, Role, from_env, roles
+from troupe.cluster.layout import Layout
 from troupe.cluster.server import Server, ServerStats, process_alive
 from troupe.cluster.shard import ParamShard, plan_slices
 from troupe.cluster.shared import SharedMemory
@@ -76,10 +78,16 @@ def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, wo
     (its view of the job: rank and world size among the workers, its strategy), and the
     World's data-parallel communicator becomes the workers'."""
     info = world.info
-    job = join(cluster, world)
+    job = joined(cluster, world)
     params, param_group_of = trainable(optimizer)
-    describe = (lambda: TrainingSpec.from_optimizer(optimizer, params, param_group_of)) \
-        if info.global_rank == 0 else None
+    arranged: Layout | None = None
+    problem = ""
+    if job.role.worker is not None:  # the workers agree on the job parameters (a partitioned model's union)
+        try:
+            arranged = worker_layout(job, params, param_group_of)
+        except ValueError as e:
+            problem = str(e)
+    describe = (lambda: _describe(optimizer, params, param_group_of, arranged, problem)) if info.global_rank == 0 else None
     spec = exchange(job, describe)
     if job.role.worker is None:
         hand_over(job, spec)
@@ -88,7 +96,10 @@ def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, wo
     view = dataclasses.replace(info, global_rank=job.workers.index(role.rank), world_size=len(job.workers))
     alive = lambda rank: process_alive(*job.processes[rank])  # noqa: E731
     if cluster.server_worker_separate:
-        strategy = PSClient(cluster, role, job.everyone, job.world, params, bucket_size, optimizer, nan_policy)
+        group = job.group_comms[role.worker[0]]
+        agree = group if arranged.partitioned and cluster.nworkers_per_group > 1 else None
+        strategy = PSClient(cluster, role, job.everyone, job.world, params, bucket_size, optimizer, nan_policy,
+                            layout=arranged, agree=agree)
     elif cluster.in_memory:
         strategy = SharedMemory(cluster, role, job.processes_comms[role.rank // k], optimizer, params,
                                 job.sync_channels if role.server else None, alive, job.timeout)
@@ -97,6 +108,43 @@ def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, wo
                              job.sync_channels, alive, job.timeout)
     world.on_shutdown(strategy.close)  # tell the servers (or peers) this worker is done, at exit too
     return view, strategy
+
+
+def joined(cluster: ClusterConfig, runtime: World) -> Job:
+    """This rank's `Job`, joined once per World: by the first of `troupe.partition` (which needs
+    the worker groups before the model is cut) and `DistOpt` (which needs the roles)."""
+    if runtime.cluster_job is None:
+        runtime.cluster_job = join(cluster, runtime)
+        if runtime.cluster_job.role.worker is not None:
+            runtime.use_for_data_parallel(runtime.cluster_job.workers_comm)
+    return runtime.cluster_job
+
+
+def worker_layout(job: Job, params: list, param_group_of: list[int]) -> Layout:
+    """The job parameters (a collective over the workers): with a partitioned model, the union of
+    what the workers of a group hold; otherwise every worker's own list."""
+    cluster = job.cluster
+    k = cluster.nworkers_per_group
+    mine = layout.entries(params, param_group_of, k, len(job.workers))
+    every = job.workers_comm.all_gather_object(mine) if len(job.workers) > 1 else [mine]
+    arranged = layout.build(every, k, job.workers.index(job.role.rank))
+    if arranged.partitioned and not cluster.server_worker_separate:
+        raise ValueError("a partitioned model (troupe.partition) trains under separate servers (Sandblaster, "
+                         "Downpour: server_worker_separate true) or the synchronous all-reduce without a "
+                         "cluster; co-located servers and Hogwild are not supported yet")
+    return arranged
+
+
+def _describe(optimizer: torch.optim.Optimizer, params: list, param_group_of: list[int], arranged: Layout | None,
+              problem: str) -> TrainingSpec:
+    """Worker 0's description of the job for the servers (its ValueError travels to every rank)."""
+    if problem:
+        raise ValueError(problem)
+    spec = TrainingSpec.from_optimizer(optimizer, params, param_group_of)
+    if arranged is not None and arranged.partitioned:
+        spec = dataclasses.replace(spec, numels=arranged.numels, param_group_of=arranged.param_group_of,
+                                   owners=arranged.owners)
+    return spec
 
 
 def join(cluster: ClusterConfig, runtime: World) -> Job:
@@ -209,8 +257,10 @@ def _make_shard(job: Job, spec: TrainingSpec) -> ParamShard:
     }
     # Asynchronous groups each step the shared copy: with "mean" each counts 1/G, as synchronous workers do.
     lr_scale = 1.0 / len(members) if cluster.group_merge == "mean" else 1.0
+    owners = {s.id: spec.owner(s.param) for s in slices}
+    position = {r.rank: r.worker[1] for r in job.everyone if r.worker}
     return ParamShard(slices, spec.optimizer, spec.param_group_of, members, spec.dtype, cluster.staleness_bound,
-                      lr_scale)
+                      lr_scale, owners=owners, position=position, group_size=cluster.nworkers_per_group)
 
 
 def serve(job: Job, spec: TrainingSpec) -> ServerStats:
@@ -266,7 +316,7 @@ def main() -> int:
         # A server's work is messages and element-wise optimizer steps on its slices; its processes
         # share the machine with the workers (troupe run --threads N sets OMP_NUM_THREADS).
         torch.set_num_threads(1)
-    job = join(cluster, init())
+    job = joined(cluster, init())
     if job.role.worker is not None:
         print(f"troupe.cluster.bootstrap: {job.role.describe()} is a worker: run the training script there",
               file=sys.stderr)

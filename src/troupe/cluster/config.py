@@ -73,10 +73,18 @@ class ClusterConfig:
     the gradients alone between backward and step, then during backward (overlapped with it); always
     in ``step()`` under ``nan_policy="skip"`` (docs/clusters.md)."""
 
+    partition_dim: int | dict[str, int] | None = None
+    """A partitioned model (`troupe.partition(model)` in the script): every Linear/Conv2d's
+    partition_dim (0 batch, 1 output features, -1 one worker), or, in TOML, a table of
+    module-name globs -> dim; split inside each worker group of nworkers_per_group workers.
+    Unset: the script decides (no partition unless it partitions by hand)."""
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.type == "bool":
+            if f.name == "partition_dim":
+                _check_partition(value)
+            elif f.type == "bool":
                 if not isinstance(value, bool):
                     raise TypeError(f"{f.name} must be true or false, got {value!r}")
             elif f.name == "group_merge":
@@ -165,6 +173,17 @@ class ClusterConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"{ENV_VAR} is not valid JSON ({e}): {text!r}") from None
         return cls.from_dict(fields)
+
+
+def _check_partition(value: object) -> None:
+    dims = (0, 1, -1)
+    if value is None or (not isinstance(value, bool) and value in dims):
+        return
+    if isinstance(value, dict) and value and all(
+            isinstance(k, str) and not isinstance(v, bool) and v in dims for k, v in value.items()):
+        return
+    raise ValueError(f"partition_dim must be one of {dims} or a table of module-name globs -> one of them, "
+                     f"got {value!r}")
 
 
 def _check_packing(what: str, per_group: int, per_procs: int) -> None:

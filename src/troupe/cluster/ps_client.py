@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from troupe.cluster.config import ClusterConfig, Role
+from troupe.cluster.layout import Layout
 from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
 from troupe.cluster.shard import plan_slices
 from troupe.reliability.nonfinite import all_finite
@@ -57,21 +58,30 @@ class PSClient:
 
     def __init__(self, cluster: ClusterConfig, role: Role, everyone: Sequence[Role], world: Communicator,
                  params: Sequence[Tensor], bucket_size: int, optimizer: torch.optim.Optimizer,
-                 nan_policy: str = "raise"):
+                 nan_policy: str = "raise", *, layout: Layout | None = None, agree: Communicator | None = None):
         self.cluster, self.role, self.world = cluster, role, world
         self.rank = role.rank
         self.params = list(params)
-        self.index = {id(p): i for i, p in enumerate(self.params)}
-        self.slices = plan_slices([p.numel() for p in self.params], cluster.nservers_per_group)
+        # The job parameters the servers hold: this worker's own, or a partitioned model's union.
+        numels = layout.numels if layout is not None else tuple(p.numel() for p in self.params)
+        position = layout.local if layout is not None else tuple(range(len(self.params)))
+        self.owners = layout.owners if layout is not None else ()
+        self.index = {id(p): position[i] for i, p in enumerate(self.params)}
+        self.local = {position[i]: p for i, p in enumerate(self.params)}
+        self.slices = plan_slices(numels, cluster.nservers_per_group)
+        self.mine = [s for s in self.slices if s.param in self.local]
+        """The slices of the parameters this worker holds: the only ones it Puts, Updates and Gets."""
         self.by_param: dict[int, list] = defaultdict(list)
-        for s in self.slices:
+        for s in self.mine:
             self.by_param[s.param].append(s)
+        self.agree = agree
+        """A partitioned model's worker group: its workers agree on the step's nan verdict."""
         servers = sorted((r.server, r.rank) for r in everyone if r.server)
         self.all_servers = [rank for _, rank in servers]
         group = cluster.server_group_of(role.worker[0])
         mine = [rank for (sg, _), rank in servers if sg == group]
         self.server_of = {s.id: mine[s.server] for s in self.slices}
-        self.version = {s.id: 0 for s in self.slices}
+        self.version = {s.id: 0 for s in self.mine}
         self.nan_policy = nan_policy
         self._pack = SendBuckets(self._hold_bucket)
         self._send = SendBuckets(self._send_bucket)
@@ -90,8 +100,10 @@ class PSClient:
         self._sent_lrs: list[float] | None = None  # the first step always sends (a resumed server may differ)
         self.overlap = False
         """This step's Updates leave during backward (else in step())."""
-        self.may_overlap = cluster.send_updates == "auto" and nan_policy != "skip"
-        """False once a step's gradients changed between backward and step (or never allowed)."""
+        self.may_overlap = cluster.send_updates == "auto" and nan_policy != "skip" and \
+            (agree is None or nan_policy == "ignore")
+        """False once a step's gradients changed between backward and step (or never allowed: a
+        partitioned group's nan verdict comes before any of its Updates)."""
         self._sealed: dict[int, int] = {}  # bucket index -> its buffer's version counter when sealed
         self._in_flight = False  # this step's Updates have left, their replies are not collected yet
         self._finite = True  # every bucket sent so far this step was finite
@@ -101,11 +113,12 @@ class PSClient:
         """The first worker group Puts the initial parameters (shared out among its workers); everyone Gets."""
         group, index = self.role.worker
         if group == 0:
-            for s in self.slices:
-                if s.id % self.cluster.nworkers_per_group == index:
+            for s in self.mine:
+                owner = self.owners[s.param] if self.owners else None
+                if (s.id % self.cluster.nworkers_per_group if owner is None else owner) == index:
                     for server in self._replicas(s):
                         self._post(Op.PUT, s, server, self._flat(s))
-        for s in self.slices:
+        for s in self.mine:
             self._post(Op.GET, s, self.server_of[s.id])
         self._collect(count_staleness=False)
 
@@ -125,11 +138,15 @@ class PSClient:
         """This worker's verdict, before its gradients reach a server; a non-finite step is Skipped there."""
         changed = self._prepare()
         ok = self._finite if self.overlap else finite([b.data for b in self.reducer.buckets])
+        if self.agree is not None:  # one verdict for the group: its slices make one model
+            verdict = torch.tensor([0.0 if ok else 1.0])
+            self.agree.all_reduce(verdict, "max")
+            ok = verdict.item() == 0.0
         if ok:
             return True
         if not self.overlap:
             self._begin()
-            for s in self.slices:
+            for s in self.mine:
                 self._post(Op.SKIP, s, self.server_of[s.id])
         self._end_step(changed)
         return False
@@ -267,7 +284,7 @@ class PSClient:
         return [self.all_servers[g * n + s.server] for g in range(self.cluster.nserver_groups)]
 
     def _flat(self, s) -> Tensor:
-        return self.params[s.param].detach().reshape(-1)[s.start : s.stop]
+        return self.local[s.param].detach().reshape(-1)[s.start : s.stop]
 
     def _post(self, op: Op, s, server: int, payload: Tensor | None = None) -> None:
         length = 0 if payload is None else payload.numel()
@@ -290,10 +307,10 @@ class PSClient:
                 header = Header.decode(raw)
                 s = self.slices[header.slice_id] if 0 <= header.slice_id < len(self.slices) else None
                 check(header, src=server, expected_length=s and s.numel, allowed={Op.REPLY, Op.ACK})
-                if s is None or self.server_of[s.id] != server:
+                if s is None or s.param not in self.local or self.server_of[s.id] != server:
                     raise MessageError(f"reply from server {server} for slice {header.slice_id} it does not hold")
                 if header.op is Op.REPLY:
-                    value = torch.empty(header.length, dtype=self.params[s.param].dtype)
+                    value = torch.empty(header.length, dtype=self.local[s.param].dtype)
                     self.world.recv(value, server, tag=PAYLOAD_TAG)
                     self._flat(s).copy_(value)
                 worst = max(worst, header.version - self.version[s.id] - 1)

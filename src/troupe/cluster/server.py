@@ -136,6 +136,9 @@ class Server:
             raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id}, not held here")
         if header.op is Op.PUT and src not in self.putters:
             raise MessageError(f"PUT from rank {src}: only the first worker group puts initial values")
+        if header.op in (Op.PUT, Op.UPDATE, Op.PUSH, Op.SKIP) and not self.shard.holds(src, header.slice_id):
+            raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id}, which another "
+                               "worker of its group holds (a partitioned model)")
         if header.op in (Op.UPDATE, Op.PUSH, Op.SKIP) and header.slice_id not in self.shard.initialised:
             raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id} before any PUT")
 

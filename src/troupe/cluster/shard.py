@@ -85,8 +85,18 @@ class ParamShard:
         dtype: torch.dtype = torch.float32,
         staleness_bound: int | None = None,
         lr_scale: float = 1.0,
+        *,
+        owners: dict[int, int | None] | None = None,
+        position: dict[int, int] | None = None,
+        group_size: int = 1,
     ):
         self.slices = {s.id: s for s in slices}
+        self.owners = {k: (owners or {}).get(k) for k in self.slices}
+        """Per slice of a partitioned model (`troupe.cluster.layout`): the index in each group of the one
+        worker holding it, or None when every worker of a group holds it."""
+        self.position = dict(position or {})
+        """Each worker's index inside its group."""
+        self.group_size = group_size
         self.dtype = dtype
         self.values = {k: torch.zeros(s.numel, dtype=dtype) for k, s in self.slices.items()}
         self.version = {k: 0 for k in self.slices}
@@ -160,18 +170,31 @@ class ParamShard:
 
     def missing(self) -> dict[tuple[int, int], set[int]]:
         """For each incomplete (group, slice): the live workers it still waits for."""
-        return {key: self.members[key[0]] - p.senders for key, p in self._pending.items()}
+        return {key: self.holders(*key) - p.senders for key, p in self._pending.items()}
+
+    def holders(self, group: int, slice_id: int) -> set[int]:
+        """The live workers of `group` that hold slice `slice_id` (all of them, unless it is partitioned)."""
+        owner = self.owners[slice_id]
+        live = self.members[group]
+        return live if owner is None else {w for w in live if self.position.get(w) == owner}
+
+    def holds(self, worker: int, slice_id: int) -> bool:
+        """May `worker` send this slice? Every worker may, unless the slice is partitioned."""
+        owner = self.owners.get(slice_id)
+        return owner is None or self.position.get(worker) == owner
 
     def _maybe_apply(self, group: int, slice_id: int) -> list[int]:
         pending = self._pending[(group, slice_id)]
-        live = self.members[group]
+        live = self.holders(group, slice_id)
         if not pending.senders or not live <= pending.senders:
             return []
         del self._pending[(group, slice_id)]
         if pending.skipped:  # nothing applied, the version stays: everyone gets the unchanged value
             self.skipped += 1
             return sorted(pending.senders & live)
-        self.apply(slice_id, pending.total / len(pending.senders))
+        # A partitioned slice's one sender already summed its group's k workers' contributions.
+        senders = len(pending.senders) * (1 if self.owners[slice_id] is None else self.group_size)
+        self.apply(slice_id, pending.total / senders)
         self.clock[(group, slice_id)] += 1
         self.staleness.append(self.version[slice_id] - 1 - pending.base_version)
         if self._ahead(group, slice_id):

@@ -117,6 +117,13 @@ class TrainingSpec:
     dtype: torch.dtype
     param_group_of: tuple[int, ...]
     optimizer: OptimizerSpec = field(repr=False)
+    owners: tuple[int | None, ...] = ()
+    """Per parameter, under a partitioned model (`troupe.cluster.layout`): the index inside each
+    worker group of the one worker holding it (a dim-1 slice, a dim -1 layer), or None where every
+    worker of the group holds it. Empty: nothing is partitioned."""
+
+    def owner(self, param: int) -> int | None:
+        return self.owners[param] if self.owners else None
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, params: Sequence[Tensor],
@@ -129,7 +136,8 @@ class TrainingSpec:
 
     def to_json(self) -> str:
         return json.dumps({"numels": list(self.numels), "dtype": str(self.dtype).removeprefix("torch."),
-                           "param_group_of": list(self.param_group_of), "optimizer": self.optimizer.to_dict()})
+                           "param_group_of": list(self.param_group_of), "optimizer": self.optimizer.to_dict(),
+                           "owners": list(self.owners)})
 
     @classmethod
     def from_json(cls, text: str) -> TrainingSpec:
@@ -137,5 +145,8 @@ class TrainingSpec:
         dtype = getattr(torch, data["dtype"], None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown parameter dtype {data['dtype']!r}")
+        owners = tuple(None if o is None else int(o) for o in data.get("owners", []))
+        if owners and len(owners) != len(data["numels"]):
+            raise ValueError(f"{len(owners)} owners for {len(data['numels'])} parameters")
         return cls(tuple(int(n) for n in data["numels"]), dtype, tuple(int(g) for g in data["param_group_of"]),
-                   OptimizerSpec.from_dict(data["optimizer"]))
+                   OptimizerSpec.from_dict(data["optimizer"]), owners)

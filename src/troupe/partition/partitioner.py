@@ -13,18 +13,16 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor, nn
 
+from troupe.cluster import config as cluster_config
 from troupe.partition.connect import WorkerGroup
 from troupe.partition.layers import FeatureSplit, OnOneWorker, PartitionedLayer
 from troupe.partition.plan import Plan, check_world, resolve_plan
 from troupe.runtime import world
+from troupe.util import HOLDERS
 
 if TYPE_CHECKING:
     from troupe.partition.planner.link import Link
     from troupe.runtime.comm import Communicator
-
-HOLDERS = "_troupe_holders"
-"""The attribute on every parameter: sorted global ranks holding the same tensor."""
-
 
 def _job_comm(comm: Communicator | None) -> Communicator:
     """The job-wide communicator: `comm` if given, else the World's (joining the job if needed)."""
@@ -33,8 +31,8 @@ def _job_comm(comm: Communicator | None) -> Communicator:
 
 def partition(
     model: nn.Module,
-    plan: Plan,
-    workers_per_group: int,
+    plan: Plan | None = None,
+    workers_per_group: int | None = None,
     *,
     comm: Communicator | None = None,
     default: int | None = None,
@@ -53,25 +51,59 @@ def partition(
     >>> model = partition(CNN(), {"conv*": 0, "linear*": 1}, workers_per_group=2)
     >>> loss = F.cross_entropy(model(x_own), y_own)   # x_own: this worker's b samples
 
+    Under a parameter-server cluster (``troupe run --cluster``, ``TROUPE_CLUSTER``) the groups are
+    the cluster's worker groups (k = its nworkers_per_group) and each worker Puts, Updates and
+    Gets only its own slices; a server rank gets `model` back unchanged (it trains nothing).
+
     Args:
         plan: one partition_dim for every Linear/Conv2d, or a dict of module-name glob ->
             dim (see `resolve_plan`); "*" or `default` for layers no key matches (0).
+            None: the cluster's ``partition_dim``; with no cluster or none set there, `model`
+            comes back unchanged (so a script may always call ``troupe.partition(model)``).
+        workers_per_group: k, the workers computing one replica; under a cluster its
+            nworkers_per_group (giving another k is an error).
         comm: the job-wide communicator (its ranks are the global ranks); the World's by default.
         sample, link: for plan "auto": rank 0 profiles the model on `sample` (one batch of this
             worker's input) and the planner picks every layer's dim for this k on `link` (a
             planner Link or spelling; default the "loopback" constants); every rank gets rank 0's plan.
     """
+    cluster = cluster_config.from_env() if comm is None else None
+    if cluster is not None:
+        plan = cluster.partition_dim if plan is None else plan
+        if plan is None:
+            return model
+        if workers_per_group not in (None, cluster.nworkers_per_group):
+            raise ValueError(f"workers_per_group {workers_per_group} differs from the cluster's nworkers_per_group "
+                             f"({cluster.nworkers_per_group}): under a cluster a worker group computes one replica")
+        workers_per_group = cluster.nworkers_per_group
+        resolve_plan(model, plan if plan != "auto" else 0, workers_per_group, default=default)  # before joining
+        from troupe.cluster import bootstrap  # the cluster's worker groups (its heavier modules load here only)
+
+        cluster_job = bootstrap.joined(cluster, world.init())
+        if cluster_job.role.worker is None:
+            return model  # a server rank: its DistOpt serves the slices, it computes nothing
+        job = cluster_job.workers_comm
+    else:
+        if plan is None:
+            return model
+        if workers_per_group is None:
+            raise ValueError("partition needs workers_per_group (the workers computing one replica)")
+        job = _job_comm(comm)
     if isinstance(plan, str) and plan == "auto":
         from troupe.partition.planner.auto import auto_plan  # only "auto" needs the planner and its profiling
 
-        plan = auto_plan(model, workers_per_group, _job_comm(comm), sample=sample, link=link)
+        plan = auto_plan(model, workers_per_group, job, sample=sample, link=link)
     dims = resolve_plan(model, plan, workers_per_group, default=default)
-    job = _job_comm(comm)
     ngroups = check_world(job.world_size, workers_per_group)
     moved = [name for name, dim in dims.items() if dim != 0]
     _check_untied(model, moved)
     job.broadcast_tensors([*model.parameters(), *model.buffers()])  # every rank slices rank 0's model
-    group = _make_group(job, workers_per_group, ngroups)
+    if cluster is not None:  # the cluster's worker groups, made when every rank joined it
+        g, j = cluster_job.role.worker
+        group = WorkerGroup(cluster_job.group_comms[g] if workers_per_group > 1 else None, workers_per_group, j, g,
+                            ngroups)
+    else:
+        group = _make_group(job, workers_per_group, ngroups)
     everyone = tuple(range(job.world_size))
     for p in model.parameters():
         setattr(p, HOLDERS, everyone)

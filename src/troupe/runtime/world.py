@@ -47,6 +47,8 @@ class World:
         self.comm = self.job
         """The data-parallel communicator: the whole job, or a parameter-server cluster's workers."""
         self.groups: dict[str, Communicator] = {}
+        self.cluster_job: object | None = None
+        """The parameter-server job this rank joined (`troupe.cluster.bootstrap.Job`), once it has."""
         self._hooks: list[Callable[[], None]] = []
         self.closed = False
 

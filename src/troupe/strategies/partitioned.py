@@ -22,19 +22,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from troupe.partition.partitioner import HOLDERS
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
 from troupe.strategies.base import StepStats, UpdateStrategy
 from troupe.sync.reducer import GradReducer
-from troupe.util import pack, unpack_into
+from troupe.util import holders_of, pack, unpack_into
 
 
 def split_by_holders(params: Sequence[Tensor], world_size: int) -> tuple[list[Tensor], dict[tuple[int, ...], list[Tensor]]]:
     """(parameters every rank holds, {holders: parameters} for the partitioned rest)."""
     everyone, partitioned = [], {}
     for p in params:
-        holders = getattr(p, HOLDERS, None)
+        holders = holders_of(p)
         if holders is None or len(holders) == world_size:
             everyone.append(p)
         else:
