@@ -1,7 +1,8 @@
 """The worker side of separate servers (Sandblaster, Downpour): Update messages per slice, fresh slices back.
 
 A worker's gradients go to the servers of its group as Update messages, one per slice;
-`step()` copies the fresh slices in. The Updates leave in `step()`, after anything the
+`step()` copies the fresh slices in. Under a partitioned model (`troupe.partition`) a worker
+sends and fetches only the slices of the parameters it holds (`troupe.cluster.layout`). The Updates leave in `step()`, after anything the
 loop does to the gradients between backward and step (clipping); once a step shows that
 the loop leaves them alone, they leave during backward instead, bucket by bucket,
 overlapped with it (`ClusterConfig.send_updates`). nan_policy: a worker checks its
