@@ -145,3 +145,169 @@ def test_in_memory_hogwild_roles():
         roles(ClusterConfig(nworker_groups=4, nserver_groups=2, nworkers_per_procs=2))
     with pytest.raises(ValueError, match="in-memory Hogwild.*server_worker_separate True"):
         roles(ClusterConfig(nworker_groups=2, nworkers_per_procs=2, share_memory=True, server_worker_separate=True))
+
+
+# SINGA 0.x's example job files, reconstructed (protocol-buffer text: nested blocks, `field: {`,
+# repeated fields, enum values, comments); troupe takes the cluster block and skips the rest.
+SINGA_CIFAR10 = """name: "cifar10-convnet"
+train_steps: 1000
+test_steps: 100
+test_freq: 300
+disp_freq: 30
+train_one_batch {
+  alg: kBP
+}
+updater{
+  type: kSGD
+  weight_decay:0.004
+  learning_rate {
+    type: kFixedStep
+    fixedstep_conf:{
+      step:0
+      step:60000
+      step_lr:0.001
+      step_lr:0.0001
+    }
+  }
+}
+neuralnet {
+  layer{
+    name: "data"
+    type: kRecordInput
+    store_conf {
+      backend: "kvfile"
+      path: "examples/cifar10/train_data.bin"
+      mean_file: "examples/cifar10/image_mean.bin"
+      batchsize: 64
+      shape: 3
+      shape: 32
+      shape: 32
+    }
+    include: kTrain
+  }
+  layer {
+    name: "conv1"
+    type: kCConvolution
+    srclayers: "data"
+    convolution_conf {
+      num_filters: 32
+      kernel: 5
+      stride: 1
+      pad:2
+    }
+    param { name: "w1" init { type:kGaussian std:0.0001 } }
+  }
+}
+cluster {
+  nworker_groups: 1
+  nserver_groups: 1
+  nworkers_per_group: 1
+  nworkers_per_procs: 1
+  workspace: "examples/cifar10"
+}
+"""
+
+SINGA_MNIST = """name: "mlp"
+train_steps: 1000
+test_steps:10
+test_freq:60
+disp_freq:10
+train_one_batch {
+  alg: kBP
+}
+updater{
+  type: kSGD
+  learning_rate{
+    type : kStep
+    base_lr: 0.001
+    step_conf{
+      change_freq: 60
+      gamma: 0.997
+    }
+  }
+}
+neuralnet {
+  layer {
+    name: "data"
+    type: kRecordInput
+    store_conf { backend: "kvfile" path: "examples/mnist/train_data.bin" batchsize: 64 std_value: 127.5 mean_value: 127.5 shape: 784 }
+    include: kTrain
+  }
+  layer{
+    name: "fc1"
+    type: kInnerProduct
+    srclayers:"data"
+    innerproduct_conf{ num_output: 2500 }
+    param{ name: "w1" init { type: kUniform low:-0.05 high:0.05 } }
+  }
+}
+cluster {
+  nworker_groups: 1
+  nserver_groups: 1
+  workspace: "examples/mnist"
+}
+"""
+
+SINGA_RBM = """name: "rbm1"
+train_steps: 6000
+test_steps:100
+test_freq:500
+disp_freq: 100
+train_one_batch{
+  alg: kCD
+}
+updater{
+  type: kSGD
+  momentum: 0.8
+  weight_decay: 0.0002
+  learning_rate{ base_lr: 0.1 type: kFixed }
+}
+neuralnet {
+  layer{
+    name: "RBMVis"
+    type: kRBMVis
+    srclayers:"data"
+    srclayers:"RBMHid"
+    rbm_conf{ hdim: 1000 }
+    param{ name: "w1" init{ type: kGaussian mean: 0.0 std: 0.1 } }
+  }
+}
+cluster{
+  nserver_groups: 1
+  nservers_per_group: 1
+  nworker_groups: 1
+  workspace: "examples/rbm/rbm1/"
+}
+"""
+
+
+@pytest.mark.parametrize("text", [SINGA_CIFAR10, SINGA_MNIST, SINGA_RBM], ids=["cifar10", "mnist", "rbm"])
+def test_singa_job_files_give_their_cluster_and_name_what_was_skipped(text):
+    with pytest.warns(UserWarning) as caught:
+        cfg = parse_cluster_text(text)
+    assert cfg == ClusterConfig()  # each example runs one worker and one server
+    said = " ".join(str(w.message) for w in caught)
+    assert "name, train_steps, test_steps, test_freq, disp_freq, train_one_batch, updater, neuralnet" in said
+    assert "workspace" in said
+
+
+def test_one_line_blocks_comments_and_the_block_anywhere():
+    one_line = parse_cluster_text("cluster { nworker_groups: 2 nserver_groups: 2 }")
+    assert one_line == ClusterConfig(nworker_groups=2, nserver_groups=2)
+    text = ('# a job\nname: "x"  # the name\nneuralnet { layer { name: "a" } }\n'
+            'cluster: { nworkers_per_group: 3; nservers_per_group: 2, server_worker_separate: true }\n')
+    with pytest.warns(UserWarning, match="name, neuralnet"):
+        assert parse_cluster_text(text) == PRESETS["sandblaster"]
+
+
+def test_malformed_cluster_blocks_give_the_line():
+    with pytest.raises(ValueError, match=r"cluster block, line 3: expected `key: value`, got 'nworker_groups 1"):
+        parse_cluster_text('name: "x"\ncluster {\n  nworker_groups 1\n}\n')
+    with pytest.raises(ValueError, match=r"line 2: .*nservers_per_group: expected an integer"):
+        parse_cluster_text("cluster {\n  nservers_per_group: two\n}")
+    with pytest.raises(ValueError, match="line 1: expected `key: value`"):
+        parse_cluster_text("cluster { sub { a: 1 } }")
+    with pytest.raises(ValueError, match="left open"):
+        parse_cluster_text("neuralnet { cluster { nworker_groups: 1 }")
+    with pytest.raises(ValueError, match="2 cluster blocks"):
+        parse_cluster_text("cluster { nworker_groups: 1 }\ncluster { nworker_groups: 1 }")
