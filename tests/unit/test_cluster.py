@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from troupe.cluster.config import PRESETS, ClusterConfig, from_env, parse_cluster_text, preset, roles
@@ -311,3 +313,17 @@ def test_malformed_cluster_blocks_give_the_line():
         parse_cluster_text("neuralnet { cluster { nworker_groups: 1 }")
     with pytest.raises(ValueError, match="2 cluster blocks"):
         parse_cluster_text("cluster { nworker_groups: 1 }\ncluster { nworker_groups: 1 }")
+
+
+def test_several_servers_or_workers_per_process_become_a_process_each_with_a_warning():
+    block = ("cluster {\n nworker_groups: 1\n nworkers_per_group: 4\n nworkers_per_procs: 2\n nservers_per_group: 2\n"
+             " nservers_per_procs: 2\n server_worker_separate: true\n}")
+    with pytest.warns(UserWarning, match=r"nservers_per_procs 2 -> 1.*nworkers_per_procs 2 -> 1"):
+        cfg = parse_cluster_text(block)
+    assert (cfg.nworkers_per_procs, cfg.nservers_per_procs, cfg.nprocs) == (1, 1, 6)
+    assert [r.kind for r in roles(cfg)] == ["worker"] * 4 + ["server"] * 2
+    # in-memory Hogwild keeps its packing, and says nothing
+    hogwild = "[cluster]\nnworker_groups = 4\nnserver_groups = 2\nnworkers_per_procs = 2\nshare_memory = true\n"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert parse_cluster_text(hogwild).nworkers_per_procs == 2

@@ -408,6 +408,32 @@ def _block_fields(tokens: list[tuple[str, str, int]]) -> dict[str, int | bool | 
     return fields
 
 
+def translate(fields: dict) -> dict:
+    """SINGA's packing of several servers or workers into one process, as troupe runs it: a
+    process per server and per worker (with a warning saying so), except in-memory Hogwild.
+
+    A troupe server spends its life in a blocking receive from any worker (Gloo's recv without
+    a source), so two servers cannot share a process without sharing that receive; workers
+    of one process share its memory only as in-memory Hogwild (share_memory, groups of one).
+    Everything else the packing meant (who talks to whom) is unchanged by the translation.
+    """
+    out = dict(fields)
+    notes = []
+    if out.get("nservers_per_procs", 1) != 1:
+        notes.append(f"nservers_per_procs {out['nservers_per_procs']} -> 1 (a process per server)")
+        out["nservers_per_procs"] = 1
+    k = out.get("nworkers_per_procs", 1)
+    hogwild = (out.get("share_memory", False) and not out.get("server_worker_separate", False)
+               and out.get("nworkers_per_group", 1) == 1 and out.get("nservers_per_group", 1) == 1)
+    if k != 1 and not hogwild:
+        notes.append(f"nworkers_per_procs {k} -> 1 (a process per worker; several workers share a process's "
+                     "memory only as in-memory Hogwild: share_memory true, groups of one worker and one server)")
+        out["nworkers_per_procs"] = 1
+    if notes:
+        warnings.warn("cluster: " + "; ".join(notes) + " (docs/clusters.md, 'Processes')", stacklevel=3)
+    return out
+
+
 def parse_cluster_text(text: str) -> ClusterConfig:
     """A `ClusterConfig` from a SINGA job file's ``cluster { key: value ... }`` block, or from TOML.
 
@@ -421,14 +447,14 @@ def parse_cluster_text(text: str) -> ClusterConfig:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"neither a `cluster {{ ... }}` block nor valid TOML: {e}") from None
-        return ClusterConfig.from_dict(data.get("cluster", data))
+        return ClusterConfig.from_dict(translate(data.get("cluster", data)))
     block, others = _cluster_tokens(_tokens(text))
     if block is None:
         raise ValueError("no top-level `cluster { ... }` block in the job file")
     if others:
         warnings.warn(f"job file: ignored the JobProto fields outside the cluster block: {', '.join(others)}",
                       stacklevel=2)
-    return ClusterConfig.from_dict(_block_fields(block))
+    return ClusterConfig.from_dict(translate(_block_fields(block)))
 
 
 def load(path: str | os.PathLike) -> ClusterConfig:
@@ -499,7 +525,7 @@ def resolve(
     else:
         cfg = ClusterConfig()
     if fields:
-        cfg = ClusterConfig.from_dict({**dataclasses.asdict(cfg), **fields})
+        cfg = ClusterConfig.from_dict(translate({**dataclasses.asdict(cfg), **fields}))
     if nprocs is not None and nprocs != cfg.nprocs:
         raise ValueError(
             f"-n {nprocs} does not fit the cluster, which needs {cfg.nprocs} processes "
