@@ -25,6 +25,11 @@ def _big():
     return nn.Linear(256, 256)
 
 
+def _bn():
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4))
+
+
 def _sgd(model, **kw):
     import troupe
 
@@ -77,7 +82,12 @@ def _write(rank, world_size, directory):
     parted = troupe.partition(_model(), {"2": 1}, workers_per_group=2)
     parted_opt = _sgd(parted)
     checkpoint.save(d / "partitioned", 1, parted, parted_opt)
-    return saved, after
+
+    bn = _bn()  # BatchNorm statistics: each rank's own batch (troupe does not average buffers)
+    bn_opt = _sgd(bn)
+    bn_opt(_loss(bn, rank, world_size, 0))
+    checkpoint.save(d / "bn", 1, bn, bn_opt)
+    return saved, after, {k: v.clone() for k, v in bn.state_dict().items()}
 
 
 def _ps_write(rank, world_size, directory):
@@ -157,9 +167,41 @@ def _two_nodes(rank, world_size, directory):
             "loaded": loaded, "fallback": fallback}
 
 
+def _first_format(rank, world_size, directory):
+    """A checkpoint of troupe's first format (a full rank{r}.pt per rank) still loads on the same world size."""
+    import hashlib
+    import io
+
+    from troupe.reliability import checkpoint
+
+    target = Path(directory) / "first" / "step-00000007"
+    target.mkdir(parents=True, exist_ok=True)
+    model = _model()
+    opt = _sgd(model)
+    opt(_loss(model, rank, world_size, 0))
+    buf = io.BytesIO()
+    torch.save({"step": 7, "rank": rank, "world_size": world_size, "model": model.state_dict(),
+                "optimizer": opt.state_dict(), "rng": checkpoint.rng_state(), "extra": {"epoch": 1}}, buf)
+    (target / f"rank{rank}.pt").write_bytes(buf.getvalue())
+    digests = opt.communicator.all_gather_object(hashlib.sha256(buf.getvalue()).hexdigest())
+    if rank == 0:
+        manifest = {"step": 7, "world_size": world_size, "sha256": {f"rank{r}.pt": d for r, d in enumerate(digests)}}
+        (target / "MANIFEST.json").write_text(json.dumps(manifest))
+    opt.communicator.barrier()
+    fresh = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    fresh_opt = _sgd(fresh)
+    extra = checkpoint.load(checkpoint.latest(target.parent), fresh, fresh_opt)
+    return {"extra": extra, "same": _same(_state(model, opt), _state(fresh, fresh_opt))}
+
+
 def _world_of_2(rank, world_size, directory):
+    from troupe.reliability import checkpoint
+
+    bn = _bn()
+    checkpoint.load(checkpoint.latest(Path(directory) / "bn"), bn, _sgd(bn))
     return {"plain": _resume_plain(rank, world_size, directory), "refused": _refusals(rank, world_size, directory),
-            "nodes": _two_nodes(rank, world_size, Path(directory) / "nodes")}
+            "nodes": _two_nodes(rank, world_size, Path(directory) / "nodes"), "bn": bn.state_dict(),
+            "first": _first_format(rank, world_size, directory)}
 
 
 def _world_of_3(rank, world_size, directory):
@@ -195,7 +237,13 @@ def _world_of_1(rank, world_size, directory):
         checkpoint.save(d / "corrupt", step, model, opt)
     path = d / "corrupt" / "step-00000002" / "__0_0.distcp"
     path.write_bytes(path.read_bytes()[:-8] + b"corrupt!")
-    return {"plain": _resume_plain(rank, world_size, directory), "fallback": checkpoint.latest(d / "corrupt").name}
+    try:  # the first format's 2-rank checkpoint on 1 rank
+        checkpoint.load(Path(directory) / "first" / "step-00000007", model, opt)
+        first = "loaded"
+    except checkpoint.CheckpointError as e:
+        first = str(e)
+    return {"plain": _resume_plain(rank, world_size, directory), "fallback": checkpoint.latest(d / "corrupt").name,
+            "first": first}
 
 
 def _bytes(path: Path) -> int:
@@ -213,8 +261,9 @@ def _close(a, b):
 
 def test_four_ranks_write_once_and_resume_on_three_two_and_one(tmp_path):
     written = run_world(_write, 4, str(tmp_path), timeout=240)
-    saved, after = written[0]
-    assert all(_same(saved, s) for s, _ in written)  # data parallel: every rank held the same state
+    saved, after, bn = written[0]
+    assert all(_same(saved, s) for s, _, _ in written)  # data parallel: every rank held the same state
+    assert not torch.equal(written[1][2]["1.running_mean"], bn["1.running_mean"])  # BatchNorm's differ
 
     from troupe.cluster.config import ClusterConfig
 
@@ -234,6 +283,10 @@ def test_four_ranks_write_once_and_resume_on_three_two_and_one(tmp_path):
             assert _close(plain["after"], after), (world_size, rank)
         if world_size == 2:
             _check_refusals_and_nodes(results)
+            bn_manifest = json.loads((tmp_path / "bn" / "step-00000001" / "MANIFEST.json").read_text())
+            assert "model.1.running_mean" in bn_manifest["per_rank_keys"] and bn_manifest["not_reshardable"] == []
+            for out in results:  # resharded: rank 0's statistics on every rank, the (equal) weights
+                assert all(torch.equal(out["bn"][k], bn[k]) for k in bn), out["bn"]
         if world_size == 3:
             for out in results:
                 assert "written by 2 ranks, this job has 3" in out["local"]
@@ -241,6 +294,7 @@ def test_four_ranks_write_once_and_resume_on_three_two_and_one(tmp_path):
                 assert "written by 2 ranks, this job has 3" in out["ps"] and "parameter-server worker" in out["ps"]
         if world_size == 1:
             assert results[0]["fallback"] == "step-00000001"
+            assert "written by 2 ranks, this job has 1" in results[0]["first"] and "first format" in results[0]["first"]
             one, four = _bytes(tmp_path / "one" / "big"), _bytes(tmp_path / "big")
             assert one > 2 * 256 * 257 * 4  # parameters and momentum
             assert four < 1.1 * one, (one, four)  # each replicated tensor written once, not once per rank
@@ -253,6 +307,7 @@ def _check_refusals_and_nodes(results):
                           ("partitioned", "partitioned model")):
             assert "written by 4 ranks, this job has 2" in refused[name] and why in refused[name], refused[name]
     for rank, out in enumerate(results):
+        assert out["first"] == {"extra": {"step": 7, "epoch": 1}, "same": True}
         nodes = out["nodes"]
         assert nodes["layout"] == "local" and nodes["found"] == "step-00000002"
         # node r holds rank r's files only (and the manifest)
