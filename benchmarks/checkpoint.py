@@ -3,10 +3,11 @@
     python benchmarks/checkpoint.py --ranks 2 4 --reps 11
 
 The MNIST CNN of examples/mnist_cnn.py (431 k parameters; ``--model mlp``: 4 x
-Linear(2048, 2048), 16.8 M) with SGD momentum under DistOpt, after one step. In the same processes, each repetition saves with the first format, then
-with the current one (order alternating), then loads each; times are rank 0's wall time of
-the collective call (both end in a barrier). Prints the medians, the ratio current/first and
-the bytes on disk of one checkpoint of each.
+Linear(2048, 2048), 16.8 M) with SGD momentum under DistOpt, after one step. In the same
+processes, each repetition saves with the first format, then with the current one (order
+alternating), then loads each; times are rank 0's wall time of the collective call (both end
+in a barrier). Prints the medians, the ratio current/first and the bytes on disk of one
+checkpoint of each (the table in docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -136,9 +137,9 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n in args.ranks:
         with tempfile.TemporaryDirectory() as tmp:
-            proc = subprocess.run([sys.executable, "-m", "troupe.cli", "run", "-n", str(n), __file__, "--reps",
-                                   str(args.reps), "--model", args.model, "--child", tmp], capture_output=True, text=True, env=env,
-                                  cwd=ROOT, timeout=1200)
+            cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(n), __file__, "--reps", str(args.reps),
+                   "--model", args.model, "--child", tmp]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             raise RuntimeError(f"{n} ranks failed:\n{proc.stdout}\n{proc.stderr}")
