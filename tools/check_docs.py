@@ -1,0 +1,139 @@
+"""Check the built documentation site: every internal link resolves, every page renders in a browser.
+
+    python tools/check_docs.py [SITE]           # default build/docs; links, then a headless browser
+    python tools/check_docs.py SITE --links     # the link check only (no browser needed)
+
+The link check parses every HTML page and fails on an internal href/src whose file is missing
+or whose #fragment names no id on the target page. The browser check loads every page in
+headless Chromium through Playwright (`pip install 'torch-troupe[docs]'` plus a Chromium:
+Debian's `chromium` package, or `python -m playwright install chromium`) and fails on a
+console error, an uncaught page error, a failed request or a non-2xx response.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+EXTERNAL = ("http", "https", "mailto", "javascript", "data")
+
+
+class _Page(HTMLParser):
+    """The ids (anchors) a page defines and the local URLs it refers to."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.ids: set[str] = set()
+        self.refs: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        for name, value in attrs:
+            if value is None:
+                continue
+            if name == "id" or (name == "name" and tag == "a"):
+                self.ids.add(value)
+            elif name in ("href", "src") and urlsplit(value).scheme not in EXTERNAL:
+                self.refs.append(value)
+
+
+def _parse(path: Path) -> _Page:
+    page = _Page()
+    page.feed(path.read_text(encoding="utf-8"))
+    return page
+
+
+def broken_links(site: Path) -> list[str]:
+    """One line per internal link that does not resolve: 'page: url (why)'."""
+    site = site.resolve()
+    pages = {p: _parse(p) for p in sorted(site.rglob("*.html"))}
+    problems = []
+    for page, parsed in pages.items():
+        for ref in parsed.refs:
+            url = urlsplit(ref)
+            target = page if not url.path else (page.parent / unquote(url.path)).resolve()
+            if target.is_dir():
+                target = target / "index.html"
+            where = f"{page.relative_to(site)}: {ref}"
+            if site != target and site not in target.parents:
+                problems.append(f"{where} (points outside the site)")
+            elif not target.is_file():
+                problems.append(f"{where} (no such file)")
+            elif url.fragment and target.suffix == ".html":
+                ids = pages[target].ids if target in pages else _parse(target).ids
+                if unquote(url.fragment) not in ids:
+                    problems.append(f"{where} (no id {url.fragment!r} on {target.relative_to(site)})")
+    return problems
+
+
+def find_chromium() -> str | None:
+    """A Chromium executable: $CHROMIUM, Debian's package, or None (Playwright's own download is tried last)."""
+    for name in (os.environ.get("CHROMIUM"), "chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def browser_errors(site: Path, executable: str | None = None) -> list[str]:
+    """Load every page in headless Chromium; one line per console error, page error or failed request."""
+    from playwright.sync_api import sync_playwright
+
+    site = site.resolve()
+    problems: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(headless=True, executable_path=executable or find_chromium(),
+                                     args=["--no-sandbox"])
+        page = browser.new_page()
+        current = {"name": ""}
+
+        def note(what: str) -> None:
+            problems.append(f"{current['name']}: {what}")
+
+        page.on("console", lambda m: m.type == "error" and note(f"console error: {m.text}"))
+        page.on("pageerror", lambda e: note(f"page error: {e}"))
+        page.on("requestfailed", lambda r: note(f"request failed: {r.url} ({r.failure})"))
+        page.on("response", lambda r: r.status >= 400 and note(f"HTTP {r.status}: {r.url}"))
+        for path in sorted(site.rglob("*.html")):
+            current["name"] = str(path.relative_to(site))
+            page.goto(path.as_uri(), wait_until="load", timeout=30_000)
+            if not _has_text(page):
+                note("rendered an empty body")
+        browser.close()
+    return problems
+
+
+def _has_text(page) -> bool:
+    """Whether the page shows any text (after a meta-refresh redirect, on the page it led to)."""
+    from playwright.sync_api import Error
+
+    for _ in range(3):
+        try:
+            return bool(page.evaluate("document.body !== null && document.body.innerText.trim().length > 0"))
+        except Error:  # a meta refresh navigated away while evaluating: wait for the new page
+            page.wait_for_load_state("load")
+    return False
+
+
+def main(argv: list[str]) -> int:
+    args = [a for a in argv if not a.startswith("--")]
+    site = Path(args[0]) if args else Path(__file__).resolve().parents[1] / "build" / "docs"
+    if not (site / "index.html").is_file():
+        print(f"no site at {site}: build it first (make docs)", file=sys.stderr)
+        return 2
+    problems = broken_links(site)
+    npages = len(list(site.rglob("*.html")))
+    print(f"links: {npages} pages, {len(problems)} broken")
+    if "--links" not in argv:
+        errors = browser_errors(site)
+        print(f"browser: {npages} pages loaded in headless Chromium, {len(errors)} errors")
+        problems += errors
+    for line in problems:
+        print(line, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
