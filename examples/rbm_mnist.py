@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import troupe
-from troupe.cd import RBM, DeepAutoencoder, squared_error
+from troupe.algorithms.cd import RBM, DeepAutoencoder, squared_error
 from troupe.metrics import progress, reduce_variable
 
 SIZES = (784, 1000, 500, 250, 30)

@@ -9,7 +9,7 @@
 """
 
 from troupe import data, metrics, partition
-from troupe import cd
+from troupe.algorithms import cd
 from troupe.partition import clip_grad_norm_, full_state_dict
 from troupe.reliability import checkpoint
 from troupe.runtime.comm import Communicator

@@ -41,7 +41,7 @@ CASES = [("bernoulli", "plain", "grad"), ("gaussian", "plain", "grad"), ("bernou
 
 def cd_matches_one_process(rank, world_size):
     import troupe
-    from troupe.cd import RBM
+    from troupe.algorithms.cd import RBM
 
     batches = _batches()
     share = BATCH // world_size

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from troupe.cd import RBM, DeepAutoencoder, squared_error
+from troupe.algorithms.cd import RBM, DeepAutoencoder, squared_error
 
 
 def _rbm(n_visible=6, n_hidden=4, hidden="bernoulli", seed=0):

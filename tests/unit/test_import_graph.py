@@ -15,7 +15,8 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 ROOT = SRC / "troupe"
-KNOWN_PACKAGES = ("runtime", "sync", "compress", "strategies", "cluster", "observe", "reliability", "bench")
+KNOWN_PACKAGES = ("runtime", "sync", "compress", "strategies", "cluster", "observe", "reliability", "bench",
+                  "partition", "algorithms")
 
 
 def module_name(path: Path) -> str:

@@ -1,0 +1,1 @@
+"""Updates that are not back-propagation: Contrastive Divergence (`troupe.cd`, SINGA's ``alg: kCD``)."""
