@@ -7,7 +7,8 @@ Five launchers reach the same `init()`:
 
 * an explicit `Ticket` (the reference's multiprocessing pattern),
 * `troupe run` (sets ``TROUPE_TICKET``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``),
-* `torchrun` (its own rendezvous; ``env://``),
+* `torchrun` (its own rendezvous; ``env://``), or any launcher that sets torch's
+  ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` alone (Kubernetes' PyTorchJob),
 * Slurm's `srun` (ranks from ``SLURM_*``; rank 0 listens on the job's first node),
 * `mpiexec` (ranks from the MPI environment; rank 0 broadcasts a Ticket with mpi4py).
 
@@ -97,7 +98,7 @@ class DistInfo:
     device: torch.device
     backend: str
     launcher: str
-    """One of "single", "ticket", "troupe", "torchrun", "slurm", "mpi"."""
+    """One of "single", "ticket", "troupe", "torchrun", "env" (torch's variables alone), "slurm", "mpi"."""
 
     @property
     def rank(self) -> int:
@@ -151,7 +152,7 @@ def join(
     backend = _pick_backend(backend or env.backend, how.local_rank, how.local_world)
     pg_timeout = datetime.timedelta(seconds=timeout)
     side, keep = None, []
-    if how.launcher == "torchrun":  # torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT
+    if how.launcher in ("torchrun", "env"):  # the store is at MASTER_ADDR:MASTER_PORT (torchrun's agent or rank 0)
         dist.init_process_group(backend, init_method="env://", timeout=pg_timeout)
         # torchrun keeps its store across --max-restarts: each attempt's heartbeats get their own keys
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -194,9 +195,13 @@ def _detect(env: Settings, ticket: Ticket | str | None, local_rank: int | None, 
         ticket = Ticket.decode(ticket) if isinstance(ticket, str) else ticket
         return _Launch("ticket", ticket, local_rank if rank is None else rank, local_rank, world_size, local_world)
     if "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= os.environ.keys():
-        world = _env_int("WORLD_SIZE")
-        return _Launch("torchrun", None, _env_int("RANK"), _env_int("LOCAL_RANK") or 0, world,
-                       _env_int("LOCAL_WORLD_SIZE") or world)
+        # torchrun sets all five variables; a Kubernetes operator (PyTorchJob) sets MASTER_ADDR/PORT,
+        # RANK and WORLD_SIZE only, one process per pod: local rank 0 of a local world of one (so a
+        # one-GPU pod still picks NCCL).
+        world, local_rank = _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
+        local_world = _env_int("LOCAL_WORLD_SIZE") or (world if local_rank is not None else 1)
+        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else "env"
+        return _Launch(launcher, None, _env_int("RANK"), local_rank or 0, world, local_world)
     if _env_int("SLURM_PROCID") is not None and _env_int("SLURM_NTASKS", "SLURM_NPROCS") is not None:
         return _slurm(env)
     if _env_int("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE") is not None:
