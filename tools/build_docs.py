@@ -92,6 +92,11 @@ def copy_local_files(body: str, src_dir: Path, out_dir: Path) -> None:
             shutil.copyfile(source, target)
 
 
+def inline_code(text: str) -> str:
+    """Markdown's `code` spans of a heading as HTML."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
+
+
 def title_of(md: Path) -> str:
     first = next((line for line in md.read_text(encoding="utf-8").splitlines() if line.startswith("# ")), None)
     return first[2:].strip() if first else md.stem
@@ -116,19 +121,23 @@ def build(out: Path, show_source: bool = True) -> Path:
     for page in (out / "api").rglob("*.html"):
         unlink_missing_members(page)
     pages = [(ROOT / "README.md", out / "README.html", 0)]
-    pages += [(md, out / "docs" / f"{md.stem}.html", 1) for md in sorted((ROOT / "docs").glob("*.md"))]
+    # "Which regime when" first, then the guides by name.
+    guides = sorted((ROOT / "docs").glob("*.md"), key=lambda md: (md.stem != "guide", md.stem))
+    pages += [(md, out / "docs" / f"{md.stem}.html", 1) for md in guides]
     items = ['<li><a href="api/troupe.html">API reference</a> (every module, from its docstrings)</li>']
     for src, dst, depth in pages:
         title = title_of(src)
         body = render_markdown(src, dst, depth, title)
         copy_local_files(body, src.parent, out)
-        items.append(f'<li><a href="{dst.relative_to(out).as_posix()}">{html.escape(title)}</a>'
+        label = "Overview (README)" if src.name == "README.md" else inline_code(html.escape(title))
+        items.append(f'<li><a href="{dst.relative_to(out).as_posix()}">{label}</a>'
                      f" <small>({src.relative_to(ROOT).as_posix()})</small></li>")
     index = out / "index.html"
     index.write_text(
         f"<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>troupe documentation</title>"
-        f"<style>{STYLE}</style></head>\n<body><h1>troupe documentation</h1>\n<ul>\n" + "\n".join(items)
-        + "\n</ul>\n</body></html>\n",
+        f"<style>{STYLE}</style></head>\n<body><h1>troupe documentation</h1>\n"
+        "<p>SINGA-style distributed training on torch.distributed: the API reference and the guides.</p>\n"
+        "<ul>\n" + "\n".join(items) + "\n</ul>\n</body></html>\n",
         encoding="utf-8",
     )
     return index
