@@ -246,7 +246,7 @@ def train(args):
         test_acc = reduce_variable(test_correct) / reduce_variable(test_total)
         if main:
             print(f"Training loss = {train_loss:f}, training accuracy = {train_acc:f}", flush=True)
-            print(f"Evaluation accuracy = {test_acc:f}, {rate:.0f} samples/s per rank", flush=True)
+            print(f"Evaluation accuracy = {test_acc:f}, {rate:.0f} samples/s (all ranks)", flush=True)
         troupe.log({"epoch/train_loss": train_loss, "epoch/train_accuracy": train_acc,
                     "epoch/eval_accuracy": test_acc, "epoch/lr": sgd.param_groups[0]["lr"]}, step)
         history.append({"epoch": epoch, "train_loss": train_loss, "train_acc": train_acc, "eval_acc": test_acc,

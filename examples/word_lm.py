@@ -223,12 +223,13 @@ def train(args):
             loss_sum += loss
             sched.step()
             step += 1
-        rate = steps * args.accum * args.bptt * args.batch_size / (time.perf_counter() - start)
+        # every rank's tokens over this rank's time (what metrics.Throughput reports for samples)
+        rate = steps * args.accum * args.bptt * args.batch_size * world_size / (time.perf_counter() - start)
         train_ppl = math.exp(reduce_variable(loss_sum) / (steps * world_size))
         total, count = evaluate(model, valid_data, args.bptt)
         valid_ppl = math.exp(reduce_variable(total) / reduce_variable(count))
         if main:
-            print(f"Training perplexity = {train_ppl:.2f}, {rate:.0f} tokens/s per rank", flush=True)
+            print(f"Training perplexity = {train_ppl:.2f}, {rate:.0f} tokens/s (all ranks)", flush=True)
             print(f"Validation perplexity = {valid_ppl:.2f}", flush=True)
         troupe.log({"epoch/train_perplexity": train_ppl, "epoch/valid_perplexity": valid_ppl,
                     "epoch/lr": sgd.param_groups[0]["lr"]}, step)
