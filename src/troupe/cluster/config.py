@@ -18,12 +18,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import sys
 import warnings
 from dataclasses import dataclass
 from typing import Literal
 
+from troupe.cluster import jobfile
 from troupe.runtime import settings
 from troupe.util import check_int
 
@@ -296,118 +296,6 @@ def roles(config: ClusterConfig) -> list[Role]:
 
 # --- text -------------------------------------------------------------------------------
 
-_TOKEN = re.compile(r"""(?P<space>\s+)|(?P<comment>\#[^\n]*)|(?P<string>"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*')"""
-                    r"""|(?P<punct>[{}<>:;,\[\]])|(?P<word>[^\s{}<>:;,\[\]"'\#]+)""")
-"""Protocol-buffer text format, the language of SINGA's job.conf: words, quoted strings, punctuation."""
-
-SINGA_ONLY_FIELDS = ("workspace", "hostfile", "start_port", "poll_time", "log_dir", "zookeeper_host", "bandwidth",
-                     "nprocs", "server_update", "msg_timeout")
-"""ClusterProto fields of SINGA 0.x that troupe has no use for (paths, ports, ZooKeeper): ignored with a warning."""
-
-
-def _tokens(text: str) -> list[tuple[str, str, int]]:
-    """(kind, text, line) of every token but spaces and comments."""
-    out, pos, line = [], 0, 1
-    while pos < len(text):
-        m = _TOKEN.match(text, pos)
-        if m is None:
-            raise ValueError(f"line {line}: cannot read {text[pos:pos + 20]!r}")
-        if m.lastgroup not in ("space", "comment"):
-            out.append((m.lastgroup, m.group(), line))
-        line += m.group().count("\n")
-        pos = m.end()
-    return out
-
-
-def _cluster_tokens(tokens: list[tuple[str, str, int]]) -> tuple[list[tuple[str, str, int]] | None, list[str]]:
-    """The tokens inside the job's one ``cluster { ... }`` block (wherever it is), and the
-    names of the top-level fields around it."""
-    def at(k: int) -> str:
-        return tokens[k][1] if 0 <= k < len(tokens) and tokens[k][0] == "punct" else ""
-
-    depth, blocks, others, k = 0, [], [], 0
-    while k < len(tokens):
-        kind, text, line = tokens[k]
-        if at(k) in ("{", "<"):
-            depth += 1
-        elif at(k) in ("}", ">"):
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"line {line}: '{text}' without an opening brace")
-        elif kind == "word" and at(k - 1) != ":":  # a field's name, not a value
-            opening = k + 1 if at(k + 1) in ("{", "<") else k + 2 if at(k + 1) == ":" and at(k + 2) in ("{", "<") \
-                else None
-            if text == "cluster" and opening is not None:
-                end = _closing(tokens, opening)
-                blocks.append(tokens[opening + 1:end])
-                k = end + 1
-                continue
-            if depth == 0 and at(k + 1) in (":", "{", "<") and text not in others:
-                others.append(text)
-        k += 1
-    if depth:
-        raise ValueError(f"{depth} brace(s) left open at the end of the job file")
-    if len(blocks) > 1:
-        raise ValueError(f"the job file has {len(blocks)} cluster blocks; give one")
-    return (blocks[0] if blocks else None), others
-
-
-def _closing(tokens: list[tuple[str, str, int]], start: int) -> int:
-    """The index of the brace closing the one at `start`."""
-    depth = 0
-    for k in range(start, len(tokens)):
-        if tokens[k][0] == "punct" and tokens[k][1] in "{<":
-            depth += 1
-        elif tokens[k][0] == "punct" and tokens[k][1] in "}>":
-            depth -= 1
-            if depth == 0:
-                return k
-    raise ValueError(f"line {tokens[start][2]}: the cluster block is never closed")
-
-
-def _value(key: str, raw: str) -> int | bool | str:
-    low = raw.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if key in ("group_merge", "send_updates"):
-        return raw.strip("\"'")
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"cluster field {key}: expected an integer or true/false, got {raw!r}") from None
-
-
-def _block_fields(tokens: list[tuple[str, str, int]]) -> dict[str, int | bool | str]:
-    """``key: value`` pairs of a cluster block (any layout: one per line, several per line, ; or ,)."""
-    fields: dict[str, int | bool | str] = {}
-    ignored: list[str] = []
-    k = 0
-    while k < len(tokens):
-        kind, key, line = tokens[k]
-        if kind == "punct" and key in (";", ","):
-            k += 1
-            continue
-        sep, value = tokens[k + 1:k + 2], tokens[k + 2:k + 3]
-        if kind != "word" or not sep or sep[0][1] not in (":", "=") or not value or value[0][0] == "punct":
-            got = " ".join(t[1] for t in tokens[k:k + 3])
-            raise ValueError(f"cluster block, line {line}: expected `key: value`, got {got!r}")
-        if key in SINGA_ONLY_FIELDS:
-            ignored.append(key)
-        elif key in fields:
-            raise ValueError(f"cluster block, line {line}: field {key} given twice")
-        else:
-            vkind, raw, _ = value[0]
-            try:
-                fields[key] = _value(key, raw[1:-1] if vkind == "string" else raw)
-            except ValueError as e:
-                raise ValueError(f"cluster block, line {line}: {e}") from None
-        k += 3
-    if ignored:
-        warnings.warn(f"cluster block: ignored SINGA field(s) troupe has no use for: {', '.join(ignored)}",
-                      stacklevel=3)
-    return fields
-
-
 def translate(fields: dict) -> dict:
     """SINGA's packing of several servers or workers into one process, as troupe runs it: a
     process per server and per worker (with a warning saying so), except in-memory Hogwild.
@@ -442,19 +330,13 @@ def parse_cluster_text(text: str) -> ClusterConfig:
     field per line or several on one line, ``#`` comments. TOML may put the fields at the
     top level or under ``[cluster]``.
     """
-    if re.search(r"\bcluster\s*:?\s*[{<]", text) is None:
+    if not jobfile.has_cluster_block(text):
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"neither a `cluster {{ ... }}` block nor valid TOML: {e}") from None
         return ClusterConfig.from_dict(translate(data.get("cluster", data)))
-    block, others = _cluster_tokens(_tokens(text))
-    if block is None:
-        raise ValueError("no top-level `cluster { ... }` block in the job file")
-    if others:
-        warnings.warn(f"job file: ignored the JobProto fields outside the cluster block: {', '.join(others)}",
-                      stacklevel=2)
-    return ClusterConfig.from_dict(translate(_block_fields(block)))
+    return ClusterConfig.from_dict(translate(jobfile.cluster_fields(text)))
 
 
 def load(path: str | os.PathLike) -> ClusterConfig:
