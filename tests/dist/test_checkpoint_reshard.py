@@ -323,7 +323,7 @@ def test_metadata_that_would_run_code_is_refused(tmp_path):
 
     import pytest
 
-    from troupe.reliability.state import SafeReader
+    from troupe.reliability.dcp_files import SafeReader
 
     class Evil:
         def __reduce__(self):

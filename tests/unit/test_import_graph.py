@@ -197,3 +197,17 @@ def test_no_cycle_between_packages():
     edges = "\n".join(f"  {a} -> {', '.join(sorted(bs))}" for a, bs in sorted(graph.items()) if bs)
     report = "\n".join(f"  {describe(cycle_in(g, graph), graph)}" for g in groups)
     assert not groups, f"import cycles between troupe's packages:\n{report}\nall edges:\n{edges}"
+
+
+def test_import_troupe_loads_no_torch_module_beyond_import_torch():
+    # Every rank of every job pays for `import troupe`: torch.distributed.checkpoint (about 1 s),
+    # torch._dynamo and the like are imported where they are used, not here.
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys, torch; before = set(sys.modules); import troupe; "
+            "print(json.dumps(sorted(set(sys.modules) - before)))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    heavy = [m for m in loaded if m.startswith("torch")]
+    assert heavy == [], f"import troupe loads {heavy[:10]}"

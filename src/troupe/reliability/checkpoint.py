@@ -40,9 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import FileSystemWriter
 
 from troupe.reliability import state as named
 from troupe.runtime import world
@@ -108,6 +106,9 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
     tensors, optim_rest = named.named_state(model, inner)
     shared, every_key, replicated = _survey(c, target, tensors)
     per_rank = sorted(every_key - replicated)
+    import torch.distributed.checkpoint as dcp  # here, not at import troupe: about 1 s
+    from torch.distributed.checkpoint import FileSystemWriter
+
     if shared:
         ours = {k if k in replicated else f"rank{c.rank}/{k}": v for k, v in tensors.items()}
         dcp.save(ours, storage_writer=FileSystemWriter(target, sync_files=True), process_group=c.group)
@@ -269,7 +270,11 @@ def load(checkpoint: str | Path, model: nn.Module, optimizer) -> dict[str, Any]:
     optim = {k: torch.empty(stored[source(k)][0], dtype=stored[source(k)][1]) for k in job["optim"]["optim_index"]}
     request = {source(k): v for k, v in {**wanted, **optim}.items()}  # the model's tensors load in place
     # Every rank reads what it needs by itself (the whole state, or its own): no collective plan.
-    dcp.load(request, storage_reader=named.SafeReader(path), no_dist=True)
+    import torch.distributed.checkpoint as dcp
+
+    from troupe.reliability import dcp_files
+
+    dcp.load(request, storage_reader=dcp_files.SafeReader(path), no_dist=True)
     model.load_state_dict(model_sd)
     sd = named.optimizer_state(names, job["optim"], optim)
     optimizer.load_state_dict(sd if job["distopt"] is None else {"optimizer": sd, **job["distopt"]})
@@ -288,8 +293,10 @@ def _locate(checkpoint: Path, manifest: dict[str, Any], c):
     def source(key: str) -> str:
         return key if local or key not in per_rank else f"rank{owner}/{key}"
 
+    from troupe.reliability import dcp_files
+
     try:
-        stored = named.tensor_shapes(path)
+        stored = dcp_files.tensor_shapes(path)
     except (OSError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"{path}: unreadable DCP metadata ({e})") from None
     return path, stored, source
