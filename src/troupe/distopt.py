@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from troupe.cluster.config import from_env as cluster_from_env
-from troupe.reliability.nonfinite import NAN_POLICIES, NanPolicy, nonfinite
+from troupe.reliability.nonfinite import NAN_POLICIES, NanPolicy, all_finite, nonfinite
 from troupe.runtime import world as world_mod
 from troupe.runtime.comm import Handle
 from troupe.runtime.launch import Ticket
@@ -206,6 +206,44 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         self._check_and_broadcast()
         self._choice.add_params(self._params())
         self._watch_reducer()
+
+    def compile_step(self, model: torch.nn.Module, loss_fn: Callable[..., Tensor], *, dist_option: str = "plain",
+                     sequential: bool = False, backend: str = "inductor") -> Callable[..., Tensor]:
+        """Graph mode for a plain module: ``step(*batch)`` runs ``loss_fn(*batch)``, backward and the update
+        as compiled graphs, the bucketed all-reduce inside the backward's (see `troupe.graphstep`).
+
+        >>> step = sgd.compile_step(model, lambda x, y: F.cross_entropy(model(x), y))
+        >>> loss = step(x, y)          # forward, backward + all-reduce, optimizer update; loss detached
+
+        `dist_option` is "plain" (or "fp32"), "fp16" or "bf16"; `sequential=True` keeps every op in
+        program order (SINGA), else the compiler may overlap communication with the backward.
+        Where the platform cannot compile, the first step warns and steps run eagerly.
+        """
+        from troupe.graphstep import GraphStep
+
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if not self._choice.local or self._choice.holders is not None:
+            raise ValueError("graph mode reduces every gradient among all ranks: not available under a "
+                             "parameter-server cluster or for a partitioned model")
+
+        def eager(*batch: Any) -> Tensor:
+            loss = loss_fn(*batch)
+            self.update(loss, dist_option)
+            return loss.detach()
+
+        return GraphStep(self, model, loss_fn, eager, returns_loss=True, dist_option=dist_option,
+                         sequential=sequential, backend=backend)
+
+    def apply_reduced(self, update: Callable[[], Any]) -> None:
+        """Graph mode's update: ``p.grad`` already holds the mean over ranks; apply `nan_policy`, then
+        `update` (the compiled step of the wrapped optimizer), and count the step."""
+        self._synced = False
+        if self.nan_policy != "ignore" and not all_finite([p.grad for p in self._params() if p.grad is not None]):
+            self._skip()
+            return
+        update()
+        self._finish_step({})
 
     @property
     def last_step_stats(self) -> dict[str, Any]:

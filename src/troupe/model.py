@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -53,28 +54,46 @@ class Model(nn.Module):
         is_train: bool = True,
         use_graph: bool = False,
         sequential: bool = False,
+        *,
+        backend: str | Callable[..., Any] = "inductor",
     ) -> None:
         """Run one forward on `inputs` to initialise the model, set train/eval mode, optionally build a graph.
 
         With `is_train`, ``model(x, y[, dist_option, spars])`` then runs `train_one_batch`
         (SINGA's Model), while ``model(x)`` stays `forward`.
 
-        `use_graph=True` runs the forward through `torch.compile` (SINGA's graph mode);
-        where the platform cannot compile, it warns and stays eager. `sequential` is
-        accepted for SINGA compatibility (PyTorch always runs ops in program order).
+        `use_graph=True` with `is_train` and a DistOpt (`set_optimizer` first) compiles the whole
+        `train_one_batch` (SINGA's graph mode, `troupe.graphstep`): the forward, the backward with
+        the bucketed all-reduce inside its graph (compiled autograd, functional collectives) and
+        the optimizer update; dist_options plain, fp32, fp16 and bf16. `sequential=True` runs the
+        ops in program order (SINGA's meaning); False lets the compiler overlap the all-reduce with
+        the backward. Without a DistOpt, or with ``is_train=False``, the forward alone is compiled.
+        Where the platform cannot compile, one warning and the eager path. `backend`:
+        torch.compile's ("inductor"; "aot_eager" compiles quickly and does not fuse).
         """
+        from troupe.graphstep import GraphStep, check_backend
+
+        check_backend(backend)
         self.train(is_train)
         self._train_arity = len(inputs) if is_train else None
         self.__dict__.pop("forward", None)  # undo an earlier graph
+        self.__dict__.pop("train_one_batch", None)
         with torch.no_grad():
             self.forward(*inputs)
-        if use_graph:
-            try:
-                compiled = torch.compile(self.forward)
-                with torch.no_grad():
-                    compiled(*inputs)
-            except Exception as e:  # inductor needs a working compiler toolchain
-                warnings.warn(f"use_graph=True: torch.compile failed ({type(e).__name__}: {e}); running eagerly")
-            else:
-                # An instance attribute shadows the method, so self.forward(x) and self(x) both use the graph.
-                self.forward = compiled
+        if not use_graph:
+            return
+        if is_train and isinstance(self.optimizer, DistOpt):
+            one_batch = type(self).train_one_batch.__get__(self)
+            # An instance attribute shadows the method, so model(x, y) runs the graph.
+            self.train_one_batch = GraphStep(self.optimizer, self, one_batch, one_batch, returns_loss=False,
+                                             sequential=sequential, backend=backend)
+            return
+        try:
+            compiled = torch.compile(self.forward, **({} if backend == "inductor" else {"backend": backend}))
+            with torch.no_grad():
+                compiled(*inputs)
+        except Exception as e:  # inductor needs a working compiler toolchain
+            warnings.warn(f"use_graph=True: torch.compile failed ({type(e).__name__}: {e}); running eagerly")
+        else:
+            # An instance attribute shadows the method, so self.forward(x) and self(x) both use the graph.
+            self.forward = compiled
