@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,6 +23,7 @@ from troupe.strategies.choice import Fixed, OptionSwitch
 from troupe.strategies.compressed import CompressionConfig
 from troupe.strategies.partitioned import split_by_holders
 from troupe.sync.bucket import DEFAULT_BUCKET_SIZE, FIRST_BUCKET_SIZE
+from troupe.sync.compiled import SplitCompiledGraphs
 from troupe.sync.reducer import GradReducer
 from troupe.util import check_int
 
@@ -40,6 +42,11 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
     >>> loss = F.cross_entropy(model(x), y)
     >>> loss.backward()                # buckets are all-reduced as autograd produces gradients
     >>> sgd.step(); sgd.zero_grad()    # or SINGA's sgd(loss): backward, all-reduce, step
+
+    `split_compiled` (default True) lets a ``torch.compile``d model keep the reduction overlapped
+    with its backward: graphs compiled while this DistOpt lives are split at bucket boundaries,
+    as dynamo does for DDP (`troupe.sync.compiled`). `compile_step` and
+    ``Model.compile(use_graph=True)`` compile the whole step instead (`troupe.graphstep`).
     """
 
     def __init__(
@@ -60,6 +67,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         nan_policy: NanPolicy = "raise",
         dist_option: str = "plain",
         spars: float | None = None,
+        split_compiled: bool = True,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DistOpt):
             raise TypeError(f"DistOpt wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -109,6 +117,11 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
                                         compression or CompressionConfig(), lambda: self.step_count,
                                         self.param_name, bucket_size, first_bucket_size, dist_option, **args)
         self._watch_reducer()
+        self._split: SplitCompiledGraphs | None = None
+        if split_compiled and self.reducer is not None:
+            self._split = SplitCompiledGraphs(bucket_size * 4)  # fp32 elements to bytes, as DDP's cap
+            if self._split.install():
+                weakref.finalize(self, self._split.remove)
 
     # --- where this process is -------------------------------------------------------
 
@@ -304,6 +317,8 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
 
     def close(self) -> None:
         """Leave cleanly: under a parameter-server cluster, tell the servers this worker has finished (also done at exit)."""
+        if self._split is not None:
+            self._split.remove()
         self.strategy.close()
 
     def __repr__(self) -> str:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from troupe.sync.bucket import plan_buckets
+from troupe.sync.compiled import unsplit
 from troupe.sync.ingraph import CODECS, Codec, InGraphReduce, gate
 
 if TYPE_CHECKING:
@@ -141,7 +142,8 @@ class GraphStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.failed is None:
             try:
-                return self._step(*args, **kwargs)
+                with unsplit():  # this graph reduces inside itself: no DDPOptimizer pieces
+                    return self._step(*args, **kwargs)
             except Exception as e:
                 if not _is_compile_failure(e) or self.steps > 0:
                     raise

@@ -9,7 +9,7 @@ from typing import Any
 
 from troupe.bench.options import Options
 from troupe.bench.records import Record
-from troupe.bench.suites import accumulate, collectives, compression, ddp, scripts
+from troupe.bench.suites import accumulate, collectives, compression, ddp, graph, scripts
 
 COMMON = frozenset({"reps", "steps", "burnin", "nproc", "threads", "seed", "timeout"})
 """Options every engine benchmark takes."""
@@ -66,6 +66,12 @@ BENCHMARKS: dict[str, Benchmark] = {
         defaults={**_ENGINE, "steps": 12, "burnin": 4, "workloads": ("cnn",), "data": "mnist",
                   "dist_options": ("plain", "fp16", "bf16", "partialUpdate", "sparseTopK", "sparseThreshold")},
         uses=(TRAINING - {"local"}) | {"dist_options"}),
+    "graph": Benchmark(
+        name="graph", suite=graph,
+        help="graph mode (whole step compiled, all-reduce in the graph) vs eager troupe, torch.compile(model), "
+             "DDP and DDP + compile, step by step; exposed communication after backward",
+        defaults={**_ENGINE, "burnin": None, "workloads": ("cnn", "resnet18"), "data": "synthetic", "local": False},
+        uses=TRAINING),
 }
 for _name, (_script, _help) in scripts.SCRIPTS.items():
     BENCHMARKS[_name] = Benchmark(name=_name, suite=scripts, help=_help, script=_script, uses=frozenset({"timeout"}))

@@ -8,7 +8,7 @@ from troupe.bench.engine import Contestant, Measurement, Schedule
 from troupe.bench.options import Options
 from troupe.bench.records import Record
 
-UNITS = {"step_time": "s", "cpu_time": "s", "wire_bytes": "B"}
+UNITS = {"step_time": "s", "cpu_time": "s", "wire_bytes": "B", "exposed_time": "s"}
 """The unit of each metric the engine produces."""
 
 
