@@ -24,6 +24,8 @@ IN, HID, OUT, B = 6, 16, 4, 4
 STEPS = 20
 BUCKET = 64
 """Elements per bucket: the MLP's 260 parameters make several buckets (several collectives)."""
+WIDE = 640
+"""A layer of WIDE x WIDE floats (1.6 MB) is more than one 1 MiB piece of a split compiled graph."""
 
 
 def make_mlp():
@@ -108,12 +110,12 @@ def sc_plain_module(rank):
     for _ in range(2):
         torch.manual_seed(1)
         model = nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, OUT))
-        sgd = troupe.DistOpt(torch.optim.AdamW(model.parameters(), lr=1e-2), bucket_size=BUCKET)
+        sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), bucket_size=BUCKET)
         sgd.sync_parameters(model)
         copies.append((model, sgd))
     (gm, gsgd), (em, esgd) = copies
     step = gsgd.compile_step(gm, lambda x, y: F.cross_entropy(gm(x), y), backend="aot_eager")
-    for i in range(5):
+    for i in range(3):
         x, y = batch(rank, i)
         step(x, y)
         F.cross_entropy(em(x), y).backward()
@@ -142,6 +144,30 @@ def sc_fallback(rank):
     return {"graph": params(graph), "eager": params(eager), "warnings": messages}
 
 
+def sc_user_compile(rank):
+    """A user's torch.compile(model) with an eager DistOpt: dynamo splits the graph at the buckets
+    (at least 1 MiB, DDPOptimizer's first piece), so the backward is several nodes and gradients
+    arrive piece by piece; training is unchanged."""
+    import troupe
+
+    rec = Recorder()
+    copies = []
+    for compiled in (True, False):
+        torch.manual_seed(2)
+        model = nn.Sequential(nn.Linear(IN, WIDE), nn.Tanh(), nn.Linear(WIDE, WIDE), nn.Tanh(),
+                              nn.Linear(WIDE, WIDE), nn.Tanh(), nn.Linear(WIDE, OUT))
+        sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), bucket_size=2**18)
+        sgd.sync_parameters(model)
+        copies.append((torch.compile(model, backend=rec) if compiled else model, model, sgd))
+    for i in range(4):
+        x, y = batch(rank, i)
+        for run, _, sgd in copies:
+            F.cross_entropy(run(x), y).backward()
+            sgd.step()
+            sgd.zero_grad()
+    return {"graphs": len(rec.graphs), "compiled": params(copies[0][1]), "eager": params(copies[1][1])}
+
+
 def bad_option(rank):
     (graph, _), _ = pair()
     x0, y0 = batch(rank, 0)
@@ -156,7 +182,7 @@ def bad_option(rank):
 def scenarios(rank, world_size):
     torch._dynamo.reset()
     return {"plain": sc_model(rank, "plain", sequential=True), "fp16": sc_model(rank, "fp16", sequential=False),
-            "module": sc_plain_module(rank), "fallback": sc_fallback(rank), "bad_option": bad_option(rank)}
+            "module": sc_plain_module(rank), "user": sc_user_compile(rank), "fallback": sc_fallback(rank), "bad_option": bad_option(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +221,13 @@ def test_the_backward_graph_holds_the_bucket_collectives(results, option):
 def test_compile_step_for_a_plain_module(results):
     for r in results:
         torch.testing.assert_close(r["module"]["graph"], r["module"]["eager"], atol=1e-5, rtol=0)
+
+
+def test_user_compile_is_split_at_buckets(results):
+    for r in results:
+        # two 1.6 MB layers in buckets of 1 MiB: the forward is compiled as several pieces
+        assert r["user"]["graphs"] >= 3
+        torch.testing.assert_close(r["user"]["compiled"], r["user"]["eager"], atol=1e-5, rtol=0)
 
 
 def test_no_compiler_is_a_warning_not_a_failure(results):

@@ -24,12 +24,18 @@ from contextlib import contextmanager
 
 
 class SplitCompiledGraphs:
-    """What dynamo's DDPOptimizer reads of a DDP module: the bucket size, in bytes, to split graphs at."""
+    """What dynamo's DDPOptimizer reads of a DDP module: the bucket size, in bytes, to split graphs at.
+
+    DDPOptimizer's first piece is DDP's first bucket (1 MiB) and no later piece may be smaller,
+    so a cap below 1 MiB is raised to it.
+    """
 
     def __init__(self, bucket_bytes_cap: int):
+        import torch.distributed as dist
+
         if bucket_bytes_cap < 1:
             raise ValueError(f"bucket_bytes_cap must be >= 1 byte, got {bucket_bytes_cap}")
-        self.bucket_bytes_cap = bucket_bytes_cap
+        self.bucket_bytes_cap = max(bucket_bytes_cap, dist._DEFAULT_FIRST_BUCKET_BYTES)
         self.installed = False
 
     def install(self) -> bool:
