@@ -8,6 +8,8 @@ The same script runs under every launcher, unedited:
     python examples/mnist_multiprocess.py 2        # the Ticket + multiprocessing pattern
     python examples/mnist_cnn.py                   # one process
 
+`--graph` compiles the whole train_one_batch (SINGA's graph mode: forward, backward with the
+bucketed all-reduce inside its graph, optimizer update; see docs/graph.md).
 `--loop torch` trains with the PyTorch loop instead of SINGA's train_one_batch: gradient
 accumulation under `sgd.no_sync()` (`--accum K`), `sgd.synchronize()`, clipping
 (`--clip`), `torch.amp.GradScaler` with bf16 autocast (`--amp`), and an LR scheduler
@@ -75,7 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--train-size", type=int, default=None, help="use only the first N training samples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads per process")
-    p.add_argument("--graph", action="store_true", help="run the forward through torch.compile")
+    p.add_argument("--graph", action="store_true",
+                   help="SINGA's graph mode: train_one_batch compiled whole (forward, backward with the all-reduce "
+                        "inside its graph, update); dist_option plain, fp32, fp16 or bf16 (docs/graph.md)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (troupe run --checkpoint-dir)")
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps between checkpoints")
@@ -96,7 +100,11 @@ def parse_args(argv=None):
                    help="--partition hybrid/model: ranks that compute one model replica (default: all; "
                         "under --cluster its nworkers_per_group)")
     p.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.graph and (args.loop != "singa" or args.dist_option not in ("plain", "fp32", "fp16", "bf16")):
+        p.error(f"--graph compiles SINGA's train_one_batch with dist_option plain, fp32, fp16 or bf16; "
+                f"got --loop {args.loop} --dist-option {args.dist_option}")
+    return args
 
 
 def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):

@@ -236,9 +236,6 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
 
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        if not self._choice.local or self._choice.holders is not None:
-            raise ValueError("graph mode reduces every gradient among all ranks: not available under a "
-                             "parameter-server cluster or for a partitioned model")
 
         def eager(*batch: Any) -> Tensor:
             loss = loss_fn(*batch)
@@ -247,6 +244,12 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
 
         return GraphStep(self, model, loss_fn, eager, returns_loss=True, dist_option=dist_option,
                          sequential=sequential, backend=backend)
+
+    def check_graph_mode(self) -> None:
+        """Raise ValueError where graph mode cannot run (it reduces every gradient among all ranks)."""
+        if not self._choice.local or self._choice.holders is not None:
+            raise ValueError("graph mode reduces every gradient among all ranks: not available under a "
+                             "parameter-server cluster or for a partitioned model")
 
     def apply_reduced(self, update: Callable[[], Any]) -> None:
         """Graph mode's update: ``p.grad`` already holds the mean over ranks; apply `nan_policy`, then

@@ -104,6 +104,7 @@ class GraphStep:
                  returns_loss: bool, dist_option: str = "plain", sequential: bool = False,
                  backend: str | Callable[..., Any] = "inductor"):
         check_backend(backend)
+        sgd.check_graph_mode()
         if returns_loss and dist_option not in ("plain", "fp32", "fp16", "bf16"):
             raise ValueError(f"graph mode reduces with plain, fp32, fp16 or bf16, not dist_option {dist_option!r}")
         if not isinstance(sequential, bool):
