@@ -8,19 +8,71 @@
 >>> out, loss = model.train_one_batch(x, y)
 """
 
-from troupe import data, metrics, partition
-from troupe.algorithms import cd
-from troupe.partition import clip_grad_norm_, full_state_dict
-from troupe.reliability import checkpoint
-from troupe.runtime.comm import Communicator
-from troupe.runtime.launch import DistInfo, Ticket, wait_all
-from troupe.runtime.world import World, info, init, shutdown
-from troupe.model import Model
-from troupe.scalars import log
-from troupe.distopt import DIST_OPTIONS, DistOpt
-from troupe.strategies.base import UpdateStrategy
-from troupe.strategies.compressed import CompressionConfig
-from troupe.sync.agree import StepMismatchError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from troupe.runtime.ticket import Ticket  # torch-free: a parent makes one before starting ranks
+
+# Each other name is imported when first used (PEP 562): `troupe run`, `troupe plan` and the
+# other commands start without importing torch, and a rank pays only for what it uses.
+_WHERE = {
+    "DIST_OPTIONS": "troupe.distopt",
+    "Communicator": "troupe.runtime.comm",
+    "CompressionConfig": "troupe.strategies.compressed",
+    "DistInfo": "troupe.runtime.launch",
+    "DistOpt": "troupe.distopt",
+    "Model": "troupe.model",
+    "StepMismatchError": "troupe.sync.agree",
+    "UpdateStrategy": "troupe.strategies.base",
+    "World": "troupe.runtime.world",
+    "cd": "troupe.algorithms",
+    "checkpoint": "troupe.reliability",
+    "clip_grad_norm_": "troupe.partition",
+    "data": "troupe",
+    "full_state_dict": "troupe.partition",
+    "info": "troupe.runtime.world",
+    "init": "troupe.runtime.world",
+    "log": "troupe.scalars",
+    "metrics": "troupe",
+    "partition": "troupe",
+    "shutdown": "troupe.runtime.world",
+    "wait_all": "troupe.runtime.launch",
+}
+
+if TYPE_CHECKING:
+    from troupe import data, metrics, partition
+    from troupe.algorithms import cd
+    from troupe.distopt import DIST_OPTIONS, DistOpt
+    from troupe.model import Model
+    from troupe.partition import clip_grad_norm_, full_state_dict
+    from troupe.reliability import checkpoint
+    from troupe.runtime.comm import Communicator
+    from troupe.runtime.launch import DistInfo, wait_all
+    from troupe.runtime.world import World, info, init, shutdown
+    from troupe.scalars import log
+    from troupe.strategies.base import UpdateStrategy
+    from troupe.strategies.compressed import CompressionConfig
+    from troupe.sync.agree import StepMismatchError
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'troupe' has no attribute {name!r}")
+    if module == "troupe":  # one of troupe's own modules (data, metrics, partition)
+        value = importlib.import_module(f"troupe.{name}")
+    else:
+        parent = importlib.import_module(module)
+        value = getattr(parent, name) if hasattr(parent, name) else importlib.import_module(f"{module}.{name}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 

@@ -14,10 +14,15 @@ import sys
 import time
 
 from troupe.runtime import settings
-from troupe.runtime.launch import LOOPBACK, Ticket, free_port
+from troupe.runtime.ticket import LOOPBACK, Ticket, free_port
 
 GRACE_SECONDS = 5.0
 """How long a rank gets to exit after SIGTERM before SIGKILL."""
+SETTLE_SECONDS = 1.0
+"""After a rank exits with an error code, how long to look for a rank killed by a signal before
+naming one: the killed rank is the cause, and on a loaded machine its peers' reactions ("my peer
+is gone", code 1) can be collected first, since a killed process's sockets close before its
+exit status can be collected."""
 
 
 def _master(text: str) -> tuple[str, int]:
@@ -303,6 +308,17 @@ def _run_once(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     return _supervise(procs, first_rank=args.node_rank * args.nproc, tolerate=getattr(args, "tolerate", set()))
 
 
+def _culprit(procs: list[subprocess.Popen], first_rank: int, tolerate: set[int],
+             failed: list[tuple[int, int]]) -> tuple[int, int]:
+    """The failed rank to name: one killed by a signal if one appears within SETTLE_SECONDS, else the first."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while not any(code < 0 for _, code in failed) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        failed = [(first_rank + i, c) for i, c in enumerate(p.poll() for p in procs)
+                  if c not in (None, 0) and first_rank + i not in tolerate]
+    return next(((rank, code) for rank, code in failed if code < 0), failed[0])
+
+
 def _supervise(procs: list[subprocess.Popen], first_rank: int, tolerate: set[int] = frozenset()) -> int:
     """Wait for the ranks; stop them all when one fails, unless it is in `tolerate` (async PS workers)."""
     reported: set[int] = set()
@@ -331,7 +347,7 @@ def _supervise(procs: list[subprocess.Popen], first_rank: int, tolerate: set[int
                           "goes on without it", file=sys.stderr)
             failed = [(rank, code) for rank, code in failed if rank not in tolerate]
             if failed:
-                rank, code = failed[0]
+                rank, code = _culprit(procs, first_rank, tolerate, failed)
                 stop_all()
                 why = f"signal {-code}" if code < 0 else f"code {code}"
                 print(f"troupe run: rank {rank} exited with {why}; stopped the other ranks", file=sys.stderr)

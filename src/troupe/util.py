@@ -1,14 +1,16 @@
 """Small helpers every layer uses, written once: argument checks and flat-buffer packing.
 
-A leaf module: it imports nothing from troupe.
+A leaf module: it imports nothing from troupe, and torch only when packing (the command
+line's argument checks use it without paying for torch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def check_int(name: str, value: object, minimum: int = 1) -> int:
@@ -20,16 +22,20 @@ def check_int(name: str, value: object, minimum: int = 1) -> int:
 
 def pack(tensors: Sequence[Tensor]) -> Tensor:
     """The tensors back to back in one new flat tensor (all of one dtype and device)."""
+    import torch
+
     return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
-@torch.no_grad()
 def unpack_into(flat: Tensor, tensors: Sequence[Tensor]) -> None:
     """Copy consecutive pieces of `flat` back into `tensors` (the inverse of `pack`)."""
+    import torch
+
     offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 HOLDERS = "_troupe_holders"

@@ -194,3 +194,32 @@ class TestSlurm:
         mine = launch._detect(Settings.from_env({"TROUPE_TOKEN": "s3cret", "TROUPE_MASTER_PORT": "2999"}),
                               None, None, None, None)
         assert mine.ticket.token == "s3cret" and mine.ticket.port == 2999
+
+
+class TestSupervisor:
+    """`troupe run` names the rank that caused a failure, not the first peer that reacted to it."""
+
+    class Proc:
+        def __init__(self, *codes):  # what poll() returns, call after call (the last one repeats)
+            self.codes = list(codes)
+
+        def poll(self):
+            return self.codes.pop(0) if len(self.codes) > 1 else self.codes[0]
+
+    def test_a_killed_rank_seen_after_its_peer_is_named(self):
+        from troupe.cli import _culprit
+
+        procs = [self.Proc(None), self.Proc(None, None, -9), self.Proc(1)]  # rank 2 (a server) seen first
+        assert _culprit(procs, 0, set(), [(2, 1)]) == (1, -9)
+
+    def test_without_a_killed_rank_the_first_failure_is_named(self):
+        from troupe.cli import _culprit
+
+        procs = [self.Proc(None), self.Proc(3), self.Proc(1)]
+        assert _culprit(procs, 4, set(), [(6, 1)]) == (5, 3)  # ranks start at 4 on this node
+
+    def test_tolerated_ranks_are_never_named(self):
+        from troupe.cli import _culprit
+
+        procs = [self.Proc(-9), self.Proc(1)]
+        assert _culprit(procs, 0, {0}, [(1, 1)]) == (1, 1)

@@ -199,15 +199,29 @@ def test_no_cycle_between_packages():
     assert not groups, f"import cycles between troupe's packages:\n{report}\nall edges:\n{edges}"
 
 
-def test_import_troupe_loads_no_torch_module_beyond_import_torch():
-    # Every rank of every job pays for `import troupe`: torch.distributed.checkpoint (about 1 s),
-    # torch._dynamo and the like are imported where they are used, not here.
+def test_troupe_loads_no_torch_module_beyond_import_torch():
+    # Every rank of every job pays for what troupe's names import: torch.distributed.checkpoint
+    # (about 1 s), torch._dynamo and the like are imported where they are used, not here.
     import json
     import subprocess
     import sys
 
     code = ("import json, sys, torch; before = set(sys.modules); import troupe; "
+            "[getattr(troupe, name) for name in troupe.__all__]; "
             "print(json.dumps(sorted(set(sys.modules) - before)))")
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     heavy = [m for m in loaded if m.startswith("torch")]
     assert heavy == [], f"import troupe loads {heavy[:10]}"
+
+
+def test_the_command_line_starts_without_torch():
+    # `troupe run` only makes a ticket, reads the cluster text and starts processes: the
+    # supervisor of every job (and of every restart) would otherwise spend 2-3 s importing torch.
+    import subprocess
+    import sys
+
+    code = ("import sys, troupe, troupe.cli; from troupe.cluster.config import resolve; "
+            "troupe.cli.build_parser().parse_args(['run', '-n', '2', 'x.py']); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
