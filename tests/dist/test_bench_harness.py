@@ -53,6 +53,7 @@ def test_collectives_benchmark_runs(tmp_path):
     assert all(r.value > 0 and r.unit == "s" and r.commit and r.torch for r in data if r.metric == "step_time")
 
 
+@pytest.mark.xdist_group("netns")  # one set of simulated hosts at a time
 def test_throughput_benchmark_runs_on_loopback_and_simulated_hosts(tmp_path):
     from netns import available
 
