@@ -96,9 +96,10 @@ def _load_expect_error(rank, world_size, directory):
     return "loaded"
 
 
-def _example(*args, timeout=180):
+def _example(*args, timeout=180, launcher=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_JOIN_TIMEOUT": "30", "TROUPE_TIMEOUT": "60"}
-    cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "2", *args[0], "examples/mnist_cnn.py",
+    launcher = launcher or [sys.executable, "-m", "troupe.cli", "run", "-n", "2"]
+    cmd = [*launcher, *args[0], "examples/mnist_cnn.py",
            "--epochs", "2", "--train-size", "3200", "--checkpoint-every", "10", "--quiet", *args[1]]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
@@ -116,6 +117,15 @@ def test_restart_after_a_crash_matches_an_uninterrupted_run(tmp_path):
 
     # Epoch 1 (where the crash happened) is reproduced to the last printed digit.
     assert epoch_lines(crashed.stdout)[-1] == epoch_lines(clean.stdout)[-1]
+
+    # torchrun --max-restarts: the restarted attempt resumes by itself and reproduces the epoch too
+    # (torch reuses its agent's store across attempts; troupe prefixes each attempt's keys).
+    torchrun = _example([], ["--checkpoint-dir", str(tmp_path / "c"), "--crash-at-step", "35"],
+                        launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  "--nproc-per-node", "2", "--max-restarts", "1"])
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    assert "Resumed from" in torchrun.stdout and "step-00000030" in torchrun.stdout
+    assert epoch_lines(torchrun.stdout)[-1] == epoch_lines(clean.stdout)[-1]
 
     # An explicit --resume continues the finished job's last checkpoint: nothing left but the final epoch.
     resumed = _example(["--resume", str(tmp_path / "a")], [])

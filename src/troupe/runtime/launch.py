@@ -106,10 +106,19 @@ def join(
     pg_timeout = datetime.timedelta(seconds=timeout)
     side, keep = None, []
     if how.launcher in ("torchrun", "env"):  # the store is at MASTER_ADDR:MASTER_PORT (torchrun's agent or rank 0)
-        dist.init_process_group(backend, init_method="env://", timeout=pg_timeout)
-        # torchrun keeps its store across --max-restarts: each attempt's heartbeats get their own keys
+        # torchrun keeps its agent's store across --max-restarts: each attempt's keys get their own prefix
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        side = _side_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), f"troupe/{attempt}/")
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # Not env://: torch reuses the agent's store unprefixed, so after a restart a rank reads the
+            # dead attempt's Gloo addresses and fails with "connectFullMesh ... Connection refused".
+            agent = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=join_timeout))
+            store = dist.PrefixStore(f"troupe/{attempt}/pg/", agent)
+            dist.init_process_group(backend, store=store, rank=how.rank, world_size=how.world_size,
+                                    timeout=pg_timeout)
+        else:
+            dist.init_process_group(backend, init_method="env://", timeout=pg_timeout)
+        side = _side_store(addr, port, f"troupe/{attempt}/")
     else:
         t = how.ticket
         store = dist.HashStore() if t is None else _join(t, how.rank, how.world_size, join_timeout, keep)
