@@ -182,7 +182,8 @@ def bad_option(rank):
 def scenarios(rank, world_size):
     torch._dynamo.reset()
     return {"plain": sc_model(rank, "plain", sequential=True), "fp16": sc_model(rank, "fp16", sequential=False),
-            "module": sc_plain_module(rank), "user": sc_user_compile(rank), "fallback": sc_fallback(rank), "bad_option": bad_option(rank)}
+            "module": sc_plain_module(rank), "user": sc_user_compile(rank), "fallback": sc_fallback(rank),
+            "bad_option": bad_option(rank)}
 
 
 @pytest.fixture(scope="module")
