@@ -401,3 +401,81 @@ def test_bucket_reduce_scatter_gives_each_owner_the_mean_of_its_slices():
             # the gradient of c.w is c; averaged over all ranks (unused: a zero); exact on owned elements
             expected = sum(coeffs[r][i] for r in range(3) if i != 4 or r != 1) / 3
             torch.testing.assert_close(grad[owned], expected[owned])
+
+
+def train_wire(rank, world_size, wire):
+    """train_in_cluster's loop, also reporting the bytes this worker sent after its first step."""
+    import troupe
+
+    torch.manual_seed(100 + rank)
+    model = MLP()
+    try:
+        opt = troupe.DistOpt(make_sgd(model.parameters()), bucket_size=64)
+    except SystemExit as e:
+        assert e.code == 0
+        return "server"
+    opt.sync_parameters(model)
+    sched = make_sched(opt.optimizer)
+    xs, ys = batches(opt.world_size)
+    r, sent = opt.global_rank, []
+    for step in range(STEPS):
+        loss = F.cross_entropy(model(xs[step, r * BATCH : (r + 1) * BATCH]), ys[step, r * BATCH : (r + 1) * BATCH])
+        opt(loss)
+        sched.step()
+        sent.append(opt.strategy.world.bytes_sent())
+    opt.close()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, sent[-1] - sent[0]
+
+
+def wire_reference(nworkers, dtype):
+    """fp32 values on the server; each worker takes its gradient at the values rounded to `dtype` and
+    sends it rounded to `dtype`; the server averages the senders' gradients and steps."""
+    torch.manual_seed(100)
+    server, local = MLP(), MLP()
+    opt = make_sgd(server.parameters())
+    sched = make_sched(opt)
+    xs, ys = batches(nworkers)
+    rounded = lambda t: t.to(dtype).to(torch.float32)  # noqa: E731
+    for step in range(STEPS):
+        with torch.no_grad():
+            for p, q in zip(server.parameters(), local.parameters()):
+                q.copy_(rounded(p))
+        total = [torch.zeros_like(p) for p in server.parameters()]
+        for r in range(nworkers):
+            local.zero_grad()
+            F.cross_entropy(local(xs[step, r * BATCH : (r + 1) * BATCH]), ys[step, r * BATCH : (r + 1) * BATCH]).backward()
+            for t, q in zip(total, local.parameters()):
+                t.add_(rounded(q.grad))
+        for p, t in zip(server.parameters(), total):
+            p.grad = t / nworkers
+        opt.step()
+        sched.step()
+    return {n: rounded(p.detach()) for n, p in server.named_parameters()}
+
+
+@pytest.mark.parametrize("wire", ["fp16", "bf16"])
+def test_half_precision_wire_to_separate_servers(wire):
+    # 2 workers + 1 server: Updates and fetched values travel in half precision, the server keeps fp32
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[wire]
+    runs = {}
+    for w in ("fp32", wire):
+        cluster = ClusterConfig(nworkers_per_group=2, server_worker_separate=True, wire_dtype=w)
+        runs[w] = run_world(train_wire, 3, w, env={"TROUPE_CLUSTER": cluster.to_json()})
+        assert runs[w][2] == "server"
+    expected = wire_reference(2, dtype)
+    # one element of a rounded value may sit one unit in the last place apart (the server's fp32 sums
+    # of the two gradients are added in another order than here)
+    ulp = {"fp16": 2 ** -10, "bf16": 2 ** -7}[wire]
+    for params, sent in runs[wire][:2]:
+        for name, value in expected.items():
+            assert torch.equal(params[name], params[name].to(dtype).float()), f"{name} was not fetched as {wire}"
+            torch.testing.assert_close(params[name], value, atol=1e-6, rtol=ulp, msg=name)
+    for (_, sent_full), (_, sent_half) in zip(runs["fp32"][:2], runs[wire][:2]):
+        # per step: one 20-byte header per slice (unchanged) and the gradient (halved); MLP = 293 values
+        headers = sent_full - 293 * 4 * (STEPS - 1)
+        assert sent_half == headers + 293 * 2 * (STEPS - 1), (sent_full, sent_half)
+
+
+def test_half_precision_wire_needs_separate_servers():
+    with pytest.raises(ValueError, match="needs separate servers"):
+        ClusterConfig(nworkers_per_group=2, nservers_per_group=2, wire_dtype="fp16")

@@ -40,6 +40,7 @@ from troupe.cluster.shard import ParamShard, plan_slices
 from troupe.cluster.shared import SharedMemory
 from troupe.cluster.spec import TrainingSpec
 from troupe.cluster.ps_client import PSClient
+from troupe.compress.fp16 import half_dtype
 from troupe.cluster.worker import CoLocated, trainable
 from troupe.runtime.comm import Communicator
 from troupe.runtime.launch import DistInfo
@@ -269,7 +270,7 @@ def serve(job: Job, spec: TrainingSpec) -> ServerStats:
     shard = _make_shard(job, spec)
     putters = {r.rank for r in job.everyone if r.worker and r.worker[0] == 0}
     server = Server(job.world, shard, job.workers, putters, dict(enumerate(job.processes)),
-                    fail_on_death=job.cluster.synchronous)
+                    fail_on_death=job.cluster.synchronous, wire_dtype=wire_dtype(job.cluster, shard.dtype))
     path = _checkpoint_path(job)
     if path is not None and job.runtime.settings.resume in ("yes", "auto") and os.path.isfile(path):
         shard.load_state_dict(torch.load(path, weights_only=True))
@@ -331,3 +332,8 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def wire_dtype(cluster: ClusterConfig, dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradients and fetched values travel in between workers and separate servers."""
+    return dtype if cluster.wire_dtype == "fp32" else half_dtype(cluster.wire_dtype)

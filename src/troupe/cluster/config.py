@@ -36,6 +36,10 @@ ENV_VAR = "TROUPE_CLUSTER"
 """Environment variable through which `troupe run` hands the cluster (JSON) to every rank."""
 
 
+WIRE_DTYPES = ("fp32", "fp16", "bf16")
+"""What `ClusterConfig.wire_dtype` may say."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
     """SINGA's ClusterProto, plus server-group synchronisation and shared memory."""
@@ -74,6 +78,11 @@ class ClusterConfig:
     the gradients alone between backward and step, then during backward (overlapped with it); always
     in ``step()`` under ``nan_policy="skip"`` (docs/clusters.md)."""
 
+    wire_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """Separate servers: the precision of what crosses the wire after the start, the gradients a
+    worker sends and the values it fetches. "fp16" or "bf16" halve both; the servers keep and update
+    fp32 values (the first values a worker Puts travel in full). Co-located servers refuse it."""
+
     partition_dim: int | dict[str, int] | None = None
     """A partitioned model (`troupe.partition(model)` in the script): every Linear/Conv2d's
     partition_dim (0 batch, 1 output features, -1 one worker), or, in TOML, a table of
@@ -94,6 +103,12 @@ class ClusterConfig:
             elif f.name == "send_updates":
                 if value not in ("auto", "step"):
                     raise ValueError(f"send_updates must be 'auto' or 'step', got {value!r}")
+            elif f.name == "wire_dtype":
+                if value not in WIRE_DTYPES:
+                    raise ValueError(f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {value!r}")
+                if value != "fp32" and not self.server_worker_separate:
+                    raise ValueError(f"wire_dtype {value} needs separate servers (server_worker_separate: true); "
+                                     "co-located servers exchange fp32")
             elif f.type == "int | None":
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                     raise ValueError(f"{f.name} must be an integer >= 0 or unset, got {value!r}")
@@ -400,7 +415,7 @@ def resolve(
     if framework is not None:
         # Flags that do not change the shape (sync_freq, ...) keep the preset rescalable to -n.
         reshaped = set(fields) - {"sync_freq", "fetch_freq", "staleness_bound", "share_memory", "group_merge",
-                                  "send_updates"}
+                                  "send_updates", "wire_dtype"}
         cfg = preset(framework, None if reshaped else nprocs)
     elif path is not None:
         cfg = load(path)

@@ -85,7 +85,7 @@ def _value(key: str, raw: str) -> int | bool | str:
     low = raw.lower()
     if low in ("true", "false"):
         return low == "true"
-    if key in ("group_merge", "send_updates"):
+    if key in ("group_merge", "send_updates", "wire_dtype"):
         return raw.strip("\"'")
     try:
         return int(raw)

@@ -22,6 +22,7 @@ from troupe.cluster.config import ClusterConfig, Role
 from troupe.cluster.layout import Layout
 from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
 from troupe.cluster.shard import plan_slices
+from troupe.compress.fp16 import half_dtype
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator, Handle
 from troupe.sync.bucket import Bucket
@@ -84,6 +85,8 @@ class PSClient:
         self.server_of = {s.id: mine[s.server] for s in self.slices}
         self.version = {s.id: 0 for s in self.mine}
         self.nan_policy = nan_policy
+        self.wire = None if cluster.wire_dtype == "fp32" else half_dtype(cluster.wire_dtype)
+        """Updates, Pushes and the values fetched travel in this dtype (None: the parameters' own)."""
         self._pack = SendBuckets(self._hold_bucket)
         self._send = SendBuckets(self._send_bucket)
         # Nothing is all-reduced among the workers: the reducer only packs (and maybe sends) buckets.
@@ -292,6 +295,8 @@ class PSClient:
         header = Header(op, s.id, self.version[s.id], self.rank, length).encode()
         self._sends.append(self.world.isend(header, server, tag=HEADER_TAG))
         if payload is not None:
+            if self.wire is not None and op is not Op.PUT:  # first values travel in full
+                payload = payload.to(self.wire)
             self._sends.append(self.world.isend(payload.contiguous(), server, tag=PAYLOAD_TAG))
         if op in (Op.GET, Op.UPDATE, Op.PUSH, Op.SKIP):
             self._expected[server] += 1
@@ -311,7 +316,7 @@ class PSClient:
                 if s is None or s.param not in self.local or self.server_of[s.id] != server:
                     raise MessageError(f"reply from server {server} for slice {header.slice_id} it does not hold")
                 if header.op is Op.REPLY:
-                    value = torch.empty(header.length, dtype=self.local[s.param].dtype)
+                    value = torch.empty(header.length, dtype=self.wire or self.local[s.param].dtype)
                     self.world.recv(value, server, tag=PAYLOAD_TAG)
                     self._flat(s).copy_(value)
                 worst = max(worst, header.version - self.version[s.id] - 1)

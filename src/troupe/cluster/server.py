@@ -64,6 +64,7 @@ class Server:
         putters: set[int],
         processes: dict[int, tuple[str, int]] | None = None,
         fail_on_death: bool = False,
+        wire_dtype: torch.dtype | None = None,
     ):
         self.comm = comm
         self.shard = shard
@@ -82,6 +83,8 @@ class Server:
         """Synchronous clusters cannot go on without a worker: end the job with a clear error instead."""
         self.no_values: set[tuple[int, int]] = set()
         """(worker, slice) pairs whose pending update was a Push: the answer is an Ack."""
+        self.wire = wire_dtype or shard.dtype
+        """The dtype of Update and Push payloads and of every Reply (`ClusterConfig.wire_dtype`); Puts are the shard's."""
         self._lock = threading.Lock()  # the loop and the watch thread both change the shard
         self._start = time.perf_counter()
 
@@ -145,8 +148,9 @@ class Server:
     def _apply(self, src: int, header: Header) -> None:
         payload = None
         if header.length:
-            payload = torch.empty(header.length, dtype=torch.float64 if header.op is Op.LR else self.shard.dtype)
+            payload = torch.empty(header.length, dtype=self._payload_dtype(header.op))
             self.comm.recv(payload, src, tag=PAYLOAD_TAG)
+            payload = payload.to(torch.float64 if header.op is Op.LR else self.shard.dtype)
         if header.op is Op.LR:
             self.shard.set_lr(payload.tolist())
         elif header.op is Op.PUT:
@@ -176,7 +180,11 @@ class Server:
         if header.op is Op.LR and 0 < header.length <= self.shard.ngroups:
             self.comm.recv(torch.empty(header.length, dtype=torch.float64), src, tag=PAYLOAD_TAG)
         elif 0 < header.length <= self.max_len:
-            self.comm.recv(torch.empty(header.length, dtype=self.shard.dtype), src, tag=PAYLOAD_TAG)
+            self.comm.recv(torch.empty(header.length, dtype=self._payload_dtype(header.op)), src, tag=PAYLOAD_TAG)
+
+    def _payload_dtype(self, op: Op) -> torch.dtype:
+        """What a message's payload arrives as: learning rates in float64, Puts in full, the rest on the wire's."""
+        return torch.float64 if op is Op.LR else self.shard.dtype if op is Op.PUT else self.wire
 
     def _replies(self, slice_id: int, workers: list[int]) -> None:
         for worker in workers:
@@ -193,7 +201,7 @@ class Server:
                 self.comm.send(Header(Op.ACK, slice_id, version, self.rank, 0).encode(), worker, HEADER_TAG)
                 return
             self.comm.send(Header(Op.REPLY, slice_id, version, self.rank, value.numel()).encode(), worker, HEADER_TAG)
-            self.comm.send(value, worker, PAYLOAD_TAG)
+            self.comm.send(value.to(self.wire), worker, PAYLOAD_TAG)
         except RuntimeError as e:  # Gloo: "Connection closed by peer"
             self._lost(worker, str(e).splitlines()[0])
 
