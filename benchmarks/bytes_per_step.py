@@ -45,6 +45,8 @@ FRAMEWORKS: dict[str, tuple[list[str], int]] = {
     "allreduce": (["--framework", "allreduce"], 2),
     "hogwild": (["--framework", "hogwild"], 2),
     "sandblaster": (["--nworkers-per-group", "2", "--nservers-per-group", "1", "--server-worker-separate"], 3),
+    "sandblaster-fp16": (["--nworkers-per-group", "2", "--nservers-per-group", "1", "--server-worker-separate",
+                          "--wire-dtype", "fp16"], 3),
     "downpour": (["--nworker-groups", "2", "--nservers-per-group", "1", "--server-worker-separate"], 3),
 }
 """Parameter-server frameworks through `troupe run` (plain updates; servers' sends counted too)."""

@@ -186,7 +186,7 @@ def _ticket(args: argparse.Namespace) -> Ticket:
 
 
 def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
-    from troupe.cluster.config import FIELD_FLAGS, PRESETS
+    from troupe.cluster.config import FIELD_FLAGS, PRESETS, WIRE_DTYPES
 
     group = run.add_argument_group("cluster (parameter servers; SINGA's ClusterProto)")
     group.add_argument("--framework", choices=sorted(PRESETS), default=None, help="a preset cluster topology")
@@ -198,13 +198,16 @@ def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
                        help="workers of one process share its parameter memory (in-memory Hogwild)")
     group.add_argument("--group-merge", choices=("mean", "sum"), default=None,
                        help="how asynchronous worker groups' changes combine (default mean; sum is SINGA's)")
+    group.add_argument("--wire-dtype", choices=WIRE_DTYPES, default=None,
+                       help="separate servers: precision of the gradients sent and values fetched (default fp32)")
 
 
 def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     """Resolve the cluster (if any), fix -n from it, print every rank's role; the env var that carries it."""
     from troupe.cluster.config import ENV_VAR, FIELD_FLAGS, resolve, roles
 
-    fields = {name: getattr(args, name) for name in (*FIELD_FLAGS, "server_worker_separate", "share_memory", "group_merge")}
+    fields = {name: getattr(args, name)
+              for name in (*FIELD_FLAGS, "server_worker_separate", "share_memory", "group_merge", "wire_dtype")}
     total = None if args.nproc is None else args.nproc * args.nnodes
     cluster = resolve(args.framework, args.cluster, total, **fields)
     if cluster is None:

@@ -19,8 +19,8 @@ DENSE = 2 * ((431080 + 14) * 4 + 12)
 
 
 def bytes_per_step(tmp_path: Path, net: str, *configs: str) -> tuple[dict[str, dict], str]:
-    options = [c for c in configs if c != "sandblaster"]
-    frameworks = [c for c in configs if c == "sandblaster"]
+    options = [c for c in configs if not c.startswith("sandblaster")]
+    frameworks = [c for c in configs if c.startswith("sandblaster")]
     data, plot = tmp_path / "bytes.json", tmp_path / "bytes.png"
     cmd = [sys.executable, "benchmarks/bytes_per_step.py", "--options", *options, "--frameworks", *frameworks,
            "--steps", "1", "3", "--batch", "8", "--data", "synthetic", "--net", net, "--timeout", "120",
@@ -37,9 +37,12 @@ def bytes_per_step(tmp_path: Path, net: str, *configs: str) -> tuple[dict[str, d
 
 
 def test_counters_on_loopback(tmp_path):
-    rows, out = bytes_per_step(tmp_path, "loopback", "plain", "sparseTopK")
+    rows, out = bytes_per_step(tmp_path, "loopback", "plain", "sparseTopK", "sandblaster-fp16")
     # top-1% as (index, value) pairs, all-gathered: about 2% of dense
     assert 0.015 * DENSE < rows["sparseTopK"]["wire"] < 0.03 * DENSE
+    # fp16 gradients to the server and fp16 values back (troupe run --wire-dtype fp16): what an fp32
+    # all-reduce sends, where fp32 Sandblaster sends twice that (the veth test below)
+    assert rows["sandblaster-fp16"]["wire"] == pytest.approx(DENSE, rel=0.01)
     assert all("veth" not in r for r in rows.values())
     assert f"| plain | 2 | {DENSE:,} | {DENSE:,} | - | - | 1.0000 | - |" in out
 

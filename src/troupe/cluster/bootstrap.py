@@ -264,6 +264,11 @@ def _make_shard(job: Job, spec: TrainingSpec) -> ParamShard:
                       lr_scale, owners=owners, position=position, group_size=cluster.nworkers_per_group)
 
 
+def wire_dtype(cluster: ClusterConfig, dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradients and fetched values travel in between workers and separate servers."""
+    return dtype if cluster.wire_dtype == "fp32" else half_dtype(cluster.wire_dtype)
+
+
 def serve(job: Job, spec: TrainingSpec) -> ServerStats:
     """Run a separate server rank's loop until every worker has finished (resuming from and
     writing its checkpoint under ``TROUPE_CHECKPOINT_DIR``)."""
@@ -332,8 +337,3 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def wire_dtype(cluster: ClusterConfig, dtype: torch.dtype) -> torch.dtype:
-    """The dtype gradients and fetched values travel in between workers and separate servers."""
-    return dtype if cluster.wire_dtype == "fp32" else half_dtype(cluster.wire_dtype)
