@@ -9,8 +9,8 @@ PIP    := $(BIN)/python -m pip -q --disable-pip-version-check
 # mpiexec as root, and more ranks than cores, for the MPI launcher tests
 MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 # Tests run in this many pytest workers (pytest-xdist): much of a multi-process test is waiting
-# (timeouts, process starts), which a second worker fills. Tests marked xdist_group("netns")
-# (simulated hosts) run one at a time. TEST_WORKERS=0 runs them in one process.
+# (timeouts, process starts), which a second worker fills. Simulated hosts (benchmarks/netns.py)
+# exist one set at a time (a file lock), whoever asks. TEST_WORKERS=0 runs them in one process.
 TEST_WORKERS ?= 2
 
 .PHONY: setup train test docs docs-check clean
@@ -31,7 +31,7 @@ train: setup
 	PATH=$(BIN):$$PATH $(BIN)/troupe run -n 2 --threads 1 examples/mnist_cnn.py --epochs 3 $(ARGS)
 
 test: setup
-	PATH=$(BIN):$$PATH $(MPI_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
+	PATH=$(BIN):$$PATH $(MPI_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 # The API reference (pdoc) and the guides (docs/*.md) as one static site, links checked.
 docs: setup

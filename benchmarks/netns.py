@@ -11,12 +11,17 @@ exit (also after an error).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
 
 PREFIX = "troupe-h"
 SWITCH = "troupe-sw"
+LOCK = "/run/troupe-netns.lock"
+"""One set of simulated hosts exists at a time on a machine: `Hosts` holds this file locked (flock)
+from before it makes its namespaces until it has removed them, so parallel tests and benchmarks
+queue instead of deleting each other's namespaces."""
 
 
 def available() -> str | None:
@@ -25,10 +30,11 @@ def available() -> str | None:
         return "needs root"
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return "needs iproute2 (ip, tc)"
-    probe = subprocess.run(["ip", "netns", "add", "troupe-probe"], capture_output=True, text=True)
+    name = f"troupe-probe-{os.getpid()}"  # this process's own: probes may run in parallel
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"ip netns add failed: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "troupe-probe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
 
 
@@ -47,6 +53,8 @@ class Hosts:
         return f"10.78.0.{i + 1}"
 
     def __enter__(self) -> Hosts:
+        self._lock = open(LOCK, "w")
+        fcntl.flock(self._lock, fcntl.LOCK_EX)  # wait for any other set of hosts to be removed
         self.cleanup()
         try:
             _sh("ip", "netns", "add", SWITCH)
@@ -63,7 +71,7 @@ class Hosts:
                 self._shape(ns, f"th{i}")
                 self._shape(SWITCH, f"ts{i}")  # both directions of each host's link
         except BaseException:
-            self.cleanup()
+            self.__exit__()
             raise
         return self
 
@@ -80,7 +88,10 @@ class Hosts:
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", self.delay)
 
     def __exit__(self, *exc) -> None:
-        self.cleanup()
+        try:
+            self.cleanup()
+        finally:
+            self._lock.close()  # releases the flock
 
     def cleanup(self) -> None:
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

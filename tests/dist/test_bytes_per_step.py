@@ -47,7 +47,6 @@ def test_counters_on_loopback(tmp_path):
     assert f"| plain | 2 | {DENSE:,} | {DENSE:,} | - | - | 1.0000 | - |" in out
 
 
-@pytest.mark.xdist_group("netns")  # one set of simulated hosts at a time
 def test_veth_agrees_with_the_counters_on_simulated_hosts(tmp_path):
     from netns import available
 
