@@ -112,6 +112,15 @@ def _add_bench_parser(sub) -> None:
     run.add_argument("--timeout", type=float, default=None, help="seconds before the run's ranks are killed")
     run.add_argument("--args", dest="script_args", nargs=argparse.REMAINDER, default=[],
                      help="everything after --args goes to a script benchmark (benchmarks/NAME.py)")
+    faults = bsub.add_parser("faults", help="network faults injected into jobs on simulated hosts (root)")
+    faults.add_argument("--regimes", nargs="+", default=["plain-2", "plain-4", "topk-4", "downpour-4", "hogwild-4"])
+    faults.add_argument("--faults", nargs="+", default=None, help="default: every fault")
+    faults.add_argument("--steps", type=_positive, default=80, help="training steps per job")
+    faults.add_argument("--pace", type=float, default=0.25, help="seconds of simulated compute per step")
+    faults.add_argument("--seed", type=int, default=0, help="picks the step each fault starts at")
+    faults.add_argument("--doc", default=None, help="rewrite the table between its markers in this file")
+    faults.add_argument("--out", default=None, help="append every cell as a JSON line")
+    faults.add_argument("--workdir", default="/tmp/troupe-faults", help="each job's output and checkpoints")
     table = bsub.add_parser("table", help="markdown tables of a JSON-lines results file")
     table.add_argument("results")
     plot = bsub.add_parser("plot", help="a matplotlib plot of a JSON-lines results file")
@@ -200,6 +209,9 @@ def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
                        help="how asynchronous worker groups' changes combine (default mean; sum is SINGA's)")
     group.add_argument("--wire-dtype", choices=WIRE_DTYPES, default=None,
                        help="separate servers: precision of the gradients sent and values fetched (default fp32)")
+    group.add_argument("--wire-topk", type=float, default=None, metavar="FRACTION",
+                       help="separate servers: send the top FRACTION of each slice's update, with error feedback "
+                            "(default: dense)")
 
 
 def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
@@ -207,7 +219,8 @@ def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     from troupe.cluster.config import ENV_VAR, FIELD_FLAGS, resolve, roles
 
     fields = {name: getattr(args, name)
-              for name in (*FIELD_FLAGS, "server_worker_separate", "share_memory", "group_merge", "wire_dtype")}
+              for name in (*FIELD_FLAGS, "server_worker_separate", "share_memory", "group_merge", "wire_dtype",
+                           "wire_topk")}
     total = None if args.nproc is None else args.nproc * args.nnodes
     cluster = resolve(args.framework, args.cluster, total, **fields)
     if cluster is None:

@@ -275,7 +275,8 @@ def serve(job: Job, spec: TrainingSpec) -> ServerStats:
     shard = _make_shard(job, spec)
     putters = {r.rank for r in job.everyone if r.worker and r.worker[0] == 0}
     server = Server(job.world, shard, job.workers, putters, dict(enumerate(job.processes)),
-                    fail_on_death=job.cluster.synchronous, wire_dtype=wire_dtype(job.cluster, shard.dtype))
+                    fail_on_death=job.cluster.synchronous, wire_dtype=wire_dtype(job.cluster, shard.dtype),
+                    wire_topk=job.cluster.wire_topk)
     path = _checkpoint_path(job)
     if path is not None and job.runtime.settings.resume in ("yes", "auto") and os.path.isfile(path):
         shard.load_state_dict(torch.load(path, weights_only=True))

@@ -83,6 +83,12 @@ class ClusterConfig:
     worker sends and the values it fetches. "fp16" or "bf16" halve both; the servers keep and update
     fp32 values (the first values a worker Puts travel in full). Co-located servers refuse it."""
 
+    wire_topk: float | None = None
+    """Separate servers: the fraction of each slice's update a worker sends, in (0, 1): the
+    ceil(wire_topk * n) largest-magnitude elements of (its update + what it left out before), as
+    (int32 index, value) pairs, values in `wire_dtype`; what it leaves out is kept per slice and
+    added to the next step's update (error feedback). Unset: dense updates. Co-located servers refuse it."""
+
     partition_dim: int | dict[str, int] | None = None
     """A partitioned model (`troupe.partition(model)` in the script): every Linear/Conv2d's
     partition_dim (0 batch, 1 output features, -1 one worker), or, in TOML, a table of
@@ -109,6 +115,8 @@ class ClusterConfig:
                 if value != "fp32" and not self.server_worker_separate:
                     raise ValueError(f"wire_dtype {value} needs separate servers (server_worker_separate: true); "
                                      "co-located servers exchange fp32")
+            elif f.name == "wire_topk":
+                _check_topk(value, self.server_worker_separate)
             elif f.type == "int | None":
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                     raise ValueError(f"{f.name} must be an integer >= 0 or unset, got {value!r}")
@@ -200,6 +208,17 @@ def _check_partition(value: object) -> None:
         return
     raise ValueError(f"partition_dim must be one of {dims} or a table of module-name globs -> one of them, "
                      f"got {value!r}")
+
+
+def _check_topk(value: object, separate: bool) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"wire_topk is the fraction of each slice's update a worker sends and must be in (0, 1) "
+                         f"or unset (dense), got {value!r}")
+    if not separate:
+        raise ValueError(f"wire_topk {value} needs separate servers (server_worker_separate: true); co-located "
+                         "servers and in-memory Hogwild exchange dense updates")
 
 
 def _check_packing(what: str, per_group: int, per_procs: int) -> None:
@@ -415,7 +434,7 @@ def resolve(
     if framework is not None:
         # Flags that do not change the shape (sync_freq, ...) keep the preset rescalable to -n.
         reshaped = set(fields) - {"sync_freq", "fetch_freq", "staleness_bound", "share_memory", "group_merge",
-                                  "send_updates", "wire_dtype"}
+                                  "send_updates", "wire_dtype", "wire_topk"}
         cfg = preset(framework, None if reshaped else nprocs)
     elif path is not None:
         cfg = load(path)

@@ -81,21 +81,26 @@ def _closing(tokens: list[tuple[str, str, int]], start: int) -> int:
     raise ValueError(f"line {tokens[start][2]}: the cluster block is never closed")
 
 
-def _value(key: str, raw: str) -> int | bool | str:
+def _value(key: str, raw: str) -> int | float | bool | str:
     low = raw.lower()
     if low in ("true", "false"):
         return low == "true"
     if key in ("group_merge", "send_updates", "wire_dtype"):
         return raw.strip("\"'")
+    if key == "wire_topk":  # a fraction
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"cluster field {key}: expected a fraction in (0, 1), got {raw!r}") from None
     try:
         return int(raw)
     except ValueError:
         raise ValueError(f"cluster field {key}: expected an integer or true/false, got {raw!r}") from None
 
 
-def _block_fields(tokens: list[tuple[str, str, int]]) -> dict[str, int | bool | str]:
+def _block_fields(tokens: list[tuple[str, str, int]]) -> dict[str, int | float | bool | str]:
     """``key: value`` pairs of a cluster block (any layout: one per line, several per line, ; or ,)."""
-    fields: dict[str, int | bool | str] = {}
+    fields: dict[str, int | float | bool | str] = {}
     ignored: list[str] = []
     k = 0
     while k < len(tokens):
@@ -129,7 +134,7 @@ def has_cluster_block(text: str) -> bool:
     return re.search(r"\bcluster\s*:?\s*[{<]", text) is not None
 
 
-def cluster_fields(text: str) -> dict[str, int | bool | str]:
+def cluster_fields(text: str) -> dict[str, int | float | bool | str]:
     """The fields of the one cluster block in the job file `text` (ValueError, with the line, when
     it is malformed); warns naming the JobProto fields around it, which troupe skips."""
     block, others = _cluster_tokens(_tokens(text))

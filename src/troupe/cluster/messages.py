@@ -47,10 +47,17 @@ class Op(IntEnum):
     SKIP = 11
     """Worker -> server: I take part in this step of the slice without a gradient (mine was not finite,
     nan_policy): the group's update of the slice is skipped. Answered with an Ack."""
+    SPARSE_UPDATE = 12
+    """Worker -> server: an Update as `length` (index, value) pairs, the top-K of the slice's update
+    (`ClusterConfig.wire_topk`; the payload's layout is `troupe.cluster.sparse`'s)."""
+    SPARSE_PUSH = 13
+    """Worker -> server: a Push as (index, value) pairs."""
 
 
-WITH_PAYLOAD = {Op.PUT, Op.UPDATE, Op.PUSH, Op.REPLY, Op.LR, Op.SYNC}
-"""Ops whose header is followed by a payload of `length` elements."""
+WITH_PAYLOAD = {Op.PUT, Op.UPDATE, Op.PUSH, Op.REPLY, Op.LR, Op.SYNC, Op.SPARSE_UPDATE, Op.SPARSE_PUSH}
+"""Ops whose header is followed by a payload of `length` elements (pairs, for the sparse ones)."""
+SPARSE = {Op.SPARSE_UPDATE: Op.UPDATE, Op.SPARSE_PUSH: Op.PUSH}
+"""The sparse ops, and the dense op each stands for once its pairs are scattered into a slice."""
 
 
 class MessageError(ValueError):
@@ -98,7 +105,8 @@ def empty_header() -> Tensor:
 
 
 def check(header: Header, *, src: int, expected_length: int | None, allowed: set[Op]) -> None:
-    """Raise `MessageError` unless `header` is one of `allowed`, really from `src`, with the slice's length."""
+    """Raise `MessageError` unless `header` is one of `allowed`, really from `src`, with the slice's length
+    (for a sparse op `expected_length` is its number of pairs)."""
     if header.op not in allowed:
         raise MessageError(f"unexpected {header.op.name} from rank {src}")
     if header.sender != src:
@@ -107,7 +115,9 @@ def check(header: Header, *, src: int, expected_length: int | None, allowed: set
         if expected_length is None:
             raise MessageError(f"{header.op.name} from rank {src} for unknown slice {header.slice_id}")
         if header.length != expected_length:
+            has = f"its top-K is {expected_length} pairs" if header.op in SPARSE else \
+                f"the slice has {expected_length}"
             raise MessageError(
                 f"{header.op.name} from rank {src} for slice {header.slice_id} carries {header.length} "
-                f"elements, the slice has {expected_length}"
+                f"{'pairs' if header.op in SPARSE else 'elements'}, {has}"
             )

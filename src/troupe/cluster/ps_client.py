@@ -6,7 +6,10 @@ sends and fetches only the slices of the parameters it holds (`troupe.cluster.la
 loop does to the gradients between backward and step (clipping); once a step shows that
 the loop leaves them alone, they leave during backward instead, bucket by bucket,
 overlapped with it (`ClusterConfig.send_updates`). nan_policy: a worker checks its
-gradients before they leave, and Skips every slice of a non-finite step.
+gradients before they leave, and Skips every slice of a non-finite step. With
+`ClusterConfig.wire_topk` each slice's Update carries only the top-K of (its gradient + what
+this worker left out of that slice before), as (index, value) pairs (`troupe.cluster.sparse`);
+the rest is kept as the slice's residual (error feedback), in `state_dict()`.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from troupe.cluster import sparse
 from troupe.cluster.config import ClusterConfig, Role
 from troupe.cluster.layout import Layout
-from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
+from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, SPARSE, Header, MessageError, Op, check, empty_header
 from troupe.cluster.shard import plan_slices
+from troupe.compress.feedback import ErrorFeedback, residual_norm
 from troupe.compress.fp16 import half_dtype
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator, Handle
@@ -30,6 +35,9 @@ from troupe.sync.hooks import SendBuckets
 from troupe.sync.reducer import GradReducer
 
 log = logging.getLogger("troupe.cluster.config")
+
+SPARSE_OF = {dense: op for op, dense in SPARSE.items()}
+"""Update -> SparseUpdate, Push -> SparsePush: what a top-K worker sends instead."""
 
 
 def finite(flats: Sequence[Tensor]) -> bool:
@@ -87,6 +95,11 @@ class PSClient:
         self.nan_policy = nan_policy
         self.wire = None if cluster.wire_dtype == "fp32" else half_dtype(cluster.wire_dtype)
         """Updates, Pushes and the values fetched travel in this dtype (None: the parameters' own)."""
+        self.residuals: dict[str, Tensor] = {}
+        """Top-K (`ClusterConfig.wire_topk`): per slice ("slice<id>"), what this worker has not sent yet."""
+        self.feedback = None if cluster.wire_topk is None else \
+            ErrorFeedback(sparse.WireTopK(cluster.wire_topk, self.wire), self.residuals)
+        """Top-K: each slice's Update is the top-K of (its update + its residual), as (index, value) pairs."""
         self._pack = SendBuckets(self._hold_bucket)
         self._send = SendBuckets(self._send_bucket)
         # Nothing is all-reduced among the workers: the reducer only packs (and maybe sends) buckets.
@@ -170,13 +183,26 @@ class PSClient:
                 "backward): with a loop that changes gradients only in some steps (clipping from step N on), "
                 "set send_updates: step in the cluster"
             )
-        return {"staleness": self.staleness[-1]}
+        stats = {"staleness": self.staleness[-1]}
+        if self.feedback is not None:
+            stats["residual_norm"] = residual_norm(self.residuals)
+        return stats
 
     def state_dict(self) -> dict:
-        return {}
+        """Top-K's residuals (what this worker has not sent yet); the rest of the state is on the servers."""
+        return {"residuals": {k: v.clone() for k, v in self.residuals.items()}} if self.feedback else {}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        residuals = state.get("residuals") or {}
+        if residuals and self.feedback is None:
+            raise ValueError(f"the checkpoint holds top-K residuals of {len(residuals)} slice(s), but this "
+                             "cluster's wire_topk is unset: resume with the wire_topk it was saved with")
+        unknown = sorted(set(residuals) - {f"slice{s.id}" for s in self.mine})
+        if unknown:
+            raise ValueError(f"the checkpoint holds residuals of {unknown[:3]}, which this worker does not send "
+                             "(another model, or another nservers_per_group?)")
+        self.residuals.clear()
+        self.residuals.update({k: v.clone() for k, v in residuals.items()})
 
     def close(self) -> None:
         """Tell every server this worker has finished (called at exit if not before)."""
@@ -292,13 +318,16 @@ class PSClient:
 
     def _post(self, op: Op, s, server: int, payload: Tensor | None = None) -> None:
         length = 0 if payload is None else payload.numel()
+        if payload is not None and self.feedback is not None and op in (Op.UPDATE, Op.PUSH):
+            (index, values), _ = self.feedback.compress(payload, f"slice{s.id}")
+            op, length, payload = SPARSE_OF[op], index.numel(), sparse.encode(index, values)
+        elif payload is not None and self.wire is not None and op is not Op.PUT:  # first values travel in full
+            payload = payload.to(self.wire)
         header = Header(op, s.id, self.version[s.id], self.rank, length).encode()
         self._sends.append(self.world.isend(header, server, tag=HEADER_TAG))
         if payload is not None:
-            if self.wire is not None and op is not Op.PUT:  # first values travel in full
-                payload = payload.to(self.wire)
             self._sends.append(self.world.isend(payload.contiguous(), server, tag=PAYLOAD_TAG))
-        if op in (Op.GET, Op.UPDATE, Op.PUSH, Op.SKIP):
+        if op in (Op.GET, Op.UPDATE, Op.PUSH, Op.SKIP, *SPARSE):
             self._expected[server] += 1
 
     @torch.no_grad()

@@ -14,13 +14,15 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from troupe.runtime.comm import Communicator
-from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
+from troupe.cluster import sparse
+from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, SPARSE, Header, MessageError, Op, check, empty_header
 from troupe.cluster.shard import ParamShard
+from troupe.compress.topk import topk_count
 
 log = logging.getLogger("troupe.cluster.config")
 
@@ -65,6 +67,7 @@ class Server:
         processes: dict[int, tuple[str, int]] | None = None,
         fail_on_death: bool = False,
         wire_dtype: torch.dtype | None = None,
+        wire_topk: float | None = None,
     ):
         self.comm = comm
         self.shard = shard
@@ -85,6 +88,8 @@ class Server:
         """(worker, slice) pairs whose pending update was a Push: the answer is an Ack."""
         self.wire = wire_dtype or shard.dtype
         """The dtype of Update and Push payloads and of every Reply (`ClusterConfig.wire_dtype`); Puts are the shard's."""
+        self.topk = wire_topk
+        """Updates and Pushes come as the top-K of each slice, (index, value) pairs (`ClusterConfig.wire_topk`)."""
         self._lock = threading.Lock()  # the loop and the watch thread both change the shard
         self._start = time.perf_counter()
 
@@ -132,24 +137,35 @@ class Server:
         slice_ = self.shard.slices.get(header.slice_id)
         if src not in self.live:
             raise MessageError(f"{header.op.name} from rank {src}, which is not a live worker of this server")
+        op = SPARSE.get(header.op, header.op)  # what the message does, once its pairs are scattered
+        if op in (Op.UPDATE, Op.PUSH) and (header.op in SPARSE) != (self.topk is not None):
+            raise MessageError(f"{header.op.name} from rank {src}: this cluster's updates are " +
+                               (f"top-K pairs (wire_topk {self.topk})" if self.topk else "dense (wire_topk unset)"))
         expected = self.shard.ngroups if header.op is Op.LR else slice_ and slice_.numel
-        allowed = {Op.GET, Op.PUT, Op.UPDATE, Op.PUSH, Op.SKIP, Op.STOP, Op.LR}
+        if header.op in SPARSE and slice_ is not None:
+            expected = topk_count(self.topk, slice_.numel)
+        allowed = {Op.GET, Op.PUT, Op.UPDATE, Op.PUSH, Op.SKIP, Op.STOP, Op.LR, *SPARSE}
         check(header, src=src, expected_length=expected, allowed=allowed)
-        if header.op in (Op.GET, Op.PUT, Op.UPDATE, Op.PUSH, Op.SKIP) and slice_ is None:
+        if op in (Op.GET, Op.PUT, Op.UPDATE, Op.PUSH, Op.SKIP) and slice_ is None:
             raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id}, not held here")
         if header.op is Op.PUT and src not in self.putters:
             raise MessageError(f"PUT from rank {src}: only the first worker group puts initial values")
-        if header.op in (Op.PUT, Op.UPDATE, Op.PUSH, Op.SKIP) and not self.shard.holds(src, header.slice_id):
+        if op in (Op.PUT, Op.UPDATE, Op.PUSH, Op.SKIP) and not self.shard.holds(src, header.slice_id):
             raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id}, which another "
                                "worker of its group holds (a partitioned model)")
-        if header.op in (Op.UPDATE, Op.PUSH, Op.SKIP) and header.slice_id not in self.shard.initialised:
+        if op in (Op.UPDATE, Op.PUSH, Op.SKIP) and header.slice_id not in self.shard.initialised:
             raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id} before any PUT")
 
     def _apply(self, src: int, header: Header) -> None:
         payload = None
         if header.length:
-            payload = torch.empty(header.length, dtype=self._payload_dtype(header.op))
+            payload = torch.empty(self._payload_size(header), dtype=self._payload_dtype(header.op))
             self.comm.recv(payload, src, tag=PAYLOAD_TAG)
+            if header.op in SPARSE:  # checked before anything is applied; a bad one is rejected, consumed
+                numel = self.shard.slices[header.slice_id].numel
+                index, values = sparse.decode(payload, header.length, self.wire, numel)
+                payload = sparse.densify(index, values, numel, self.shard.dtype)
+                header = replace(header, op=SPARSE[header.op], length=numel)
             payload = payload.to(torch.float64 if header.op is Op.LR else self.shard.dtype)
         if header.op is Op.LR:
             self.shard.set_lr(payload.tolist())
@@ -180,11 +196,19 @@ class Server:
         if header.op is Op.LR and 0 < header.length <= self.shard.ngroups:
             self.comm.recv(torch.empty(header.length, dtype=torch.float64), src, tag=PAYLOAD_TAG)
         elif 0 < header.length <= self.max_len:
-            self.comm.recv(torch.empty(header.length, dtype=self._payload_dtype(header.op)), src, tag=PAYLOAD_TAG)
+            self.comm.recv(torch.empty(self._payload_size(header), dtype=self._payload_dtype(header.op)), src,
+                           tag=PAYLOAD_TAG)
 
     def _payload_dtype(self, op: Op) -> torch.dtype:
-        """What a message's payload arrives as: learning rates in float64, Puts in full, the rest on the wire's."""
+        """What a message's payload arrives as: learning rates in float64, Puts in full, sparse ones as bytes,
+        the rest on the wire's."""
+        if op in SPARSE:
+            return torch.uint8
         return torch.float64 if op is Op.LR else self.shard.dtype if op is Op.PUT else self.wire
+
+    def _payload_size(self, header: Header) -> int:
+        """Elements of the payload `header` announces (bytes, for `length` sparse pairs)."""
+        return sparse.payload_bytes(header.length, self.wire) if header.op in SPARSE else header.length
 
     def _replies(self, slice_id: int, workers: list[int]) -> None:
         for worker in workers:
