@@ -17,7 +17,8 @@ initial broadcast and shutdown are in both runs and cancel; what remains is step
 (every process's sends added up) per step of each worker; with --reps R the median of R
 such pairs. TCP retransmissions (counted in each namespace) add veth bytes that no counter
 sees, so the table gives them too. `--out FILE` appends every pair of runs as troupe bench
-records (JSON lines; `troupe bench table FILE`).
+records (JSON lines; `troupe bench table FILE`). The last column is what the workers alone sent: under
+a parameter server, worker -> server (the rest is the servers' replies).
 """
 
 from __future__ import annotations
@@ -47,9 +48,15 @@ FRAMEWORKS: dict[str, tuple[list[str], int]] = {
     "sandblaster": (["--nworkers-per-group", "2", "--nservers-per-group", "1", "--server-worker-separate"], 3),
     "sandblaster-fp16": (["--nworkers-per-group", "2", "--nservers-per-group", "1", "--server-worker-separate",
                           "--wire-dtype", "fp16"], 3),
+    # the top 1% of each slice's update, with error feedback (the values fetched stay dense)
+    "sandblaster-topk": (["--nworkers-per-group", "2", "--nservers-per-group", "1", "--server-worker-separate",
+                          "--wire-topk", "0.01"], 3),
+    "sandblaster-topk-fp16": (["--nworkers-per-group", "2", "--nservers-per-group", "1", "--server-worker-separate",
+                               "--wire-topk", "0.01", "--wire-dtype", "fp16"], 3),
     "downpour": (["--nworker-groups", "2", "--nservers-per-group", "1", "--server-worker-separate"], 3),
 }
-"""Parameter-server frameworks through `troupe run` (plain updates; servers' sends counted too)."""
+"""Parameter-server frameworks through `troupe run` (dist_option plain; what the cluster does to the updates is
+in its flags; servers' sends counted too)."""
 
 MARK = "BYTES "
 SERVER_TRAFFIC = re.compile(r"^troupe server rank (\d+): traffic (\{.*\})$")
@@ -141,7 +148,8 @@ def _totals(reports: list[dict], nprocs: int, failed: bool, stderr: str) -> dict
     if failed:  # the counters are complete: the failure came at exit, after the measured steps
         why = [line for line in stderr.splitlines() if "troupe run: rank" in line or "terminate" in line]
         print(f"warning: a process failed after reporting its counters: {why}", file=sys.stderr, flush=True)
-    return {"payload": sum(r["payload"] for r in reports), "wire": sum(r["wire"] for r in reports)}
+    return {"payload": sum(r["payload"] for r in reports), "wire": sum(r["wire"] for r in reports),
+            "workers_wire": sum(r["wire"] for r in reports if r["role"] == "worker")}
 
 
 def run_loopback(flags: list[str], nprocs: int, script: list[str], timeout: float) -> dict[str, float]:
@@ -219,11 +227,12 @@ def measure(name: str, flags: list[str], nprocs: int, option: str, args: argpars
 def table(rows: list[dict], dense: float) -> str:
     veth = all("veth" in r for r in rows)
     lines = ["| configuration | processes | payload B/step | wire B/step (counters) | veth B/step | veth / wire "
-             "| wire vs dense | TCP retransmits |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| wire vs dense | TCP retransmits | workers' wire B/step |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         v, ratio = (f"{r['veth']:,.0f}", f"{r['veth'] / r['wire']:.3f}" if r["wire"] else "-") if veth else ("-", "-")
         lines.append(f"| {r['name']} | {r['processes']} | {r['payload']:,.0f} | {r['wire']:,.0f} | {v} | {ratio} "
-                     f"| {r['wire'] / dense:.4f} | {r.get('retransmits', '-')} |")
+                     f"| {r['wire'] / dense:.4f} | {r.get('retransmits', '-')} | {r['workers_wire']:,.0f} |")
     return "\n".join(lines)
 
 
@@ -250,7 +259,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     options = sum(r["name"] in OPTIONS for r in rows)
     if options < len(rows):
         ax.axvline(options - 0.5, color="black", linewidth=0.6)
-        ax.text(options - 0.45, 0.98, "parameter-server frameworks\n(plain updates)", va="top", fontsize=8,
+        ax.text(options - 0.45, 0.98, "parameter-server frameworks\n(dist_option plain)", va="top", fontsize=8,
                 transform=ax.get_xaxis_transform())
     ax.set_yscale("log")
     top = max(max(r[k] for k, _ in kinds) for r in rows)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from troupe.compress.topk import topk_count
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -36,13 +38,27 @@ def bytes_per_step(tmp_path: Path, net: str, *configs: str) -> tuple[dict[str, d
     return rows, proc.stdout
 
 
+def cnn_numels() -> list[int]:
+    sys.path.insert(0, str(ROOT / "examples"))
+    from mnist_cnn import CNN
+
+    return [p.numel() for p in CNN().parameters()]
+
+
 def test_counters_on_loopback(tmp_path):
-    rows, out = bytes_per_step(tmp_path, "loopback", "plain", "sparseTopK", "sandblaster-fp16")
+    rows, out = bytes_per_step(tmp_path, "loopback", "plain", "sparseTopK", "sandblaster-fp16", "sandblaster-topk")
     # top-1% as (index, value) pairs, all-gathered: about 2% of dense
     assert 0.015 * DENSE < rows["sparseTopK"]["wire"] < 0.03 * DENSE
     # fp16 gradients to the server and fp16 values back (troupe run --wire-dtype fp16): what an fp32
     # all-reduce sends, where fp32 Sandblaster sends twice that (the veth test below)
     assert rows["sandblaster-fp16"]["wire"] == pytest.approx(DENSE, rel=0.01)
+    # top 1% of each slice (one server: a slice per parameter) to the server (troupe run --wire-topk 0.01), per
+    # worker and step: a 48-byte header and k (int32 index, fp32 value) pairs per slice, where dense updates
+    # send what an all-reduce sends (DENSE); the server's replies stay dense, fp32 values to 2 workers (DENSE)
+    updates = 2 * sum(48 + 8 * topk_count(0.01, n) for n in cnn_numels())
+    topk = rows["sandblaster-topk"]
+    assert topk["workers_wire"] == updates < 0.021 * DENSE, topk
+    assert topk["wire"] - updates == pytest.approx(DENSE, rel=0.01), topk
     assert all("veth" not in r for r in rows.values())
     assert f"| plain | 2 | {DENSE:,} | {DENSE:,} | - | - | 1.0000 | - |" in out
 
