@@ -14,10 +14,12 @@ from troupe.cluster.config import ClusterConfig
 from troupe.cluster.shard import plan_slices
 
 
-def train_recording_what_was_sent(rank, world_size):
+def train_recording_what_was_sent(rank, world_size, directory):
     """test_cluster's loop; each worker records, per step and slice, the dense update the server will apply
-    (its top-K pairs scattered) and checks error feedback's invariant as it goes."""
+    (its top-K pairs scattered) and checks error feedback's invariant as it goes. At the end the workers
+    checkpoint (troupe.checkpoint) and load it back: their residuals come back."""
     import troupe
+    from troupe.reliability import checkpoint
 
     torch.manual_seed(100 + rank)  # worker 0's initial values win
     model = MLP()
@@ -49,10 +51,12 @@ def train_recording_what_was_sent(rank, world_size):
         sent.append({})
         opt(F.cross_entropy(model(xs[step, r * BATCH : (r + 1) * BATCH]), ys[step, r * BATCH : (r + 1) * BATCH]))
         sched.step()
-    state = opt.state_dict()["strategies"]["residuals"]
-    assert state.keys() == residuals.keys() and all(torch.equal(state[k], residuals[k]) for k in state)
-    opt.load_state_dict(opt.state_dict())  # a checkpoint's round trip keeps them
-    assert all(torch.equal(state[k], residuals[k]) for k in state)
+    kept = {k: v.clone() for k, v in residuals.items()}
+    assert opt.state_dict()["strategies"]["residuals"].keys() == kept.keys() != set()
+    path = checkpoint.save(directory, STEPS, model, opt)
+    residuals.clear()
+    checkpoint.load(path, model, opt)
+    assert residuals.keys() == kept.keys() and all(torch.equal(residuals[k], kept[k]) for k in kept)
     opt.close()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, sent, worst
 
@@ -82,7 +86,7 @@ def test_servers_hold_the_reference_sum_of_what_was_sent(tmp_path, wire):
     cluster = ClusterConfig(nworkers_per_group=2, nservers_per_group=2, server_worker_separate=True, wire_topk=0.1,
                             wire_dtype=wire)
     env = {"TROUPE_CLUSTER": cluster.to_json(), "TROUPE_CHECKPOINT_DIR": str(tmp_path)}
-    results = run_world(train_recording_what_was_sent, 4, env=env, timeout=60)
+    results = run_world(train_recording_what_was_sent, 4, str(tmp_path / "workers"), env=env, timeout=60)
     assert results[2:] == ["server", "server"]
     (params0, sent0, worst0), (params1, sent1, worst1) = results[:2]
     assert worst0 == worst1 == 0.0  # sent + residual == update + old residual, exactly
