@@ -80,11 +80,12 @@ def reference_from_what_was_sent(sent_by_worker, nservers):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, slices
 
 
-@pytest.mark.parametrize("wire", ["fp32", "fp16"])
-def test_servers_hold_the_reference_sum_of_what_was_sent(tmp_path, wire):
-    # 2 workers + 2 servers (so a slice boundary falls inside a parameter), top 10% of each slice
+@pytest.mark.parametrize("wire,fetch_freq", [("fp32", 1), ("fp16", 2)], ids=["fp32", "fp16-fetch2"])
+def test_servers_hold_the_reference_sum_of_what_was_sent(tmp_path, wire, fetch_freq):
+    # 2 workers + 2 servers (so a slice boundary falls inside a parameter), top 10% of each slice; with
+    # fetch_freq 2 every other step is a SparsePush (gradients taken at older values: what was sent is sent)
     cluster = ClusterConfig(nworkers_per_group=2, nservers_per_group=2, server_worker_separate=True, wire_topk=0.1,
-                            wire_dtype=wire)
+                            wire_dtype=wire, fetch_freq=fetch_freq)
     env = {"TROUPE_CLUSTER": cluster.to_json(), "TROUPE_CHECKPOINT_DIR": str(tmp_path)}
     results = run_world(train_recording_what_was_sent, 4, str(tmp_path / "workers"), env=env, timeout=60)
     assert results[2:] == ["server", "server"]
@@ -103,7 +104,7 @@ def test_servers_hold_the_reference_sum_of_what_was_sent(tmp_path, wire):
                 name = list(expected)[s.param]
                 value = expected[name].reshape(-1)[s.start : s.stop]
                 torch.testing.assert_close(held[s.id], value, atol=1e-6, rtol=0, msg=f"slice {s.id} ({name})")
-    # and the workers fetched them back (rounded to the wire's half precision with fp16)
+    # and the workers fetched them back at the last step (rounded to the wire's half precision with fp16)
     for params in (params0, params1):
         for name, value in expected.items():
             want = value if wire == "fp32" else value.half().float()

@@ -161,14 +161,17 @@ def test_server_applies_pairs_as_the_dense_update_and_rejects_malformed_ones():
         header(Op.SPARSE_UPDATE, k + 1), payload(sparse.encode(torch.arange(4), torch.ones(4))),  # not the top-K's k
         header(Op.UPDATE, 10), payload(torch.ones(10)),  # dense, where the cluster sends top-K
         *good,
+        header(Op.SPARSE_PUSH, k, version=1), payload(sparse.encode(torch.tensor([0, 9, 2]), torch.ones(3))),
     ]
     shard, stats, sent = serve(script, 0.3)
-    assert stats.rejected == 4 and stats.updates == 1
+    assert stats.rejected == 4 and stats.updates == 2
     expected = torch.arange(10.0)
     expected[[1, 7, 4]] -= torch.tensor([1.0, -2.0, 0.5])  # SGD at lr 1 with the scattered update
-    assert torch.equal(shard.values[0], expected) and shard.version[0] == 1
-    (_, tag, reply), (_, _, value) = sent  # the worker gets the fresh slice back, as for a dense Update
+    (_, _, reply), (_, _, value), (_, _, ack) = sent  # the worker gets the fresh slice back, as for an Update
     assert Header.decode(reply).op is Op.REPLY and torch.equal(value, expected)
+    assert Header.decode(ack) == Header(Op.ACK, 0, 2, 9, 0)  # a Push is acknowledged without values
+    expected[[0, 9, 2]] -= 1
+    assert torch.equal(shard.values[0], expected) and shard.version[0] == 2
 
 
 def test_a_dense_server_rejects_pairs_and_keeps_its_footing():
