@@ -105,7 +105,7 @@ def test_sparse_headers_are_checked_against_the_top_k():
     with pytest.raises(MessageError, match="SPARSE_PUSH message with payload length 0"):
         Header.decode(Header(Op.SPARSE_PUSH, 2, 5, 1, 0).encode())
     check(h, src=1, expected_length=4, allowed={Op.SPARSE_UPDATE})
-    with pytest.raises(MessageError, match="carries 4 pairs, its top-K is 3 pairs"):
+    with pytest.raises(MessageError, match="carries 4 pairs, its top-K is 3$"):
         check(h, src=1, expected_length=3, allowed={Op.SPARSE_UPDATE})
 
 

@@ -115,9 +115,8 @@ def check(header: Header, *, src: int, expected_length: int | None, allowed: set
         if expected_length is None:
             raise MessageError(f"{header.op.name} from rank {src} for unknown slice {header.slice_id}")
         if header.length != expected_length:
-            has = f"its top-K is {expected_length} pairs" if header.op in SPARSE else \
-                f"the slice has {expected_length}"
+            unit, has = ("pairs", "its top-K is") if header.op in SPARSE else ("elements", "the slice has")
             raise MessageError(
                 f"{header.op.name} from rank {src} for slice {header.slice_id} carries {header.length} "
-                f"{'pairs' if header.op in SPARSE else 'elements'}, {has}"
+                f"{unit}, {has} {expected_length}"
             )
