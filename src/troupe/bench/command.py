@@ -5,6 +5,7 @@
     troupe bench run ps --out ps.jsonl --args --steps 800      # a script benchmark: its arguments after --args
     troupe bench table results.jsonl
     troupe bench plot results.jsonl out.png
+    troupe bench faults --doc docs/reliability.md          # network faults on simulated hosts
 """
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ def main(args: argparse.Namespace) -> int:
             return 0
         if args.bench_command == "run":
             return run(args.name, options_from(args), args.out, args.script_args)
+        if args.bench_command == "faults":
+            from troupe.bench import faults
+
+            return faults.main(args.regimes, args.faults or list(faults.FAULTS), args.steps, args.pace,
+                               args.seed, args.doc, args.out, args.workdir)
         if args.bench_command == "table":
             print(table(args.results, args.benchmark, args.run))
             return 0

@@ -58,13 +58,43 @@ class DistInfo:
         return self.global_rank
 
 
+SIDE_STORE_TIMEOUT = 3.0
+"""Seconds one watchdog store operation (or reconnect) may take: short, so a heartbeat lost to a
+network fault is retried on a fresh connection well within TROUPE_PEER_TIMEOUT."""
+
+
+@dataclass
+class SideStore:
+    """The watchdog's own connection to the job's store (never blocked by the main thread), and
+    how to make a new one after a network fault broke it."""
+
+    addr: str
+    port: int
+    prefix: str
+    store: dist.Store = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.store = self.connect()
+
+    def connect(self) -> dist.Store:
+        # Knock first: a TCPStore that cannot connect logs a C++ stack trace per try.
+        socket.create_connection((self.addr, self.port), timeout=SIDE_STORE_TIMEOUT).close()
+        client = dist.TCPStore(self.addr, self.port, is_master=False,
+                               timeout=datetime.timedelta(seconds=SIDE_STORE_TIMEOUT))
+        return dist.PrefixStore(self.prefix, client)
+
+    @property
+    def where(self) -> str:
+        return f"the job's rendezvous at {self.addr}:{self.port} (rank 0's host)"
+
+
 @dataclass
 class Joined:
     """What `join()` made: this rank's facts and what must stay alive while it is in the job."""
 
     info: DistInfo
-    side_store: dist.Store | None
-    """A second connection to the job's store, for the watchdog (None: no store to beat through)."""
+    side_store: SideStore | None
+    """The watchdog's own connection to the job's store (None: no store to beat through)."""
     keep: list = field(default_factory=list)
     """Rank 0's TCP store: the job's rendezvous lives as long as it does."""
 
@@ -284,10 +314,8 @@ def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float, keep:
     return store
 
 
-def _side_store(addr: str, port: int, prefix: str) -> dist.Store:
-    """A second connection to the job's store, for the watchdog thread (never blocked by the main thread)."""
-    client = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=10))
-    return dist.PrefixStore(prefix, client)
+def _side_store(addr: str, port: int, prefix: str) -> SideStore:
+    return SideStore(addr, port, prefix)
 
 
 def _slurm(env: Settings) -> _Launch:

@@ -22,12 +22,41 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
+from typing import TypeVar
 
 from troupe.runtime.settings import Settings
 import torch.distributed as dist
 
 log = logging.getLogger("troupe")
+
+
+T = TypeVar("T")
+STORE_OP_SECONDS = 3.0
+"""Seconds one watchdog store operation (or a reconnect) may take before it counts as unanswered."""
+
+
+def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
+    """`call()`'s result, or TimeoutError(`what`) when it has not returned within `seconds` (it is
+    left running in its daemon thread: blocking socket calls cannot be interrupted)."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append((True, call()))
+        except BaseException as e:  # handed to the caller
+            box.append((False, e))
+
+    thread = threading.Thread(target=run, name="troupe-store-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not box:
+        raise TimeoutError(f"{what} within {seconds:g}s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 class PeerFailure(RuntimeError):
@@ -37,13 +66,21 @@ class PeerFailure(RuntimeError):
 class Watchdog:
     """Heartbeat thread plus the bookkeeping the main thread updates (step, current wait)."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, env: Settings):
+    def __init__(self, store: dist.Store, rank: int, world_size: int, env: Settings,
+                 reconnect: Callable[[], dist.Store] | None = None, where: str = "the job's rendezvous"):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.interval, self.stall_seconds, self.peer_timeout = env.heartbeat, env.stall_seconds, env.peer_timeout
+        self.reconnect, self.where = reconnect, where
         self.step = 0
         self.waiting_on: str | None = None
         self.waiting_since = 0.0
         self._last_stall_report = 0.0
+        self._seen: dict[int, tuple[str, float]] = {}
+        """Each peer's last heartbeat text and when (this host's monotonic clock) it last changed:
+        staleness is judged by this host's clock alone, so clock skew between hosts does not matter."""
+        self._cut_off: tuple[float, int] | None = None
+        """(since when, at which step) this rank has not reached the store."""
+        self._store_exited = False
         self._stop = threading.Event()
         self._beat()
         self._thread = threading.Thread(target=self._run, name="troupe-watchdog", daemon=True)
@@ -51,6 +88,13 @@ class Watchdog:
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
         atexit.register(self.stop)
+
+    def alive(self, rank: int) -> bool:
+        """False once `rank`'s heartbeat has been silent for TROUPE_PEER_TIMEOUT or it said it exited."""
+        seen = self._seen.get(rank)
+        if seen is None:
+            return True
+        return not seen[0].startswith("exit") and time.monotonic() - seen[1] <= self.peer_timeout
 
     # --- main thread ---------------------------------------------------------------------
 
@@ -81,43 +125,80 @@ class Watchdog:
         self._thread.join(timeout=2 * self.interval)
         sys.excepthook = self._previous_hook
         try:
-            self.store.set(f"hb/{self.rank}", f"exit {self.step}")
+            self._ask(lambda store: store.set(f"hb/{self.rank}", f"exit {self.step}"))
         except Exception:
             pass  # rank 0 (the store) already left
 
     # --- heartbeat thread ------------------------------------------------------------------
 
+    def _ask(self, op: Callable[[dist.Store], T]) -> T:
+        """`op` on the store within STORE_OP_SECONDS, else TimeoutError. TCPStore's own timeout does
+        not cover a connection whose peer went silent (a partition, a pulled cable): its calls then
+        block for good, so each runs in a thread that is abandoned if it does not answer in time."""
+        return bounded(lambda: op(self.store), STORE_OP_SECONDS, f"{self.where} did not answer")
+
     def _beat(self) -> None:
-        self.store.set(f"hb/{self.rank}", f"{time.time():.3f} {self.step} {self.waiting_on or '-'}")
+        self._ask(lambda store: store.set(f"hb/{self.rank}", f"{time.time():.3f} {self.step} {self.waiting_on or '-'}"))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
                 self._beat()
                 self._inspect()
-            except Exception:
-                # The store (rank 0) is gone: at the end of a job that is normal, and mid-job the
-                # next collective fails and explain() says so. Either way, stop beating.
-                return
+                self._cut_off = None
+            except Exception as e:
+                if self._lost_store(e):
+                    return
+
+    def _lost_store(self, error: Exception) -> bool:
+        """The store did not answer. True: stop beating (it ended with the job). Else reconnect and
+        go on; a rank blocked in a collective while cut off for TROUPE_PEER_TIMEOUT stops, naming
+        the store's host (a network partition or a dead host), since it can never finish."""
+        if self._stop.is_set() or self._store_exited:
+            return True  # rank 0 left normally, or this rank is leaving: nothing to watch
+        if self.reconnect is None:
+            return True  # nothing to reconnect to (an external store): the next collective reports
+        now = time.monotonic()
+        if self._cut_off is None:
+            self._cut_off = (now, self.step)
+            log.warning("troupe: rank %d cannot reach %s at step %d (%s); retrying", self.rank, self.where,
+                        self.step, str(error).splitlines()[0][:120] if str(error) else type(error).__name__)
+        since, step = self._cut_off
+        if now - since > self.peer_timeout and self.waiting_on is not None:
+            self._die(f"{self.where} has been unreachable for {now - since:.0f}s, since step {step} "
+                      f"(TROUPE_PEER_TIMEOUT={self.peer_timeout:g}s): that host is down or cut off from "
+                      "this one (a network partition)")
+        try:
+            self.store = bounded(self.reconnect, STORE_OP_SECONDS, "reconnect")
+        except Exception:
+            pass  # still unreachable: try again next beat
+        return False
 
     def _peers(self) -> tuple[dict[int, tuple[float, int, str]], dict[int, int]]:
-        """Other ranks' last heartbeats {rank: (age s, step, waiting on)}, and {rank: step} of those that exited."""
+        """Other ranks' last heartbeats {rank: (age s, step, waiting on)}, and {rank: step} of those that
+        exited. The age is how long this rank has seen the same heartbeat (its own clock)."""
         keys = [f"hb/{r}" for r in range(self.world_size) if r != self.rank]
-        now, beating, exited = time.time(), {}, {}
-        for key, raw in zip(keys, self.store.multi_get(keys)):
-            rank, fields = int(key.split("/")[1]), raw.decode().split(" ", 2)
+        now, beating, exited = time.monotonic(), {}, {}
+        for key, raw in zip(keys, self._ask(lambda store: store.multi_get(keys))):
+            rank, text = int(key.split("/")[1]), raw.decode()
+            before = self._seen.get(rank)
+            if before is None or before[0] != text:
+                self._seen[rank] = (text, now)
+            fields = text.split(" ", 2)
             if fields[0] == "exit":
                 exited[rank] = int(fields[1])
             else:
-                beating[rank] = (now - float(fields[0]), int(fields[1]), fields[2])
+                beating[rank] = (now - self._seen[rank][1], int(fields[1]), fields[2])
+        self._store_exited = 0 in exited
         return beating, exited
 
     def _inspect(self) -> None:
         peers, _ = self._peers()
-        silent = {r: age for r, (age, _, _) in peers.items() if age > self.peer_timeout}
+        silent = {r: (age, step) for r, (age, step, _) in peers.items() if age > self.peer_timeout}
         if silent:
-            self._die(f"rank(s) {sorted(silent)} sent no heartbeat for {max(silent.values()):.0f}s "
-                      f"(TROUPE_PEER_TIMEOUT={self.peer_timeout:g}s): hung or unreachable")
+            since = ", ".join(f"rank {r} last heard at step {step}" for r, (_, step) in sorted(silent.items()))
+            self._die(f"rank(s) {sorted(silent)} sent no heartbeat for {max(a for a, _ in silent.values()):.0f}s "
+                      f"(TROUPE_PEER_TIMEOUT={self.peer_timeout:g}s; {since}): hung, or its host or link is down")
         if self.waiting_on is None:
             return
         waited = time.monotonic() - self.waiting_since
@@ -131,10 +212,13 @@ class Watchdog:
     def _culprits(self) -> str:
         """Who failed: ranks that recorded an exception, else ranks whose heartbeat stopped."""
         try:
-            failed = [r for r in range(self.world_size) if r != self.rank and self.store.check([f"failed/{r}"])]
+            failed = [r for r in range(self.world_size)
+                      if r != self.rank and self._ask(lambda store: store.check([f"failed/{r}"]))]
             if failed:
-                return "; ".join(f"rank {r} raised {self.store.get(f'failed/{r}').decode()}" for r in failed)
-            time.sleep(1.5 * self.interval)  # a killed rank's heartbeat goes stale, the living keep beating
+                return "; ".join(f"rank {r} raised {self._ask(lambda store: store.get(f'failed/{r}')).decode()}"
+                                 for r in failed)
+            self._peers()  # the heartbeats now; a killed rank's stays the same, the living keep beating
+            time.sleep(1.5 * self.interval)
             beating, exited = self._peers()
             stale = sorted(r for r, (age, _, _) in beating.items() if age > 1.2 * self.interval)
             parts = [f"rank(s) {stale} died (heartbeat stopped)"] if stale else []
@@ -147,7 +231,7 @@ class Watchdog:
                     parts.append(f"rank(s) {behind} never arrived (alive, but not in a collective at this step)")
             return " ".join(parts) or "a peer closed its connection"
         except Exception:
-            return "rank 0, which hosts the job's rendezvous, is unreachable (it probably died)"
+            return f"{self.where} is unreachable (rank 0 died, or its host is down or cut off from this one)"
 
     def _die(self, why: str) -> None:
         print(f"troupe: rank {self.rank} stopping at step {self.step}: {why}", file=sys.stderr, flush=True)
@@ -157,16 +241,17 @@ class Watchdog:
         if not isinstance(value, (PeerFailure, KeyboardInterrupt)):
             try:
                 line = traceback.format_exception_only(kind, value)[-1].strip()
-                self.store.set(f"failed/{self.rank}", f"{line[:300]} at step {self.step}")
+                self._ask(lambda store: store.set(f"failed/{self.rank}", f"{line[:300]} at step {self.step}"))
             except Exception:
                 pass  # best effort: the store may be gone
         self._previous_hook(kind, value, tb)
 
 
-def start(store: dist.Store, rank: int, world_size: int, env: Settings) -> Watchdog | None:
+def start(store: dist.Store, rank: int, world_size: int, env: Settings,
+          reconnect: Callable[[], dist.Store] | None = None, where: str = "the job's rendezvous") -> Watchdog | None:
     """This process's watchdog (None for a world of one or with TROUPE_WATCHDOG=0); the World holds it."""
     if world_size > 1 and env.watchdog:
-        return Watchdog(store, rank, world_size, env)
+        return Watchdog(store, rank, world_size, env, reconnect, where)
     return None
 
 

@@ -37,8 +37,9 @@ class World:
         self.settings = env
         """Every TROUPE_* variable, read once when this process joined."""
         self._keep = joined.keep
-        self.watchdog = None if joined.side_store is None else \
-            watchdog_mod.start(joined.side_store, self.info.global_rank, self.info.world_size, env)
+        side = joined.side_store
+        self.watchdog = None if side is None else \
+            watchdog_mod.start(side.store, self.info.global_rank, self.info.world_size, env, side.connect, side.where)
         self.recorder: Recorder | None = trace.start(self.info.global_rank, env.stats, env.timeline, env.tensorboard)
         self.traffic: dict[str, Traffic] = defaultdict(Traffic)
         """What every communicator of this process has counted, by operation."""
