@@ -216,7 +216,7 @@ def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
 
 def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     """Resolve the cluster (if any), fix -n from it, print every rank's role; the env var that carries it."""
-    from troupe.cluster.config import ENV_VAR, FIELD_FLAGS, resolve, roles
+    from troupe.cluster.config import ENV_VAR, FIELD_FLAGS, expendable_ranks, resolve, roles
 
     fields = {name: getattr(args, name)
               for name in (*FIELD_FLAGS, "server_worker_separate", "share_memory", "group_merge", "wire_dtype",
@@ -229,9 +229,7 @@ def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     if cluster.nprocs % args.nnodes:
         raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {args.nnodes}")
     args.nproc = cluster.nprocs // args.nnodes
-    if cluster.nworker_groups > 1:  # asynchronous groups: the others go on when a worker dies
-        # (with co-located servers the dead worker's group, server and master copies go with it)
-        args.tolerate = {r.rank for r in roles(cluster) if r.worker and r.rank != 0}
+    args.tolerate = expendable_ranks(cluster)  # asynchronous groups: the others go on when a worker dies
     # Server-only ranks run the cluster bootstrap, not the script: a server learns the parameters'
     # sizes and the optimizer from worker 0 (troupe.cluster.spec), so it never loads data or a model.
     args.servers = {r.rank for r in roles(cluster) if r.worker is None}

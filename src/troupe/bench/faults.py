@@ -74,14 +74,62 @@ class Fault:
     """(hosts, victim host)."""
     lasts: float | None
     """Seconds until healed; None: for the rest of the run."""
-    victim: Callable[[int], int] = lambda n: n - 1
+    victim: Callable[[int], int] = lambda n: 1
+    """The host whose link fails, given the number of hosts (host 1 is a worker in every regime)."""
     restart: bool = False
     """Run under `troupe run --max-restarts 1`; the link comes back once the job has stopped."""
     needs: Callable[[], str | None] = lambda: None
+    only: Callable[[Regime], bool] = lambda regime: True
+    """The regimes the fault means something in."""
 
 
 def _halves(hosts: netns.Hosts, victim: int) -> None:
     hosts.partition(list(range(hosts.n // 2)), list(range(hosts.n // 2, hosts.n)))
+
+
+INTRUDER = """
+import os, socket, sys
+import troupe
+addr, port, targets = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+try:
+    troupe.init(ticket=troupe.Ticket(addr=addr, port=port, token="0" * 32), local_rank=1, world_size=2)
+    print("INTRUDER joined the job", flush=True)
+except PermissionError as e:
+    print(f"INTRUDER refused: {e}", flush=True)
+hit = 0
+for target in targets:
+    host, _, p = target.rpartition(":")
+    try:
+        with socket.create_connection((host, int(p)), timeout=2) as s:
+            s.sendall(os.urandom(4096))
+            hit += 1
+    except OSError:
+        pass
+print(f"INTRUDER sent 4 KiB of random bytes to {hit} of {len(targets)} listening sockets", flush=True)
+"""
+
+
+def _listening(hosts: netns.Hosts, i: int) -> list[str]:
+    """host i's listening TCP sockets as ADDR:PORT (the rendezvous and Gloo's)."""
+    out = subprocess.run(["ip", "netns", "exec", hosts.names[i], "ss", "-ltnH"], capture_output=True,
+                         text=True).stdout
+    found = []
+    for line in out.splitlines():
+        local = line.split()[3]
+        addr, _, port = local.rpartition(":")
+        if addr in ("0.0.0.0", "*", "[::]", "::") or addr == hosts.addr(i):
+            found.append(f"{hosts.addr(i)}:{port}")
+    return found
+
+
+def _intrude(hosts: netns.Hosts, intruder: int) -> None:
+    """From a host on the same switch that is not in the job: join with a wrong token, then send
+    random bytes to every listening socket of the job's hosts."""
+    targets = [t for i in range(hosts.n) if i != intruder for t in _listening(hosts, i)]
+    done = hosts.popen(intruder, [sys.executable, "-c", INTRUDER, hosts.addr(0), str(PORT), *targets],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = done.communicate(timeout=120)
+    print("\n".join(line for line in out.splitlines() if line.startswith("INTRUDER")), file=sys.stderr, flush=True)
 
 
 FAULTS = {f.name: f for f in (
@@ -96,6 +144,10 @@ FAULTS = {f.name: f for f in (
     Fault("partition", "partition halves for good", _halves, None),
     Fault("store-down-10s", "rendezvous host's link down 10 s", lambda h, v: h.link(v, up=False), 10.0,
           victim=lambda n: 0),
+    Fault("down-server", "a server host's link down for good", lambda h, v: h.link(v, up=False), None,
+          victim=lambda n: n - 1, only=lambda r: "downpour" in r.run_flags or "sandblaster" in r.run_flags),
+    Fault("intruder", "a host without the token joins, then sends random bytes to every socket", _intrude, None,
+          victim=lambda n: n),
     Fault("slow-100x", "one host's link 100x slower", lambda h, v: h.slow(v, "10mbit"), None),
     Fault("down-restart", "link down until the job stops, then back; --max-restarts 1",
           lambda h, v: h.link(v, up=False), None, restart=True),
@@ -131,7 +183,9 @@ class Cell:
 HEADER = ("| regime | fault | outcome | at step | detected after | recovered after | accuracy (fault-free) | "
           "what the surviving ranks report |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
 
-REPORT = re.compile(r"(troupe: rank \d+ stopping.*|PeerFailure: .*|troupe server rank .*(?:gone|died).*|"
+NOTE = re.compile(r"troupe: rank 0 refused .*")
+REPORT = re.compile(r"(troupe: rank \d+ stopping.*|PeerFailure: .*|troupe server rank \d+: worker \d+ (?:is gone|died).*|"
+                    r"troupe: rank \d+: rank \d+ sent no heartbeat.*|troupe group sync rank \d+: rank \d+ is gone.*|"
                     r"troupe run: rank \d+ exited.*|ConnectionError: .*|TimeoutError: .*)")
 
 
@@ -139,20 +193,20 @@ class Job:
     """One regime's job: a `troupe run` per host, each one's output read line by line."""
 
     def __init__(self, hosts: netns.Hosts, regime: Regime, steps: int, pace: float, workdir: Path,
-                 restart: bool = False):
+                 restart: bool = False, timeouts: tuple[float, float] = (TIMEOUT, PEER_TIMEOUT)):
         self.hosts = hosts
+        self.stacks = ""
         self.lines: list[list[tuple[float, str]]] = [[] for _ in range(regime.hosts)]
         self.ended: list[float | None] = [None] * regime.hosts
         token = secrets.token_hex(8)
-        env = {**os.environ, "TROUPE_TIMEOUT": str(TIMEOUT), "TROUPE_PEER_TIMEOUT": str(PEER_TIMEOUT),
-               "TROUPE_STALL_SECONDS": str(TIMEOUT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        timeout, peer_timeout = timeouts
+        env = {**os.environ, "TROUPE_TIMEOUT": str(timeout), "TROUPE_PEER_TIMEOUT": str(peer_timeout),
+               "TROUPE_STALL_SECONDS": str(timeout), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         ckpt = workdir / "ckpt"
         self.procs = []
         for i in range(regime.hosts):
             cmd = [sys.executable, "-m", "troupe", "run", "--nnodes", str(regime.hosts), "--node-rank", str(i),
-                   "--master", f"{hosts.addr(0)}:{PORT}", "--token", token, *regime.run_flags]
-            if "--framework" not in regime.run_flags:
-                cmd += ["-n", "1"]
+                   "--master", f"{hosts.addr(0)}:{PORT}", "--token", token, "-n", "1", *regime.run_flags]
             if restart:
                 cmd += ["--max-restarts", "1", "--checkpoint-dir", str(ckpt)]
             cmd += [faultjob.__file__, "--steps", str(steps), "--pace", str(pace), *regime.job_flags]
@@ -180,6 +234,8 @@ class Job:
         while time.time() < deadline and any(e is None for e in self.ended):
             time.sleep(0.1)
         hung = any(e is None for e in self.ended)
+        if hung:
+            self.stacks = self.hosts.stacks()  # where each process hangs (py-spy, when installed)
         self.hosts.kill_all()  # the supervisors' ranks run in their own sessions: kill by namespace
         for proc in self.procs:
             proc.wait()
@@ -197,19 +253,21 @@ class Job:
 
 
 def run_cell(hosts: netns.Hosts, regime: Regime, fault: Fault | None, steps: int, pace: float, workdir: Path,
-             baseline: Cell | None, rng: random.Random, log: Callable[[str], None]) -> Cell:
-    """One job with (or without) one fault, and what became of it."""
+             baseline: Cell | None, rng: random.Random, log: Callable[[str], None],
+             timeouts: tuple[float, float] = (TIMEOUT, PEER_TIMEOUT)) -> Cell:
+    """One job with (or without) one fault, and what became of it (`timeouts`: TROUPE_TIMEOUT and
+    TROUPE_PEER_TIMEOUT for the job's ranks)."""
     name = "none" if fault is None else fault.name
     if fault is not None and (why := fault.needs()):
         return Cell(regime.name, name, f"not injected: {why}")
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    job = Job(hosts, regime, steps, pace, workdir, restart=fault is not None and fault.restart)
+    job = Job(hosts, regime, steps, pace, workdir, restart=fault is not None and fault.restart, timeouts=timeouts)
     fault_step = rng.randrange(steps // 5, steps // 3) if fault is not None else None
     injected = healed = None
     victim = None
     expected = (baseline.seconds if baseline else steps * pace + 30)
-    bound = expected + TIMEOUT + PEER_TIMEOUT + 60 + (fault.lasts or 0 if fault else 0)
+    bound = expected + sum(timeouts) + 60 + (fault.lasts or 0 if fault else 0)
     if fault is not None:
         while job.max_step() < fault_step and all(e is None for e in job.ended) and time.time() - started < bound:
             time.sleep(0.05)
@@ -225,7 +283,7 @@ def run_cell(hosts: netns.Hosts, regime: Regime, fault: Fault | None, steps: int
         elif fault.restart:  # the cable is replaced once the job has noticed (every process of the attempt ended)
             while not job.reports() and time.time() - injected < bound:
                 time.sleep(0.1)
-            time.sleep(PEER_TIMEOUT / 2)
+            time.sleep(timeouts[1] / 2)
             hosts.heal()
             healed = time.time()
     finished = job.wait(bound - (time.time() - started))
@@ -257,7 +315,10 @@ def run_cell(hosts: netns.Hosts, regime: Regime, fault: Fault | None, steps: int
             cell.outcome = f"{how}, bit-identical" if same else f"{how}, DIFFERENT parameters"
         else:
             cell.outcome = how
-        if baseline is not None and not reports:
+        notes = [m.group(0) for host in job.lines for _, line in host if (m := NOTE.search(line))]
+        if notes:
+            cell.report = f"host 0: {notes[0]}"
+        elif baseline is not None and not reports:
             cell.report = f"run took {cell.seconds:.0f} s (fault-free {baseline.seconds:.0f} s)"
     elif not regime.synchronous and done and workers < expect_workers:
         cell.outcome = f"continued on {workers} of {expect_workers} workers"
@@ -275,6 +336,8 @@ def run_cell(hosts: netns.Hosts, regime: Regime, fault: Fault | None, steps: int
             cell.recover = min(resumed) - injected
         elif after and cell.outcome.startswith(("healed", "continued")):
             cell.recover = min(after) - healed
+    if job.stacks:
+        (workdir / "stacks.txt").write_text(job.stacks)
     (workdir / "output.txt").write_text("\n".join(f"[host {i}] {line}" for i, host in enumerate(job.lines)
                                                   for _, line in host))
     return cell
@@ -292,7 +355,7 @@ def _workers(regime: Regime) -> int:
 
 def _first_named(reports: list[tuple[int, float, str]]) -> str:
     """The most telling report: a rank naming another, before a supervisor's summary."""
-    reports = sorted(reports, key=lambda r: (r[2].startswith("troupe run"), r[1]))
+    reports = sorted(reports, key=lambda r: ("goes on without" not in r[2], r[2].startswith("troupe run"), r[1]))
     host, _, text = reports[0]
     return f"host {host}: " + re.sub(r"\[backend: .*", "[backend error]", text)
 
@@ -313,14 +376,18 @@ def main(regimes: list[str], faults: list[str], steps: int, pace: float, seed: i
     print(HEADER, flush=True)
     for name in regimes:
         regime = REGIMES[name]
-        with netns.Hosts(regime.hosts, rate=RATE) as hosts:
+        with netns.Hosts(regime.hosts + 1, rate=RATE) as hosts:  # the last one is not in the job (an intruder)
             baseline = run_cell(hosts, regime, None, steps, pace, base / name / "none", None, rng, log)
             log(f"{name}: fault-free in {baseline.seconds:.0f} s, accuracy {baseline.acc}")
             cells.append(baseline)
             print(baseline.row(), flush=True)
+            if baseline.outcome != "fault-free":
+                tail = (base / name / "none" / "output.txt").read_text().splitlines()[-5:]
+                log(f"{name}: the fault-free run failed, its faults are not run:\n" + "\n".join(tail))
+                continue
             for fault_name in faults:
                 fault = FAULTS[fault_name]
-                if fault.restart and not regime.synchronous:
+                if fault.restart and not regime.synchronous or not fault.only(regime):
                     continue
                 cell = run_cell(hosts, regime, fault, steps, pace, base / name / fault_name, baseline, rng, log)
                 cells.append(cell)

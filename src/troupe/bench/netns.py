@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 
 PREFIX = "troupe-h"
 SWITCH = "troupe-sw"
@@ -125,6 +126,18 @@ class Hosts:
             if name.startswith(PREFIX) or name == SWITCH:
                 _kill_inside(name)
                 subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+    def stacks(self) -> str:
+        """The Python stacks of every process inside the hosts (``py-spy dump``; "" without py-spy)."""
+        spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+        if spy is None:
+            return ""
+        out = []
+        for i, ns in enumerate(self.names):
+            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+                dump = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=30)
+                out.append(f"=== host {i} pid {pid}\n{dump.stdout}{dump.stderr}")
+        return "\n".join(out)
 
     def kill_all(self) -> int:
         """SIGKILL every process still running inside any host (a launcher's children included,

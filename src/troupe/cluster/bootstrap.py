@@ -33,7 +33,7 @@ from typing import NoReturn
 import torch
 
 from troupe.cluster import layout
-from troupe.cluster.config import ClusterConfig, Role, from_env, roles
+from troupe.cluster.config import ClusterConfig, Role, expendable_ranks, from_env, roles
 from troupe.cluster.layout import Layout
 from troupe.cluster.server import Server, ServerStats, process_alive
 from troupe.cluster.shard import ParamShard, plan_slices
@@ -72,6 +72,12 @@ class Job:
     processes: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     """(hostname, pid) of every rank, to tell a dead peer from a slow one."""
 
+    def alive(self, rank: int) -> bool:
+        """False once `rank`'s process has ended (on this host) or its heartbeat has gone silent
+        for TROUPE_PEER_TIMEOUT (on any host: a dead machine, a cut cable, a partition)."""
+        dog = self.runtime.watchdog
+        return process_alive(*self.processes[rank]) and (dog is None or dog.alive(rank))
+
 
 def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, world: World, bucket_size: int,
                     nan_policy: str = "raise") -> tuple[DistInfo, UpdateStrategy]:
@@ -95,7 +101,7 @@ def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, wo
     world.use_for_data_parallel(job.workers_comm)
     role, k = job.role, cluster.nworkers_per_procs
     view = dataclasses.replace(info, global_rank=job.workers.index(role.rank), world_size=len(job.workers))
-    alive = lambda rank: process_alive(*job.processes[rank])  # noqa: E731
+    alive = job.alive
     if cluster.server_worker_separate:
         group = job.group_comms[role.worker[0]]
         agree = group if arranged.partitioned and cluster.nworkers_per_group > 1 else None
@@ -159,6 +165,8 @@ def join(cluster: ClusterConfig, runtime: World) -> Job:
             f"world_size {info.world_size}"
         )
     role = everyone[info.global_rank]
+    if runtime.watchdog is not None:
+        runtime.watchdog.expendable = expendable_ranks(cluster)
     if cluster.share_memory and not cluster.in_memory:
         warnings.warn("share_memory has no effect with one worker per process (nworkers_per_procs 1)")
     if cluster.fetch_freq != 1 and not cluster.server_worker_separate:
@@ -274,7 +282,7 @@ def serve(job: Job, spec: TrainingSpec) -> ServerStats:
     writing its checkpoint under ``TROUPE_CHECKPOINT_DIR``)."""
     shard = _make_shard(job, spec)
     putters = {r.rank for r in job.everyone if r.worker and r.worker[0] == 0}
-    server = Server(job.world, shard, job.workers, putters, dict(enumerate(job.processes)),
+    server = Server(job.world, shard, job.workers, putters, job.alive,
                     fail_on_death=job.cluster.synchronous, wire_dtype=wire_dtype(job.cluster, shard.dtype),
                     wire_topk=job.cluster.wire_topk)
     path = _checkpoint_path(job)

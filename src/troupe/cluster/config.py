@@ -240,6 +240,15 @@ PRESETS: dict[str, ClusterConfig] = {
 """The reference's four frameworks, exactly as its `cluster { ... }` blocks give them."""
 
 
+def expendable_ranks(cluster: ClusterConfig) -> set[int]:
+    """Ranks the job goes on without when they die or are cut off: with asynchronous worker
+    groups, every worker but rank 0 (which hosts the job's rendezvous). With co-located servers
+    the vanished worker's group, server and master copies go with it."""
+    if cluster.nworker_groups <= 1:
+        return set()
+    return {r.rank for r in roles(cluster) if r.worker and r.rank != 0}
+
+
 def preset(name: str, nprocs: int | None = None, **overrides) -> ClusterConfig:
     """A named framework, rescaled to `nprocs` processes when given.
 

@@ -25,6 +25,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -34,9 +35,10 @@ from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageErro
 from troupe.cluster.shard import Slice
 
 log = logging.getLogger("troupe.cluster.config")
+T = TypeVar("T")
 
 WATCH_INTERVAL = 0.5
-"""Seconds between checks that the peer groups' processes still exist."""
+"""Seconds between checks that the peer groups' processes still exist and beat."""
 
 
 def parts(slices: Sequence[Slice], ngroups: int) -> list[list[tuple[Slice, int, int]]]:
@@ -109,7 +111,7 @@ class GroupSync:
         Adopting adds what the master copy brings (`master - cur`, cur as sent), so updates other
         workers make meanwhile to shared `values` (in-memory Hogwild) are kept.
         """
-        sends: list[Handle] = []
+        sends: list[tuple[int, Handle]] = []
         sent: dict[int, Tensor] = {}
         for k, peer in self.peers.items():
             if peer in self.gone or not self.sizes[k]:
@@ -117,8 +119,8 @@ class GroupSync:
             sent[k] = self._gather(k, values)
             header = Header(Op.SYNC, self.group, self.seen[k], self.rank, self.sizes[k])
             try:
-                sends.append(self.requests.isend(header.encode(), peer, tag=HEADER_TAG))
-                sends.append(self.requests.isend(sent[k] - self.last[k], peer, tag=PAYLOAD_TAG))
+                sends.append((peer, self.requests.isend(header.encode(), peer, tag=HEADER_TAG)))
+                sends.append((peer, self.requests.isend(sent[k] - self.last[k], peer, tag=PAYLOAD_TAG)))
             except RuntimeError as e:
                 self._lose(peer, str(e))
                 del sent[k]
@@ -134,9 +136,9 @@ class GroupSync:
                 version, value = got
                 self.seen[k] = version
                 self._adopt(k, value, sent[k], values)
-        for h in sends:
+        for peer, h in sends:
             try:
-                h.wait()
+                self._unless_gone(peer, h.wait)
             except RuntimeError as e:
                 log.warning("troupe group sync: a request was not delivered: %s", e)
 
@@ -175,6 +177,34 @@ class GroupSync:
             offset += hi - lo
 
     def _receive(self, k: int) -> tuple[int, Tensor] | None:
+        """Peer k's reply, or None once it is gone."""
+        return self._unless_gone(self.peers[k], lambda: self._receive_now(k))
+
+    def _unless_gone(self, peer: int, call: Callable[[], T]) -> T | None:
+        """`call()` (a blocking exchange with `peer`), or None once the peer is gone. A peer cut off
+        by the network never closes its connection, and a blocking Gloo call cannot be interrupted
+        (a timed wait breaks the connection for good): the call runs in its own thread, abandoned
+        when the watch thread declares the peer gone."""
+        box: list = []
+
+        def run() -> None:
+            try:
+                box.append((True, call()))
+            except BaseException as e:  # re-raised below
+                box.append((False, e))
+
+        thread = threading.Thread(target=run, name="troupe-group-sync-call", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(WATCH_INTERVAL)
+            if thread.is_alive() and peer in self.gone:
+                return None
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def _receive_now(self, k: int) -> tuple[int, Tensor] | None:
         peer = self.peers[k]
         try:
             raw = empty_header()
@@ -255,5 +285,5 @@ class GroupSync:
                 return
             for peer in live:
                 if not self.alive(peer):
-                    self._lose(peer, "its process ended")
+                    self._lose(peer, "its process ended or its heartbeat stopped")
             threading.Event().wait(WATCH_INTERVAL)

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -64,7 +65,7 @@ class Server:
         shard: ParamShard,
         workers: list[int],
         putters: set[int],
-        processes: dict[int, tuple[str, int]] | None = None,
+        alive: Callable[[int], bool] | None = None,
         fail_on_death: bool = False,
         wire_dtype: torch.dtype | None = None,
         wire_topk: float | None = None,
@@ -80,8 +81,9 @@ class Server:
         self.max_len = max((s.numel for s in shard.slices.values()), default=0)
         self.rejected = 0
         self.dead: list[int] = []
-        self.processes = processes or {}
-        """(hostname, pid) of each worker, to tell a dead worker from a slow one."""
+        self.alive = alive or (lambda worker: True)
+        """Whether a worker still exists (its process on this host, its heartbeat on any host), to
+        tell a dead or cut-off worker from a slow one."""
         self.fail_on_death = fail_on_death
         """Synchronous clusters cannot go on without a worker: end the job with a clear error instead."""
         self.no_values: set[tuple[int, int]] = set()
@@ -246,11 +248,11 @@ class Server:
         self._replies(-1, [])  # a group that left no longer holds the others back
 
     def _watch(self) -> None:
-        """Forget workers whose process has ended without saying Stop (killed or crashed).
+        """Forget workers gone without saying Stop (killed, crashed, or cut off by the network).
 
         Runs in a thread because the loop blocks in a receive from any rank; Gloo cannot
-        probe a peer without blocking on it, so liveness is the process's: workers on
-        this host are checked by pid (workers on other hosts are waited for).
+        probe a peer without blocking on it, so liveness comes from outside: the process on
+        this host (by pid) and the heartbeat in the job's store on any host (`alive`).
         """
         while True:
             time.sleep(WATCH_INTERVAL)
@@ -258,18 +260,14 @@ class Server:
                 if not self.live:
                     return
                 for worker in sorted(self.live):
-                    if not self._alive(worker):
-                        self._lost(worker, "its process ended")
+                    if not self.alive(worker):
+                        self._lost(worker, "its process ended or its heartbeat stopped")
                 if not self.live:
                     # The loop is blocked in a receive nobody will answer: end the server here.
                     stats = self._stats()
                     print(f"troupe server rank {self.rank}: every worker finished or died; {stats}", file=sys.stderr)
                     sys.stderr.flush()
                     os._exit(0)
-
-    def _alive(self, worker: int) -> bool:
-        host, pid = self.processes.get(worker, (None, None))
-        return process_alive(host, pid)
 
 
 def process_alive(host: str | None, pid: int | None) -> bool:

@@ -6,6 +6,8 @@ bytes per collective without instrumenting the backend.
 
 from __future__ import annotations
 
+import contextlib
+
 import datetime
 import weakref
 from collections import defaultdict
@@ -406,16 +408,23 @@ class Communicator:
         """Send `tensor` to global rank `dst` (blocks until handed to the transport)."""
         nbytes = tensor.numel() * tensor.element_size()
         self._count("send", nbytes, nbytes)
-        dist.send(self._staged(tensor).contiguous(), dst, group=self.group, tag=tag)
+        with self._marked(f"send to rank {dst}"):
+            dist.send(self._staged(tensor).contiguous(), dst, group=self.group, tag=tag)
 
     def recv(self, tensor: Tensor, src: int | None = None, tag: int = 0) -> int:
         """Receive into `tensor` from `src`, or from any rank when None; returns the sender."""
         self._count("recv", tensor.numel() * tensor.element_size(), 0)
         work_tensor = self._staged(tensor)
-        sender = dist.recv(work_tensor, src, group=self.group, tag=tag)
+        with self._marked("a receive from any rank" if src is None else f"a receive from rank {src}"):
+            sender = dist.recv(work_tensor, src, group=self.group, tag=tag)
         if work_tensor is not tensor:
             tensor.copy_(work_tensor)
         return sender
+
+    def _marked(self, what: str):
+        """The watchdog knows this rank is blocked on a peer (so a rank cut off from the job while
+        waiting stops, naming what it lost); errors are the caller's to handle."""
+        return self.watchdog.waiting(what) if self.watchdog is not None else contextlib.nullcontext()
 
     def isend(self, tensor: Tensor, dst: int, tag: int = 0) -> Handle:
         """Start sending `tensor` to `dst`; keep `tensor` unchanged until the handle is waited on."""

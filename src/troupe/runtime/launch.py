@@ -58,6 +58,8 @@ class DistInfo:
         return self.global_rank
 
 
+REFUSED_KEY = "troupe/refused"
+"""The store's count of join attempts refused for a wrong token."""
 SIDE_STORE_TIMEOUT = 3.0
 """Seconds one watchdog store operation (or reconnect) may take: short, so a heartbeat lost to a
 network fault is retried on a fresh connection well within TROUPE_PEER_TIMEOUT."""
@@ -72,6 +74,7 @@ class SideStore:
     port: int
     prefix: str
     store: dist.Store = field(init=False)
+    base: dist.Store = field(init=False)
 
     def __post_init__(self) -> None:
         self.store = self.connect()
@@ -81,7 +84,13 @@ class SideStore:
         socket.create_connection((self.addr, self.port), timeout=SIDE_STORE_TIMEOUT).close()
         client = dist.TCPStore(self.addr, self.port, is_master=False,
                                timeout=datetime.timedelta(seconds=SIDE_STORE_TIMEOUT))
+        self.base = client
         return dist.PrefixStore(self.prefix, client)
+
+    def refused(self) -> int:
+        """Join attempts with a wrong token so far (counted outside the job's key prefix, which only
+        token holders know)."""
+        return int(self.base.add(REFUSED_KEY, 0))
 
     @property
     def where(self) -> str:
@@ -279,7 +288,7 @@ def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float, keep:
         base.set("troupe/digest", f"{salt}:{_digest(salt, ticket.token)}")
     salt, digest = base.get("troupe/digest").decode().split(":")
     if not hmac.compare_digest(digest, _digest(salt, ticket.token)):
-        base.add("troupe/refused", 1)
+        base.add(REFUSED_KEY, 1)
         raise PermissionError(
             f"rank {rank}: refused by the job at {ticket.addr}:{ticket.port}: wrong ticket token "
             "(only processes given this job's Ticket may join)"
@@ -308,7 +317,7 @@ def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float, keep:
             f"rank {rank}: lost the job's rendezvous at {ticket.addr}:{ticket.port} while waiting for all "
             f"{world_size} ranks to join (rank 0 gave up or died)"
         ) from None
-    refused = int(base.add("troupe/refused", 0))
+    refused = int(base.add(REFUSED_KEY, 0))
     if rank == 0 and refused:
         log.warning("troupe: refused %d join attempt(s) with a wrong ticket token", refused)
     return store

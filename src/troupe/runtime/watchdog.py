@@ -67,10 +67,18 @@ class Watchdog:
     """Heartbeat thread plus the bookkeeping the main thread updates (step, current wait)."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, env: Settings,
-                 reconnect: Callable[[], dist.Store] | None = None, where: str = "the job's rendezvous"):
+                 reconnect: Callable[[], dist.Store] | None = None, where: str = "the job's rendezvous",
+                 refusals: Callable[[], int] | None = None):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.interval, self.stall_seconds, self.peer_timeout = env.heartbeat, env.stall_seconds, env.peer_timeout
         self.reconnect, self.where = reconnect, where
+        self.refusals, self.refused = refusals, 0
+        if refusals is not None:
+            try:
+                self.refused = bounded(refusals, STORE_OP_SECONDS, "the refusal count")  # those logged at join
+            except Exception:
+                pass
+        """Rank 0 counts join attempts with a wrong token while the job runs, and logs each new one."""
         self.step = 0
         self.waiting_on: str | None = None
         self.waiting_since = 0.0
@@ -81,6 +89,11 @@ class Watchdog:
         self._cut_off: tuple[float, int] | None = None
         """(since when, at which step) this rank has not reached the store."""
         self._store_exited = False
+        self._last_poll = time.monotonic()
+        self.expendable: set[int] = set()
+        """Ranks the job goes on without (asynchronous parameter-server workers): their silence is
+        reported once, not fatal; `alive()` then says False and their servers forget them."""
+        self._forgotten: set[int] = set()
         self._stop = threading.Event()
         self._beat()
         self._thread = threading.Thread(target=self._run, name="troupe-watchdog", daemon=True)
@@ -90,11 +103,15 @@ class Watchdog:
         atexit.register(self.stop)
 
     def alive(self, rank: int) -> bool:
-        """False once `rank`'s heartbeat has been silent for TROUPE_PEER_TIMEOUT or it said it exited."""
+        """False once `rank` said it exited, or its heartbeat has been silent for TROUPE_PEER_TIMEOUT
+        while this rank could read the store (cut off itself, it cannot tell and says True)."""
         seen = self._seen.get(rank)
         if seen is None:
             return True
-        return not seen[0].startswith("exit") and time.monotonic() - seen[1] <= self.peer_timeout
+        if seen[0].startswith("exit"):
+            return False
+        reading = time.monotonic() - self._last_poll < 2 * self.interval + STORE_OP_SECONDS
+        return not reading or time.monotonic() - seen[1] <= self.peer_timeout
 
     # --- main thread ---------------------------------------------------------------------
 
@@ -118,9 +135,14 @@ class Watchdog:
                            f"[backend: {str(error).splitlines()[0][:200]}]")
 
     def stop(self) -> None:
-        """Stop beating and tell the peers this rank exited (so its silence is not taken for a hang)."""
+        """Stop beating and tell the peers this rank exited (so its silence is not taken for a hang).
+        In an asynchronous cluster rank 0, which hosts the store, first waits while other ranks still
+        beat: servers and slower workers keep their rendezvous, and a cut-off worker is still
+        noticed (and forgotten by its servers) after TROUPE_PEER_TIMEOUT."""
         if self._stop.is_set():
             return
+        if self.rank == 0 and self.expendable:
+            self._outlive_peers()
         self._stop.set()
         self._thread.join(timeout=2 * self.interval)
         sys.excepthook = self._previous_hook
@@ -128,6 +150,19 @@ class Watchdog:
             self._ask(lambda store: store.set(f"hb/{self.rank}", f"exit {self.step}"))
         except Exception:
             pass  # rank 0 (the store) already left
+
+    def _outlive_peers(self) -> None:
+        while True:
+            try:
+                beating, _ = self._peers()
+            except Exception:
+                return
+            fresh = 3 * self.interval + STORE_OP_SECONDS
+            working = {r for r, (age, _, _) in beating.items() if age <= fresh}
+            if not working:
+                return
+            self.waiting_on = self.waiting_on or f"ranks {sorted(working)} to finish (this rank hosts the store)"
+            time.sleep(self.interval / 4)
 
     # --- heartbeat thread ------------------------------------------------------------------
 
@@ -190,11 +225,23 @@ class Watchdog:
             else:
                 beating[rank] = (now - self._seen[rank][1], int(fields[1]), fields[2])
         self._store_exited = 0 in exited
+        self._last_poll = now
         return beating, exited
 
     def _inspect(self) -> None:
         peers, _ = self._peers()
+        if self.refusals is not None:
+            refused = bounded(self.refusals, STORE_OP_SECONDS, "the refusal count")
+            if refused > self.refused:
+                log.warning("troupe: rank %d refused %d join attempt(s) with a wrong ticket token at step %d "
+                            "(%d in all); the job runs on", self.rank, refused - self.refused, self.step, refused)
+                self.refused = refused
         silent = {r: (age, step) for r, (age, step, _) in peers.items() if age > self.peer_timeout}
+        for r in sorted(set(silent) & self.expendable - self._forgotten):
+            self._forgotten.add(r)
+            print(f"troupe: rank {self.rank}: rank {r} sent no heartbeat for {silent[r][0]:.0f}s (last heard at step "
+                  f"{silent[r][1]}): the asynchronous cluster goes on without it", file=sys.stderr, flush=True)
+        silent = {r: v for r, v in silent.items() if r not in self.expendable}
         if silent:
             since = ", ".join(f"rank {r} last heard at step {step}" for r, (_, step) in sorted(silent.items()))
             self._die(f"rank(s) {sorted(silent)} sent no heartbeat for {max(a for a, _ in silent.values()):.0f}s "
@@ -248,10 +295,11 @@ class Watchdog:
 
 
 def start(store: dist.Store, rank: int, world_size: int, env: Settings,
-          reconnect: Callable[[], dist.Store] | None = None, where: str = "the job's rendezvous") -> Watchdog | None:
+          reconnect: Callable[[], dist.Store] | None = None, where: str = "the job's rendezvous",
+          refusals: Callable[[], int] | None = None) -> Watchdog | None:
     """This process's watchdog (None for a world of one or with TROUPE_WATCHDOG=0); the World holds it."""
     if world_size > 1 and env.watchdog:
-        return Watchdog(store, rank, world_size, env, reconnect, where)
+        return Watchdog(store, rank, world_size, env, reconnect, where, refusals)
     return None
 
 

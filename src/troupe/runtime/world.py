@@ -39,7 +39,8 @@ class World:
         self._keep = joined.keep
         side = joined.side_store
         self.watchdog = None if side is None else \
-            watchdog_mod.start(side.store, self.info.global_rank, self.info.world_size, env, side.connect, side.where)
+            watchdog_mod.start(side.store, self.info.global_rank, self.info.world_size, env, side.connect, side.where,
+                               refusals=side.refused if self.info.global_rank == 0 else None)
         self.recorder: Recorder | None = trace.start(self.info.global_rank, env.stats, env.timeline, env.tensorboard)
         self.traffic: dict[str, Traffic] = defaultdict(Traffic)
         """What every communicator of this process has counted, by operation."""
