@@ -60,11 +60,6 @@ class DistInfo:
 
 REFUSED_KEY = "troupe/refused"
 """The store's count of join attempts refused for a wrong token."""
-SIDE_STORE_TIMEOUT = 3.0
-"""Seconds one watchdog store operation (or reconnect) may take: short, so a heartbeat lost to a
-network fault is retried on a fresh connection well within TROUPE_PEER_TIMEOUT."""
-
-
 @dataclass
 class SideStore:
     """The watchdog's own connection to the job's store (never blocked by the main thread), and
@@ -73,6 +68,9 @@ class SideStore:
     addr: str
     port: int
     prefix: str
+    timeout: float
+    """TROUPE_STORE_TIMEOUT: short, so a heartbeat lost to a network fault is retried on a fresh
+    connection well within TROUPE_PEER_TIMEOUT."""
     store: dist.Store = field(init=False)
     base: dist.Store = field(init=False)
 
@@ -81,9 +79,8 @@ class SideStore:
 
     def connect(self) -> dist.Store:
         # Knock first: a TCPStore that cannot connect logs a C++ stack trace per try.
-        socket.create_connection((self.addr, self.port), timeout=SIDE_STORE_TIMEOUT).close()
-        client = dist.TCPStore(self.addr, self.port, is_master=False,
-                               timeout=datetime.timedelta(seconds=SIDE_STORE_TIMEOUT))
+        socket.create_connection((self.addr, self.port), timeout=self.timeout).close()
+        client = dist.TCPStore(self.addr, self.port, is_master=False, timeout=datetime.timedelta(seconds=self.timeout))
         self.base = client
         return dist.PrefixStore(self.prefix, client)
 
@@ -157,7 +154,7 @@ def join(
                                     timeout=pg_timeout)
         else:
             dist.init_process_group(backend, init_method="env://", timeout=pg_timeout)
-        side = _side_store(addr, port, f"troupe/{attempt}/")
+        side = SideStore(addr, port, f"troupe/{attempt}/", env.store_timeout)
     else:
         t = how.ticket
         store = dist.HashStore() if t is None else _join(t, how.rank, how.world_size, join_timeout, keep)
@@ -166,7 +163,7 @@ def join(
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(backend, store=store, rank=how.rank, world_size=how.world_size, timeout=pg_timeout)
         if t is not None:
-            side = _side_store(t.addr, t.port, f"troupe/{t.token}/")
+            side = SideStore(t.addr, t.port, f"troupe/{t.token}/", env.store_timeout)
     info = DistInfo(how.rank, how.local_rank, how.world_size, how.local_world, _device(backend, how.local_rank),
                     backend, how.launcher)
     return Joined(info, side, keep)
@@ -321,10 +318,6 @@ def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float, keep:
     if rank == 0 and refused:
         log.warning("troupe: refused %d join attempt(s) with a wrong ticket token", refused)
     return store
-
-
-def _side_store(addr: str, port: int, prefix: str) -> SideStore:
-    return SideStore(addr, port, prefix)
 
 
 def _slurm(env: Settings) -> _Launch:

@@ -44,6 +44,10 @@ class Settings:
     peer_timeout: float = 45.0
     """TROUPE_PEER_TIMEOUT: a peer whose heartbeat is this old is declared hung or unreachable.
     Longer tolerates long GC pauses and swapping; shorter ends a job with a dead host sooner."""
+    store_timeout: float = 3.0
+    """TROUPE_STORE_TIMEOUT: seconds one watchdog call to the rendezvous store (or a reconnect) may
+    take before it counts as unanswered and is retried on a fresh connection. Longer tolerates a
+    congested link; shorter notices a cut-off store sooner (it must stay well below the peer timeout)."""
     watchdog: bool = True
     """TROUPE_WATCHDOG: 0 turns the heartbeat thread off."""
     ps_timeout: float = 7 * 24 * 3600.0
@@ -68,7 +72,8 @@ class Settings:
     """TROUPE_MNIST_URL: where load_mnist downloads from when no offline copy is found."""
 
     def __post_init__(self) -> None:
-        for name in ("timeout", "join_timeout", "heartbeat", "stall_seconds", "peer_timeout", "ps_timeout"):
+        for name in ("timeout", "join_timeout", "heartbeat", "stall_seconds", "peer_timeout", "ps_timeout",
+                     "store_timeout"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"TROUPE_{name.upper()} must be > 0 seconds, got {value}")

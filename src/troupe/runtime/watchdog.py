@@ -33,8 +33,6 @@ log = logging.getLogger("troupe")
 
 
 T = TypeVar("T")
-STORE_OP_SECONDS = 3.0
-"""Seconds one watchdog store operation (or a reconnect) may take before it counts as unanswered."""
 
 
 def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
@@ -71,11 +69,12 @@ class Watchdog:
                  refusals: Callable[[], int] | None = None):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.interval, self.stall_seconds, self.peer_timeout = env.heartbeat, env.stall_seconds, env.peer_timeout
+        self.store_timeout = env.store_timeout
         self.reconnect, self.where = reconnect, where
         self.refusals, self.refused = refusals, 0
         if refusals is not None:
             try:
-                self.refused = bounded(refusals, STORE_OP_SECONDS, "the refusal count")  # those logged at join
+                self.refused = bounded(refusals, self.store_timeout, "the refusal count")  # those logged at join
             except Exception:
                 pass
         """Rank 0 counts join attempts with a wrong token while the job runs, and logs each new one."""
@@ -110,7 +109,7 @@ class Watchdog:
             return True
         if seen[0].startswith("exit"):
             return False
-        reading = time.monotonic() - self._last_poll < 2 * self.interval + STORE_OP_SECONDS
+        reading = time.monotonic() - self._last_poll < 2 * self.interval + self.store_timeout
         return not reading or time.monotonic() - seen[1] <= self.peer_timeout
 
     # --- main thread ---------------------------------------------------------------------
@@ -157,7 +156,7 @@ class Watchdog:
                 beating, _ = self._peers()
             except Exception:
                 return
-            fresh = 3 * self.interval + STORE_OP_SECONDS
+            fresh = 3 * self.interval + self.store_timeout
             working = {r for r, (age, _, _) in beating.items() if age <= fresh}
             if not working:
                 return
@@ -167,10 +166,10 @@ class Watchdog:
     # --- heartbeat thread ------------------------------------------------------------------
 
     def _ask(self, op: Callable[[dist.Store], T]) -> T:
-        """`op` on the store within STORE_OP_SECONDS, else TimeoutError. TCPStore's own timeout does
+        """`op` on the store within TROUPE_STORE_TIMEOUT, else TimeoutError. TCPStore's own timeout does
         not cover a connection whose peer went silent (a partition, a pulled cable): its calls then
         block for good, so each runs in a thread that is abandoned if it does not answer in time."""
-        return bounded(lambda: op(self.store), STORE_OP_SECONDS, f"{self.where} did not answer")
+        return bounded(lambda: op(self.store), self.store_timeout, f"{self.where} did not answer")
 
     def _beat(self) -> None:
         self._ask(lambda store: store.set(f"hb/{self.rank}", f"{time.time():.3f} {self.step} {self.waiting_on or '-'}"))
@@ -204,7 +203,7 @@ class Watchdog:
                       f"(TROUPE_PEER_TIMEOUT={self.peer_timeout:g}s): that host is down or cut off from "
                       "this one (a network partition)")
         try:
-            self.store = bounded(self.reconnect, STORE_OP_SECONDS, "reconnect")
+            self.store = bounded(self.reconnect, self.store_timeout, "reconnect")
         except Exception:
             pass  # still unreachable: try again next beat
         return False
@@ -231,7 +230,7 @@ class Watchdog:
     def _inspect(self) -> None:
         peers, _ = self._peers()
         if self.refusals is not None:
-            refused = bounded(self.refusals, STORE_OP_SECONDS, "the refusal count")
+            refused = bounded(self.refusals, self.store_timeout, "the refusal count")
             if refused > self.refused:
                 log.warning("troupe: rank %d refused %d join attempt(s) with a wrong ticket token at step %d "
                             "(%d in all); the job runs on", self.rank, refused - self.refused, self.step, refused)
