@@ -137,7 +137,7 @@ FAULTS = {f.name: f for f in (
     Fault("loss-10", "10% packet loss, 20 s", lambda h, v: h.lose(v, 10), 20.0, needs=netns.loss_available),
     Fault("loss-30", "30% packet loss, 20 s", lambda h, v: h.lose(v, 30), 20.0, needs=netns.loss_available),
     Fault("delay-200", "+200 ms delay with jitter, 10 s", lambda h, v: h.delay(v, 200, 50), 10.0,
-          needs=netns.netem_available),
+          needs=netns.delay_available),
     Fault("down-5s", "link down 5 s", lambda h, v: h.link(v, up=False), 5.0),
     Fault("down", "link down for good", lambda h, v: h.link(v, up=False), None),
     Fault("partition-10s", "partition halves 10 s", _halves, 10.0),
@@ -404,13 +404,27 @@ MARK_BEGIN, MARK_END = "<!-- troupe bench faults: begin -->", "<!-- troupe bench
 
 
 def write_doc(path: Path, cells: list[Cell], steps: int, pace: float, seed: int) -> None:
-    """Replace the table between the markers in `path` (append it when there are none)."""
+    """Put the cells into the table between the markers in `path` (made, or appended, when absent):
+    a cell replaces the row of the same regime and fault, the others stay, in matrix order."""
+    text = path.read_text() if path.exists() else ""
+    rows: dict[tuple[str, str], str] = {}
+    if MARK_BEGIN in text and MARK_END in text:
+        old = text[text.index(MARK_BEGIN):text.index(MARK_END)]
+        for line in old.splitlines():
+            cols = [c.strip() for c in line.split("|")]
+            if len(cols) > 3 and cols[1] in REGIMES:
+                rows[(cols[1], cols[2])] = line
+    for c in cells:
+        rows[(c.regime, FAULTS[c.fault].what if c.fault in FAULTS else c.fault)] = c.row()
+    order = {what: n for n, what in enumerate(["none", *(f.what for f in FAULTS.values())])}
+    regime_order = list(REGIMES)
+    ordered = sorted(rows.items(), key=lambda kv: (regime_order.index(kv[0][0]), order.get(kv[0][1], 99)))
     table = "\n".join([
         MARK_BEGIN,
-        f"`troupe bench faults --steps {steps} --pace {pace} --seed {seed}` ({time.strftime('%Y-%m-%d')}; "
-        f"links {RATE}, TROUPE_TIMEOUT={TIMEOUT:g}s, TROUPE_PEER_TIMEOUT={PEER_TIMEOUT:g}s)",
-        "", HEADER, *(c.row() for c in cells), MARK_END])
-    text = path.read_text() if path.exists() else ""
+        f"Written by `troupe bench faults --steps {steps} --pace {pace} --seed {seed} --doc ...` "
+        f"(last run {time.strftime('%Y-%m-%d')}; links {RATE}, TROUPE_TIMEOUT={TIMEOUT:g}s, "
+        f"TROUPE_PEER_TIMEOUT={PEER_TIMEOUT:g}s)",
+        "", HEADER, *(row for _, row in ordered), MARK_END])
     if MARK_BEGIN in text and MARK_END in text:
         text = text[:text.index(MARK_BEGIN)] + table + text[text.index(MARK_END) + len(MARK_END):]
     else:

@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 PREFIX = "troupe-h"
 SWITCH = "troupe-sw"
@@ -65,7 +66,8 @@ class Hosts:
         self.names = [f"{PREFIX}{i}" for i in range(n)]
         self._rates: list[str | None] = [rate] * n
         self._down: set[int] = set()
-        self._delayed: set[int] = set()
+        self._delayed: dict[int, tuple[subprocess.Popen, float] | None] = {}
+        """Hosts with injected delay: None (netem), or the delayer process and its longest delay (ms)."""
 
     def addr(self, i: int) -> str:
         return f"10.78.0.{i + 1}"
@@ -184,20 +186,34 @@ class Hosts:
         self._rates[i] = rate
 
     def delay(self, i: int, ms: float, jitter_ms: float = 0.0) -> None:
-        """Add `ms` (with `jitter_ms`, normally distributed) to host i's link, both ways (tc netem)."""
+        """Add `ms` (with `jitter_ms`, normally distributed) to host i's link, both ways: tc netem
+        where the kernel has it, else an NFQUEUE and `troupe.bench.delayer` inside the host."""
         self._check(i)
-        why = netem_available()
+        if netem_available() is None:
+            base = _ms(self.delay) if self.delay else 0.0
+            jitter = [f"{jitter_ms:g}ms", "distribution", "normal"] if jitter_ms else []
+            for where, dev in self._ends(i):
+                _sh("ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:",
+                    "netem", "delay", f"{base + ms:g}ms", *jitter)
+                if self._rates[i]:
+                    _sh("ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "parent", "1:", "handle",
+                        "2:", "tbf", "rate", self._rates[i], "burst", "256kb", "latency", "200ms")
+            self._delayed[i] = None
+            return
+        why = delay_available()
         if why:
             raise RuntimeError(f"cannot inject delay: {why}")
-        base = _ms(self.delay) if self.delay else 0.0
-        jitter = [f"{jitter_ms:g}ms", "distribution", "normal"] if jitter_ms else []
-        for where, dev in self._ends(i):
-            _sh("ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "netem",
-                "delay", f"{base + ms:g}ms", *jitter)
-            if self._rates[i]:
-                _sh("ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "parent", "1:", "handle", "2:",
-                    "tbf", "rate", self._rates[i], "burst", "256kb", "latency", "200ms")
-        self._delayed.add(i)
+        queue = 7 + i
+        proc = subprocess.Popen(["ip", "netns", "exec", self.names[i], sys.executable, "-m", "troupe.bench.delayer",
+                                 "--queue", str(queue), "--ms", str(ms), "--jitter-ms", str(jitter_ms)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.stdout.readline().strip() != "delayer ready":
+            proc.kill()
+            raise RuntimeError(f"the packet delayer did not start in host {i}")
+        self._delayed[i] = (proc, ms + 3 * jitter_ms)
+        for chain, way in (("INPUT", "-i"), ("OUTPUT", "-o")):  # --queue-bypass: packets pass if it dies
+            _sh("ip", "netns", "exec", self.names[i], "iptables", "-A", chain, way, f"th{i}", "-j", "NFQUEUE",
+                "--queue-num", str(queue), "--queue-bypass")
 
     def link(self, i: int, *, up: bool) -> None:
         """Host i's cable at the switch: down (nothing passes either way, the host sees no carrier) or up."""
@@ -222,13 +238,19 @@ class Hosts:
             if i in self._down:
                 self.link(i, up=True)
             subprocess.run(["ip", "netns", "exec", self.names[i], "iptables", "-F"], capture_output=True)
-            if i in self._delayed:  # back to the built qdiscs
-                for where, dev in self._ends(i):
-                    subprocess.run(["ip", "netns", "exec", where, "tc", "qdisc", "del", "dev", dev, "root"],
-                                   capture_output=True)
-                    self._rates[i] = self.rate
-                    self._shape(where, dev, "add", self.rate)
-                self._delayed.discard(i)
+            if i in self._delayed:
+                delayer = self._delayed.pop(i)
+                if delayer is None:  # netem: back to the built qdiscs
+                    for where, dev in self._ends(i):
+                        subprocess.run(["ip", "netns", "exec", where, "tc", "qdisc", "del", "dev", dev, "root"],
+                                       capture_output=True)
+                        self._rates[i] = self.rate
+                        self._shape(where, dev, "add", self.rate)
+                else:  # the iptables rules are gone (above): let the delayer release what it holds
+                    proc, most_ms = delayer
+                    time.sleep(most_ms / 1000)
+                    proc.kill()
+                    proc.wait()
             if self._rates[i] != self.rate:
                 self.slow(i, None)
 
@@ -262,6 +284,21 @@ def loss_available() -> str | None:
                 return "the kernel has no iptables statistic match"
     except OSError:
         return "the kernel has no iptables (no /proc/net/ip_tables_matches)"
+    return None
+
+
+def delay_available() -> str | None:
+    """None when `Hosts.delay` can delay packets here (netem, or iptables' NFQUEUE), else why not."""
+    if netem_available() is None:
+        return None
+    if shutil.which("iptables") is None:
+        return "neither tc netem nor iptables (for an NFQUEUE) is available"
+    try:
+        with open("/proc/net/ip_tables_targets") as f:
+            if "NFQUEUE" not in f.read().split():
+                return "the kernel has neither sch_netem nor the iptables NFQUEUE target"
+    except OSError:
+        return "the kernel has neither sch_netem nor iptables"
     return None
 
 
