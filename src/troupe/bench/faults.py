@@ -29,6 +29,7 @@ import os
 import random
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -371,6 +372,8 @@ def main(regimes: list[str], faults: list[str], steps: int, pace: float, seed: i
         raise ValueError(f"unknown regime or fault {unknown}; regimes {list(REGIMES)}, faults {list(FAULTS)}")
     rng = random.Random(seed)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    # SIGTERM unwinds like Ctrl-C: the hosts' `with` removes the namespaces, rules and processes
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     cells: list[Cell] = []
     base = Path(workdir)
     print(HEADER, flush=True)

@@ -1,0 +1,47 @@
+"""`troupe bench faults` leaves nothing behind when it is interrupted mid-run."""
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from troupe.bench import netns
+
+pytestmark = pytest.mark.skipif(bool(netns.available()), reason=f"simulated hosts: {netns.available()}")
+
+
+def namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_matrix_removes_its_hosts_and_processes(tmp_path, sig):
+    proc = subprocess.Popen([sys.executable, "-m", "troupe", "bench", "faults", "--regimes", "plain-2", "--faults",
+                             "down", "--steps", "400", "--pace", "0.1", "--workdir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # wait until the job trains on the simulated hosts (the lock may first be held by another test)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        running = subprocess.run(["ip", "netns", "pids", "troupe-h1"], capture_output=True, text=True).stdout.split()
+        if running and "troupe-sw" in namespaces():
+            break
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("the matrix never started its job")
+    time.sleep(3)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    with open(netns.LOCK, "w") as lock:  # holding it, any simulated host still there is a leak
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        listed = namespaces()
+    assert netns.PREFIX not in listed and netns.SWITCH not in listed, (listed, out[-2000:])
+    job = subprocess.run(["pgrep", "-f", "faultjob.py --steps 400 --pace 0.1"], capture_output=True, text=True)
+    assert job.returncode == 1, f"job processes outlived the harness: {job.stdout}"
