@@ -361,6 +361,10 @@ def _first_named(reports: list[tuple[int, float, str]]) -> str:
     return f"host {host}: " + re.sub(r"\[backend: .*", "[backend error]", text)
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def main(regimes: list[str], faults: list[str], steps: int, pace: float, seed: int, doc: str | None,
          out: str | None, workdir: str) -> int:
     why = netns.available()
@@ -373,7 +377,7 @@ def main(regimes: list[str], faults: list[str], steps: int, pace: float, seed: i
     rng = random.Random(seed)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     # SIGTERM unwinds like Ctrl-C: the hosts' `with` removes the namespaces, rules and processes
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)
     cells: list[Cell] = []
     base = Path(workdir)
     print(HEADER, flush=True)
