@@ -49,3 +49,9 @@ def test_delayer_speaks_nfnetlink_queue():
 
 def test_netns_parses_delays():
     assert netns._ms("1ms") == 1.0 and netns._ms("2s") == 2000.0 and netns._ms("500us") == 0.5
+
+
+def test_every_fault_method_is_callable_on_hosts_with_a_base_delay():
+    hosts = netns.Hosts(2, rate="1gbit", delay="1ms")  # attributes set in __init__ must not shadow methods
+    for name in ("lose", "add_delay", "slow", "link", "partition", "heal", "kill_all", "stacks"):
+        assert callable(getattr(hosts, name)), name

@@ -137,7 +137,7 @@ FAULTS = {f.name: f for f in (
     Fault("loss-1", "1% packet loss, 20 s", lambda h, v: h.lose(v, 1), 20.0, needs=netns.loss_available),
     Fault("loss-10", "10% packet loss, 20 s", lambda h, v: h.lose(v, 10), 20.0, needs=netns.loss_available),
     Fault("loss-30", "30% packet loss, 20 s", lambda h, v: h.lose(v, 30), 20.0, needs=netns.loss_available),
-    Fault("delay-200", "+200 ms delay with jitter, 10 s", lambda h, v: h.delay(v, 200, 50), 10.0,
+    Fault("delay-200", "+200 ms delay with jitter, 10 s", lambda h, v: h.add_delay(v, 200, 50), 10.0,
           needs=netns.delay_available),
     Fault("down-5s", "link down 5 s", lambda h, v: h.link(v, up=False), 5.0),
     Fault("down", "link down for good", lambda h, v: h.link(v, up=False), None),
@@ -361,6 +361,12 @@ def _first_named(reports: list[tuple[int, float, str]]) -> str:
     return f"host {host}: " + re.sub(r"\[backend: .*", "[backend error]", text)
 
 
+def _record(out: str | None, cell: Cell) -> None:
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(vars(cell)) + "\n")
+
+
 def _interrupt(*_) -> None:
     raise KeyboardInterrupt
 
@@ -388,6 +394,7 @@ def main(regimes: list[str], faults: list[str], steps: int, pace: float, seed: i
             log(f"{name}: fault-free in {baseline.seconds:.0f} s, accuracy {baseline.acc}")
             cells.append(baseline)
             print(baseline.row(), flush=True)
+            _record(out, baseline)
             if baseline.outcome != "fault-free":
                 tail = (base / name / "none" / "output.txt").read_text().splitlines()[-5:]
                 log(f"{name}: the fault-free run failed, its faults are not run:\n" + "\n".join(tail))
@@ -399,9 +406,7 @@ def main(regimes: list[str], faults: list[str], steps: int, pace: float, seed: i
                 cell = run_cell(hosts, regime, fault, steps, pace, base / name / fault_name, baseline, rng, log)
                 cells.append(cell)
                 print(cell.row(), flush=True)
-                if out:
-                    with open(out, "a") as f:
-                        f.write(json.dumps(vars(cell)) + "\n")
+                _record(out, cell)
     if doc:
         write_doc(Path(doc), cells, steps, pace, seed)
     return 1 if any(c.outcome.startswith("HANG") for c in cells) else 0

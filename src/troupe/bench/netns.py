@@ -185,7 +185,7 @@ class Hosts:
             self._shape(where, dev, "change", rate)
         self._rates[i] = rate
 
-    def delay(self, i: int, ms: float, jitter_ms: float = 0.0) -> None:
+    def add_delay(self, i: int, ms: float, jitter_ms: float = 0.0) -> None:
         """Add `ms` (with `jitter_ms`, normally distributed) to host i's link, both ways: tc netem
         where the kernel has it, else an NFQUEUE and `troupe.bench.delayer` inside the host."""
         self._check(i)
