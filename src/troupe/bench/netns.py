@@ -5,13 +5,15 @@
         hosts.tx_bytes(i)                         # what host i's interface sent
         hosts.lose(1, 10)                         # 10% packet loss on host 1's link, both ways
         hosts.slow(3, "1mbit")                    # host 3's link 100x slower
+        hosts.add_delay(0, 200, jitter_ms=50)     # +200 ms on host 0's link (netem, or an NFQUEUE)
         hosts.link(2, up=False)                   # host 2's cable pulled at the switch
         hosts.partition([0, 1], [2, 3])           # two halves that cannot reach each other
         hosts.heal()                              # every link as it was built
 
-Needs root (ip netns, ip link, tc; iptables for packet loss). Only the 10.78.0.0/24 addresses inside the namespaces
-made here are used; the switch (a bridge per side of a partition) lives in its own
-namespace, and everything is removed on exit, also after an error or Ctrl-C.
+Needs root (ip netns, ip link, tc; iptables for loss and, without netem, delay). Only the
+10.78.0.0/24 addresses inside the namespaces made here are used; the switch (a bridge per
+side of a partition) lives in its own namespace, and everything is removed on exit, also
+after an error or Ctrl-C.
 
 Every link is a veth pair: ``th{i}`` in host i, ``ts{i}`` in the switch; a rate is a tbf on
 both ends, a base delay a netem above it. Loss is iptables' statistic match in the host's
