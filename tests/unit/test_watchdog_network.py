@@ -170,3 +170,27 @@ def test_rank_0_logs_join_attempts_refused_while_the_job_runs(deaths, caplog):
         assert "refused 1 join attempt(s) with a wrong ticket token" in caplog.text and "(3 in all)" in caplog.text
     finally:
         dog.stop()
+
+
+def test_a_rendezvous_that_refuses_connections_stops_a_waiting_rank_at_once(deaths):
+    """Rank 0 exited (its host answers, nothing listens): no need to wait out the peer timeout."""
+    store = Silent()
+    beat_as(store.inner, 0)
+
+    def refused():
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    patient = Settings(heartbeat=0.05, peer_timeout=30.0, stall_seconds=60.0, store_timeout=0.2)
+    dog = wd.Watchdog(store, 1, 2, patient, reconnect=refused, where="the job's rendezvous at 10.0.0.1:1 (rank 0's host)")
+    try:
+        dog.step = 9
+        with dog.waiting("gradient bucket 1"):
+            store.cut.set()
+            started = time.monotonic()
+            while not deaths and time.monotonic() - started < 10:
+                time.sleep(0.02)
+        # the store's deadline (0.2 s) and a beat, not the peer timeout (30 s)
+        assert deaths and time.monotonic() - started < 10
+        assert "refuses connections since step 9: rank 0, which hosts it, has exited" in deaths[0]
+    finally:
+        dog.stop()

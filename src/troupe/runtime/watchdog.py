@@ -204,6 +204,11 @@ class Watchdog:
                       "this one (a network partition)")
         try:
             self.store = bounded(self.reconnect, self.store_timeout, "reconnect")
+        except ConnectionRefusedError:
+            # its host answers, nothing listens: rank 0's process is gone, no need to wait out the timeout
+            if self.waiting_on is not None:
+                self._die(f"{self.where} refuses connections since step {step}: rank 0, which hosts it, has exited "
+                          "(see its report)")
         except Exception:
             pass  # still unreachable: try again next beat
         return False
