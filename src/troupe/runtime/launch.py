@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from troupe.runtime import netif
 from troupe.runtime.settings import Settings
 from troupe.runtime.ticket import LOOPBACK, Ticket, free_port  # noqa: F401  (re-exported)
 
@@ -161,6 +162,8 @@ def join(
         if t is not None and t.addr in (LOOPBACK, "localhost"):
             # Gloo picks its interface from the hostname; keep a local job on loopback.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        elif t is not None and backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+            _gloo_interface_towards(t.addr)
         dist.init_process_group(backend, store=store, rank=how.rank, world_size=how.world_size, timeout=pg_timeout)
         if t is not None:
             side = SideStore(t.addr, t.port, f"troupe/{t.token}/", env.store_timeout)
@@ -371,14 +374,41 @@ def _mpi_ticket(env: Settings) -> tuple[Ticket, int, int, int, int]:
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_world = node.Get_rank(), node.Get_size()
     ticket = None
+    spans_hosts = local_world < world  # the same on every rank: a collective below depends on it
+    # Every rank's addresses, so that rank 0 can pick one of its own that the other hosts route to.
+    peers = comm.allgather(sorted(netif.addresses().values())) if spans_hosts else []
     if rank == 0:
-        addr = env.master_addr or (
-            LOOPBACK if local_world == world else socket.gethostbyname(socket.gethostname())
-        )
-        ticket = Ticket(addr=addr, port=env.master_port)
+        try:
+            addr = env.master_addr or (_master_address(peers) if spans_hosts else LOOPBACK)
+            ticket = Ticket(addr=addr, port=env.master_port)
+        except Exception as e:  # sent on: the other ranks would wait in bcast for ever
+            ticket = e
     # SINGA broadcasts its NCCL id the same way.
     ticket = comm.bcast(ticket, root=0)
+    if isinstance(ticket, Exception):
+        raise ticket if rank == 0 else RuntimeError(f"rank {rank}: rank 0 could not make the job's ticket: {ticket}")
     return ticket, rank, local_rank, world, local_world
+
+
+def _master_address(peers: list[list[str]]) -> str:
+    """Rank 0's address for a job on several hosts: the hostname's, unless that is loopback or
+    unknown; then the address that routes to the other hosts' ranks."""
+    addr = netif.host_address() or netif.reachable_address(a for ranks in peers for a in ranks)
+    if addr is None:
+        raise RuntimeError(
+            f"rank 0 ({socket.gethostname()}) found no address of its own that the other hosts can reach "
+            "(its hostname resolves to loopback or not at all): set TROUPE_MASTER_ADDR to rank 0's address"
+        )
+    return addr
+
+
+def _gloo_interface_towards(master: str) -> None:
+    """Gloo binds to the hostname's address; where that is loopback or unknown (a job on several
+    hosts would then bind to loopback), bind to the interface that reaches rank 0 instead."""
+    if netif.host_address() is None:
+        iface = netif.interface_for(master)
+        if iface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
 
 
 def _adopt_existing_group() -> DistInfo:
