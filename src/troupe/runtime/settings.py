@@ -29,7 +29,8 @@ class Settings:
     backend: str | None = None
     """TROUPE_BACKEND: "gloo" or "nccl" (default: NCCL when every local rank has a GPU)."""
     master_addr: str | None = None
-    """TROUPE_MASTER_ADDR: where rank 0 listens under mpiexec (default: loopback on one host)."""
+    """TROUPE_MASTER_ADDR: where rank 0 listens under mpiexec (default: loopback on one host; on several,
+    the hostname's address, or rank 0's address that routes to the other hosts)."""
     master_port: int = 0
     """TROUPE_MASTER_PORT: its port under mpiexec (0: any free port)."""
     timeout: float | None = None
