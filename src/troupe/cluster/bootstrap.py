@@ -112,7 +112,7 @@ def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, wo
                                 job.sync_channels if role.server else None, alive, job.timeout)
     else:
         strategy = CoLocated(cluster, role, job.group_comms[role.worker[0]], optimizer, bucket_size,
-                             job.sync_channels, alive, job.timeout)
+                             job.sync_channels, alive, job.timeout, layout=arranged)
     world.on_shutdown(strategy.close)  # tell the servers (or peers) this worker is done, at exit too
     return view, strategy
 
@@ -135,10 +135,6 @@ def worker_layout(job: Job, params: list, param_group_of: list[int]) -> Layout:
     mine = layout.entries(params, param_group_of, k, len(job.workers))
     every = job.workers_comm.all_gather_object(mine) if len(job.workers) > 1 else [mine]
     arranged = layout.build(every, k, job.workers.index(job.role.rank))
-    if arranged.partitioned and not cluster.server_worker_separate:
-        raise ValueError("a partitioned model (troupe.partition) trains under separate servers (Sandblaster, "
-                         "Downpour: server_worker_separate true) or the synchronous all-reduce without a "
-                         "cluster; co-located servers and Hogwild are not supported yet")
     return arranged
 
 

@@ -52,8 +52,10 @@ def partition(
     >>> loss = F.cross_entropy(model(x_own), y_own)   # x_own: this worker's b samples
 
     Under a parameter-server cluster (``troupe run --cluster``, ``TROUPE_CLUSTER``) the groups are
-    the cluster's worker groups (k = its nworkers_per_group) and each worker Puts, Updates and
-    Gets only its own slices; a server rank gets `model` back unchanged (it trains nothing).
+    the cluster's worker groups (k = its nworkers_per_group): with separate servers each worker
+    Puts, Updates and Gets only its own slices, and a server rank gets `model` back unchanged (it
+    trains nothing); with co-located servers (AllReduce, Distributed Hogwild) a slice's one holder
+    updates it on its own server and syncs it only with the same worker of the other groups.
 
     Args:
         plan: one partition_dim for every Linear/Conv2d, or a dict of module-name glob ->
