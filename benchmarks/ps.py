@@ -56,6 +56,14 @@ def equal_workers(w: int) -> dict[str, list[str]]:
                          "--group-merge", "sum"],
         "downpour-fetch4": ["--nworker-groups", str(w), "--nservers-per-group", "1", "--server-worker-separate",
                             "--fetch-freq", "4"],  # Downpour's n_fetch: fresh values every 4 steps
+        # the fresh values arrive while the next step computes (a delay of one own step)
+        "downpour-bg": ["--nworker-groups", str(w), "--nservers-per-group", "1", "--server-worker-separate",
+                        "--fetch", "background"],
+        # ... and each update at the full rate divided by its staleness (Zhang et al. 2016)
+        "downpour-bg-inverse": ["--nworker-groups", str(w), "--nservers-per-group", "1", "--server-worker-separate",
+                                "--fetch", "background", "--group-merge", "sum", "--staleness-lr", "inverse"],
+        "downpour-bg-mean-inverse": ["--nworker-groups", str(w), "--nservers-per-group", "1",
+                                     "--server-worker-separate", "--fetch", "background", "--staleness-lr", "inverse"],
     }
 
 

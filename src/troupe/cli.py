@@ -195,7 +195,7 @@ def _ticket(args: argparse.Namespace) -> Ticket:
 
 
 def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
-    from troupe.cluster.config import FIELD_FLAGS, PRESETS, WIRE_DTYPES
+    from troupe.cluster.config import CHOICES, FIELD_FLAGS, PRESETS, WIRE_DTYPES
 
     group = run.add_argument_group("cluster (parameter servers; SINGA's ClusterProto)")
     group.add_argument("--framework", choices=sorted(PRESETS), default=None, help="a preset cluster topology")
@@ -212,6 +212,12 @@ def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
     group.add_argument("--wire-topk", type=float, default=None, metavar="FRACTION",
                        help="separate servers: send the top FRACTION of each slice's update, with error feedback "
                             "(default: dense)")
+    group.add_argument("--fetch", choices=CHOICES["fetch"], default=None,
+                       help="separate servers: wait for the fresh values in step(), or take them in the background "
+                            "while the next step computes (default wait)")
+    group.add_argument("--staleness-lr", choices=CHOICES["staleness_lr"], default=None,
+                       help="separate servers: divide the learning rate of an update tau versions stale by tau "
+                            "(inverse) or not (default constant)")
 
 
 def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
@@ -220,7 +226,7 @@ def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
 
     fields = {name: getattr(args, name)
               for name in (*FIELD_FLAGS, "server_worker_separate", "share_memory", "group_merge", "wire_dtype",
-                           "wire_topk")}
+                           "wire_topk", "fetch", "staleness_lr")}
     total = None if args.nproc is None else args.nproc * args.nnodes
     cluster = resolve(args.framework, args.cluster, total, **fields)
     if cluster is None:

@@ -179,3 +179,56 @@ def test_staleness_bound_holds_the_fast_group_until_the_slow_one_catches_up():
     assert shard.update(0, 0, g) == []  # 3 vs 1: held again
     shard.remove_worker(1)  # the slow group is gone: nobody to wait for
     assert shard.released() == [(0, [0])]
+
+
+def test_inverse_staleness_divides_the_learning_rate_of_a_stale_update():
+    # Two asynchronous groups of one worker each. staleness_lr "inverse": an update computed on
+    # values tau versions old steps with lr / max(1, tau) (momentum and weight decay as usual).
+    params = make_params()
+    template = torch.optim.SGD([p.clone().requires_grad_() for p in params], lr=0.1, momentum=0.9, weight_decay=1e-2)
+    slices = plan_slices([p.numel() for p in params], 1)
+    shard = ParamShard(slices, template, [0, 0, 0], {0: {10}, 1: {11}}, staleness_lr="inverse")
+    for s in slices:
+        shard.put(s.id, params[s.param].reshape(-1))
+    reference = [p.clone().requires_grad_() for p in params]
+    ref_opt = torch.optim.SGD(reference, lr=0.1, momentum=0.9, weight_decay=1e-2)
+    g = torch.Generator().manual_seed(3)
+    # (sender, the version its values had): fresh, fresh, 2 behind, 3 behind, 1 behind
+    for sender, behind in ((10, 0), (11, 0), (10, 2), (11, 3), (10, 1)):
+        grads = [torch.randn(p.shape, generator=g) for p in params]
+        for s in slices:
+            version = shard.version[s.id] - behind
+            assert shard.update(s.id, sender, grads[s.param].reshape(-1), version) == [sender]
+        for p, grad in zip(reference, grads):
+            p.grad = grad
+        for group in ref_opt.param_groups:
+            group["lr"] = 0.1 / max(1, behind)
+        ref_opt.step()
+    for s in slices:
+        torch.testing.assert_close(shard.values[s.id], reference[s.param].detach().reshape(-1), rtol=0, atol=1e-6)
+    assert shard.staleness == [tau for tau in (0, 0, 2, 3, 1) for _ in slices]
+    assert [g["lr"] for g in shard.optimizer.param_groups] == [0.1]  # restored after every stale update
+
+
+def test_background_fetch_lets_a_worker_send_one_step_ahead_of_its_group():
+    # steps_ahead=1 (fetch: background): worker 0 sends steps 1 and 2 before its partner's step 1;
+    # each step of the group is applied once, in order, when complete. A third is a protocol error.
+    params = make_params()
+    template = torch.optim.SGD([p.clone() for p in params], lr=1.0)
+    slices = plan_slices([p.numel() for p in params], 1)
+    shard = ParamShard(slices, template, [0, 0, 0], {0: {0, 1}}, steps_ahead=1)
+    s = slices[0]
+    start = params[0].reshape(-1)
+    shard.put(s.id, start)
+    one = torch.ones(s.numel)
+    assert shard.update(s.id, 0, one, 0) == []
+    assert shard.update(s.id, 0, 3 * one, 0) == []  # step 2, queued behind step 1
+    with pytest.raises(ValueError, match="for 3 steps before its group completed the first"):
+        shard.update(s.id, 0, one, 0)
+    assert shard.missing() == {(0, s.id): {1}}
+    assert shard.update(s.id, 1, 5 * one, 0) == [0, 1]  # step 1: mean of 1 and 5
+    torch.testing.assert_close(shard.get(s.id)[1], start - 3)
+    assert shard.get(s.id)[0] == 1
+    assert shard.remove_worker(1) == [(s.id, [0])]  # step 2 completes without the partner: 3
+    torch.testing.assert_close(shard.get(s.id)[1], start - 6)
+    assert shard.missing() == {}

@@ -37,6 +37,8 @@ ENV_VAR = "TROUPE_CLUSTER"
 
 
 WIRE_DTYPES = ("fp32", "fp16", "bf16")
+CHOICES = {"fetch": ("wait", "background"), "staleness_lr": ("constant", "inverse")}
+"""Fields of separate servers with a fixed set of values, the default first."""
 """What `ClusterConfig.wire_dtype` may say."""
 
 
@@ -72,6 +74,18 @@ class ClusterConfig:
     server steps with lr / G per group's update; a Hogwild master copy adds a group's change / G), so
     the learning rate means what it means synchronously. "sum": SINGA's rule, each group's full change
     (G times the step; diverges at a learning rate one group trains well with)."""
+    fetch: Literal["wait", "background"] = "wait"
+    """Separate servers: when a worker takes in the fresh values its Updates bring back. "wait":
+    ``step()`` waits for them (a round trip to the servers every step). "background": ``step()``
+    sends the Updates and returns at once; the replies are received by a thread while the next
+    step computes, and copied in at that step's ``step()``. Every step then computes on values
+    that lack this worker's previous update (a delay of one own step; measured in
+    docs/clusters.md), and a worker waits only when the servers take longer than a step. A
+    synchronous group (Sandblaster) then trains as SGD with a one-step delay."""
+    staleness_lr: Literal["constant", "inverse"] = "constant"
+    """Separate servers: the learning rate of an update computed on values that are tau updates
+    old. "constant": the same for every update. "inverse": divided by max(1, tau) (Zhang et al.,
+    "Staleness-aware Async-SGD", IJCAI 2016), so a stale gradient moves the values less."""
     send_updates: Literal["auto", "step"] = "auto"
     """Separate servers: when a worker's Update messages leave. "step": in ``step()``, after whatever the
     loop did to the gradients (clipping). "auto": in ``step()`` until a step shows that the loop leaves
@@ -106,6 +120,11 @@ class ClusterConfig:
             elif f.name == "group_merge":
                 if value not in ("mean", "sum"):
                     raise ValueError(f"group_merge must be 'mean' or 'sum', got {value!r}")
+            elif f.name in CHOICES:
+                if value not in CHOICES[f.name]:
+                    raise ValueError(f"{f.name} must be one of {', '.join(CHOICES[f.name])}, got {value!r}")
+                if value != CHOICES[f.name][0] and not self.server_worker_separate:
+                    raise ValueError(f"{f.name} {value} needs separate servers (server_worker_separate: true)")
             elif f.name == "send_updates":
                 if value not in ("auto", "step"):
                     raise ValueError(f"send_updates must be 'auto' or 'step', got {value!r}")
@@ -443,7 +462,7 @@ def resolve(
     if framework is not None:
         # Flags that do not change the shape (sync_freq, ...) keep the preset rescalable to -n.
         reshaped = set(fields) - {"sync_freq", "fetch_freq", "staleness_bound", "share_memory", "group_merge",
-                                  "send_updates", "wire_dtype", "wire_topk"}
+                                  "send_updates", "wire_dtype", "wire_topk", "fetch", "staleness_lr"}
         cfg = preset(framework, None if reshaped else nprocs)
     elif path is not None:
         cfg = load(path)

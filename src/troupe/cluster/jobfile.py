@@ -85,7 +85,7 @@ def _value(key: str, raw: str) -> int | float | bool | str:
     low = raw.lower()
     if low in ("true", "false"):
         return low == "true"
-    if key in ("group_merge", "send_updates", "wire_dtype"):
+    if key in ("group_merge", "send_updates", "wire_dtype", "fetch", "staleness_lr"):
         return raw.strip("\"'")
     if key == "wire_topk":  # a fraction
         try:

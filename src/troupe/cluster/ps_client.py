@@ -10,6 +10,8 @@ gradients before they leave, and Skips every slice of a non-finite step. With
 `ClusterConfig.wire_topk` each slice's Update carries only the top-K of (its gradient + what
 this worker left out of that slice before), as (index, value) pairs (`troupe.cluster.sparse`);
 the rest is kept as the slice's residual (error feedback), in `state_dict()`.
+With `ClusterConfig.fetch` "background" a step does not wait for its replies: a thread receives
+them while the next step computes, and that step's `step()` copies them in.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import Tensor
@@ -125,6 +128,13 @@ class PSClient:
         self._in_flight = False  # this step's Updates have left, their replies are not collected yet
         self._finite = True  # every bucket sent so far this step was finite
         self._prepared: bool | None = None  # this step's gradients changed after backward (None: not looked yet)
+        self.background = cluster.fetch == "background"
+        """The replies are received by a thread while the next step computes (`ClusterConfig.fetch`)."""
+        self._inbox: Future | None = None  # the thread's work for the replies of the last step
+        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="troupe-fetch") if self.background else None
+        self._landing = {s.id: torch.empty(s.numel, dtype=self.wire or self.local[s.param].dtype)
+                         for s in self.mine} if self.background else {}
+        """Background fetch: where the thread receives each slice's fresh values until step() copies them in."""
 
     def start(self) -> None:
         """The first worker group Puts the initial parameters (shared out among its workers); everyone Gets."""
@@ -183,7 +193,7 @@ class PSClient:
                 "backward): with a loop that changes gradients only in some steps (clipping from step N on), "
                 "set send_updates: step in the cluster"
             )
-        stats = {"staleness": self.staleness[-1]}
+        stats = {"staleness": self.staleness[-1] if self.staleness else 0}  # background: none landed at step 1
         if self.feedback is not None:
             stats["residual_norm"] = residual_norm(self.residuals)
         return stats
@@ -205,10 +215,15 @@ class PSClient:
         self.residuals.update({k: v.clone() for k, v in residuals.items()})
 
     def close(self) -> None:
-        """Tell every server this worker has finished (called at exit if not before)."""
+        """Take in the last replies, tell every server this worker has finished (called at exit if not before)."""
         if self.closed:
             return
         self.closed = True
+        try:
+            self._land()
+        finally:
+            if self._fetcher is not None:
+                self._fetcher.shutdown(wait=False)
         try:
             for server in self.all_servers:
                 self.world.send(Header(Op.STOP, -1, 0, self.rank, 0).encode(), server, tag=HEADER_TAG)
@@ -246,8 +261,15 @@ class PSClient:
                 self._sends.append(self.world.isend(torch.tensor(lrs, dtype=torch.float64), server, tag=PAYLOAD_TAG))
 
     def _end_step(self, changed: bool) -> None:
-        """Collect the replies; the next step overlaps only if this one's gradients were left alone."""
-        self._collect(count_staleness=True)
+        """Collect the replies (background fetch: the previous step's, and leave this step's to the thread);
+        the next step overlaps its Updates with backward only if this one's gradients were left alone."""
+        if self.background:
+            self._land()
+            expected, sends = self._expected, self._sends
+            self._expected, self._sends = Counter(), []
+            self._inbox = self._fetcher.submit(self._receive, expected, sends, self._landing)
+        else:
+            self._collect(count_staleness=True)
         self._in_flight = False
         self._prepared = None
         self.may_overlap = self.may_overlap and not changed
@@ -318,6 +340,7 @@ class PSClient:
 
     def _post(self, op: Op, s, server: int, payload: Tensor | None = None) -> None:
         length = 0 if payload is None else payload.numel()
+        given = None if payload is None else payload.data_ptr()
         if payload is not None and self.feedback is not None and op in (Op.UPDATE, Op.PUSH):
             (index, values), _ = self.feedback.compress(payload, f"slice{s.id}")
             op, length, payload = SPARSE_OF[op], index.numel(), sparse.encode(index, values)
@@ -326,17 +349,28 @@ class PSClient:
         header = Header(op, s.id, self.version[s.id], self.rank, length).encode()
         self._sends.append(self.world.isend(header, server, tag=HEADER_TAG))
         if payload is not None:
-            self._sends.append(self.world.isend(payload.contiguous(), server, tag=PAYLOAD_TAG))
+            payload = payload.contiguous()
+            if self.background and op is not Op.PUT and payload.data_ptr() == given:
+                # Still on its way while the next backward writes the gradient buckets: send a copy.
+                payload = payload.clone()
+            self._sends.append(self.world.isend(payload, server, tag=PAYLOAD_TAG))
         if op in (Op.GET, Op.UPDATE, Op.PUSH, Op.SKIP, *SPARSE):
             self._expected[server] += 1
 
     @torch.no_grad()
     def _collect(self, count_staleness: bool) -> None:
         """Receive every reply owed to this worker and copy the fresh slices into the parameters."""
-        worst = 0
-        for server in sorted(self._expected):
-            remaining = self._expected[server]
-            while remaining:
+        replies = self._receive(self._expected, self._sends)
+        self._expected, self._sends = Counter(), []
+        self._take(replies, count_staleness)
+
+    def _receive(self, expected: Counter[int], sends: list[Handle],
+                 into: dict[int, Tensor] | None = None) -> list[tuple[int, int, Tensor | None]]:
+        """Receive the replies `expected` of each server: (slice, version, fresh values or None for an Ack).
+        Then wait for this step's sends. Runs in the fetch thread under background fetch."""
+        replies = []
+        for server in sorted(expected):
+            for _ in range(expected[server]):
                 raw = empty_header()
                 self.world.recv(raw, server, tag=HEADER_TAG)
                 header = Header.decode(raw)
@@ -344,16 +378,31 @@ class PSClient:
                 check(header, src=server, expected_length=s and s.numel, allowed={Op.REPLY, Op.ACK})
                 if s is None or s.param not in self.local or self.server_of[s.id] != server:
                     raise MessageError(f"reply from server {server} for slice {header.slice_id} it does not hold")
+                value = None
                 if header.op is Op.REPLY:
-                    value = torch.empty(header.length, dtype=self.wire or self.local[s.param].dtype)
+                    value = into[s.id] if into is not None else \
+                        torch.empty(header.length, dtype=self.wire or self.local[s.param].dtype)
                     self.world.recv(value, server, tag=PAYLOAD_TAG)
-                    self._flat(s).copy_(value)
-                worst = max(worst, header.version - self.version[s.id] - 1)
-                self.version[s.id] = header.version
-                remaining -= 1
-        self._expected.clear()
-        for h in self._sends:
+                replies.append((s.id, header.version, value))
+        for h in sends:
             h.wait()
-        self._sends = []
+        return replies
+
+    @torch.no_grad()
+    def _take(self, replies: list[tuple[int, int, Tensor | None]], count_staleness: bool) -> None:
+        """Copy the fresh slices into the parameters; the staleness is how many versions a slice moved
+        beyond this worker's own update."""
+        worst = 0
+        for slice_id, version, value in replies:
+            if value is not None:
+                self._flat(self.slices[slice_id]).copy_(value)
+            worst = max(worst, version - self.version[slice_id] - 1)
+            self.version[slice_id] = version
         if count_staleness:
             self.staleness.append(worst)
+
+    def _land(self) -> None:
+        """Background fetch: wait for the thread's replies of the last step and copy them in."""
+        inbox, self._inbox = self._inbox, None
+        if inbox is not None:
+            self._take(inbox.result(), count_staleness=True)

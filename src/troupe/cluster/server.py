@@ -13,7 +13,7 @@ import socket
 import sys
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -86,8 +86,10 @@ class Server:
         tell a dead or cut-off worker from a slow one."""
         self.fail_on_death = fail_on_death
         """Synchronous clusters cannot go on without a worker: end the job with a clear error instead."""
-        self.no_values: set[tuple[int, int]] = set()
-        """(worker, slice) pairs whose pending update was a Push: the answer is an Ack."""
+        self.no_values: dict[tuple[int, int], deque[bool]] = defaultdict(deque)
+        """Per (worker, slice), for each of its updates not answered yet, oldest first: whether it was a
+        Push or a Skip (the answer is an Ack) rather than an Update (a Reply with values). Under
+        background fetch a worker may have two in flight."""
         self.wire = wire_dtype or shard.dtype
         """The dtype of Update and Push payloads and of every Reply (`ClusterConfig.wire_dtype`); Puts are the shard's."""
         self.topk = wire_topk
@@ -183,11 +185,12 @@ class Server:
             else:
                 self.waiting_gets[header.slice_id].append((src, header.version))
         elif header.op in (Op.UPDATE, Op.PUSH, Op.SKIP):
-            if header.op is not Op.UPDATE:  # a Push or a Skip: the worker keeps its values
-                self.no_values.add((src, header.slice_id))
+            acks = self.no_values[(src, header.slice_id)]
+            acks.append(header.op is not Op.UPDATE)  # a Push or a Skip: the worker keeps its values
             try:
                 done = self.shard.update(header.slice_id, src, payload, header.version)
             except ValueError as e:
+                acks.pop()
                 raise MessageError(str(e)) from None
             self._replies(header.slice_id, done)
         elif header.op is Op.STOP:
@@ -222,8 +225,8 @@ class Server:
     def _reply(self, worker: int, slice_id: int) -> None:
         version, value = self.shard.get(slice_id)
         try:
-            if (worker, slice_id) in self.no_values:  # a Push: acknowledge without values
-                self.no_values.discard((worker, slice_id))
+            acks = self.no_values.get((worker, slice_id))
+            if acks and acks.popleft():  # a Push: acknowledge without values
                 self.comm.send(Header(Op.ACK, slice_id, version, self.rank, 0).encode(), worker, HEADER_TAG)
                 return
             self.comm.send(Header(Op.REPLY, slice_id, version, self.rank, value.numel()).encode(), worker, HEADER_TAG)

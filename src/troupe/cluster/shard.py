@@ -89,6 +89,8 @@ class ParamShard:
         owners: dict[int, int | None] | None = None,
         position: dict[int, int] | None = None,
         group_size: int = 1,
+        staleness_lr: str = "constant",
+        steps_ahead: int = 0,
     ):
         self.slices = {s.id: s for s in slices}
         self.owners = {k: (owners or {}).get(k) for k in self.slices}
@@ -112,9 +114,15 @@ class ParamShard:
         self.ngroups = len(spec.groups)
         self._group_of_server_group = [i for i, g in enumerate(groups) if g]  # empty groups are left out
         self.lr_scale = lr_scale
+        self.staleness_lr = staleness_lr
+        """"inverse": an update computed on values tau versions old steps with lr / max(1, tau)."""
         """The server steps with the workers' learning rate times this (1/G: G asynchronous groups, "mean")."""
         self.set_lr(spec.lrs)
-        self._pending: dict[tuple[int, int], _Pending] = {}
+        self.steps_ahead = steps_ahead
+        """How many steps a worker may send beyond its group's oldest incomplete update of a slice
+        (1 under background fetch: a worker sends step t+1 before its partners' step t arrived)."""
+        self._pending: dict[tuple[int, int], list[_Pending]] = {}
+        """Per (group, slice): the group's incomplete updates, oldest first (one unless `steps_ahead`)."""
         self.updates = 0
         self.skipped = 0
         """Group updates of a slice not applied because a worker's gradient was not finite."""
@@ -143,12 +151,17 @@ class ParamShard:
         finite): the group's update of the slice is skipped, as one process skips the step.
         """
         group = self.group_of[sender]
-        pending = self._pending.get((group, slice_id))
+        queue = self._pending.setdefault((group, slice_id), [])
+        pending = next((p for p in queue if sender not in p.senders), None)
         if pending is None:
-            pending = self._pending[(group, slice_id)] = _Pending(torch.zeros_like(self.values[slice_id]))
+            if len(queue) > self.steps_ahead:
+                if not self.steps_ahead:
+                    raise ValueError(f"worker {sender} sent two updates for slice {slice_id} in one step")
+                raise ValueError(f"worker {sender} sent updates of slice {slice_id} for {len(queue) + 1} steps before "
+                                 f"its group completed the first (at most {self.steps_ahead + 1})")
+            pending = _Pending(torch.zeros_like(self.values[slice_id]))
             pending.base_version = version
-        if sender in pending.senders:
-            raise ValueError(f"worker {sender} sent two updates for slice {slice_id} in one step")
+            queue.append(pending)
         if grad is None:
             pending.skipped = True
         else:
@@ -169,8 +182,8 @@ class ParamShard:
         return [(k, r) for k, r in done if r]
 
     def missing(self) -> dict[tuple[int, int], set[int]]:
-        """For each incomplete (group, slice): the live workers it still waits for."""
-        return {key: self.holders(*key) - p.senders for key, p in self._pending.items()}
+        """For each incomplete (group, slice): the live workers its oldest incomplete update still waits for."""
+        return {key: self.holders(*key) - queue[0].senders for key, queue in self._pending.items()}
 
     def holders(self, group: int, slice_id: int) -> set[int]:
         """The live workers of `group` that hold slice `slice_id` (all of them, unless it is partitioned)."""
@@ -184,19 +197,27 @@ class ParamShard:
         return owner is None or self.position.get(worker) == owner
 
     def _maybe_apply(self, group: int, slice_id: int) -> list[int]:
-        pending = self._pending[(group, slice_id)]
+        """Apply the group's oldest updates of the slice that are complete; the workers to reply to (one
+        entry per update applied: a worker that sent two completed ones gets two replies)."""
+        queue, replies = self._pending[(group, slice_id)], []
+        while queue and queue[0].senders and self.holders(group, slice_id) <= queue[0].senders:
+            replies += self._apply_complete(group, slice_id, queue.pop(0))
+        if not queue:
+            del self._pending[(group, slice_id)]
+        return replies
+
+    def _apply_complete(self, group: int, slice_id: int, pending: _Pending) -> list[int]:
         live = self.holders(group, slice_id)
-        if not pending.senders or not live <= pending.senders:
-            return []
-        del self._pending[(group, slice_id)]
         if pending.skipped:  # nothing applied, the version stays: everyone gets the unchanged value
             self.skipped += 1
             return sorted(pending.senders & live)
         # A partitioned slice's one sender already summed its group's k workers' contributions.
         senders = len(pending.senders) * (1 if self.owners[slice_id] is None else self.group_size)
-        self.apply(slice_id, pending.total / senders)
+        tau = self.version[slice_id] - pending.base_version  # updates applied since the values it was computed on
+        scale = 1.0 / max(1, tau) if self.staleness_lr == "inverse" else 1.0
+        self.apply(slice_id, pending.total / senders, lr_scale=scale)
         self.clock[(group, slice_id)] += 1
-        self.staleness.append(self.version[slice_id] - 1 - pending.base_version)
+        self.staleness.append(tau)
         if self._ahead(group, slice_id):
             self._held.append((group, slice_id, sorted(pending.senders)))
             return []
@@ -223,14 +244,21 @@ class ParamShard:
         return out
 
     @torch.no_grad()
-    def apply(self, slice_id: int, grad: Tensor) -> None:
-        """One optimizer step on one slice with `grad` (the group's averaged gradient)."""
+    def apply(self, slice_id: int, grad: Tensor, lr_scale: float = 1.0) -> None:
+        """One optimizer step on one slice with `grad` (the group's averaged gradient), at lr * lr_scale."""
         value = self.values[slice_id]
         value.grad = grad.reshape(-1).to(value.dtype)
+        if lr_scale != 1.0:
+            lrs = [g["lr"] for g in self.optimizer.param_groups]
+            for g in self.optimizer.param_groups:
+                g["lr"] *= lr_scale
         try:
             self.optimizer.step()
         finally:
             value.grad = None
+            if lr_scale != 1.0:
+                for g, lr in zip(self.optimizer.param_groups, lrs):
+                    g["lr"] = lr
         self.version[slice_id] += 1
         self.updates += 1
 
