@@ -36,6 +36,7 @@ from troupe.cluster import layout
 from troupe.cluster.config import ClusterConfig, Role, expendable_ranks, from_env, roles
 from troupe.cluster.layout import Layout
 from troupe.cluster.server import Server, ServerStats, process_alive
+from troupe.cluster.serversync import MasterCopies, ServerSync
 from troupe.cluster.shard import ParamShard, plan_slices
 from troupe.cluster.shared import SharedMemory
 from troupe.cluster.spec import TrainingSpec
@@ -279,21 +280,36 @@ def serve(job: Job, spec: TrainingSpec) -> ServerStats:
     writing its checkpoint under ``TROUPE_CHECKPOINT_DIR``)."""
     shard = _make_shard(job, spec)
     putters = {r.rank for r in job.everyone if r.worker and r.worker[0] == 0}
+    path = _checkpoint_path(job)
     server = Server(job.world, shard, job.workers, putters, job.alive,
                     fail_on_death=job.cluster.synchronous, wire_dtype=wire_dtype(job.cluster, shard.dtype),
-                    wire_topk=job.cluster.wire_topk)
-    path = _checkpoint_path(job)
+                    wire_topk=job.cluster.wire_topk, sync=_server_sync(job, shard),
+                    on_exit=None if path is None else lambda: _save(shard, path))
     if path is not None and job.runtime.settings.resume in ("yes", "auto") and os.path.isfile(path):
         shard.load_state_dict(torch.load(path, weights_only=True))
         print(f"troupe server rank {job.role.rank}: resumed {len(shard.slices)} slice(s) from {path}",
               file=sys.stderr)
     stats = server.serve()
     if path is not None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        torch.save(shard.state_dict(), tmp)
-        os.replace(tmp, path)  # a reader sees the old checkpoint or the new one, never half of one
+        _save(shard, path)
     return stats
+
+
+def _server_sync(job: Job, shard: ParamShard) -> ServerSync | None:
+    """Several separate server groups: this server syncs with server `index` of every other group."""
+    cluster, (group, index) = job.cluster, job.role.server
+    if cluster.nserver_groups == 1:
+        return None
+    peers = {r.server[0]: r.rank for r in job.everyone if r.server and r.server[1] == index and r.server[0] != group}
+    copies = MasterCopies(shard, group, cluster.nserver_groups, cluster.group_merge)
+    return ServerSync(job.world, copies, peers, cluster.sync_freq, set().union(*shard.members.values()))
+
+
+def _save(shard: ParamShard, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(shard.state_dict(), tmp)
+    os.replace(tmp, path)  # a reader sees the old checkpoint or the new one, never half of one
 
 
 def _leave() -> None:

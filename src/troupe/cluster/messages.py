@@ -52,9 +52,21 @@ class Op(IntEnum):
     (`ClusterConfig.wire_topk`; the payload's layout is `troupe.cluster.sparse`'s)."""
     SPARSE_PUSH = 13
     """Worker -> server: a Push as (index, value) pairs."""
+    MERGE = 14
+    """Server -> the master copy of a part, held by a server of another server group
+    (`troupe.cluster.serversync`): my change of the part since I last synced (`slice_id`: my server
+    group; `version`: the master copy's version I last adopted)."""
+    MERGED = 15
+    """Master copy -> server: the part's value after folding in your Merge (`version`: the master copy's)."""
+    FINISHED = 16
+    """Server -> the servers of the other server groups: every worker of my groups has stopped and my
+    last Merge has left (`slice_id`: my server group)."""
+    FINAL = 17
+    """Master copy -> server: the part's value once every server group has finished (no more merges)."""
 
 
-WITH_PAYLOAD = {Op.PUT, Op.UPDATE, Op.PUSH, Op.REPLY, Op.LR, Op.SYNC, Op.SPARSE_UPDATE, Op.SPARSE_PUSH}
+WITH_PAYLOAD = {Op.PUT, Op.UPDATE, Op.PUSH, Op.REPLY, Op.LR, Op.SYNC, Op.SPARSE_UPDATE, Op.SPARSE_PUSH,
+                Op.MERGE, Op.MERGED, Op.FINAL}
 """Ops whose header is followed by a payload of `length` elements (pairs, for the sparse ones)."""
 SPARSE = {Op.SPARSE_UPDATE: Op.UPDATE, Op.SPARSE_PUSH: Op.PUSH}
 """The sparse ops, and the dense op each stands for once its pairs are scattered into a slice."""

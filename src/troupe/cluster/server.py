@@ -2,7 +2,9 @@
 
 All state lives in `ParamShard`; this file only moves messages. A worker that stops
 (Op.STOP) or dies (a send to it fails, or its process is gone) is forgotten: updates its group was waiting for
-complete without it, and the loop ends when every worker is gone.
+complete without it, and the loop ends when every worker is gone. With several separate server
+groups the messages of the neighbour servers (`troupe.cluster.serversync`) arrive in the same loop,
+which then also runs until every server group has finished.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from troupe.runtime.comm import Communicator
 from troupe.cluster import sparse
 from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, SPARSE, Header, MessageError, Op, check, empty_header
+from troupe.cluster.serversync import ServerSync
 from troupe.cluster.shard import ParamShard
 from troupe.compress.topk import topk_count
 
@@ -43,6 +46,8 @@ class ServerStats:
     """Group updates of a slice skipped because a worker's gradient was not finite (nan_policy)."""
     rejected: int
     dead_workers: list[int]
+    sync: str = ""
+    """With several server groups: what the synchronisation with the neighbour servers did."""
 
     @property
     def updates_per_second(self) -> float:
@@ -53,6 +58,7 @@ class ServerStats:
             f"{self.updates} slice updates in {self.seconds:.1f}s ({self.updates_per_second:.0f}/s), "
             f"staleness mean {self.staleness_mean:.2f} max {self.staleness_max}, {self.skipped} skipped (non-finite), "
             f"{self.rejected} message(s) rejected, workers gone without stopping: {self.dead_workers or 'none'}"
+            + (f"; {self.sync}" if self.sync else "")
         )
 
 
@@ -69,6 +75,8 @@ class Server:
         fail_on_death: bool = False,
         wire_dtype: torch.dtype | None = None,
         wire_topk: float | None = None,
+        sync: ServerSync | None = None,
+        on_exit: Callable[[], None] | None = None,
     ):
         self.comm = comm
         self.shard = shard
@@ -94,14 +102,25 @@ class Server:
         """The dtype of Update and Push payloads and of every Reply (`ClusterConfig.wire_dtype`); Puts are the shard's."""
         self.topk = wire_topk
         """Updates and Pushes come as the top-K of each slice, (index, value) pairs (`ClusterConfig.wire_topk`)."""
+        self.sync = sync
+        """Several separate server groups: this server's side of their synchronisation (None: one group)."""
+        self.on_exit = on_exit
+        """Run (the checkpoint) when the watch thread ends a server whose loop waits for a message that will
+        never come."""
+        self._ended = False
         self._lock = threading.Lock()  # the loop and the watch thread both change the shard
         self._start = time.perf_counter()
 
     def serve(self) -> ServerStats:
-        """Run until every worker has stopped or died."""
+        """Run until every worker has stopped or died (and, with several server groups, every group has finished)."""
         self._start = time.perf_counter()
         threading.Thread(target=self._watch, name="troupe-ps-watch", daemon=True).start()
-        while self.live:
+        while True:
+            with self._lock:
+                self._progress()
+                if self._over():
+                    self._ended = True
+                    break
             raw = empty_header()
             src = self.comm.recv(raw, tag=HEADER_TAG)
             with self._lock:
@@ -110,8 +129,17 @@ class Server:
                 except MessageError as e:
                     self.rejected += 1
                     log.error("troupe server rank %d: rejected a message from rank %d: %s", self.rank, src, e)
+        if self.sync is not None:
+            self.sync.close(self.alive)
         with self._lock:
             return self._stats()
+
+    def _over(self) -> bool:
+        return not self.live and (self.sync is None or self.sync.done())
+
+    def _progress(self) -> None:
+        if self.sync is not None:
+            self.sync.progress(self.live)
 
     def _stats(self) -> ServerStats:
         stale = self.shard.staleness
@@ -123,12 +151,16 @@ class Server:
             skipped=self.shard.skipped,
             rejected=self.rejected,
             dead_workers=sorted(self.dead),
+            sync="" if self.sync is None else self.sync.stats(),
         )
 
     # --- messages ----------------------------------------------------------------------
 
     def _handle(self, src: int, raw: torch.Tensor) -> None:
         header = Header.decode(raw)  # without a valid header the payload length is unknown: drop it
+        if self.sync is not None and self.sync.is_peer(src):
+            self.sync.handle(src, header)  # a neighbour server's: validated (and drained) there
+            return
         try:
             self._validate(src, header)
         except MessageError:
@@ -260,13 +292,22 @@ class Server:
         while True:
             time.sleep(WATCH_INTERVAL)
             with self._lock:
-                if not self.live:
+                if self._ended:
                     return
+                was_over = self._over()
                 for worker in sorted(self.live):
                     if not self.alive(worker):
                         self._lost(worker, "its process ended or its heartbeat stopped")
-                if not self.live:
+                for peer in self.sync.watching() if self.sync is not None else []:
+                    if not self.alive(peer):
+                        self.sync.lose(peer, "its process ended or its heartbeat stopped")
+                self._progress()
+                if self._over() and not was_over:
                     # The loop is blocked in a receive nobody will answer: end the server here.
+                    if self.sync is not None:
+                        self.sync.close(self.alive)
+                    if self.on_exit is not None:
+                        self.on_exit()
                     stats = self._stats()
                     print(f"troupe server rank {self.rank}: every worker finished or died; {stats}", file=sys.stderr)
                     sys.stderr.flush()

@@ -1,0 +1,378 @@
+"""Separate server groups synchronise through master copies (SINGA: "every server group synchronizes
+with neighboring server groups periodically").
+
+With ``server_worker_separate`` and G = ``nserver_groups`` > 1 every server group holds a replica of
+the parameters, updated by its own worker groups. The master copy of each part is spread as
+Distributed Hogwild's is (`troupe.cluster.groupsync.parts`): the slices server j holds are cut into
+G parts, and part k's master copy lives with server j of server group k. Every ``sync_freq`` group
+updates of its whole shard (the shard's slice updates grow by ``sync_freq`` times its number of
+slices) a server folds its own part into its master copy and sends ``cur - last_sync`` of every
+other part to that part's master (Merge), which folds it in and answers with its value (Merged).
+The server adopts it, keeping the updates its workers made meanwhile::
+
+    master += (sent - last_sync) / G      group_merge "mean" (default; "sum": the full change)
+    cur = master + (cur - sent)           sent: the part's value when the Merge left
+    last_sync = master
+
+Why messages in the server's own loop, not a thread with channels of its own as groupsync has: a
+server already spends its life in one receive from any rank, and its shard changes only under its
+lock; a neighbour's request and its reply are two more messages that loop handles as they come. That
+keeps one thread changing the shard, needs no new process groups (every rank would have to make
+them), and never blocks: Merges and answers leave with isend, and a server never waits for a
+neighbour's answer (two servers that send each other a Merge at the same moment each find the
+other's in their loop). A server has at most one Merge per part in flight; a sync due meanwhile
+skips that part (the change is carried by the next one).
+
+The end: once every worker of its groups has stopped, a server folds its own part in, sends each
+part's master a last Merge (when the one in flight has been answered) and then Finished, and goes on
+answering. A master that has finished and heard Finished from every neighbour has folded in every
+group's last change: it sets its own part to the master copy and sends it to every neighbour
+(Final), which set the part to it. So when every server group has finished, they hold the same
+values, and a server's checkpoint (``ps-server-<rank>.pt``) holds them with ``last_sync`` equal to
+them. A neighbour that dies is forgotten with a logged line: its master copies go with it, and the
+survivors keep their own values for those parts.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from troupe.cluster.groupsync import parts
+from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check
+from troupe.cluster.shard import ParamShard
+from troupe.runtime.comm import Communicator, Handle
+
+log = logging.getLogger("troupe.cluster.config")
+
+WATCH_INTERVAL = 0.5
+"""Seconds between checks that the peers a closing server waits for still exist."""
+
+
+class MasterCopies:
+    """One server's arithmetic, no I/O: the master copy of its own part, and what it sent of the others.
+
+    The server's values and ``last_sync`` stay in its `ParamShard`; `group` is this server's server
+    group, `ngroups` the number of server groups.
+    """
+
+    def __init__(self, shard: ParamShard, group: int, ngroups: int, merge: str = "mean"):
+        if merge not in ("mean", "sum"):
+            raise ValueError(f"group_merge must be 'mean' or 'sum', got {merge!r}")
+        self.shard = shard
+        self.group, self.ngroups = group, ngroups
+        self.parts = parts([shard.slices[k] for k in sorted(shard.slices)], ngroups)
+        self.sizes = [sum(hi - lo for _, lo, hi in p) for p in self.parts]
+        self.scale = 1.0 / ngroups if merge == "mean" else 1.0
+        self.master: Tensor | None = None
+        """The master copy of part `group` (None until every slice has its initial value)."""
+        self.version = 0
+        self.sent: dict[int, Tensor] = {}
+        """Part -> its value when the Merge now in flight left (what the answer is adopted against)."""
+        self.merges: list[int] = []
+        """Per neighbour's Merge folded in here: other merges since that neighbour last adopted."""
+        self.drift = 0.0
+        """Largest |master - replica| over the parts this server adopted: how far apart the replicas were."""
+
+    def ready(self) -> bool:
+        return len(self.shard.initialised) == len(self.shard.slices)
+
+    def start(self) -> None:
+        """Take the master copy from this server's values (its initial values, or a resumed checkpoint)."""
+        self.master = self.gather(self.group).clone()
+
+    def gather(self, k: int, source: dict[int, Tensor] | None = None) -> Tensor:
+        """Part k of the server's values (or of `source`, e.g. ``shard.last_sync``), as one vector."""
+        source = self.shard.values if source is None else source
+        pieces = [source[s.id][lo:hi] for s, lo, hi in self.parts[k]]
+        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=self.shard.dtype)
+
+    def request(self, k: int) -> Tensor:
+        """``cur - last_sync`` of part k, to send to its master; remembers cur to adopt the answer against."""
+        if k in self.sent:
+            raise RuntimeError(f"a Merge of part {k} is already in flight")
+        cur = self.gather(k).clone()
+        self.sent[k] = cur
+        return cur - self.gather(k, self.shard.last_sync)
+
+    def fold(self, delta: Tensor, seen: int) -> tuple[int, Tensor]:
+        """A neighbour's change into the master copy; returns (version, value) to answer with."""
+        self.master.add_(delta.to(self.master.dtype), alpha=self.scale)
+        self.merges.append(max(self.version - seen, 0))
+        self.version += 1
+        return self.version, self.master.clone()
+
+    def fold_own(self) -> None:
+        """This server's own change of its part into the master copy, adopted at once."""
+        cur = self.gather(self.group).clone()
+        self.master.add_(cur - self.gather(self.group, self.shard.last_sync), alpha=self.scale)
+        self.version += 1
+        self._adopt(self.group, self.master, cur)
+
+    def adopt(self, k: int, value: Tensor) -> None:
+        """The master's answer to the Merge of part k in flight: cur += value - sent; last_sync = value."""
+        self._adopt(k, value, self.sent.pop(k))
+
+    def forget(self, k: int) -> None:
+        """No answer will come for part k (its master is gone): keep the values as they are."""
+        self.sent.pop(k, None)
+
+    def settle(self, k: int, value: Tensor) -> None:
+        """Part k's final value (every server group has finished): cur = last_sync = value."""
+        self._write(k, value, self.shard.values)
+        self._write(k, value, self.shard.last_sync)
+
+    def final(self) -> Tensor:
+        """Set this server's own part to its master copy (every change folded in) and return it."""
+        self.settle(self.group, self.master)
+        return self.master.clone()
+
+    def _adopt(self, k: int, value: Tensor, sent: Tensor) -> None:
+        change = value - sent
+        self.drift = max(self.drift, float(change.abs().max())) if change.numel() else self.drift
+        offset = 0
+        for s, lo, hi in self.parts[k]:
+            self.shard.values[s.id][lo:hi].add_(change[offset : offset + hi - lo])
+            self.shard.last_sync[s.id][lo:hi].copy_(value[offset : offset + hi - lo])
+            offset += hi - lo
+
+    def _write(self, k: int, value: Tensor, target: dict[int, Tensor]) -> None:
+        offset = 0
+        for s, lo, hi in self.parts[k]:
+            target[s.id][lo:hi].copy_(value[offset : offset + hi - lo])
+            offset += hi - lo
+
+
+class ServerSync:
+    """A server's messages with its neighbours (server j of every other server group), in its loop.
+
+    `peers` maps each other server group to the rank of its server with this server's index. The
+    server calls `handle` for every message from a peer, `progress` after every message, `lose` when
+    a peer's process is gone, and ends its loop once `done()`; `close` waits for the last sends.
+    """
+
+    def __init__(self, comm: Communicator, copies: MasterCopies, peers: dict[int, int], sync_freq: int,
+                 own_workers: set[int]):
+        self.comm, self.copies, self.shard = comm, copies, copies.shard
+        self.rank = comm.rank
+        self.peers = dict(peers)
+        self.group_of = {rank: k for k, rank in peers.items()}
+        self.own_workers = set(own_workers)
+        """The workers of this server's worker groups: the server finishes when all have stopped."""
+        self.every = sync_freq * max(1, len(self.shard.slices))
+        self.next_at = self.every
+        self.syncs = 0
+        self.finishing = False
+        self.finals_sent = False
+        self.told: set[int] = set()
+        """Peers sent our last Merge and Finished."""
+        self.finished: set[int] = set()
+        """Peers that said Finished."""
+        self.awaiting: set[int] = {r for k, r in peers.items() if copies.sizes[k]}
+        """Peers whose Final has not come (a peer master of an empty part sends none)."""
+        self.gone: set[int] = set()
+        self.rejected = 0
+        self._deferred: list[tuple[int, Header, Tensor]] = []  # Merges that came before our initial values
+        self._sends: dict[int, deque[tuple[int, Handle, Tensor]]] = {r: deque() for r in peers.values()}
+        """Per peer, the sends not yet known to be taken: (sequence number, handle, tensor kept alive)."""
+        self._sent = {r: 0 for r in peers.values()}  # sends made to each peer so far
+        self._taken = {r: 0 for r in peers.values()}  # the peer has taken every send before this one...
+        self._merge_mark = {r: 0 for r in peers.values()}  # ...once it answers our Merge (sends up to it)
+        self._answer_mark = {r: 0 for r in peers.values()}  # ...once it Merges again (up to our answer)
+
+    def is_peer(self, rank: int) -> bool:
+        return rank in self.group_of
+
+    # --- the server loop's side ---------------------------------------------------------------------
+
+    def progress(self, live: set[int]) -> None:
+        """After each message: start once the values are in, sync when due, finish when the workers stopped."""
+        if self.copies.master is None:
+            if not self.copies.ready():
+                return
+            self.copies.start()
+            for src, header, delta in self._deferred:
+                self._answer(src, header, delta)
+            self._deferred.clear()
+        if not self.finishing and not (self.own_workers & live):
+            self._finish()
+        elif not self.finishing and self.shard.updates >= self.next_at:
+            self.next_at = self.shard.updates + self.every
+            self.syncs += 1
+            self.copies.fold_own()
+            for k, peer in self.peers.items():
+                if peer not in self.gone and self.copies.sizes[k] and k not in self.copies.sent:
+                    self._merge(k)
+
+    def done(self) -> bool:
+        """Every server group has finished: this server's values are final."""
+        return self.finals_sent and not (self.awaiting - self.gone)
+
+    def watching(self) -> list[int]:
+        """Peers whose death would leave this server waiting."""
+        return sorted(set(self.peers.values()) - self.gone)
+
+    def handle(self, src: int, header: Header) -> None:
+        """One message from a peer server (validated: a bad one is rejected, its payload drained)."""
+        try:
+            self._validate(src, header)
+        except MessageError:
+            self.rejected += 1
+            if 0 < header.length <= max(self.copies.sizes):
+                self.comm.recv(torch.empty(header.length, dtype=self.shard.dtype), src, tag=PAYLOAD_TAG)
+            raise
+        payload = None
+        if header.length:
+            payload = torch.empty(header.length, dtype=self.shard.dtype)
+            self.comm.recv(payload, src, tag=PAYLOAD_TAG)
+        k = self.group_of[src]
+        if header.op is Op.MERGE:
+            self._settle(src, self._answer_mark[src])  # src adopted our last answer before it sent this Merge
+            if self.copies.master is None:
+                self._deferred.append((src, header, payload))
+            else:
+                self._answer(src, header, payload)
+        elif header.op is Op.MERGED:
+            self._settle(src, self._merge_mark[src])  # src took everything we sent up to our Merge
+            self.copies.adopt(k, payload)
+            if self.finishing and src not in self.told:
+                self._last(k)
+        elif header.op is Op.FINISHED:
+            self.finished.add(src)
+        elif header.op is Op.FINAL:
+            self.copies.settle(k, payload)
+            self.awaiting.discard(src)
+        self._maybe_final()
+
+    def lose(self, peer: int, why: str) -> None:
+        """Forget a peer server that died: no answer, Finished or Final will come from it."""
+        if peer in self.gone:
+            return
+        self.gone.add(peer)
+        self.copies.forget(self.group_of[peer])
+        self._sends[peer].clear()
+        print(f"troupe server rank {self.rank}: server rank {peer} of server group {self.group_of[peer]} is gone "
+              f"({why}); its master copies go with it, this server keeps its own values of them",
+              file=sys.stderr, flush=True)
+        self._maybe_final()
+
+    def close(self, alive: Callable[[int], bool], poll: float = WATCH_INTERVAL) -> None:
+        """Wait until every live peer has taken the last Merges, answers and Finals (the process may end then).
+
+        Every peer takes them before it finishes. A Gloo send's wait cannot be interrupted, so the waits run
+        in a thread, abandoned once a peer they wait for is gone."""
+        pending = {peer: list(sends) for peer, sends in self._sends.items() if peer not in self.gone and sends}
+
+        def wait_all() -> None:
+            for peer, sends in pending.items():
+                for _, h, _ in sends:
+                    try:
+                        h.wait()
+                    except RuntimeError as e:  # Gloo: the peer's connection closed
+                        log.warning("troupe server rank %d: a send to server rank %d failed: %s", self.rank, peer, e)
+                        break
+
+        thread = threading.Thread(target=wait_all, name="troupe-server-sync-close", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(poll)
+            for peer in pending:
+                if peer not in self.gone and not alive(peer):
+                    self.lose(peer, "its process ended or its heartbeat stopped")
+            if thread.is_alive() and all(peer in self.gone for peer in pending):
+                return
+
+    def stats(self) -> str:
+        merges = self.copies.merges
+        mean = sum(merges) / len(merges) if merges else 0.0
+        return (f"{self.syncs} syncs with server groups {sorted(self.peers)}, {len(merges)} merges into its master "
+                f"copy (staleness mean {mean:.2f} max {max(merges, default=0)}), max |master - replica| at an "
+                f"adoption {self.copies.drift:.3g}, {self.rejected} peer message(s) rejected, peers gone: "
+                f"{sorted(self.gone) or 'none'}")
+
+    # --- internals ----------------------------------------------------------------------------------
+
+    def _validate(self, src: int, header: Header) -> None:
+        if src in self.gone:
+            raise MessageError(f"{header.op.name} from server rank {src}, which this server has forgotten")
+        k = self.group_of[src]
+        expected = self.copies.sizes[self.copies.group if header.op is Op.MERGE else k]
+        check(header, src=src, expected_length=expected or None,
+              allowed={Op.MERGE, Op.MERGED, Op.FINISHED, Op.FINAL})
+        if header.slice_id != k:
+            raise MessageError(f"{header.op.name} from server rank {src} names server group {header.slice_id}, "
+                               f"the rank is server group {k}'s")
+        if header.op is Op.MERGE and src in self.finished:
+            raise MessageError(f"MERGE from server rank {src} after it said FINISHED")
+        if header.op is Op.MERGED and k not in self.copies.sent:
+            raise MessageError(f"MERGED from server rank {src} without a Merge of part {k} in flight")
+        if header.op is Op.FINISHED and src in self.finished:
+            raise MessageError(f"FINISHED twice from server rank {src}")
+        if header.op is Op.FINAL and (src not in self.finished or not self.finishing or src not in self.awaiting):
+            raise MessageError(f"FINAL from server rank {src} before both had finished, or twice")
+
+    def _answer(self, src: int, header: Header, delta: Tensor) -> None:
+        version, value = self.copies.fold(delta, header.version)
+        self._send(src, Header(Op.MERGED, self.copies.group, version, self.rank, value.numel()), value)
+
+    def _merge(self, k: int) -> None:
+        delta = self.copies.request(k)
+        self._send(self.peers[k], Header(Op.MERGE, self.copies.group, self.copies.version, self.rank,
+                                         delta.numel()), delta)
+
+    def _last(self, k: int) -> None:
+        """Our last Merge of part k (its master folds in what is left), then Finished."""
+        peer = self.peers[k]
+        if self.copies.sizes[k]:
+            self._merge(k)
+        self._send(peer, Header(Op.FINISHED, self.copies.group, 0, self.rank, 0))
+        self.told.add(peer)
+
+    def _finish(self) -> None:
+        self.finishing = True
+        self.copies.fold_own()
+        for k, peer in self.peers.items():
+            if peer not in self.gone and k not in self.copies.sent:
+                self._last(k)
+        self._maybe_final()
+
+    def _maybe_final(self) -> None:
+        """Once this server and every live peer have finished, the master copy is final: send it."""
+        live = set(self.peers.values()) - self.gone
+        if self.finals_sent or not self.finishing or self.copies.master is None:
+            return
+        if not live <= self.finished & self.told:  # (a Final must follow our Finished: the peer checks that order)
+            return
+        value = self.copies.final()
+        for peer in sorted(live):
+            if value.numel():
+                self._send(peer, Header(Op.FINAL, self.copies.group, self.copies.version, self.rank, value.numel()),
+                           value)
+        self.finals_sent = True
+
+    def _send(self, peer: int, header: Header, payload: Tensor | None = None) -> None:
+        # Never a blocking send: the peer may be sending to us at this moment (it receives in its loop).
+        try:
+            for tensor, tag in [(header.encode(), HEADER_TAG)] + ([] if payload is None else [(payload, PAYLOAD_TAG)]):
+                self._sends[peer].append((self._sent[peer], self.comm.isend(tensor, peer, tag=tag), tensor))
+                self._sent[peer] += 1
+        except RuntimeError as e:  # Gloo: the peer's connection is closed
+            self.lose(peer, str(e).splitlines()[0] if str(e) else "send failed")
+            return
+        if header.op is Op.MERGE:
+            self._merge_mark[peer] = self._sent[peer]
+        elif header.op is Op.MERGED:
+            self._answer_mark[peer] = self._sent[peer]
+
+    def _settle(self, peer: int, upto: int) -> None:
+        """Complete the sends before `upto`, which the peer's message shows it has taken (no wait: a peer
+        receives in order, and it answered or merged only after taking them)."""
+        sends = self._sends[peer]
+        while sends and sends[0][0] < upto:
+            sends.popleft()[1].wait()
