@@ -213,8 +213,9 @@ def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
                        help="separate servers: send the top FRACTION of each slice's update, with error feedback "
                             "(default: dense)")
     group.add_argument("--fetch", choices=CHOICES["fetch"], default=None,
-                       help="separate servers: wait for the fresh values in step(), or take them in the background "
-                            "while the next step computes (default wait)")
+                       help="separate servers: wait for the fresh values in step(), take them in the background "
+                            "while the next step computes, or that and predict this worker's own update locally "
+                            "(default wait)")
     group.add_argument("--staleness-lr", choices=CHOICES["staleness_lr"], default=None,
                        help="separate servers: divide the learning rate of an update tau versions stale by tau "
                             "(inverse) or not (default constant)")

@@ -1,5 +1,5 @@
-"""Background fetch (`ClusterConfig.fetch: background`): a worker's step() sends its Updates and
-returns; the fresh values arrive while the next step computes and are copied in at its step().
+"""Background fetch (`ClusterConfig.fetch: background` and `predict`): a worker's step() sends its
+Updates and returns; the fresh values arrive while the next step computes and are copied in at its step().
 
 One synchronous group is deterministic, so it must equal, within float tolerance, a single
 process running SGD with momentum whose gradient at step t is taken at the values after step
@@ -90,6 +90,22 @@ def test_one_group_in_the_background_is_sgd_with_a_one_step_delay():
             torch.testing.assert_close(w["after"][key], after[key], atol=TOL, rtol=TOL, msg=key)
         assert any((w["after"][k] - undelayed[k]).abs().max() > 1e-3 for k in undelayed)  # not plain SGD
         assert set(w["staleness"]) == {0}  # one group: nothing moves a slice but the group's own updates
+
+
+@pytest.mark.timeout(200)
+def test_predicting_its_own_update_one_worker_never_waits_and_is_plain_sgd():
+    # fetch "predict": the worker adds its optimizer's step on its own gradient to the values it computes on
+    # until the server's arrive. With one worker that step is the server's: plain SGD, before and after close().
+    cluster = ClusterConfig(nservers_per_group=2, server_worker_separate=True, fetch="predict")
+    results = run_world(train, cluster.nprocs, False, timeout=150, env={"TROUPE_CLUSTER": cluster.to_json()})
+    assert results[1:] == ["server", "server"]
+    _, expected = reference(1, delayed=False)
+    delayed, _ = reference(1, delayed=True)
+    w = results[0]
+    for key in expected:
+        torch.testing.assert_close(w["before"][key], expected[key], atol=TOL, rtol=TOL, msg=key)
+        torch.testing.assert_close(w["after"][key], expected[key], atol=TOL, rtol=TOL, msg=key)
+    assert any((w["after"][k] - delayed[k]).abs().max() > 1e-3 for k in delayed)  # not the delayed run
 
 
 @pytest.mark.timeout(200)

@@ -91,7 +91,7 @@ def test_json_round_trip(monkeypatch, tmp_path):
         ({"staleness_bound": -1}, r"staleness_bound must be an integer >= 0 or unset, got -1"),
         ({"nworkers_per_group": 3, "nworkers_per_procs": 2}, r"must divide one another"),
         ({"nworkers_per_group": 3, "nservers_per_group": 2}, r"worker processes \(3 .*server processes \(2"),
-        ({"fetch": "later", "server_worker_separate": True}, r"fetch must be one of wait, background, got 'later'"),
+        ({"fetch": "later", "server_worker_separate": True}, r"fetch must be one of wait, background, predict, got 'later'"),
         ({"fetch": "background"}, r"fetch background needs separate servers"),
         ({"staleness_lr": "inverse"}, r"staleness_lr inverse needs separate servers"),
         ({"staleness_lr": "sqrt", "server_worker_separate": True}, r"staleness_lr must be one of constant, inverse"),

@@ -267,7 +267,7 @@ def _make_shard(job: Job, spec: TrainingSpec) -> ParamShard:
     position = {r.rank: r.worker[1] for r in job.everyone if r.worker}
     return ParamShard(slices, spec.optimizer, spec.param_group_of, members, spec.dtype, cluster.staleness_bound,
                       lr_scale, owners=owners, position=position, group_size=cluster.nworkers_per_group,
-                      staleness_lr=cluster.staleness_lr, steps_ahead=int(cluster.fetch == "background"))
+                      staleness_lr=cluster.staleness_lr, steps_ahead=int(cluster.fetch != "wait"))
 
 
 def wire_dtype(cluster: ClusterConfig, dtype: torch.dtype) -> torch.dtype:

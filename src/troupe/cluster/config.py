@@ -37,7 +37,7 @@ ENV_VAR = "TROUPE_CLUSTER"
 
 
 WIRE_DTYPES = ("fp32", "fp16", "bf16")
-CHOICES = {"fetch": ("wait", "background"), "staleness_lr": ("constant", "inverse")}
+CHOICES = {"fetch": ("wait", "background", "predict"), "staleness_lr": ("constant", "inverse")}
 """Fields of separate servers with a fixed set of values, the default first."""
 """What `ClusterConfig.wire_dtype` may say."""
 
@@ -74,14 +74,18 @@ class ClusterConfig:
     server steps with lr / G per group's update; a Hogwild master copy adds a group's change / G), so
     the learning rate means what it means synchronously. "sum": SINGA's rule, each group's full change
     (G times the step; diverges at a learning rate one group trains well with)."""
-    fetch: Literal["wait", "background"] = "wait"
+    fetch: Literal["wait", "background", "predict"] = "wait"
     """Separate servers: when a worker takes in the fresh values its Updates bring back. "wait":
     ``step()`` waits for them (a round trip to the servers every step). "background": ``step()``
     sends the Updates and returns at once; the replies are received by a thread while the next
     step computes, and copied in at that step's ``step()``. Every step then computes on values
     that lack this worker's previous update (a delay of one own step; measured in
     docs/clusters.md), and a worker waits only when the servers take longer than a step. A
-    synchronous group (Sandblaster) then trains as SGD with a one-step delay."""
+    synchronous group (Sandblaster) then trains as SGD with a one-step delay. "predict": as
+    "background", and the worker also steps the wrapped optimizer on its own gradient (at the
+    servers' learning rate) and adds that change to the values it computes on until the servers'
+    values holding it arrive: no delay of its own update (exact with one worker), only the other
+    groups' updates arrive late, as under "wait"."""
     staleness_lr: Literal["constant", "inverse"] = "constant"
     """Separate servers: the learning rate of an update computed on values that are tau updates
     old. "constant": the same for every update. "inverse": divided by max(1, tau) (Zhang et al.,

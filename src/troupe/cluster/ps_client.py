@@ -128,8 +128,14 @@ class PSClient:
         self._in_flight = False  # this step's Updates have left, their replies are not collected yet
         self._finite = True  # every bucket sent so far this step was finite
         self._prepared: bool | None = None  # this step's gradients changed after backward (None: not looked yet)
-        self.background = cluster.fetch == "background"
+        self.background = cluster.fetch in ("background", "predict")
         """The replies are received by a thread while the next step computes (`ClusterConfig.fetch`)."""
+        self.predict = cluster.fetch == "predict"
+        """Background fetch that adds this worker's own update, taken by the wrapped optimizer on its own
+        gradient, to the values it computes on until the servers' values with that update arrive."""
+        self.lr_scale = 1.0 / (cluster.nworker_groups // cluster.nserver_groups) \
+            if cluster.group_merge == "mean" else 1.0
+        """What the servers scale the learning rate by (`group_merge`); the local step does the same."""
         self._inbox: Future | None = None  # the thread's work for the replies of the last step
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="troupe-fetch") if self.background else None
         self._landing = {s.id: torch.empty(s.numel, dtype=self.wire or self.local[s.param].dtype)
@@ -175,7 +181,7 @@ class PSClient:
             self._begin()
             for s in self.mine:
                 self._post(Op.SKIP, s, self.server_of[s.id])
-        self._end_step(changed)
+        self._end_step(changed, skipped=True)
         return False
 
     def step(self) -> dict:
@@ -260,11 +266,12 @@ class PSClient:
                 self._sends.append(self.world.isend(header, server, tag=HEADER_TAG))
                 self._sends.append(self.world.isend(torch.tensor(lrs, dtype=torch.float64), server, tag=PAYLOAD_TAG))
 
-    def _end_step(self, changed: bool) -> None:
+    def _end_step(self, changed: bool, skipped: bool = False) -> None:
         """Collect the replies (background fetch: the previous step's, and leave this step's to the thread);
         the next step overlaps its Updates with backward only if this one's gradients were left alone."""
         if self.background:
-            self._land()
+            own = self._own_step() if self.predict and not skipped else None
+            self._land(own)
             expected, sends = self._expected, self._sends
             self._expected, self._sends = Counter(), []
             self._inbox = self._fetcher.submit(self._receive, expected, sends, self._landing)
@@ -389,20 +396,41 @@ class PSClient:
         return replies
 
     @torch.no_grad()
-    def _take(self, replies: list[tuple[int, int, Tensor | None]], count_staleness: bool) -> None:
-        """Copy the fresh slices into the parameters; the staleness is how many versions a slice moved
-        beyond this worker's own update."""
+    def _take(self, replies: list[tuple[int, int, Tensor | None]], count_staleness: bool,
+              own: dict[int, Tensor] | None = None) -> None:
+        """Copy the fresh slices into the parameters (plus `own`: the worker's update they do not hold
+        yet); the staleness is how many versions a slice moved beyond this worker's own update."""
         worst = 0
         for slice_id, version, value in replies:
             if value is not None:
-                self._flat(self.slices[slice_id]).copy_(value)
+                s = self.slices[slice_id]
+                self._flat(s).copy_(value)
+                if own is not None:
+                    self._flat(s).add_(own[s.param][s.start : s.stop])
             worst = max(worst, version - self.version[slice_id] - 1)
             self.version[slice_id] = version
         if count_staleness:
             self.staleness.append(worst)
 
-    def _land(self) -> None:
-        """Background fetch: wait for the thread's replies of the last step and copy them in."""
+    def _land(self, own: dict[int, Tensor] | None = None) -> None:
+        """Background fetch: wait for the thread's replies of the last step and copy them in (plus `own`,
+        this step's own update per parameter, under "predict")."""
         inbox, self._inbox = self._inbox, None
         if inbox is not None:
-            self._take(inbox.result(), count_staleness=True)
+            self._take(inbox.result(), count_staleness=True, own=own)
+
+    @torch.no_grad()
+    def _own_step(self) -> dict[int, Tensor]:
+        """fetch "predict": step the wrapped optimizer on this worker's gradient, as the servers will
+        (its learning rate times their scale), and return what it changed per parameter. With one
+        worker the optimizer sees what the servers see and the prediction is exact."""
+        before = {i: p.detach().clone() for i, p in self.local.items()}
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] *= self.lr_scale
+        try:
+            self.optimizer.step()
+        finally:
+            for g, lr in zip(self.optimizer.param_groups, lrs):
+                g["lr"] = lr
+        return {i: (p.detach() - before[i]).reshape(-1) for i, p in self.local.items()}
