@@ -144,20 +144,20 @@ def run_servers(merge: str, steps: int, grads: dict[int, torch.Tensor], sync_fre
     """Two server groups of one server, one worker group each. Worker 0 Puts W0 to both servers; each
     worker then sends `steps` Updates with a constant gradient (SGD at lr 1: every update adds -grad,
     so the result does not depend on the order), and Stop to both servers."""
-    net = Net()
+    net, channel = Net(), Net()  # the workers' messages, and the servers' own channel
     shards, servers = {}, {}
     slices = plan_slices(NUMELS, 1)
     for g, rank in SERVERS.items():
         shards[g] = ParamShard(slices, torch.optim.SGD([torch.zeros(1)], lr=1.0), [0, 0], {g: {WORKERS[g]}})
         copies = MasterCopies(shards[g], g, 2, merge)
-        sync = ServerSync(net.comm(rank), copies, {k: r for k, r in SERVERS.items() if k != g}, sync_freq,
+        sync = ServerSync(channel.comm(rank), copies, {k: r for k, r in SERVERS.items() if k != g}, sync_freq,
                           {WORKERS[g]})
         servers[g] = Server(net.comm(rank), shards[g], workers=list(WORKERS.values()), putters={0}, sync=sync)
     for rank in SERVERS.values():
         for s in slices:
             post(net, 0, rank, Op.PUT, s.id, W0[s.param * 6 + s.start : s.param * 6 + s.stop])
     for src, dst, op, slice_id, payload in (extra or {}).get("forged", []):  # first: nothing is in flight
-        post(net, src, dst, op, slice_id, payload)
+        post(channel, src, dst, op, slice_id, payload)
     for g, worker in WORKERS.items():
         for step in range(steps):
             for s in slices:
@@ -206,7 +206,7 @@ def test_a_server_rejects_forged_peer_messages_and_keeps_its_footing():
     steps = 5
     grads = {0: torch.ones(11), 1: -torch.ones(11)}
     shards, stats, servers = run_servers("mean", steps, grads, extra={"forged": forged})
-    assert stats[0].rejected == 5 and stats[1].rejected == 0
+    assert servers[0].sync.rejected == 5 and servers[1].sync.rejected == 0 and stats[0].rejected == 0
     torch.testing.assert_close(flat(shards[0]), W0, atol=1e-5, rtol=0)  # mean of +1 and -1 steps: unchanged
     assert torch.equal(flat(shards[0]), flat(shards[1]))
 
@@ -215,9 +215,11 @@ def test_a_dead_neighbour_is_forgotten():
     net = Net()
     shard = make_shard(0, {0})
     sync = ServerSync(net.comm(10), MasterCopies(shard, 0, 2), {1: 11}, 2, {0})
-    sync.progress(live=set())  # every worker of the group stopped: last Merge and Finished leave
-    assert sync.finishing and not sync.done() and sync.watching() == [11]
-    sync.lose(11, "test")
-    assert sync.done() and sync.watching() == [] and "peers gone: [11]" in sync.stats()
-    with pytest.raises(MessageError, match="forgotten"):
-        sync.handle(11, Header(Op.FINISHED, 1, 0, 11, 0))
+    with sync.lock:
+        sync.progress(live=set())  # every worker of the group stopped: last Merge and Finished leave
+        assert sync.finishing and not sync.done() and sync.watching() == [11]
+        sync.alive = lambda rank: rank != 11
+        sync.wait_done()  # notices that rank 11 is gone
+        assert sync.done() and sync.watching() == [] and "peers gone: [11]" in sync.stats()
+        with pytest.raises(MessageError, match="forgotten"):
+            sync.handle(11, Header(Op.FINISHED, 1, 0, 11, 0))

@@ -72,6 +72,8 @@ class Job:
     timeout: float
     processes: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     """(hostname, pid) of every rank, to tell a dead peer from a slow one."""
+    server_channel: Communicator | None = None
+    """Several separate server groups: the servers' own channel for their synchronisation."""
 
     def alive(self, rank: int) -> bool:
         """False once `rank`'s process has ended (on this host) or its heartbeat has gone silent
@@ -187,9 +189,12 @@ def join(cluster: ClusterConfig, runtime: World) -> Job:
     k = cluster.nworkers_per_procs
     processes_comms = [world.new_group(range(p * k, (p + 1) * k)) for p in range(len(everyone) // k)] \
         if cluster.in_memory else []
+    # Separate server groups sync on a channel of their own (troupe.cluster.serversync says why).
+    server_channel = world.new_group([r.rank for r in everyone if r.worker is None]) \
+        if cluster.server_worker_separate and cluster.nserver_groups > 1 else None
     log.info("troupe: %s", role.describe())
     return Job(cluster, runtime, role, everyone, world, workers, workers_comm, group_comms, sync_channels,
-               processes_comms, timeout)
+               processes_comms, timeout, server_channel=server_channel)
 
 
 def exchange(job: Job, describe: Callable[[], TrainingSpec] | None = None) -> TrainingSpec:
@@ -302,7 +307,8 @@ def _server_sync(job: Job, shard: ParamShard) -> ServerSync | None:
         return None
     peers = {r.server[0]: r.rank for r in job.everyone if r.server and r.server[1] == index and r.server[0] != group}
     copies = MasterCopies(shard, group, cluster.nserver_groups, cluster.group_merge)
-    return ServerSync(job.world, copies, peers, cluster.sync_freq, set().union(*shard.members.values()))
+    return ServerSync(job.server_channel, copies, peers, cluster.sync_freq, set().union(*shard.members.values()),
+                      rank=job.role.rank)
 
 
 def _save(shard: ParamShard, path: str) -> None:

@@ -3,8 +3,8 @@
 All state lives in `ParamShard`; this file only moves messages. A worker that stops
 (Op.STOP) or dies (a send to it fails, or its process is gone) is forgotten: updates its group was waiting for
 complete without it, and the loop ends when every worker is gone. With several separate server
-groups the messages of the neighbour servers (`troupe.cluster.serversync`) arrive in the same loop,
-which then also runs until every server group has finished.
+groups a server then also waits until every server group has finished (their messages travel on a
+channel of their own, `troupe.cluster.serversync`).
 """
 
 from __future__ import annotations
@@ -107,20 +107,17 @@ class Server:
         self.on_exit = on_exit
         """Run (the checkpoint) when the watch thread ends a server whose loop waits for a message that will
         never come."""
-        self._ended = False
-        self._lock = threading.Lock()  # the loop and the watch thread both change the shard
+        self._lock = sync.lock if sync is not None else threading.Lock()
+        """The loop, the watch thread and the neighbours' thread all change the shard."""
         self._start = time.perf_counter()
 
     def serve(self) -> ServerStats:
         """Run until every worker has stopped or died (and, with several server groups, every group has finished)."""
         self._start = time.perf_counter()
+        if self.sync is not None:
+            self.sync.start(self.alive)
         threading.Thread(target=self._watch, name="troupe-ps-watch", daemon=True).start()
-        while True:
-            with self._lock:
-                self._progress()
-                if self._over():
-                    self._ended = True
-                    break
+        while self.live:
             raw = empty_header()
             src = self.comm.recv(raw, tag=HEADER_TAG)
             with self._lock:
@@ -129,17 +126,21 @@ class Server:
                 except MessageError as e:
                     self.rejected += 1
                     log.error("troupe server rank %d: rejected a message from rank %d: %s", self.rank, src, e)
-        if self.sync is not None:
-            self.sync.close(self.alive)
+                self._progress()
         with self._lock:
+            self._finish_sync()
             return self._stats()
-
-    def _over(self) -> bool:
-        return not self.live and (self.sync is None or self.sync.done())
 
     def _progress(self) -> None:
         if self.sync is not None:
             self.sync.progress(self.live)
+
+    def _finish_sync(self) -> None:
+        """With several server groups: the last sync, then wait until every group has finished (lock held)."""
+        if self.sync is not None:
+            self.sync.progress(self.live)
+            self.sync.wait_done()
+            self.sync.close()
 
     def _stats(self) -> ServerStats:
         stale = self.shard.staleness
@@ -158,9 +159,6 @@ class Server:
 
     def _handle(self, src: int, raw: torch.Tensor) -> None:
         header = Header.decode(raw)  # without a valid header the payload length is unknown: drop it
-        if self.sync is not None and self.sync.is_peer(src):
-            self.sync.handle(src, header)  # a neighbour server's: validated (and drained) there
-            return
         try:
             self._validate(src, header)
         except MessageError:
@@ -292,20 +290,14 @@ class Server:
         while True:
             time.sleep(WATCH_INTERVAL)
             with self._lock:
-                if self._ended:
+                if not self.live:
                     return
-                was_over = self._over()
                 for worker in sorted(self.live):
                     if not self.alive(worker):
                         self._lost(worker, "its process ended or its heartbeat stopped")
-                for peer in self.sync.watching() if self.sync is not None else []:
-                    if not self.alive(peer):
-                        self.sync.lose(peer, "its process ended or its heartbeat stopped")
-                self._progress()
-                if self._over() and not was_over:
+                if not self.live:
                     # The loop is blocked in a receive nobody will answer: end the server here.
-                    if self.sync is not None:
-                        self.sync.close(self.alive)
+                    self._finish_sync()
                     if self.on_exit is not None:
                         self.on_exit()
                     stats = self._stats()

@@ -14,14 +14,18 @@ The server adopts it, keeping the updates its workers made meanwhile::
     cur = master + (cur - sent)           sent: the part's value when the Merge left
     last_sync = master
 
-Why messages in the server's own loop, not a thread with channels of its own as groupsync has: a
-server already spends its life in one receive from any rank, and its shard changes only under its
-lock; a neighbour's request and its reply are two more messages that loop handles as they come. That
-keeps one thread changing the shard, needs no new process groups (every rank would have to make
-them), and never blocks: Merges and answers leave with isend, and a server never waits for a
-neighbour's answer (two servers that send each other a Merge at the same moment each find the
-other's in their loop). A server has at most one Merge per part in flight; a sync due meanwhile
-skips that part (the change is carried by the next one).
+Why a thread and a channel of their own (a process group of the servers, as groupsync has), not
+more messages in the server's loop: the first version handled them in that loop, which is simpler,
+but Gloo's receive from any rank fails for good once one peer's connection is reset, and a server
+killed with a neighbour's Merge unread in its socket resets it: the survivor could then serve its
+own workers no more (seen in 2 of 6 runs of the dead-neighbour test). On a channel of their own such
+a reset breaks only the neighbours' receive; the workers' loop sees a clean close, as it does for a
+worker that dies. The thread changes the shard under the server's lock, and never blocks on a
+neighbour's answer: Merges and answers leave with isend, and an answer is one more message the
+thread receives (two servers that send each other a Merge at the same moment each find the other's).
+A server has at most one Merge per part in flight; a sync due meanwhile skips that part (the change
+is carried by the next one). If the neighbours' receive fails, the server forgets every neighbour
+and finishes alone; they see its process end and forget it.
 
 The end: once every worker of its groups has stopped, a server folds its own part in, sends each
 part's master a last Merge (when the one in flight has been answered) and then Finished, and goes on
@@ -45,7 +49,7 @@ import torch
 from torch import Tensor
 
 from troupe.cluster.groupsync import parts
-from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check
+from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
 from troupe.cluster.shard import ParamShard
 from troupe.runtime.comm import Communicator, Handle
 
@@ -150,17 +154,22 @@ class MasterCopies:
 
 
 class ServerSync:
-    """A server's messages with its neighbours (server j of every other server group), in its loop.
+    """A server's messages with its neighbours (server j of every other server group).
 
-    `peers` maps each other server group to the rank of its server with this server's index. The
-    server calls `handle` for every message from a peer, `progress` after every message, `lose` when
-    a peer's process is gone, and ends its loop once `done()`; `close` waits for the last sends.
+    `comm` is the servers' own channel; `peers` maps each other server group to the rank of its server
+    with this server's index. The server calls `start` before serving, `progress` after every worker
+    message, and at the end `wait_done` and `close`, all with `lock` held; a thread receives the
+    neighbours' messages (`handle`) under the same lock.
     """
 
     def __init__(self, comm: Communicator, copies: MasterCopies, peers: dict[int, int], sync_freq: int,
-                 own_workers: set[int]):
+                 own_workers: set[int], rank: int | None = None):
         self.comm, self.copies, self.shard = comm, copies, copies.shard
-        self.rank = comm.rank
+        self.rank = comm.rank if rank is None else rank
+        self.lock = threading.Lock()
+        """The server's lock: held while the shard or this state changes."""
+        self._cv = threading.Condition(self.lock)
+        self.alive: Callable[[int], bool] = lambda rank: True
         self.peers = dict(peers)
         self.group_of = {rank: k for k, rank in peers.items()}
         self.own_workers = set(own_workers)
@@ -182,19 +191,36 @@ class ServerSync:
         self._sends: dict[int, deque[tuple[int, Handle, Tensor]]] = {r: deque() for r in peers.values()}
         """Per peer, the sends not yet known to be taken: (sequence number, handle, tensor kept alive)."""
         self._sent = {r: 0 for r in peers.values()}  # sends made to each peer so far
-        self._taken = {r: 0 for r in peers.values()}  # the peer has taken every send before this one...
-        self._merge_mark = {r: 0 for r in peers.values()}  # ...once it answers our Merge (sends up to it)
-        self._answer_mark = {r: 0 for r in peers.values()}  # ...once it Merges again (up to our answer)
-
-    def is_peer(self, rank: int) -> bool:
-        return rank in self.group_of
+        # A peer has taken every send before the mark once it answers our Merge (sends up to that Merge),
+        # or once it Merges again (sends up to our answer to its last Merge).
+        self._merge_mark = {r: 0 for r in peers.values()}
+        self._answer_mark = {r: 0 for r in peers.values()}
 
     # --- the server loop's side ---------------------------------------------------------------------
+
+    def start(self, alive: Callable[[int], bool]) -> None:
+        """Start receiving the neighbours' messages; `alive(rank)` tells a dead neighbour from a slow one."""
+        self.alive = alive
+        if self.peers:
+            threading.Thread(target=self._serve, name="troupe-server-sync", daemon=True).start()
+
+    def wait_done(self) -> None:
+        """Wait (lock held; released while waiting) until every server group has finished or died."""
+        while not self.done():
+            self._cv.wait(WATCH_INTERVAL)
+            for peer in self.watching():
+                if not self.alive(peer):
+                    self.lose(peer, "its process ended or its heartbeat stopped")
 
     def progress(self, live: set[int]) -> None:
         """After each message: start once the values are in, sync when due, finish when the workers stopped."""
         if self.copies.master is None:
             if not self.copies.ready():
+                if not self.finishing and not (self.own_workers & live):
+                    # Our workers left before every initial value came (the job failed at its start):
+                    # nothing to sync. End; the neighbours forget this server when its process ends.
+                    self.finishing = self.finals_sent = True
+                    self.awaiting.clear()
                 return
             self.copies.start()
             for src, header, delta in self._deferred:
@@ -221,10 +247,11 @@ class ServerSync:
     def handle(self, src: int, header: Header) -> None:
         """One message from a peer server (validated: a bad one is rejected, its payload drained)."""
         try:
+            if src not in self.group_of:
+                raise MessageError(f"{header.op.name} from rank {src}, which is not a neighbour of this server")
             self._validate(src, header)
         except MessageError:
-            self.rejected += 1
-            if 0 < header.length <= max(self.copies.sizes):
+            if src in self.group_of and 0 < header.length <= max(self.copies.sizes):
                 self.comm.recv(torch.empty(header.length, dtype=self.shard.dtype), src, tag=PAYLOAD_TAG)
             raise
         payload = None
@@ -261,8 +288,9 @@ class ServerSync:
               f"({why}); its master copies go with it, this server keeps its own values of them",
               file=sys.stderr, flush=True)
         self._maybe_final()
+        self._cv.notify_all()
 
-    def close(self, alive: Callable[[int], bool], poll: float = WATCH_INTERVAL) -> None:
+    def close(self, poll: float = WATCH_INTERVAL) -> None:
         """Wait until every live peer has taken the last Merges, answers and Finals (the process may end then).
 
         Every peer takes them before it finishes. A Gloo send's wait cannot be interrupted, so the waits run
@@ -283,7 +311,7 @@ class ServerSync:
         while thread.is_alive():
             thread.join(poll)
             for peer in pending:
-                if peer not in self.gone and not alive(peer):
+                if peer not in self.gone and not self.alive(peer):
                     self.lose(peer, "its process ended or its heartbeat stopped")
             if thread.is_alive() and all(peer in self.gone for peer in pending):
                 return
@@ -297,6 +325,28 @@ class ServerSync:
                 f"{sorted(self.gone) or 'none'}")
 
     # --- internals ----------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        """The neighbours' messages, until every server group has finished (this thread only receives)."""
+        while True:
+            with self.lock:
+                if self.done():
+                    return
+            raw = empty_header()
+            try:
+                src = self.comm.recv(raw, tag=HEADER_TAG)
+            except RuntimeError as e:  # Gloo: a neighbour's connection was reset; no receive works any more
+                with self.lock:
+                    for peer in self.watching():
+                        self.lose(peer, f"receiving from the server groups failed: {str(e).splitlines()[0][:120]}")
+                return
+            with self.lock:
+                try:
+                    self.handle(src, Header.decode(raw))
+                except MessageError as e:
+                    self.rejected += 1
+                    log.error("troupe server rank %d: rejected a message from server rank %d: %s", self.rank, src, e)
+                self._cv.notify_all()
 
     def _validate(self, src: int, header: Header) -> None:
         if src in self.gone:
