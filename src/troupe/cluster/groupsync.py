@@ -97,8 +97,15 @@ class GroupSync:
 
     # --- the training loop's side ----------------------------------------------------------------
 
+    _active: dict[int, GroupSync] = {}
+    """The one GroupSync answering on each pair of sync channels (by the requests channel's id)."""
+
     def start(self) -> None:
         """Start answering the other groups (call on every worker before the first sync)."""
+        other = GroupSync._active.setdefault(id(self.requests), self)
+        if other is not self:  # its thread would take this one's requests: the job would hang at a sync
+            raise ValueError("Distributed Hogwild: this process already has a DistOpt syncing with the other "
+                             "groups; use one DistOpt per process (close() the first before making another)")
         if self.peers:
             self._thread = threading.Thread(target=self._serve, name="troupe-group-sync", daemon=True)
             self._thread.start()
@@ -154,6 +161,8 @@ class GroupSync:
             if not self._done.wait_for(lambda: not self._live, timeout=timeout):
                 log.warning("troupe group sync rank %d: peers %s did not stop within %.0fs",
                             self.rank, sorted(self._live), timeout)
+        if GroupSync._active.get(id(self.requests)) is self:
+            del GroupSync._active[id(self.requests)]
 
     def stats(self) -> str:
         merges = self.merges
