@@ -62,6 +62,9 @@ def equal_workers(w: int) -> dict[str, list[str]]:
         # ... and each update at the full rate divided by its staleness (Zhang et al. 2016)
         "downpour-bg-inverse": ["--nworker-groups", str(w), "--nservers-per-group", "1", "--server-worker-separate",
                                 "--fetch", "background", "--group-merge", "sum", "--staleness-lr", "inverse"],
+        # ... and each worker adds its own update, predicted by its optimizer, until the server's values hold it
+        "downpour-predict": ["--nworker-groups", str(w), "--nservers-per-group", "1", "--server-worker-separate",
+                             "--fetch", "predict"],
         "downpour-bg-mean-inverse": ["--nworker-groups", str(w), "--nservers-per-group", "1",
                                      "--server-worker-separate", "--fetch", "background", "--staleness-lr", "inverse"],
     }
