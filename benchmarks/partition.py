@@ -6,13 +6,17 @@
 Four workers (one process per simulated host; "loopback": four local processes) train
 the same model under several plans, taking turns step by step in the same processes
 (`troupe.bench.engine.run_ab`: burn-in, then repetitions of measured steps, order
-reversed every other step; the slowest rank's time per step; median per repetition):
+reversed every other step, aligned by a barrier before every step; the slowest rank's
+time per step; median per repetition):
 
 * ``data``:      every worker the whole model, gradients all-reduced (DistOpt, plain);
 * ``data fp16``: the same with fp16 gradients;
 * ``hybrid kK``: groups of K workers, convolutions split the batch (dim 0) and the
                  linear layers their output features (dim 1): the weird trick;
-* ``model k4``:  one group of 4, every layer split by features (dim 1).
+* ``model k4``:  one group of 4, every layer split by features (dim 1);
+* ``planner pick``: what `troupe plan --link LINK` picks (the named link's constants);
+* ``planner pick (in-step)``: what the planner picks with this job's costs measured in
+                 the step first (`instep.calibrate`, as ``troupe.partition(.., "auto", link="job")``).
 
 Workloads: "cnn", the example's MNIST CNN (its linear layers hold 95% of its 431k
 parameters), and "fcnet", an AlexNet-style net whose three linear layers hold 97.5% of
@@ -21,6 +25,11 @@ plan computes the same function (tests/dist/test_partition_train.py), so trainin
 per step is the same for all plain-fp32 plans: `--steps-to-loss` trains data and hybrid
 side by side on real MNIST on loopback and records the step at which each reached the
 loss, to turn step time into time to that loss. Records: troupe bench JSON lines.
+
+The planner's prediction of every plan is printed twice: with the link `--link` names,
+and with the link as a step in this job sees it: the calibration contestants of
+`troupe.partition.planner.instep` (the local step followed by each kind of collective,
+and by DistOpt reductions of two sizes) take the same turns as the plans.
 """
 
 from __future__ import annotations
@@ -110,32 +119,36 @@ def worker(args: argparse.Namespace) -> None:
     import troupe
     from troupe.bench.engine import Schedule, run_ab
     from troupe.bench.suites.common import to_records
+    from troupe.partition.planner import instep
 
     torch.set_num_threads(1)
     world = troupe.init()
     x, y = troupe.data.synthetic(BATCH * 8, seed=world.rank)
     batches = [(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]) for i in range(8)]
     plans, profile = choose_plans(args, world, batches[0][0])
-    measured_link = measure_job_link(world)
-    made, dims = [local_contestant(args.workload, batches)], {}
+    local = local_contestant(args.workload, batches)
+    plans[PICK_IN_STEP] = pick_in_step(world, profile, local, batches, args)
+    made, dims = [local], {}
     for name in plans:
         c, model, _ = contestant(name, args.workload, batches, plans=plans)
         dims[name] = dims_of(model)
         c.params["dims"] = ",".join(map(str, dims[name]))
         made.append(c)
-    schedule = Schedule(reps=args.reps, steps=args.steps, burnin=args.burnin)
+    made += instep.contestants(world.comm, local.step)
+    schedule = Schedule(reps=args.reps, steps=args.steps, burnin=args.burnin, align=True)
     measured = run_ab(made, schedule, world.comm)
     records = to_records(measured, made, benchmark="partition", workload=args.workload,
                          params={"link": args.link, "batch_size": BATCH}, world_size=world.world_size)
     if world.rank == 0:
         for r in records:
             print("RECORD " + r.to_json(), flush=True)
-        print("PRED " + json.dumps(predict(args, plans, dims, profile, records, measured_link)), flush=True)
+        print("PRED " + json.dumps(predict(args, plans, dims, profile, records, world.world_size)), flush=True)
     if args.steps_to_loss:
         steps_to_loss(args, world)
 
 
 PICK = "planner pick"
+PICK_IN_STEP = "planner pick (in-step)"
 
 
 def concrete(model, plan, k: int) -> dict[str, int]:
@@ -168,60 +181,41 @@ def choose_plans(args: argparse.Namespace, world, sample):
     return plans, profile
 
 
-def measure_job_link(world):
-    """alpha and beta as this job sees them (every rank at once, as in training): alpha from a
-    4-byte all-reduce over the job, beta from all-gathers of 4 KiB and 1 MiB per rank (median of
-    repetitions; a ring all-gather sends (n-1) x the per-rank bytes)."""
-    import statistics
-    import time
+def pick_in_step(world, profile, local, batches, args: argparse.Namespace):
+    """The planner's pick with the job's own costs: the calibration contestants run first (in
+    their own aligned turns with the local step), then the same search as `troupe plan`."""
+    from troupe.bench.engine import Schedule
+    from troupe.partition.planner import candidates, instep, pick
 
-    import torch
-
-    from troupe.partition.planner import Link
-
-    def median_seconds(fn, reps: int = 30) -> float:
-        times = []
-        for _ in range(reps):
-            world.comm.barrier()
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[5:])
-
-    n, tiny = world.world_size, torch.zeros(1)
-    alpha = median_seconds(lambda: world.comm.all_reduce(tiny))
-    sizes, times = (1024, 256 * 1024), []
-    for elems in sizes:
-        x, out = torch.zeros(elems), torch.zeros(n * elems)
-        times.append(median_seconds(lambda: world.comm.all_gather_into(out, x), reps=15))
-    beta = max((times[1] - times[0]) / ((n - 1) * (sizes[1] - sizes[0]) * 4), 0.0)
-    alpha, beta = world.comm.all_gather_object((alpha, beta))[0]
-    return Link(alpha, beta, name="measured in the job")
+    measured = instep.calibrate(world.comm, local.step, Schedule(reps=args.reps, steps=args.steps,
+                                                                  burnin=args.burnin, align=True))
+    chosen = pick(candidates(measured.scaled(profile), WORKERS, **measured.setup_args()))
+    k, plan = world.comm.all_gather_object((chosen.workers_per_group, chosen.plan))[0]
+    return k, plan, "plain"
 
 
-def predict(args: argparse.Namespace, plans: dict, dims: dict, profile, records, measured) -> dict:
+def predict(args: argparse.Namespace, plans: dict, dims: dict, profile, records, world_size: int) -> dict:
     """Predicted step seconds of each plan, the profile's compute calibrated once by the measured
     "local" step (no communication: the same model, loss and optimizer step on b samples); with
-    the link `--link` names, and with the link as measured in the job (`measure_job_link`)."""
-    import dataclasses
+    the link `--link` names, and with the link as a step in this job sees it (the calibration
+    contestants, measured in the same turns: `troupe.partition.planner.instep`)."""
     import statistics
 
-    from troupe.partition.planner import Setup, parse_link, plan_cost
+    from troupe.partition.planner import Setup, instep, parse_link, plan_cost
+
+    def median(name: str) -> float:
+        return statistics.median(r.value for r in records if r.contestant == name and r.metric == "step_time")
 
     link = parse_link(args.link)
-    local = statistics.median(r.value for r in records if r.contestant == LOCAL and r.metric == "step_time")
-    zeros = [0] * len(profile.layers)
-    factor = local / plan_cost(profile, zeros, Setup(world_size=1, link=link)).seconds
-    scaled = dataclasses.replace(
-        profile, replicated_seconds=profile.replicated_seconds * factor,
-        layers=tuple(dataclasses.replace(layer, times={key: t * factor for key, t in layer.times.items()})
-                     for layer in profile.layers))
-    out = {"compute_factor": factor, "measured_link": [measured.alpha, measured.beta]}
+    in_step = instep.solve({instep.LOCAL: median(LOCAL), **{name: median(name) for name in instep.NAMES}},
+                           world_size)
+    scaled = in_step.scaled(profile)
+    factor = in_step.local / plan_cost(profile, [0] * len(profile.layers), Setup(world_size=1, link=link)).seconds
+    out = {"compute_factor": factor, "in_step": in_step.to_json()}
     for name, (k, _, option) in plans.items():
         setup = Setup(world_size=WORKERS, workers_per_group=k, link=link, option=option)
-        in_job = dataclasses.replace(setup, link=measured)
         out[name] = {"seconds": plan_cost(scaled, dims[name], setup).seconds, "dims": dims[name], "k": k,
-                     "seconds_measured_link": plan_cost(scaled, dims[name], in_job).seconds}
+                     "seconds_in_step": plan_cost(scaled, dims[name], in_step.apply(setup)).seconds}
     return out
 
 
@@ -316,21 +310,24 @@ def prediction_table(records, predicted: dict) -> str:
 
     rows = []
     for name, p in predicted.items():
-        if name in ("compute_factor", "measured_link"):
+        if name in ("compute_factor", "in_step"):
             continue
         values = [r.value for r in records if r.contestant == name and r.metric == "step_time"]
         if not values:
             continue
         measured = statistics.median(values)
-        in_job = p["seconds_measured_link"]
+        in_job = p["seconds_in_step"]
         rows.append([name, p["k"], ",".join(map(str, p["dims"])), f"{p['seconds'] * 1e3:.1f}",
                      f"{in_job * 1e3:.1f}", f"{measured * 1e3:.1f}", f"{measured / p['seconds']:.2f}",
                      f"{measured / in_job:.2f}"])
-    alpha, beta = predicted["measured_link"]
-    return (f"compute calibrated by the local step: x{predicted['compute_factor']:.2f} the profile; link measured "
-            f"in the job: alpha {alpha * 1e6:.0f} us, beta {beta * 1e9:.2f} ns/B\n\n"
-            + render.markdown(["plan", "k", "dims", "predicted ms (--link)", "predicted ms (measured link)",
-                               "measured ms", "measured / predicted (--link)", "measured / predicted (measured link)"],
+    cal = predicted["in_step"]
+    ra, rb = cal["reduce"]
+    kinds = ", ".join(f"{kind} {a * 1e3:.2f} ms + {b * 1e9:.2f} ns/B" for kind, (a, b) in cal["exchanges"].items()
+                      if kind != "send")
+    return (f"compute calibrated by the local step: x{predicted['compute_factor']:.2f} the profile; in the step: "
+            f"sync {cal['sync_s'] * 1e3:.2f} ms, reductions {ra * 1e3:.2f} ms + {rb * 1e9:.2f} ns/B, {kinds}\n\n"
+            + render.markdown(["plan", "k", "dims", "predicted ms (--link)", "predicted ms (in-step calibration)",
+                               "measured ms", "measured / predicted (--link)", "measured / predicted (in-step calibration)"],
                               rows))
 
 

@@ -92,3 +92,59 @@ def test_partition_auto_gives_every_rank_rank0s_plan():
     assert errors0 == errors1
     assert errors0[0].startswith("plan 'auto' needs sample=")
     assert errors0[1].startswith("plan 'auto' failed on rank 0: ValueError: profiling CNN's forward")
+
+
+def _calibrate(rank: int, world_size: int):
+    import troupe
+    from troupe.bench.engine import Schedule
+    from troupe.partition.planner import calibrate
+
+    torch.set_num_threads(1)
+    model = CNN()
+    x = torch.randn(B_OWN, 1, 16, 16)
+
+    def local_step(i: int) -> None:
+        model.zero_grad()
+        model(x).sum().backward()
+
+    return calibrate(troupe.init().comm, local_step, Schedule(reps=3, steps=2, burnin=1, align=True)).to_json()
+
+
+def test_calibrate_in_a_two_rank_job_gives_every_rank_the_same_costs():
+    first, second = run_world(_calibrate, 2, timeout=120)
+    assert first == second  # every probe's time is the slowest rank's, so both ranks solve alike
+    numbers = [first["sync_s"], *first["reduce"], *(v for link in first["exchanges"].values() for v in link)]
+    assert all(math.isfinite(v) and v >= 0 for v in numbers)
+    assert set(first["exchanges"]) == {"all_gather", "all_to_all", "reduce_scatter", "send"}
+    assert first["reduce"][0] > 0 or first["reduce"][1] > 0  # a DistOpt step of 8 MiB over Gloo is not free
+
+
+def _auto_in_job(rank: int, world_size: int):
+    import troupe
+
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)  # partition must replace it by rank 0's model
+    model = CNN()
+    torch.manual_seed(0)
+    reference = CNN()
+    batch = torch.randn(world_size * B_OWN, 1, 16, 16, generator=torch.Generator().manual_seed(1))
+    own = batch[rank * B_OWN : (rank + 1) * B_OWN]
+    bad = torch.randn(B_OWN, 3, 16, 16) if rank == 1 else own  # rank 1's step fails; rank 0's would not
+    try:
+        troupe.partition(CNN(), "auto", workers_per_group=2, sample=bad, link="job")
+        error = None
+    except ValueError as e:
+        error = str(e)
+    troupe.partition(model, "auto", workers_per_group=2, sample=own, link="job")
+    dims = {row.name: row.partition_dim for row in troupe.partition.describe(model)
+            if row.type in ("Linear", "Conv2d")}
+    with torch.no_grad():
+        same = torch.allclose(model(own), reference(batch)[rank * B_OWN : (rank + 1) * B_OWN], atol=1e-5)
+    return dims, error, same
+
+
+def test_partition_auto_with_the_job_link_measures_in_the_step_and_agrees():
+    (dims0, error0, same0), (dims1, error1, same1) = run_world(_auto_in_job, 2, timeout=180)
+    assert dims0 == dims1 and set(dims0) == {"conv1", "conv2", "fc1", "fc2"}
+    assert same0 and same1
+    assert error0 == error1 and error0.startswith("plan 'auto' with link 'job': the model's step failed (rank 1: ")

@@ -2,6 +2,7 @@
 
     profile.py  what each layer costs on this machine (measured once, or built by hand)
     link.py     the link's alpha (seconds per message) and beta (seconds per byte)
+    instep.py   the link as a step in this job sees it (sync, reductions, exchanges), measured
     cost.py     predicted step time, bytes per step and parameter memory of a plan
     search.py   the exact dynamic programme over the layer chain, the candidate list, the pick
     auto.py     ``troupe.partition(model, "auto", ...)``: rank 0 plans, every rank gets the plan
@@ -19,6 +20,7 @@ It decides plans; it never partitions a model or reduces a gradient.
 from __future__ import annotations
 
 from troupe.partition.planner.auto import auto_plan
+from troupe.partition.planner.instep import InStep, calibrate
 from troupe.partition.planner.cost import OPTIONS, Cost, Setup, layer_cost, param_bytes, plan_cost, transition_cost
 from troupe.partition.planner.link import Link, link_from_text, measure_link, parse_link
 from troupe.partition.planner.profile import LayerProfile, ModelProfile, profile_model, proportional_times
@@ -28,6 +30,7 @@ __all__ = [
     "OPTIONS",
     "Candidate",
     "Cost",
+    "InStep",
     "LayerProfile",
     "Link",
     "ModelProfile",
@@ -35,6 +38,7 @@ __all__ = [
     "auto_plan",
     "best_chain",
     "best_dims",
+    "calibrate",
     "candidates",
     "layer_cost",
     "link_from_text",

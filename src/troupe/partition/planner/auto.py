@@ -4,6 +4,9 @@ The one piece of the planner that talks to other processes: rank 0 profiles the 
 the sample batch, runs the exact search for the given group size with the plain option,
 and the job communicator hands the resulting {layer name: dim} to every rank, so all
 ranks partition alike. A failure on rank 0 is raised, with its message, on every rank.
+With ``link="job"`` every rank first times the model's local step and the collectives a
+step makes, as the step makes them (`instep.calibrate`, a few seconds), and rank 0 prices
+the plans with those numbers instead of a named link's constants.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from torch import Tensor, nn
 
 from troupe.partition.plan import check_world
 from troupe.partition.planner.cost import Setup
+from troupe.partition.planner.instep import InStep, calibrate
 from troupe.partition.planner.link import Link, parse_link
 from troupe.partition.planner.profile import profile_model
 from troupe.partition.planner.search import plan_for
@@ -38,19 +42,28 @@ def auto_plan(
     Args:
         sample: one batch of this worker's input (b = sample.shape[0]); only rank 0 uses it.
         link: a `Link` or a `troupe plan --link` spelling (not 'measure'); the default
-            "loopback" constants suit one machine: pass the real link for several.
+            "loopback" constants suit one machine: pass the real link for several. "job":
+            measure this job's costs in the step (`instep`); every rank runs the model's
+            forward and backward on its `sample` (a copy of the model; the model is untouched).
     """
     if sample is None:
         raise ValueError("plan 'auto' needs sample=: one batch of this worker's input, for profiling")
     if not isinstance(sample, Tensor):
         raise TypeError(f"sample must be a Tensor (one batch of this worker's input), got {type(sample).__name__}")
-    link = link if isinstance(link, Link) else parse_link(link)
+    in_job = isinstance(link, str) and link.strip().lower() == "job"
+    link = link if isinstance(link, Link) or in_job else parse_link(link)
     check_world(job.world_size, workers_per_group)
+    measured = _calibrate(model, sample, job) if in_job else None
     result: tuple[str, object] | None = None
     if job.rank == 0:
         try:
             profile = profile_model(model, sample, [workers_per_group], reps=AUTO_REPS)
-            setup = Setup(world_size=job.world_size, workers_per_group=workers_per_group, link=link)
+            if measured is not None:
+                profile = measured.scaled(profile)
+                setup = measured.apply(Setup(world_size=job.world_size, workers_per_group=workers_per_group,
+                                             link=measured.reduce))
+            else:
+                setup = Setup(world_size=job.world_size, workers_per_group=workers_per_group, link=link)
             result = ("ok", plan_for(profile, setup))
         except Exception as e:  # raised below on every rank, not only here (the others would wait)
             result = ("error", f"{type(e).__name__}: {e}")
@@ -60,3 +73,30 @@ def auto_plan(
     if status != "ok":
         raise ValueError(f"plan 'auto' failed on rank 0: {value}")
     return value
+
+
+def _calibrate(model: nn.Module, sample: Tensor, job: Communicator) -> InStep | None:
+    """Every rank: the in-step costs with the model's forward and backward on `sample` as the
+    local step (a copy, so the model's gradients stay as they were). None on one process."""
+    if job.world_size == 1:
+        return None
+    import copy
+
+    from troupe.bench.engine import Schedule
+
+    twin = copy.deepcopy(model)
+
+    def local_step(i: int) -> None:
+        twin.zero_grad(set_to_none=True)
+        out = twin(sample)
+        (out if isinstance(out, Tensor) else out[0]).float().sum().backward()
+
+    try:  # one step first, everywhere: a rank whose step fails must not leave the others in a collective
+        local_step(0)
+        status = None
+    except Exception as e:
+        status = f"rank {job.rank}: {type(e).__name__}: {e}"
+    failed = [s for s in job.all_gather_object(status) if s is not None]
+    if failed:
+        raise ValueError(f"plan 'auto' with link 'job': the model's step failed ({failed[0]})")
+    return calibrate(job, local_step, Schedule(reps=5, steps=2, burnin=1, align=True))

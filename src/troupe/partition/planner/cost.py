@@ -16,6 +16,11 @@ activation elements per sample and c(n, parts) forward+backward seconds:
                   + all-reduce over G of P*s                       the group roots
     replicated leaves: c_rest(b) + exposed(all-reduce over W of P_rest*s)
     transition between consecutive layers: 0 (see `transition_cost`)
+    synchronisation: sync, once per step when W > 1 (see `Setup.sync`)
+
+Each kind of exchange inside a group (all-gather, all-to-all, reduce-scatter, send) may
+see a link of its own (`Setup.exchange_links`: once processes share cores, a collective's
+cost depends on its kind, measured by `instep`); reductions see `link`.
 
 g is 1 when backward needs the layer's input gradient (0 for the model's first layer),
 a layer called m times per forward pays its compute and exchanges m times. "bytes" are
@@ -27,12 +32,14 @@ are always reduced in fp32 over their holders, which is what the runtime does.
 One deviation, in alpha only: the runtime fuses small gradients into shared buckets and
 all of a worker's partitioned slices into one message; here each layer pays its own
 alpha(s), so the cost stays a sum over layers and the search over the chain is exact.
+`Setup.fused_reductions` narrows it: a layer pays the fraction P / bucket_size of a
+message and the step one message, still a sum over layers.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from troupe.partition.planner.link import Link
@@ -50,6 +57,10 @@ OPTIONS = ("plain", "fp16", "bf16", "sparseTopK", "partialUpdate")
 INDEX_BYTES = 4
 """Top-K sends an int32 index with every value."""
 
+EXCHANGES = ("all_gather", "all_to_all", "reduce_scatter", "send")
+"""The kinds of exchange inside a group: a dim-1 layer all-gathers its input, all-to-alls its
+output (forward and backward) and reduce-scatters its input's gradient; a dim -1 layer sends."""
+
 
 @dataclass(frozen=True)
 class Cost:
@@ -61,17 +72,19 @@ class Cost:
     reduce: float = 0.0
     """Gradient/parameter reductions across groups (exposed part)."""
     bytes: float = 0.0
+    sync: float = 0.0
+    """The step's wait for its ranks at the first synchronisation (`Setup.sync`)."""
 
     @property
     def seconds(self) -> float:
-        return self.compute + self.intra + self.reduce
+        return self.compute + self.intra + self.reduce + self.sync
 
     def __add__(self, other: Cost) -> Cost:
         return Cost(self.compute + other.compute, self.intra + other.intra, self.reduce + other.reduce,
-                    self.bytes + other.bytes)
+                    self.bytes + other.bytes, self.sync + other.sync)
 
     def times(self, m: int) -> Cost:
-        return Cost(self.compute * m, self.intra * m, self.reduce * m, self.bytes * m)
+        return Cost(self.compute * m, self.intra * m, self.reduce * m, self.bytes * m, self.sync * m)
 
 
 ZERO = Cost()
@@ -95,6 +108,19 @@ class Setup:
     """Fraction of the data-parallel reduction hidden behind backward (see `exposed`)."""
     optimizer_slots: int = 0
     """Optimizer state per parameter, in parameter-sized tensors (1 for momentum, 2 for Adam)."""
+    exchange_links: Mapping[str, Link] | None = None
+    """Links of the exchanges inside a worker group by kind (`EXCHANGES`); a kind not given
+    (or None) sees `link`. Measured by `instep.calibrate`."""
+    sync: float = 0.0
+    """Seconds a step waits once, at its first synchronisation, beyond that collective's alpha
+    and beta: processes sharing oversubscribed cores end their compute apart. 0 on cores of
+    their own; measured by `instep.calibrate`."""
+    fused_reductions: bool = False
+    """Count reduction messages as the runtime sends them: one per step, plus P / bucket_size
+    (a fraction) per layer's reduced parameters, since buckets and partitioned slices are
+    fused across layers. False: each layer pays its own ceil(P / bucket_size) (and a slice
+    reduction one), an upper bound that keeps the cost a plain sum over layers; it matters
+    when alpha is large, as on oversubscribed cores (`instep`)."""
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size)
@@ -111,11 +137,20 @@ class Setup:
         check_int("chunk_size", self.chunk_size)
         check_int("bucket_size", self.bucket_size)
         check_int("optimizer_slots", self.optimizer_slots, minimum=0)
+        if not math.isfinite(self.sync) or self.sync < 0:
+            raise ValueError(f"sync must be a finite number of seconds >= 0, got {self.sync!r}")
+        unknown = sorted(set(self.exchange_links or ()) - set(EXCHANGES))
+        if unknown:
+            raise ValueError(f"exchange_links: unknown kinds {unknown} (known: {EXCHANGES})")
 
     @property
     def groups(self) -> int:
         """G: worker groups (replicas)."""
         return self.world_size // self.workers_per_group
+
+    def exchange(self, kind: str) -> Link:
+        """The link exchanges of `kind` (one of `EXCHANGES`) inside a group see."""
+        return (self.exchange_links or {}).get(kind, self.link)
 
 
 def exposed(seconds: float, setup: Setup) -> float:
@@ -136,7 +171,9 @@ def all_reduce(link: Link, ranks: int, nbytes: float, messages: float = 1) -> Co
     return Cost(reduce=link.seconds(sent, messages), bytes=sent)
 
 
-def _buckets(params: int, setup: Setup) -> int:
+def _buckets(params: float, setup: Setup) -> float:
+    if setup.fused_reductions:
+        return params / setup.bucket_size
     return max(1, math.ceil(params / setup.bucket_size))
 
 
@@ -171,16 +208,16 @@ def _msg(link: Link, nbytes: float, messages: float = 1) -> Cost:
 
 
 def _dim1_exchanges(layer: LayerProfile, setup: Setup, b: int, s: int) -> Cost:
-    k, link = setup.workers_per_group, setup.link
+    k, exchange = setup.workers_per_group, setup.exchange
     g = 1 if layer.input_grad else 0
-    gather = _msg(link, (k - 1) * b * layer.in_elems * s)
-    to_owners = _msg(link, (k - 1) / k * b * layer.out_elems * s)
-    scatter = _msg(link, g * 2 * (k - 1) * b * layer.in_elems * s, g)  # Gloo: an all-reduce's bytes
+    gather = _msg(exchange("all_gather"), (k - 1) * b * layer.in_elems * s)
+    to_owners = _msg(exchange("all_to_all"), (k - 1) / k * b * layer.out_elems * s)
+    scatter = _msg(exchange("reduce_scatter"), g * 2 * (k - 1) * b * layer.in_elems * s, g)  # Gloo: all-reduce bytes
     return gather + to_owners + to_owners + scatter
 
 
 def _root_exchanges(layer: LayerProfile, setup: Setup, b: int, s: int) -> Cost:
-    k, link = setup.workers_per_group, setup.link
+    k, link = setup.workers_per_group, setup.exchange("send")
     g = 1 if layer.input_grad else 0
     forward = _msg(link, (k - 1) * b * (layer.in_elems + layer.out_elems) * s, 2 * (k - 1))
     backward = _msg(link, (k - 1) * b * (layer.out_elems + g * layer.in_elems) * s, (1 + g) * (k - 1))
@@ -197,9 +234,15 @@ def layer_cost(layer: LayerProfile, dim: int, setup: Setup, batch: int, s: int =
         return Cost(compute=layer.compute(b)).times(layer.calls) + dp_reduction(layer.params, setup, s)
     if dim == 1:
         work = Cost(compute=layer.compute(k * b, k)) + _dim1_exchanges(layer, setup, b, s)
-        return work.times(layer.calls) + all_reduce(setup.link, setup.groups, layer.params / k * s)
+        return work.times(layer.calls) + _slice_reduction(layer.params / k, setup, s)
     work = Cost(compute=layer.compute(k * b)) + _root_exchanges(layer, setup, b, s)
-    return work.times(layer.calls) + all_reduce(setup.link, setup.groups, layer.params * s)
+    return work.times(layer.calls) + _slice_reduction(layer.params, setup, s)
+
+
+def _slice_reduction(params: float, setup: Setup, s: int) -> Cost:
+    """A partitioned layer's parameters, reduced among their holders (one per group)."""
+    messages = params / setup.bucket_size if setup.fused_reductions else 1
+    return all_reduce(setup.link, setup.groups, params * s, messages)
 
 
 def transition_cost(prev_dim: int | None, dim: int, layer: LayerProfile, setup: Setup) -> Cost:
@@ -234,6 +277,10 @@ def plan_cost(profile: ModelProfile, dims: Sequence[int], setup: Setup) -> Cost:
     _check_dims(profile, dims)
     s = profile.bytes_per_element
     total = replicated_cost(profile, setup) + partial_update(dim0_params(profile, dims), setup, s)
+    if setup.world_size > 1:
+        total = total + Cost(sync=setup.sync)
+        if setup.fused_reductions:
+            total = total + Cost(reduce=setup.link.alpha)  # the step's one fixed reduction message
     prev = None
     for layer, dim in zip(profile.layers, dims):
         total = total + transition_cost(prev, dim, layer, setup) + layer_cost(layer, dim, setup, profile.batch, s)
