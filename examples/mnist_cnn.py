@@ -95,7 +95,9 @@ def parse_args(argv=None):
                         "their output features (Krizhevsky's 'one weird trick'); model: every layer its features; "
                         "auto: the planner's pick (troupe plan) for the link given by --link (default: the "
                         "cluster's partition_dim under --cluster, else data)")
-    p.add_argument("--link", default="loopback", help="--partition auto: the link between hosts (1gbit, 100mbit, ...)")
+    p.add_argument("--link", default="loopback",
+                   help="--partition auto: the link between hosts (1gbit, 100mbit, ...; job: this job's costs "
+                        "measured in the step)")
     p.add_argument("--workers-per-group", type=int, default=None,
                    help="--partition hybrid/model: ranks that compute one model replica (default: all; "
                         "under --cluster its nworkers_per_group)")
