@@ -70,12 +70,24 @@ def equal_workers(w: int) -> dict[str, list[str]]:
     }
 
 
+MOMENTUM = {"downpour-bg-m0.5": 0.5, "downpour-predict-m0.5": 0.5}
+"""Contestants trained with another momentum than 0.9: asynchrony adds momentum of its own (about
+1 - 1/M with M asynchronous workers, Mitliagkas et al. 2016), so the explicit one is lowered."""
+
+
+def launch_args(name: str, workers: int | None) -> list[str]:
+    table = equal_workers(workers) if workers else CONTESTANTS
+    base = name.rsplit("-m", 1)[0] if name in MOMENTUM else name
+    return table[base]
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contestants", default=",".join(CONTESTANTS))
     p.add_argument("--steps", type=int, default=500, help="training steps of worker 0")
     p.add_argument("--batch-size", type=int, default=64, help="per worker")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9, help=argparse.SUPPRESS)  # per contestant: MOMENTUM
     p.add_argument("--targets", default="0.985,0.989", help="test accuracies to time")
     p.add_argument("--snapshot-every", type=int, default=20)
     p.add_argument("--test-size", type=int, default=10000)
@@ -103,7 +115,7 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = CNN()
-    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-5)
+    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=1e-5)
     if args.worker == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -172,10 +184,11 @@ SYNC_LINE = re.compile(r"troupe group sync rank \d+: (\d+) merges into its maste
 
 
 def run_one(name: str, args) -> dict:
-    launch = equal_workers(args.workers)[name] if args.workers else CONTESTANTS[name]
+    launch = launch_args(name, args.workers)
     cmd = [sys.executable, "-m", "troupe.cli", "run", *launch, __file__,
            "--worker", "ddp" if name == "ddp" else "troupe", "--steps", str(args.steps),
-           "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--targets", args.targets,
+           "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--momentum", str(MOMENTUM.get(name, 0.9)),
+           "--targets", args.targets,
            "--snapshot-every", str(args.snapshot_every), "--test-size", str(args.test_size)]
     if args.straggler:
         cmd.append("--straggler")
@@ -244,7 +257,8 @@ def main(argv=None) -> None:
     if args.worker:
         return worker(args)
     names = [n.strip() for n in args.contestants.split(",") if n.strip()]
-    known = equal_workers(args.workers) if args.workers else CONTESTANTS
+    launches = equal_workers(args.workers) if args.workers else CONTESTANTS
+    known = {*launches, *(name for name in MOMENTUM if name.rsplit("-m", 1)[0] in launches)}
     unknown = sorted(set(names) - set(known))
     if unknown:
         raise SystemExit(f"unknown contestant(s) {unknown}; choose from {sorted(known)}")
