@@ -117,7 +117,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import troupe
-    from troupe.bench.engine import Schedule, run_ab
+    from troupe.bench.engine import Contestant, Schedule, run_ab
     from troupe.bench.suites.common import to_records
     from troupe.partition.planner import instep
 
@@ -134,7 +134,7 @@ def worker(args: argparse.Namespace) -> None:
         dims[name] = dims_of(model)
         c.params["dims"] = ",".join(map(str, dims[name]))
         made.append(c)
-    made += instep.contestants(world.comm, local.step)
+    made += [Contestant(name, step) for name, step in instep.probes(world.comm, local.step)]
     schedule = Schedule(reps=args.reps, steps=args.steps, burnin=args.burnin, align=True)
     measured = run_ab(made, schedule, world.comm)
     records = to_records(measured, made, benchmark="partition", workload=args.workload,
@@ -184,11 +184,9 @@ def choose_plans(args: argparse.Namespace, world, sample):
 def pick_in_step(world, profile, local, batches, args: argparse.Namespace):
     """The planner's pick with the job's own costs: the calibration contestants run first (in
     their own aligned turns with the local step), then the same search as `troupe plan`."""
-    from troupe.bench.engine import Schedule
     from troupe.partition.planner import candidates, instep, pick
 
-    measured = instep.calibrate(world.comm, local.step, Schedule(reps=args.reps, steps=args.steps,
-                                                                  burnin=args.burnin, align=True))
+    measured = instep.calibrate(world.comm, local.step, reps=args.reps, steps=args.steps, burnin=args.burnin)
     chosen = pick(candidates(measured.scaled(profile), WORKERS, **measured.setup_args()))
     k, plan = world.comm.all_gather_object((chosen.workers_per_group, chosen.plan))[0]
     return k, plan, "plain"

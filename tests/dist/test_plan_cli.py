@@ -96,7 +96,6 @@ def test_partition_auto_gives_every_rank_rank0s_plan():
 
 def _calibrate(rank: int, world_size: int):
     import troupe
-    from troupe.bench.engine import Schedule
     from troupe.partition.planner import calibrate
 
     torch.set_num_threads(1)
@@ -107,7 +106,7 @@ def _calibrate(rank: int, world_size: int):
         model.zero_grad()
         model(x).sum().backward()
 
-    return calibrate(troupe.init().comm, local_step, Schedule(reps=3, steps=2, burnin=1, align=True)).to_json()
+    return calibrate(troupe.init().comm, local_step, reps=3, steps=2, burnin=1).to_json()
 
 
 def test_calibrate_in_a_two_rank_job_gives_every_rank_the_same_costs():

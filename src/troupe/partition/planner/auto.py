@@ -82,8 +82,6 @@ def _calibrate(model: nn.Module, sample: Tensor, job: Communicator) -> InStep | 
         return None
     import copy
 
-    from troupe.bench.engine import Schedule
-
     twin = copy.deepcopy(model)
 
     def local_step(i: int) -> None:
@@ -99,4 +97,4 @@ def _calibrate(model: nn.Module, sample: Tensor, job: Communicator) -> InStep | 
     failed = [s for s in job.all_gather_object(status) if s is not None]
     if failed:
         raise ValueError(f"plan 'auto' with link 'job': the model's step failed ({failed[0]})")
-    return calibrate(job, local_step, Schedule(reps=5, steps=2, burnin=1, align=True))
+    return calibrate(job, local_step, reps=5, steps=2, burnin=1)
