@@ -5,7 +5,7 @@
 
 Four workers (one process per simulated host; "loopback": four local processes) train
 the same model under several plans, taking turns step by step in the same processes
-(`troupe.bench.engine.run_ab`: burn-in, then repetitions of measured steps, order
+(`troupe.observe.turns.run_ab`: burn-in, then repetitions of measured steps, order
 reversed every other step, aligned by a barrier before every step; the slowest rank's
 time per step; median per repetition):
 
@@ -94,7 +94,7 @@ def contestant(name: str, workload: str, batches, seed: int = 0, plans: dict | N
     import torch.nn.functional as F
 
     import troupe
-    from troupe.bench.engine import Contestant
+    from troupe.observe.turns import Contestant
 
     k, plan, option = (plans or PLANS)[name]
     torch.manual_seed(seed)
@@ -117,8 +117,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import troupe
-    from troupe.bench.engine import Contestant, Schedule, run_ab
     from troupe.bench.suites.common import to_records
+    from troupe.observe.turns import Schedule, run_ab
     from troupe.partition.planner import instep
 
     torch.set_num_threads(1)
@@ -134,7 +134,7 @@ def worker(args: argparse.Namespace) -> None:
         dims[name] = dims_of(model)
         c.params["dims"] = ",".join(map(str, dims[name]))
         made.append(c)
-    made += [Contestant(name, step) for name, step in instep.probes(world.comm, local.step)]
+    made += instep.probes(world.comm, local.step)
     schedule = Schedule(reps=args.reps, steps=args.steps, burnin=args.burnin, align=True)
     measured = run_ab(made, schedule, world.comm)
     records = to_records(measured, made, benchmark="partition", workload=args.workload,
@@ -225,7 +225,7 @@ def local_contestant(workload: str, batches):
     import torch
     import torch.nn.functional as F
 
-    from troupe.bench.engine import Contestant
+    from troupe.observe.turns import Contestant
 
     torch.manual_seed(0)
     model = make_model(workload)

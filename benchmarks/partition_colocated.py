@@ -10,7 +10,7 @@ model, the group's co-located servers reduce and update all of it) and once with
 hybrid plan ("hybrid": convolutions split the batch, the linear layers their output
 features; a slice's one holder updates it unreduced). Each gets its own DistOpt under the
 same cluster, and they take turns step by step in the same processes
-(`troupe.bench.engine.run_ab`: burn-in, then repetitions of measured steps, the order
+(`troupe.observe.turns.run_ab`: burn-in, then repetitions of measured steps, the order
 reversed every other step; the slowest rank's time per step), so a machine shared with
 other jobs slows both alike. Under Distributed Hogwild a process holds one DistOpt (its
 master copies answer requests on the job's one pair of channels), so there `--plans` picks one
@@ -38,7 +38,7 @@ def contestant(name: str, plan, batches):
     import torch.nn.functional as F
 
     import troupe
-    from troupe.bench.engine import Contestant
+    from troupe.observe.turns import Contestant
 
     sys.path.insert(0, str(ROOT / "examples"))
     from mnist_cnn import CNN
@@ -71,7 +71,7 @@ def main() -> None:
     args = p.parse_args()
 
     import troupe
-    from troupe.bench.engine import Schedule, run_ab
+    from troupe.observe.turns import Schedule, run_ab
     from troupe.cluster.config import from_env
 
     world = troupe.init()

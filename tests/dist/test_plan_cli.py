@@ -60,23 +60,31 @@ def test_measured_link_is_a_plausible_line():
     assert link.beta > 0 and 0 <= link.alpha < 0.05  # loopback: well under 50 ms per message
 
 
-def _auto(rank: int, world_size: int) -> tuple[dict[str, int], list[str | None], bool]:
+def _auto(rank: int, world_size: int, link: str) -> tuple[dict[str, int], list[str | None], bool]:
+    """Bad inputs first (each must raise the same error on every rank), then rank 0's plan for `link`
+    on every rank, which must still compute what one process computes."""
     import troupe
 
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     reference = CNN()
     torch.manual_seed(rank)  # partition must replace it by rank 0's model
     model = CNN()
     batch = torch.randn(world_size * B_OWN, 1, 16, 16, generator=torch.Generator().manual_seed(1))
     own = batch[rank * B_OWN : (rank + 1) * B_OWN]
+    wrong = torch.randn(B_OWN, 3, 16, 16)
+    if link == "job":  # rank 1's step fails while rank 0's would not
+        bad = [("job", wrong if rank == 1 else own)]
+    else:  # no sample (every rank); rank 0 cannot profile
+        bad = [("loopback", None), ("loopback", wrong)]
     errors: list[str | None] = []
-    for bad in (None, torch.randn(B_OWN, 3, 16, 16)):  # no sample (every rank); one rank 0 cannot profile
+    for bad_link, sample in bad:
         try:
-            troupe.partition(CNN(), "auto", workers_per_group=2, sample=bad)
+            troupe.partition(CNN(), "auto", workers_per_group=2, sample=sample, link=bad_link)
             errors.append(None)
         except ValueError as e:
             errors.append(str(e))
-    troupe.partition(model, "auto", workers_per_group=2, sample=own, link="alpha=0s,beta=10gbit")
+    troupe.partition(model, "auto", workers_per_group=2, sample=own, link=link)
     dims = {row.name: row.partition_dim for row in troupe.partition.describe(model)
             if row.type in ("Linear", "Conv2d")}
     with torch.no_grad():
@@ -85,7 +93,7 @@ def _auto(rank: int, world_size: int) -> tuple[dict[str, int], list[str | None],
 
 
 def test_partition_auto_gives_every_rank_rank0s_plan():
-    (dims0, errors0, same0), (dims1, errors1, same1) = run_world(_auto, 2, timeout=120)
+    (dims0, errors0, same0), (dims1, errors1, same1) = run_world(_auto, 2, "alpha=0s,beta=10gbit", timeout=120)
     assert dims0 == dims1 and set(dims0) == {"conv1", "conv2", "fc1", "fc2"}
     assert all(d in (0, 1, -1) for d in dims0.values())
     assert same0 and same1
@@ -118,32 +126,9 @@ def test_calibrate_in_a_two_rank_job_gives_every_rank_the_same_costs():
     assert first["reduce"][0] > 0 or first["reduce"][1] > 0  # a DistOpt step of 8 MiB over Gloo is not free
 
 
-def _auto_in_job(rank: int, world_size: int):
-    import troupe
-
-    torch.set_num_threads(1)
-    torch.manual_seed(rank)  # partition must replace it by rank 0's model
-    model = CNN()
-    torch.manual_seed(0)
-    reference = CNN()
-    batch = torch.randn(world_size * B_OWN, 1, 16, 16, generator=torch.Generator().manual_seed(1))
-    own = batch[rank * B_OWN : (rank + 1) * B_OWN]
-    bad = torch.randn(B_OWN, 3, 16, 16) if rank == 1 else own  # rank 1's step fails; rank 0's would not
-    try:
-        troupe.partition(CNN(), "auto", workers_per_group=2, sample=bad, link="job")
-        error = None
-    except ValueError as e:
-        error = str(e)
-    troupe.partition(model, "auto", workers_per_group=2, sample=own, link="job")
-    dims = {row.name: row.partition_dim for row in troupe.partition.describe(model)
-            if row.type in ("Linear", "Conv2d")}
-    with torch.no_grad():
-        same = torch.allclose(model(own), reference(batch)[rank * B_OWN : (rank + 1) * B_OWN], atol=1e-5)
-    return dims, error, same
-
-
 def test_partition_auto_with_the_job_link_measures_in_the_step_and_agrees():
-    (dims0, error0, same0), (dims1, error1, same1) = run_world(_auto_in_job, 2, timeout=180)
+    (dims0, errors0, same0), (dims1, errors1, same1) = run_world(_auto, 2, "job", timeout=180)
     assert dims0 == dims1 and set(dims0) == {"conv1", "conv2", "fc1", "fc2"}
     assert same0 and same1
-    assert error0 == error1 and error0.startswith("plan 'auto' with link 'job': the model's step failed (rank 1: ")
+    assert errors0 == errors1 and len(errors0) == 1
+    assert errors0[0].startswith("plan 'auto' with link 'job': the model's step failed (rank 1: ")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from troupe.bench import records, render, stats
-from troupe.bench.engine import Contestant, Schedule, order, run_ab
+from troupe.observe.turns import Contestant, Schedule, order, run_ab
 from troupe.bench.options import Options, bucket_label, parse_bucket, parse_size, size_label
 from troupe.bench.records import Record
 

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from tests.unit.test_planner import ALPHA, BETA, LINK, chain, setup
-from troupe.bench.engine import Contestant, Schedule, run_ab
+from troupe.observe.turns import Contestant, Schedule, run_ab
 from troupe.partition.planner import Link, Setup, layer_cost, plan_cost
 from troupe.partition.planner import instep
 
@@ -138,22 +138,3 @@ def test_aligned_turns_put_a_barrier_before_every_timed_step(align, expected):
     assert comm.barriers == expected  # one per repetition, and with align one per contestant and step
     assert all(math.isfinite(m.value) for m in measured)
 
-
-class RecordingComm(CountingComm):
-    """Also records which probe ran after each barrier."""
-
-    def __init__(self):
-        super().__init__()
-        self.ran: list[str] = []
-
-
-def test_turns_align_alternate_and_take_medians():
-    comm = RecordingComm()
-    made = [(name, lambda i, name=name: comm.ran.append(name)) for name in ("A", "B", "C")]
-    times = instep.turns(made, comm, reps=2, steps=2, burnin=1)
-    assert set(times) == {"A", "B", "C"} and all(t >= 0 for t in times.values())
-    assert comm.barriers == 2 * 2 * 3  # one before every timed step
-    # burn-in A B C; rep 0: A B C, C B A; rep 1: C B A, A B C
-    assert "".join(comm.ran) == "ABC" + "ABC" + "CBA" + "CBA" + "ABC"
-    with pytest.raises(ValueError, match="reps must be an int >= 1"):
-        instep.turns(made, comm, reps=0)

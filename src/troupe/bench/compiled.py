@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from troupe.bench.contestants import make_sgd
-from troupe.bench.engine import Contestant
+from troupe.observe.turns import Contestant
 from troupe.bench.workloads import Batch, Workload
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from troupe.bench.engine import Contestant
+from troupe.observe.turns import Contestant
 from troupe.bench.options import bucket_label
 from troupe.bench.workloads import Batch, Workload
 

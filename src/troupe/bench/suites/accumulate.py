@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from troupe.bench import contestants as kinds
 from troupe.bench import render, workloads
-from troupe.bench.engine import run_ab
+from troupe.observe.turns import run_ab
 from troupe.bench.options import Options
 from troupe.bench.records import Record
 from troupe.bench.suites.common import schedule, to_records

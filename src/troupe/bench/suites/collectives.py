@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from troupe.bench import render
-from troupe.bench.engine import Contestant, run_ab
+from troupe.observe.turns import Contestant, run_ab
 from troupe.bench.options import Options, size_label
 from troupe.bench.records import Record
 from troupe.bench.stats import paired_ratios, ratio_of_medians, summarize

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from troupe.bench.engine import Contestant, Measurement, Schedule
+from troupe.observe.turns import Contestant, Measurement, Schedule
 from troupe.bench.options import Options
 from troupe.bench.records import Record
 

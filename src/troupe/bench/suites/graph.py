@@ -18,7 +18,7 @@ import dataclasses
 
 from troupe.bench import compiled as kinds
 from troupe.bench import render, workloads
-from troupe.bench.engine import run_ab
+from troupe.observe.turns import run_ab
 from troupe.bench.options import Options
 from troupe.bench.records import Record
 from troupe.bench.stats import summarize

@@ -9,8 +9,8 @@ step, whether the step syncs once or 16 times), and each one costs by its kind (
 all-reduce 1.2 ms, all-to-all 2.1 ms, all-gather and reduce-scatter 4.1 ms in a row).
 So `calibrate` times what the runtime does, the way a step does it: every calibration
 contestant is the model's local step (compute only) followed by one kind of
-communication, taking turns with the local step in aligned steps (`turns`: a barrier
-before every step, the order reversed every other step, the slowest rank's time).
+communication, taking turns with the local step in aligned steps (`troupe.observe.turns`
+with ``Schedule(align=True)``: a barrier before every step).
 With e the extra seconds over the local step and S the sync:
 
     local + 1 tiny all-reduce           e = S + a_ar
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,11 +46,10 @@ from troupe.partition.planner.link import Link
 from troupe.partition.planner.profile import ModelProfile
 from troupe.sync.bucket import DEFAULT_BUCKET_SIZE
 
+from troupe.observe.turns import Contestant, Schedule, run_ab
+
 if TYPE_CHECKING:
     from troupe.runtime.comm import Communicator
-
-Probe = tuple[str, Callable[[int], object]]
-"""A named step (its argument is the step's index, for the local step's batch)."""
 
 LOCAL = "local"
 SYNC, SYNC5 = "cal: all_reduce x1", "cal: all_reduce x5"
@@ -141,22 +139,22 @@ def _collective(comm: Communicator, kind: str, elems: int) -> Callable[[], objec
 
 
 def probes(comm: Communicator, local_step: Callable[[int], object], *,
-           bucket_size: int = DEFAULT_BUCKET_SIZE, update: bool = True) -> list[Probe]:
-    """The calibration probes, named `NAMES` (the local step is not among them: the caller adds
-    it, named `LOCAL` for `solve`; a benchmark makes them A/B contestants). `update`: the
+           bucket_size: int = DEFAULT_BUCKET_SIZE, update: bool = True) -> list[Contestant]:
+    """The calibration probes as A/B contestants, named `NAMES` (the local step is not among
+    them: the caller adds it, named `LOCAL` for `solve`). `update`: the
     reduction probes call ``DistOpt.update(loss, "plain")`` (SINGA's loop, with its agreement
     message) instead of ``backward(); step()``."""
     import troupe
 
-    def after_local(name: str, collective: Callable[[], object], repeats: int) -> Probe:
+    def after_local(name: str, collective: Callable[[], object], repeats: int) -> Contestant:
         def step(i: int) -> None:
             local_step(i)
             for _ in range(repeats):
                 collective()
 
-        return name, step
+        return Contestant(name, step)
 
-    def reducer(name: str, sizes: tuple[int, ...]) -> Probe:
+    def reducer(name: str, sizes: tuple[int, ...]) -> Contestant:
         params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
         weights = [torch.ones(n) for n in sizes]
         sgd = troupe.DistOpt(torch.optim.SGD(params, lr=0.0), bucket_size=bucket_size)
@@ -171,7 +169,7 @@ def probes(comm: Communicator, local_step: Callable[[int], object], *,
                 loss.backward()
                 sgd.step()
 
-        return name, step
+        return Contestant(name, step)
 
     tiny = _collective(comm, "all_reduce", 1)
     made = [after_local(SYNC, tiny, 1), after_local(SYNC5, tiny, REPEATS)]
@@ -213,37 +211,12 @@ def solve(times: dict[str, float], world_size: int, *, bucket_size: int = DEFAUL
     return InStep(sync, reduce, exchanges, local=times[LOCAL])
 
 
-def turns(made: list[Probe], comm: Communicator, *, reps: int = 11, steps: int = 3, burnin: int = 2) -> dict[str, float]:
-    """Median step seconds of each probe: `burnin` untimed steps each, then `reps` repetitions of
-    `steps` steps taking turns step by step (order reversed every other step), a barrier before
-    every step, the slowest rank's time per step, the median per repetition and over them.
-    (`troupe.bench.engine.run_ab` with ``Schedule(align=True)`` does the same for benchmarks;
-    this copy keeps the planner free of the bench package.)"""
-    for name, value in (("reps", reps), ("steps", steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    for i in range(burnin):
-        for _, step in made:
-            step(i)
-    medians: list[list[float]] = [[] for _ in made]
-    for rep in range(reps):
-        times = torch.zeros(len(made), steps, dtype=torch.float64)
-        for i in range(steps):
-            order = range(len(made)) if (rep + i) % 2 == 0 else reversed(range(len(made)))
-            for k in order:
-                comm.barrier()
-                start = time.perf_counter()
-                made[k][1](burnin + rep * steps + i)
-                times[k, i] = time.perf_counter() - start
-        comm.all_reduce(times, "max")
-        for k in range(len(made)):
-            medians[k].append(statistics.median(times[k].tolist()))
-    return {name: statistics.median(m) for (name, _), m in zip(made, medians)}
-
-
 def calibrate(comm: Communicator, local_step: Callable[[int], object], *, reps: int = 11, steps: int = 3,
               burnin: int = 2, bucket_size: int = DEFAULT_BUCKET_SIZE, update: bool = True) -> InStep:
-    """Time the probes with the local step (`turns`) and `solve`."""
-    made = [(LOCAL, local_step), *probes(comm, local_step, bucket_size=bucket_size, update=update)]
-    times = turns(made, comm, reps=reps, steps=steps, burnin=burnin)
+    """Time the probes with the local step in aligned turns (`troupe.observe.turns.run_ab`: a
+    barrier before every step, the slowest rank, medians per repetition and over them) and `solve`."""
+    made = [Contestant(LOCAL, local_step), *probes(comm, local_step, bucket_size=bucket_size, update=update)]
+    measured = run_ab(made, Schedule(reps=reps, steps=steps, burnin=burnin, align=True), comm)
+    times = {c.name: statistics.median(m.value for m in measured if m.contestant == k and m.metric == "step_time")
+             for k, c in enumerate(made)}
     return solve(times, comm.world_size, bucket_size=bucket_size)
