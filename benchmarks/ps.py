@@ -67,18 +67,27 @@ def equal_workers(w: int) -> dict[str, list[str]]:
                              "--fetch", "predict"],
         "downpour-bg-mean-inverse": ["--nworker-groups", str(w), "--nservers-per-group", "1",
                                      "--server-worker-separate", "--fetch", "background", "--staleness-lr", "inverse"],
+        # SINGA's rule (every group's update at the full rate) with the worker's own update predicted
+        "downpour-predict-sum": ["--nworker-groups", str(w), "--nservers-per-group", "1", "--server-worker-separate",
+                                 "--fetch", "predict", "--group-merge", "sum"],
     }
 
 
-MOMENTUM = {"downpour-bg-m0.5": 0.5, "downpour-predict-m0.5": 0.5}
-"""Contestants trained with another momentum than 0.9: asynchrony adds momentum of its own (about
-1 - 1/M with M asynchronous workers, Mitliagkas et al. 2016), so the explicit one is lowered."""
+VARIANT = re.compile(r"(?P<base>.+?)(?:-m(?P<momentum>[0-9.]+))?")
+"""A contestant's name may end in -m<momentum> (e.g. downpour-sum-m0.7): the same launch, trained with
+that momentum instead of 0.9. Asynchrony adds momentum of its own (about 1 - 1/M with M asynchronous
+workers, Mitliagkas et al. 2016), so the explicit one may be lowered."""
+
+
+def variant(name: str) -> tuple[str, float]:
+    """(the launch's name, the momentum) of a contestant's name."""
+    m = VARIANT.fullmatch(name)
+    return m["base"], float(m["momentum"]) if m["momentum"] else 0.9
 
 
 def launch_args(name: str, workers: int | None) -> list[str]:
     table = equal_workers(workers) if workers else CONTESTANTS
-    base = name.rsplit("-m", 1)[0] if name in MOMENTUM else name
-    return table[base]
+    return table[variant(name)[0]]
 
 
 def parse_args(argv=None):
@@ -87,7 +96,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=500, help="training steps of worker 0")
     p.add_argument("--batch-size", type=int, default=64, help="per worker")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9, help=argparse.SUPPRESS)  # per contestant: MOMENTUM
+    p.add_argument("--momentum", type=float, default=0.9, help=argparse.SUPPRESS)  # per contestant: its -m<momentum>
     p.add_argument("--targets", default="0.985,0.989", help="test accuracies to time")
     p.add_argument("--snapshot-every", type=int, default=20)
     p.add_argument("--test-size", type=int, default=10000)
@@ -187,7 +196,7 @@ def run_one(name: str, args) -> dict:
     launch = launch_args(name, args.workers)
     cmd = [sys.executable, "-m", "troupe.cli", "run", *launch, __file__,
            "--worker", "ddp" if name == "ddp" else "troupe", "--steps", str(args.steps),
-           "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--momentum", str(MOMENTUM.get(name, 0.9)),
+           "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--momentum", str(variant(name)[1]),
            "--targets", args.targets,
            "--snapshot-every", str(args.snapshot_every), "--test-size", str(args.test_size)]
     if args.straggler:
@@ -258,10 +267,10 @@ def main(argv=None) -> None:
         return worker(args)
     names = [n.strip() for n in args.contestants.split(",") if n.strip()]
     launches = equal_workers(args.workers) if args.workers else CONTESTANTS
-    known = {*launches, *(name for name in MOMENTUM if name.rsplit("-m", 1)[0] in launches)}
-    unknown = sorted(set(names) - set(known))
+    unknown = sorted(n for n in names if variant(n)[0] not in launches)
     if unknown:
-        raise SystemExit(f"unknown contestant(s) {unknown}; choose from {sorted(known)}")
+        raise SystemExit(f"unknown contestant(s) {unknown}; choose from {sorted(launches)}, each optionally "
+                         "ending in -m<momentum>")
     targets = sorted(float(t) for t in args.targets.split(","))
     results: dict[str, list[dict]] = {n: [] for n in names}
     if args.out:

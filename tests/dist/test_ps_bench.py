@@ -28,3 +28,15 @@ def test_ps_benchmark_times_ddp_and_a_parameter_server(tmp_path):
     assert got["downpour"]["server_updates_per_s"] > 0  # parsed from the server's closing line
     row = next(line for line in done.stdout.splitlines() if line.startswith("| downpour |"))
     assert row.split(" | ")[2] == "not reached"
+
+
+def test_a_contestant_name_may_carry_its_momentum():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import ps
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert ps.variant("downpour-sum-m0.7") == ("downpour-sum", 0.7)
+    assert ps.variant("downpour-bg-mean-inverse") == ("downpour-bg-mean-inverse", 0.9)  # "-m" inside: no suffix
+    assert ps.launch_args("downpour-predict-sum-m0.5", 2) == ps.launch_args("downpour-predict-sum", 2)
+    assert "--group-merge" in ps.launch_args("downpour-predict-sum", 2)
