@@ -2,7 +2,9 @@
 
 A header is ``[MAGIC, op, slice_id, version, sender, length]``. The receiver checks
 every field before it touches a payload; a malformed or unexpected message is
-rejected with a logged error and never applied.
+rejected with a logged error and never applied. Several messages to one peer travel as
+one frame (`troupe.cluster.frames`): the first one's header, marked by `FRAME_MAGIC`,
+carries the frame's size in bytes where a lone header carries its payload's length.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import Tensor
 log = logging.getLogger("troupe.cluster.config")
 
 MAGIC = 0x7450_5331  # "tPS1"
+FRAME_MAGIC = 0x7450_5346  # "tPSF": this header opens a frame (`troupe.cluster.frames`)
 HEADER_LEN = 6
 HEADER_TAG = 0x7450
 """Point-to-point tag of headers: a receive for any header can never match a payload."""
@@ -85,11 +88,18 @@ class Header:
     version: int
     sender: int
     length: int
+    frame: int = 0
+    """Bytes of the frame this header opens (0: a lone message). The frame's body is this message's
+    payload, then each further message's header and payload; this message's `length` is not sent:
+    the receiver knows it from the op and the slice (`with_length`)."""
 
     def encode(self) -> Tensor:
-        return torch.tensor(
-            [MAGIC, int(self.op), self.slice_id, self.version, self.sender, self.length], dtype=torch.int64
-        )
+        magic, last = (FRAME_MAGIC, self.frame) if self.frame else (MAGIC, self.length)
+        return torch.tensor([magic, int(self.op), self.slice_id, self.version, self.sender, last], dtype=torch.int64)
+
+    def with_length(self, length: int) -> Header:
+        """The first message of a frame, with the payload length its receiver expects."""
+        return Header(self.op, self.slice_id, self.version, self.sender, length)
 
     @classmethod
     def decode(cls, raw: Tensor) -> Header:
@@ -97,7 +107,7 @@ class Header:
         if raw.dtype != torch.int64 or raw.numel() != HEADER_LEN:
             raise MessageError(f"header must be {HEADER_LEN} int64 values, got {raw.numel()} {raw.dtype}")
         magic, op, slice_id, version, sender, length = (int(v) for v in raw.tolist())
-        if magic != MAGIC:
+        if magic not in (MAGIC, FRAME_MAGIC):
             raise MessageError(f"bad magic {magic:#x} (expected {MAGIC:#x}): not a troupe message")
         try:
             op = Op(op)
@@ -106,6 +116,10 @@ class Header:
         if slice_id < -1 or version < 0 or sender < 0 or length < 0:
             raise MessageError(f"negative field in {op.name} header: slice {slice_id}, version {version}, "
                                f"sender {sender}, length {length}")
+        if magic == FRAME_MAGIC:
+            if length < HEADER_LEN * 8:
+                raise MessageError(f"a frame of {length} bytes opened by {op.name}: too short for a second message")
+            return cls(op, slice_id, version, sender, 0, frame=length)
         if (length > 0) != (op in WITH_PAYLOAD):
             raise MessageError(f"{op.name} message with payload length {length}")
         return cls(op, slice_id, version, sender, length)

@@ -11,7 +11,8 @@ gradients before they leave, and Skips every slice of a non-finite step. With
 this worker left out of that slice before), as (index, value) pairs (`troupe.cluster.sparse`);
 the rest is kept as the slice's residual (error feedback), in `state_dict()`.
 With `ClusterConfig.fetch` "background" a step does not wait for its replies: a thread receives
-them while the next step computes, and that step's `step()` copies them in.
+them while the next step computes, and that step's `step()` copies them in. A step's messages to
+one server leave as one frame, and its replies come back as one (`troupe.cluster.frames`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import Tensor
 from troupe.cluster import sparse
 from troupe.cluster.config import ClusterConfig, Role
 from troupe.cluster.layout import Layout
+from troupe.cluster.frames import HEADER_BYTES, Frame, pack
 from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, SPARSE, Header, MessageError, Op, check, empty_header
 from troupe.cluster.shard import plan_slices
 from troupe.compress.feedback import ErrorFeedback, residual_norm
@@ -109,6 +111,10 @@ class PSClient:
         self.reducer = GradReducer(self.params, world, bucket_size, hook_for_step=self._open_step,
                                    describe_step=lambda: self.name, agreement=False)
         self._sends: list[Handle] = []
+        self._outbox: dict[int, list[tuple[Header, Tensor | None]]] = defaultdict(list)
+        """Per server: the messages posted since the last flush, to leave as one frame."""
+        self._max_frame = 4 * sum(HEADER_BYTES + 8 * s.numel for s in self.mine)
+        """The largest frame of replies a server may send (a frame holds at most a few steps' replies)."""
         self._expected: Counter[int] = Counter()
         self.staleness: list[int] = []
         """Per step: the most versions any slice moved beyond this worker's own update (0 when synchronous)."""
@@ -153,6 +159,7 @@ class PSClient:
                         self._post(Op.PUT, s, server, self._flat(s))
         for s in self.mine:
             self._post(Op.GET, s, self.server_of[s.id])
+        self._flush()
         self._collect(count_staleness=False)
 
     # --- the UpdateStrategy surface ------------------------------------------------------
@@ -262,13 +269,13 @@ class PSClient:
         if lrs != self._sent_lrs:
             self._sent_lrs = lrs
             for server in self._my_servers():
-                header = Header(Op.LR, -1, 0, self.rank, len(lrs)).encode()
-                self._sends.append(self.world.isend(header, server, tag=HEADER_TAG))
-                self._sends.append(self.world.isend(torch.tensor(lrs, dtype=torch.float64), server, tag=PAYLOAD_TAG))
+                self._outbox[server].append((Header(Op.LR, -1, 0, self.rank, len(lrs)),
+                                             torch.tensor(lrs, dtype=torch.float64)))
 
     def _end_step(self, changed: bool, skipped: bool = False) -> None:
         """Collect the replies (background fetch: the previous step's, and leave this step's to the thread);
         the next step overlaps its Updates with backward only if this one's gradients were left alone."""
+        self._flush()
         if self.background:
             own = self._own_step() if self.predict and not skipped else None
             self._land(own)
@@ -292,6 +299,7 @@ class PSClient:
             self._finite = finite([bucket.data])
         # After a non-finite bucket every later one is Skipped too: the step is not applied from there on.
         self._post_bucket(bucket, self._op if self._finite else Op.SKIP)
+        self._flush()  # this bucket leaves now, while backward fills the next
         return Handle(None)  # replies are collected in step()
 
     def _post_bucket(self, bucket: Bucket, op: Op) -> None:
@@ -353,16 +361,21 @@ class PSClient:
             op, length, payload = SPARSE_OF[op], index.numel(), sparse.encode(index, values)
         elif payload is not None and self.wire is not None and op is not Op.PUT:  # first values travel in full
             payload = payload.to(self.wire)
-        header = Header(op, s.id, self.version[s.id], self.rank, length).encode()
-        self._sends.append(self.world.isend(header, server, tag=HEADER_TAG))
         if payload is not None:
             payload = payload.contiguous()
             if self.background and op is not Op.PUT and payload.data_ptr() == given:
                 # Still on its way while the next backward writes the gradient buckets: send a copy.
                 payload = payload.clone()
-            self._sends.append(self.world.isend(payload, server, tag=PAYLOAD_TAG))
+        self._outbox[server].append((Header(op, s.id, self.version[s.id], self.rank, length), payload))
         if op in (Op.GET, Op.UPDATE, Op.PUSH, Op.SKIP, *SPARSE):
             self._expected[server] += 1
+
+    def _flush(self) -> None:
+        """Send what was posted: one frame (or a lone message) per server."""
+        for server, messages in self._outbox.items():
+            for tensor, tag in pack(messages):
+                self._sends.append(self.world.isend(tensor, server, tag=tag))
+        self._outbox.clear()
 
     @torch.no_grad()
     def _collect(self, count_staleness: bool) -> None:
@@ -377,23 +390,52 @@ class PSClient:
         Then wait for this step's sends. Runs in the fetch thread under background fetch."""
         replies = []
         for server in sorted(expected):
-            for _ in range(expected[server]):
-                raw = empty_header()
-                self.world.recv(raw, server, tag=HEADER_TAG)
-                header = Header.decode(raw)
-                s = self.slices[header.slice_id] if 0 <= header.slice_id < len(self.slices) else None
-                check(header, src=server, expected_length=s and s.numel, allowed={Op.REPLY, Op.ACK})
-                if s is None or s.param not in self.local or self.server_of[s.id] != server:
-                    raise MessageError(f"reply from server {server} for slice {header.slice_id} it does not hold")
+            for header, frame in self._replies_of(server, expected[server]):
+                s = self._slice_of(header, server)
+                check(header, src=server, expected_length=s.numel, allowed={Op.REPLY, Op.ACK})
                 value = None
                 if header.op is Op.REPLY:
-                    value = into[s.id] if into is not None else \
-                        torch.empty(header.length, dtype=self.wire or self.local[s.param].dtype)
-                    self.world.recv(value, server, tag=PAYLOAD_TAG)
+                    dtype = self.wire or self.local[s.param].dtype
+                    if frame is not None:
+                        value = frame.take(header.length, dtype)
+                        value = into[s.id].copy_(value) if into is not None else value
+                    else:
+                        value = into[s.id] if into is not None else torch.empty(header.length, dtype=dtype)
+                        self.world.recv(value, server, tag=PAYLOAD_TAG)
                 replies.append((s.id, header.version, value))
         for h in sends:
             h.wait()
         return replies
+
+    def _replies_of(self, server: int, count: int):
+        """The next `count` replies of `server`, lone or in frames: (header, the frame holding its payload or
+        None). Each payload must be taken before the next reply is asked for."""
+        got = 0
+        while got < count:
+            raw = empty_header()
+            self.world.recv(raw, server, tag=HEADER_TAG)
+            header = Header.decode(raw)
+            if not header.frame:
+                got += 1
+                yield header, None
+                continue
+            frame = Frame.receive(self.world, header, server, self._max_frame)
+            header = header.with_length(self._slice_of(header, server).numel if header.op is Op.REPLY else 0)
+            while True:
+                got += 1
+                if got > count:
+                    raise MessageError(f"server {server} sent more than the {count} replies owed to this worker")
+                yield header, frame
+                if not frame.left:
+                    break
+                header = frame.next_header()
+
+    def _slice_of(self, header: Header, server: int):
+        """The slice a reply is about, if this worker holds it and `server` serves it."""
+        s = self.slices[header.slice_id] if 0 <= header.slice_id < len(self.slices) else None
+        if s is None or s.param not in self.local or self.server_of[s.id] != server:
+            raise MessageError(f"reply from server {server} for slice {header.slice_id} it does not hold")
+        return s
 
     @torch.no_grad()
     def _take(self, replies: list[tuple[int, int, Tensor | None]], count_staleness: bool,

@@ -1,5 +1,8 @@
 """The server loop: receive a message from any worker, check it, apply it to the ParamShard, reply.
 
+A frame (`troupe.cluster.frames`: a worker's messages of one step) is handled message by message,
+and the replies it causes leave as one frame per worker once it is done.
+
 All state lives in `ParamShard`; this file only moves messages. A worker that stops
 (Op.STOP) or dies (a send to it fails, or its process is gone) is forgotten: updates its group was waiting for
 complete without it, and the loop ends when every worker is gone. With several separate server
@@ -23,7 +26,9 @@ import torch
 
 from troupe.runtime.comm import Communicator
 from troupe.cluster import sparse
-from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, SPARSE, Header, MessageError, Op, check, empty_header
+from troupe.cluster.frames import HEADER_BYTES, Frame, pack
+from troupe.cluster.messages import (HEADER_TAG, PAYLOAD_TAG, SPARSE, WITH_PAYLOAD, Header, MessageError, Op, check,
+                                     empty_header)
 from troupe.cluster.serversync import ServerSync
 from troupe.cluster.shard import ParamShard
 from troupe.compress.topk import topk_count
@@ -108,6 +113,12 @@ class Server:
         """Run (the checkpoint) when the watch thread ends a server whose loop waits for a message that will
         never come."""
         self._lock = sync.lock if sync is not None else threading.Lock()
+        self._frame: Frame | None = None
+        """The frame being handled: payloads come from its body instead of the network."""
+        self._outbox: dict[int, list[tuple[Header, torch.Tensor | None]]] | None = None
+        """While a frame is handled: the replies it causes, per worker, sent as one frame each at its end."""
+        self.max_frame = (2 * len(shard.slices) + 2) * (HEADER_BYTES + 8 * max(self.max_len, shard.ngroups))
+        """The largest frame a worker may send: each slice's Put and Get, and a learning rate message."""
         """The loop, the watch thread and the neighbours' thread all change the shard."""
         self._start = time.perf_counter()
 
@@ -159,12 +170,50 @@ class Server:
 
     def _handle(self, src: int, raw: torch.Tensor) -> None:
         header = Header.decode(raw)  # without a valid header the payload length is unknown: drop it
+        if header.frame:
+            self._handle_frame(src, header)
+            return
         try:
             self._validate(src, header)
         except MessageError:
             self._drain(header, src)
             raise
         self._apply(src, header)
+
+    def _handle_frame(self, src: int, opener: Header) -> None:
+        """Each message of the frame in order, as if it had come alone; the replies leave at the end.
+        A message that fails its checks is rejected and skipped; one whose header cannot be read ends
+        the frame (where the next message starts is unknown)."""
+        self._frame, self._outbox = Frame.receive(self.comm, opener, src, self.max_frame), {}
+        try:
+            length = self._expected_length(opener)
+            if length is None:
+                raise MessageError(f"a frame from rank {src} opened by {opener.op.name} for slice {opener.slice_id}, "
+                                   "not held here (where its next message starts is unknown)")
+            header = opener.with_length(length)
+            while True:
+                try:
+                    self._validate(src, header)
+                except MessageError as e:
+                    self._drain(header, src)
+                    self._reject(src, e)
+                else:
+                    try:
+                        self._apply(src, header)
+                    except MessageError as e:  # its payload is consumed: the next message lines up
+                        self._reject(src, e)
+                if not self._frame.left:
+                    return
+                header = self._frame.next_header()
+        finally:
+            self._frame, outbox = None, self._outbox
+            self._outbox = None
+            for worker, messages in outbox.items():
+                self._send(worker, messages)
+
+    def _reject(self, src: int, e: MessageError) -> None:
+        self.rejected += 1
+        log.error("troupe server rank %d: rejected a message of a frame from rank %d: %s", self.rank, src, e)
 
     def _validate(self, src: int, header: Header) -> None:
         """Raise `MessageError` unless this server can apply the message."""
@@ -175,9 +224,7 @@ class Server:
         if op in (Op.UPDATE, Op.PUSH) and (header.op in SPARSE) != (self.topk is not None):
             raise MessageError(f"{header.op.name} from rank {src}: this cluster's updates are " +
                                (f"top-K pairs (wire_topk {self.topk})" if self.topk else "dense (wire_topk unset)"))
-        expected = self.shard.ngroups if header.op is Op.LR else slice_ and slice_.numel
-        if header.op in SPARSE and slice_ is not None:
-            expected = topk_count(self.topk, slice_.numel)
+        expected = self._expected_length(header)
         allowed = {Op.GET, Op.PUT, Op.UPDATE, Op.PUSH, Op.SKIP, Op.STOP, Op.LR, *SPARSE}
         check(header, src=src, expected_length=expected, allowed=allowed)
         if op in (Op.GET, Op.PUT, Op.UPDATE, Op.PUSH, Op.SKIP) and slice_ is None:
@@ -190,11 +237,35 @@ class Server:
         if op in (Op.UPDATE, Op.PUSH, Op.SKIP) and header.slice_id not in self.shard.initialised:
             raise MessageError(f"{header.op.name} from rank {src} for slice {header.slice_id} before any PUT")
 
+    def _expected_length(self, header: Header) -> int | None:
+        """The payload length a message of this op and slice must have (None: an unknown slice)."""
+        if header.op is Op.LR:
+            return self.shard.ngroups
+        if header.op not in WITH_PAYLOAD:
+            return 0
+        slice_ = self.shard.slices.get(header.slice_id)
+        if slice_ is None:
+            return None
+        if header.op in SPARSE:
+            if self.topk is None:
+                raise MessageError(f"{header.op.name} from rank {header.sender}: this cluster's updates are dense "
+                                   "(wire_topk unset)")
+            return topk_count(self.topk, slice_.numel)
+        return slice_.numel
+
+    def _payload(self, src: int, header: Header) -> torch.Tensor:
+        """The payload `header` announces: the next part of the frame being handled, or a receive."""
+        size, dtype = self._payload_size(header), self._payload_dtype(header.op)
+        if self._frame is not None:  # top-K pairs are bytes holding int32 indices and values
+            return self._frame.take(size, dtype, align=8 if header.op in SPARSE else None)
+        payload = torch.empty(size, dtype=dtype)
+        self.comm.recv(payload, src, tag=PAYLOAD_TAG)
+        return payload
+
     def _apply(self, src: int, header: Header) -> None:
         payload = None
         if header.length:
-            payload = torch.empty(self._payload_size(header), dtype=self._payload_dtype(header.op))
-            self.comm.recv(payload, src, tag=PAYLOAD_TAG)
+            payload = self._payload(src, header)
             if header.op in SPARSE:  # checked before anything is applied; a bad one is rejected, consumed
                 numel = self.shard.slices[header.slice_id].numel
                 index, values = sparse.decode(payload, header.length, self.wire, numel)
@@ -228,7 +299,9 @@ class Server:
 
     def _drain(self, header: Header, src: int) -> None:
         # Consume the payload a rejected header announces, so the next message from src lines up.
-        if header.op is Op.LR and 0 < header.length <= self.shard.ngroups:
+        if self._frame is not None:  # beyond the frame's end: a MessageError ends the frame
+            self._frame.skip(self._payload_size(header) * self._payload_dtype(header.op).itemsize)
+        elif header.op is Op.LR and 0 < header.length <= self.shard.ngroups:
             self.comm.recv(torch.empty(header.length, dtype=torch.float64), src, tag=PAYLOAD_TAG)
         elif 0 < header.length <= self.max_len:
             self.comm.recv(torch.empty(self._payload_size(header), dtype=self._payload_dtype(header.op)), src,
@@ -254,13 +327,23 @@ class Server:
 
     def _reply(self, worker: int, slice_id: int) -> None:
         version, value = self.shard.get(slice_id)
+        acks = self.no_values.get((worker, slice_id))
+        if acks and acks.popleft():  # a Push: acknowledge without values
+            message = (Header(Op.ACK, slice_id, version, self.rank, 0), None)
+        else:
+            value = value.to(self.wire, copy=self._outbox is not None)  # a frame leaves after more updates
+            message = (Header(Op.REPLY, slice_id, version, self.rank, value.numel()), value)
+        if self._outbox is not None:
+            self._outbox.setdefault(worker, []).append(message)
+        else:
+            self._send(worker, [message])
+
+    def _send(self, worker: int, messages: list[tuple[Header, torch.Tensor | None]]) -> None:
+        if worker not in self.live:  # gone while the frame was handled
+            return
         try:
-            acks = self.no_values.get((worker, slice_id))
-            if acks and acks.popleft():  # a Push: acknowledge without values
-                self.comm.send(Header(Op.ACK, slice_id, version, self.rank, 0).encode(), worker, HEADER_TAG)
-                return
-            self.comm.send(Header(Op.REPLY, slice_id, version, self.rank, value.numel()).encode(), worker, HEADER_TAG)
-            self.comm.send(value.to(self.wire), worker, PAYLOAD_TAG)
+            for tensor, tag in pack(messages):
+                self.comm.send(tensor, worker, tag)
         except RuntimeError as e:  # Gloo: "Connection closed by peer"
             self._lost(worker, str(e).splitlines()[0])
 

@@ -60,7 +60,8 @@ def plan_slices(numels: Sequence[int], nservers: int) -> list[Slice]:
 
 @dataclass
 class _Pending:
-    total: Tensor
+    total: Tensor | None = None
+    """The sum of the group's gradients so far (None before the first)."""
     senders: set[int] = field(default_factory=set)
     base_version: int = 0
     skipped: bool = False
@@ -159,11 +160,12 @@ class ParamShard:
                     raise ValueError(f"worker {sender} sent two updates for slice {slice_id} in one step")
                 raise ValueError(f"worker {sender} sent updates of slice {slice_id} for {len(queue) + 1} steps before "
                                  f"its group completed the first (at most {self.steps_ahead + 1})")
-            pending = _Pending(torch.zeros_like(self.values[slice_id]))
-            pending.base_version = version
+            pending = _Pending(base_version=version)
             queue.append(pending)
         if grad is None:
             pending.skipped = True
+        elif pending.total is None:  # a copy, not a sum with zeros: one pass less on the server's critical path
+            pending.total = grad.reshape(-1).to(self.dtype, copy=True)
         else:
             pending.total.add_(grad.reshape(-1))
         pending.senders.add(sender)
@@ -215,7 +217,7 @@ class ParamShard:
         senders = len(pending.senders) * (1 if self.owners[slice_id] is None else self.group_size)
         tau = self.version[slice_id] - pending.base_version  # updates applied since the values it was computed on
         scale = 1.0 / max(1, tau) if self.staleness_lr == "inverse" else 1.0
-        self.apply(slice_id, pending.total / senders, lr_scale=scale)
+        self.apply(slice_id, pending.total if senders == 1 else pending.total / senders, lr_scale=scale)
         self.clock[(group, slice_id)] += 1
         self.staleness.append(tau)
         if self._ahead(group, slice_id):
