@@ -67,22 +67,35 @@ def equal_workers(w: int) -> dict[str, list[str]]:
                              "--fetch", "predict"],
         "downpour-bg-mean-inverse": ["--nworker-groups", str(w), "--nservers-per-group", "1",
                                      "--server-worker-separate", "--fetch", "background", "--staleness-lr", "inverse"],
+        # half the bytes each way: fp16 gradients to the server, fp16 values back (the server keeps fp32)
+        "downpour-fp16": ["--nworker-groups", str(w), "--nservers-per-group", "1", "--server-worker-separate",
+                          "--wire-dtype", "fp16"],
+        "downpour-predict-fp16": ["--nworker-groups", str(w), "--nservers-per-group", "1",
+                                  "--server-worker-separate", "--fetch", "predict", "--wire-dtype", "fp16"],
         # SINGA's rule (every group's update at the full rate) with the worker's own update predicted
         "downpour-predict-sum": ["--nworker-groups", str(w), "--nservers-per-group", "1", "--server-worker-separate",
                                  "--fetch", "predict", "--group-merge", "sum"],
     }
 
 
-VARIANT = re.compile(r"(?P<base>.+?)(?:-m(?P<momentum>[0-9.]+))?")
+VARIANT = re.compile(r"(?P<base>.+?)(?:-m(?P<momentum>[0-9.]+))?(?:-s(?P<steps>[0-9]+))?")
 """A contestant's name may end in -m<momentum> (e.g. downpour-sum-m0.7): the same launch, trained with
 that momentum instead of 0.9. Asynchrony adds momentum of its own (about 1 - 1/M with M asynchronous
-workers, Mitliagkas et al. 2016), so the explicit one may be lowered."""
+workers, Mitliagkas et al. 2016), so the explicit one may be lowered. Then -s<steps> (downpour-s2000):
+worker 0 trains that many steps instead of --steps, so that a contestant whose steps are faster trains
+about as long as the others and final accuracies compare at equal time."""
 
 
 def variant(name: str) -> tuple[str, float]:
     """(the launch's name, the momentum) of a contestant's name."""
     m = VARIANT.fullmatch(name)
     return m["base"], float(m["momentum"]) if m["momentum"] else 0.9
+
+
+def steps_of(name: str, default: int) -> int:
+    """The steps of worker 0 a contestant trains (its -s<steps>, else `default`)."""
+    steps = VARIANT.fullmatch(name)["steps"]
+    return int(steps) if steps else default
 
 
 def launch_args(name: str, workers: int | None) -> list[str]:
@@ -195,7 +208,7 @@ SYNC_LINE = re.compile(r"troupe group sync rank \d+: (\d+) merges into its maste
 def run_one(name: str, args) -> dict:
     launch = launch_args(name, args.workers)
     cmd = [sys.executable, "-m", "troupe.cli", "run", *launch, __file__,
-           "--worker", "ddp" if name == "ddp" else "troupe", "--steps", str(args.steps),
+           "--worker", "ddp" if name == "ddp" else "troupe", "--steps", str(steps_of(name, args.steps)),
            "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--momentum", str(variant(name)[1]),
            "--targets", args.targets,
            "--snapshot-every", str(args.snapshot_every), "--test-size", str(args.test_size)]
@@ -270,7 +283,7 @@ def main(argv=None) -> None:
     unknown = sorted(n for n in names if variant(n)[0] not in launches)
     if unknown:
         raise SystemExit(f"unknown contestant(s) {unknown}; choose from {sorted(launches)}, each optionally "
-                         "ending in -m<momentum>")
+                         "ending in -m<momentum> and then -s<steps>")
     targets = sorted(float(t) for t in args.targets.split(","))
     results: dict[str, list[dict]] = {n: [] for n in names}
     if args.out:

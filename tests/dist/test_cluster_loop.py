@@ -60,7 +60,8 @@ def train_loop(rank, world_size, loop):
     torch.manual_seed(100 + rank)  # different init per rank: worker 0's must win
     model = MLP()
     try:
-        opt = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=LR), nan_policy=loop.get("nan_policy", "raise"))
+        opt = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=LR), nan_policy=loop.get("nan_policy", "raise"),
+                             **({"bucket_size": loop["bucket_size"]} if "bucket_size" in loop else {}))
     except SystemExit as e:  # a server rank serves inside DistOpt, then exits
         assert e.code == 0
         return "server"
@@ -90,6 +91,7 @@ def train_loop(rank, world_size, loop):
         "loss": (before, eval_loss(model)),
         "skipped": opt.skipped_steps,
         "overlap": getattr(opt.strategy, "overlap", None),
+        "buckets": len(opt.strategy.reducer.buckets) if "bucket_size" in loop else None,
         "staleness": list(opt.strategy.staleness),
     }
     if loop.get("clip_after"):  # one step clipped after the Updates left during backward: an error
@@ -157,6 +159,17 @@ def test_sandblaster_loop_with_accumulation_sends_during_backward_from_the_secon
         assert_equal_to(expected, out["params"])
         assert out["overlap"] is True and out["staleness"] == [0] * STEPS
         assert "changed between backward and step()" in out["error"] and out["after"]
+
+
+def test_sandblaster_sends_during_backward_with_several_buckets_in_one_storage():
+    # buckets carved from one storage share a version counter: packing a later one must not look like
+    # the loop changing an earlier one (it did, and a model of two buckets or more never overlapped)
+    results = run(SANDBLASTER, {"bucket_size": 64})
+    expected = reference(2, {}, clip="worker")
+    for out in results[:2]:
+        assert out["buckets"] >= 2
+        assert_equal_to(expected, out["params"])
+        assert out["overlap"] is True and out["staleness"] == [0] * STEPS
 
 
 def test_sandblaster_loop_clipping_every_step_sends_in_step():

@@ -40,3 +40,14 @@ def test_a_contestant_name_may_carry_its_momentum():
     assert ps.variant("downpour-bg-mean-inverse") == ("downpour-bg-mean-inverse", 0.9)  # "-m" inside: no suffix
     assert ps.launch_args("downpour-predict-sum-m0.5", 2) == ps.launch_args("downpour-predict-sum", 2)
     assert "--group-merge" in ps.launch_args("downpour-predict-sum", 2)
+
+
+def test_a_contestant_name_may_carry_its_steps():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import ps
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert ps.variant("downpour-m0.7-s2000") == ("downpour", 0.7) and ps.steps_of("downpour-m0.7-s2000", 1000) == 2000
+    assert ps.variant("downpour-sum-s2000") == ("downpour-sum", 0.9)
+    assert ps.steps_of("downpour-sum", 1000) == 1000 and ps.steps_of("downpour-sum-m0.5", 7) == 7

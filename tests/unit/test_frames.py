@@ -189,3 +189,34 @@ def test_bytes_holding_wider_types_come_out_aligned():
     assert raw.storage_offset() % 8 == 0
     index, values = sparse.decode(raw, 2, torch.float32, 10)
     assert index.tolist() == [4, 1] and values.tolist() == [0.5, -1.5]
+
+
+def test_the_inbox_keeps_the_rest_of_a_frame_for_the_next_ask():
+    from troupe.cluster.frames import Inbox
+
+    said = [(Header(Op.REPLY, 0, 3, 9, 10), torch.arange(10.0)), (Header(Op.ACK, 1, 2, 9, 0), None),
+            (Header(Op.REPLY, 1, 3, 9, 6), torch.ones(6))]
+    lone = (Header(Op.REPLY, 0, 4, 9, 10), torch.zeros(10))
+    comm = Scripted([(9, tag, t) for tag_t in (pack(said), pack([lone])) for t, tag in tag_t])
+    inbox = Inbox(comm, limit=1000, first_length=lambda h, src: SIZES[h.slice_id] if h.op is Op.REPLY else 0)
+
+    def ask(n):
+        out = []
+        for header, frame in inbox.messages(9, n):
+            if not header.length:
+                out.append((header, None))
+            elif frame is None:
+                value = torch.empty(header.length)
+                comm.recv(value, 9, PAYLOAD_TAG)
+                out.append((header, value))
+            else:
+                out.append((header, frame.take(header.length, torch.float32).clone()))
+        return out
+
+    first, second = ask(2), ask(2)  # the frame's third reply is the next step's, then a lone one
+    assert [h for h, _ in first + second] == [h for h, _ in said + [lone]]
+    assert torch.equal(first[0][1], torch.arange(10.0)) and torch.equal(second[0][1], torch.ones(6))
+    assert torch.equal(second[1][1], torch.zeros(10)) and not comm.script
+    too_small = Inbox(Scripted([(9, tag, t) for t, tag in pack(said)]), 100, lambda h, src: 10)
+    with pytest.raises(MessageError, match="a frame of 160 bytes from rank 9; at most 100"):
+        next(too_small.messages(9, 1))

@@ -16,12 +16,12 @@ as if they had arrived one after the other.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-from troupe.cluster.messages import HEADER_LEN, HEADER_TAG, PAYLOAD_TAG, Header, MessageError
+from troupe.cluster.messages import HEADER_LEN, HEADER_TAG, PAYLOAD_TAG, Header, MessageError, empty_header
 
 HEADER_BYTES = HEADER_LEN * 8
 
@@ -91,3 +91,34 @@ class Frame:
         if header.frame:
             raise MessageError(f"a frame opened inside a frame by {header.op.name}")
         return header
+
+
+class Inbox:
+    """Messages from peers, lone or in frames, as many as are owed; the rest of a frame waits for the next ask
+    (a frame may hold replies of a later step too: replies the staleness bound held, let go together)."""
+
+    def __init__(self, comm, limit: int, first_length: Callable[[Header, int], int]):
+        self.comm = comm
+        self.limit = limit
+        """The largest frame accepted, in bytes."""
+        self.first_length = first_length
+        """The payload length of a frame's first message, from its header and sender."""
+        self._rest: dict[int, Frame] = {}
+
+    def messages(self, src: int, count: int) -> Iterator[tuple[Header, Frame | None]]:
+        """The next `count` messages of `src`: (header, the frame holding its payload, or None: its payload
+        is the next receive from `src`). Each payload must be taken before the next message is asked for."""
+        for _ in range(count):
+            frame = self._rest.pop(src, None)
+            if frame is not None:
+                header = frame.next_header()
+            else:
+                raw = empty_header()
+                self.comm.recv(raw, src, tag=HEADER_TAG)
+                header = Header.decode(raw)
+                if header.frame:
+                    frame = Frame.receive(self.comm, header, src, self.limit)
+                    header = header.with_length(self.first_length(header, src))
+            yield header, frame
+            if frame is not None and frame.left:
+                self._rest[src] = frame

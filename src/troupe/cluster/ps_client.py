@@ -28,8 +28,8 @@ from torch import Tensor
 from troupe.cluster import sparse
 from troupe.cluster.config import ClusterConfig, Role
 from troupe.cluster.layout import Layout
-from troupe.cluster.frames import HEADER_BYTES, Frame, pack
-from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, SPARSE, Header, MessageError, Op, check, empty_header
+from troupe.cluster.frames import HEADER_BYTES, Inbox, pack
+from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, SPARSE, Header, MessageError, Op, check
 from troupe.cluster.shard import plan_slices
 from troupe.compress.feedback import ErrorFeedback, residual_norm
 from troupe.compress.fp16 import half_dtype
@@ -115,6 +115,9 @@ class PSClient:
         """Per server: the messages posted since the last flush, to leave as one frame."""
         self._max_frame = 4 * sum(HEADER_BYTES + 8 * s.numel for s in self.mine)
         """The largest frame of replies a server may send (a frame holds at most a few steps' replies)."""
+        self._inbox_of = Inbox(world, self._max_frame,
+                               lambda h, server: self._slice_of(h, server).numel if h.op is Op.REPLY else 0)
+        """The servers' replies, lone or in frames (a frame's further replies may belong to a later step)."""
         self._expected: Counter[int] = Counter()
         self.staleness: list[int] = []
         """Per step: the most versions any slice moved beyond this worker's own update (0 when synchronous)."""
@@ -290,17 +293,27 @@ class PSClient:
         self.overlap = self.may_overlap
 
     def _hold_bucket(self, bucket: Bucket) -> Handle:
-        self._sealed[bucket.index] = bucket.buffer._version
+        self._seal(bucket)
         return Handle(None)
 
     def _send_bucket(self, bucket: Bucket) -> Handle:
-        self._sealed[bucket.index] = bucket.buffer._version
+        self._seal(bucket)
         if self.nan_policy != "ignore" and self._finite:
             self._finite = finite([bucket.data])
         # After a non-finite bucket every later one is Skipped too: the step is not applied from there on.
         self._post_bucket(bucket, self._op if self._finite else Op.SKIP)
         self._flush()  # this bucket leaves now, while backward fills the next
         return Handle(None)  # replies are collected in step()
+
+    def _seal(self, bucket: Bucket) -> None:
+        """Note the version counter of the bucket's buffer as backward left it. Buckets carved from one
+        storage share one counter, so packing this bucket moved those sealed before: note them again
+        (else every step with two buckets or more looked changed after backward, and never overlapped)."""
+        self._sealed[bucket.index] = bucket.buffer._version
+        storage = bucket.buffer.untyped_storage().data_ptr()
+        for b in self.reducer.buckets:
+            if b.index in self._sealed and b.buffer.untyped_storage().data_ptr() == storage:
+                self._sealed[b.index] = b.buffer._version
 
     def _post_bucket(self, bucket: Bucket, op: Op) -> None:
         for k, p in enumerate(bucket.params):
@@ -390,7 +403,7 @@ class PSClient:
         Then wait for this step's sends. Runs in the fetch thread under background fetch."""
         replies = []
         for server in sorted(expected):
-            for header, frame in self._replies_of(server, expected[server]):
+            for header, frame in self._inbox_of.messages(server, expected[server]):
                 s = self._slice_of(header, server)
                 check(header, src=server, expected_length=s.numel, allowed={Op.REPLY, Op.ACK})
                 value = None
@@ -406,29 +419,6 @@ class PSClient:
         for h in sends:
             h.wait()
         return replies
-
-    def _replies_of(self, server: int, count: int):
-        """The next `count` replies of `server`, lone or in frames: (header, the frame holding its payload or
-        None). Each payload must be taken before the next reply is asked for."""
-        got = 0
-        while got < count:
-            raw = empty_header()
-            self.world.recv(raw, server, tag=HEADER_TAG)
-            header = Header.decode(raw)
-            if not header.frame:
-                got += 1
-                yield header, None
-                continue
-            frame = Frame.receive(self.world, header, server, self._max_frame)
-            header = header.with_length(self._slice_of(header, server).numel if header.op is Op.REPLY else 0)
-            while True:
-                got += 1
-                if got > count:
-                    raise MessageError(f"server {server} sent more than the {count} replies owed to this worker")
-                yield header, frame
-                if not frame.left:
-                    break
-                header = frame.next_header()
 
     def _slice_of(self, header: Header, server: int):
         """The slice a reply is about, if this worker holds it and `server` serves it."""

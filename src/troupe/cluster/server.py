@@ -113,13 +113,13 @@ class Server:
         """Run (the checkpoint) when the watch thread ends a server whose loop waits for a message that will
         never come."""
         self._lock = sync.lock if sync is not None else threading.Lock()
+        """The loop, the watch thread and the neighbours' thread all change the shard."""
         self._frame: Frame | None = None
         """The frame being handled: payloads come from its body instead of the network."""
         self._outbox: dict[int, list[tuple[Header, torch.Tensor | None]]] | None = None
         """While a frame is handled: the replies it causes, per worker, sent as one frame each at its end."""
         self.max_frame = (2 * len(shard.slices) + 2) * (HEADER_BYTES + 8 * max(self.max_len, shard.ngroups))
         """The largest frame a worker may send: each slice's Put and Get, and a learning rate message."""
-        """The loop, the watch thread and the neighbours' thread all change the shard."""
         self._start = time.perf_counter()
 
     def serve(self) -> ServerStats:
