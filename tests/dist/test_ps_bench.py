@@ -51,3 +51,13 @@ def test_a_contestant_name_may_carry_its_steps():
     assert ps.variant("downpour-m0.7-s2000") == ("downpour", 0.7) and ps.steps_of("downpour-m0.7-s2000", 1000) == 2000
     assert ps.variant("downpour-sum-s2000") == ("downpour-sum", 0.9)
     assert ps.steps_of("downpour-sum", 1000) == 1000 and ps.steps_of("downpour-sum-m0.5", 7) == 7
+
+
+def test_the_step_benchmark_times_a_worker_that_sends_during_backward():
+    # the CNN has two gradient buckets: from its second step a worker's Updates leave as backward fills them
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "--nworker-groups", "1", "--nservers-per-group", "1",
+           "--server-worker-separate", str(ROOT / "benchmarks" / "ps_step.py"), "--steps", "8", "--burn-in", "2"]
+    env = {**os.environ, "TROUPE_JOIN_TIMEOUT": "60", "TROUPE_TIMEOUT": "120", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "steps/s, sent during backward: True" in done.stdout, done.stdout
