@@ -10,6 +10,7 @@ from troupe.cluster.frames import HEADER_BYTES, Frame, pack
 from troupe.cluster.messages import FRAME_MAGIC, HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op
 from troupe.cluster.server import Server
 from troupe.cluster.shard import ParamShard, plan_slices
+from tests.unit.test_cluster_topk import Scripted
 
 MIXED = [
     (Header(Op.LR, -1, 0, 3, 2), torch.tensor([0.5, 0.25], dtype=torch.float64)),
@@ -74,25 +75,6 @@ def test_malformed_frames_are_message_errors():
 
 
 # --- the server loop, fed frames by a scripted communicator --------------------------------------
-
-
-class Scripted:
-    """A Communicator stand-in: receives come from a script of (src, tag, tensor), sends are kept."""
-
-    rank = 9
-
-    def __init__(self, script):
-        self.script, self.sent = list(script), []
-
-    def recv(self, tensor, src=None, tag=0):
-        sender, t, value = self.script.pop(0)
-        assert t == tag and src in (None, sender), (t, tag, src, sender)
-        assert value.dtype == tensor.dtype and value.shape == tensor.shape, (value, tensor)
-        tensor.copy_(value)
-        return sender
-
-    def send(self, tensor, dst, tag=0):
-        self.sent.append((dst, tag, tensor.clone()))
 
 
 SIZES = [10, 6]

@@ -368,17 +368,11 @@ class PSClient:
 
     def _post(self, op: Op, s, server: int, payload: Tensor | None = None) -> None:
         length = 0 if payload is None else payload.numel()
-        given = None if payload is None else payload.data_ptr()
         if payload is not None and self.feedback is not None and op in (Op.UPDATE, Op.PUSH):
             (index, values), _ = self.feedback.compress(payload, f"slice{s.id}")
             op, length, payload = SPARSE_OF[op], index.numel(), sparse.encode(index, values)
         elif payload is not None and self.wire is not None and op is not Op.PUT:  # first values travel in full
             payload = payload.to(self.wire)
-        if payload is not None:
-            payload = payload.contiguous()
-            if self.background and op is not Op.PUT and payload.data_ptr() == given:
-                # Still on its way while the next backward writes the gradient buckets: send a copy.
-                payload = payload.clone()
         self._outbox[server].append((Header(op, s.id, self.version[s.id], self.rank, length), payload))
         if op in (Op.GET, Op.UPDATE, Op.PUSH, Op.SKIP, *SPARSE):
             self._expected[server] += 1
@@ -386,6 +380,11 @@ class PSClient:
     def _flush(self) -> None:
         """Send what was posted: one frame (or a lone message) per server."""
         for server, messages in self._outbox.items():
+            if self.background and len(messages) == 1 and messages[0][1] is not None:
+                # A frame's body is a copy; a lone payload may be a view of the gradient buckets, still on
+                # its way while the next backward writes them: send a copy.
+                header, payload = messages[0]
+                messages = [(header, payload.clone())]
             for tensor, tag in pack(messages):
                 self._sends.append(self.world.isend(tensor, server, tag=tag))
         self._outbox.clear()
