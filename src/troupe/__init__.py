@@ -38,7 +38,7 @@ _WHERE = {
     "metrics": "troupe",
     "partition": "troupe",
     "shutdown": "troupe.runtime.world",
-    "wait_all": "troupe.runtime.launch",
+    "wait_all": "troupe.runtime.spawn",
 }
 
 if TYPE_CHECKING:
@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from troupe.partition import clip_grad_norm_, full_state_dict
     from troupe.reliability import checkpoint
     from troupe.runtime.comm import Communicator
-    from troupe.runtime.launch import DistInfo, wait_all
+    from troupe.runtime.launch import DistInfo
+    from troupe.runtime.spawn import wait_all
     from troupe.runtime.world import World, info, init, shutdown
     from troupe.scalars import log
     from troupe.strategies.base import UpdateStrategy

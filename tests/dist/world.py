@@ -1,4 +1,4 @@
-"""Real multi-process worlds for tests: spawn N ranks on Gloo, collect results, re-raise failures.
+"""The tests' worlds: `troupe.runtime.spawn.run_ranks` with the tests' defaults.
 
     results = run_world(check_something, 2, arg)   # check_something(rank, world_size, arg) -> picklable
 
@@ -9,38 +9,21 @@ that does not finish within `timeout` seconds is killed and the test fails (no h
 
 from __future__ import annotations
 
-import io
 import multiprocessing as mp
 import os
-import queue
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
+from troupe.runtime.spawn import RankFailed, rank_entry, run_ranks
 
-class RankFailed(AssertionError):
-    """A rank raised; the message carries its traceback."""
+__all__ = ["RankFailed", "run_world"]
 
+_entry = rank_entry
+"""For a test that starts the ranks by hand (one is meant to die): rank_entry(fn, rank, world_size, ticket,
+args, results, env)."""
 
-def _entry(fn, rank, world_size, ticket, args, results, env):
-    os.environ.update(env)
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        import troupe
-
-        troupe.init(ticket, rank, world_size, timeout=env.get("TROUPE_TIMEOUT") and float(env["TROUPE_TIMEOUT"]))
-        value = fn(rank, world_size, *args)
-        buf = io.BytesIO()
-        torch.save(value, buf)  # tensors by value: a queue would pass them by shared memory
-        results.put((rank, True, buf.getvalue()))
-    except BaseException as e:  # report every failure to the parent, then exit non-zero
-        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        raise SystemExit(1)
-    finally:
-        troupe.shutdown()
+ENV = {"TROUPE_JOIN_TIMEOUT": "30", "TROUPE_TIMEOUT": "60"}
+"""Every test world's timeouts (a test's `env` overrides them)."""
 
 
 def _context():
@@ -54,7 +37,8 @@ def _context():
     method = os.environ.get("TROUPE_TEST_START", "forkserver")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "troupe.distopt", "troupe.model", "troupe.runtime.world", "tests.dist.world"])
+        ctx.set_forkserver_preload(["torch", "troupe.distopt", "troupe.model", "troupe.runtime.world",
+                                    "troupe.runtime.spawn", "tests.dist.world"])
     return ctx
 
 
@@ -65,45 +49,5 @@ def run_world(
     timeout: float = 90.0,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on `world_size` spawned ranks; return results by rank."""
-    import torch
-
-    import troupe
-
-    ctx = _context()
-    results = ctx.Queue()
-    ticket = troupe.Ticket()
-    env = {"TROUPE_JOIN_TIMEOUT": "30", "TROUPE_TIMEOUT": "60", **(env or {})}
-    procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, ticket, args, results, env), daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(out) < world_size:
-            try:
-                rank, ok, value = results.get(timeout=0.5)
-            except queue.Empty:
-                missing = sorted(set(range(world_size)) - set(out))
-                dead = [r for r in missing if procs[r].exitcode is not None]
-                if dead and results.empty():
-                    time.sleep(0.5)  # a result may still be in flight
-                    if results.empty():
-                        raise RankFailed(f"rank(s) {dead} died without a result (exit codes "
-                                         f"{[procs[r].exitcode for r in dead]})") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"world of {world_size} did not finish in {timeout}s; ranks {missing} hung")
-                continue
-            if not ok:
-                raise RankFailed(f"rank {rank} failed:\n{value}")
-            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [out[r] for r in range(world_size)]
+    """Run ``fn(rank, world_size, *args)`` on `world_size` ranks; return results by rank."""
+    return run_ranks(fn, world_size, *args, timeout=timeout, env={**ENV, **(env or {})}, context=_context())

@@ -11,8 +11,7 @@
 * `stats`       medians, spreads, ratios of medians;
 * `render`      markdown tables and matplotlib plots from records;
 * `suites/`     the named benchmarks (collectives, ddp, accumulate, compression) and the
-                tables of the records that the scripts in ``benchmarks/`` write;
-* `world`       N local ranks started with a Ticket, results back to the caller.
+                tables of the records that the scripts in ``benchmarks/`` write.
 
 Not imported by ``import troupe``; nothing in troupe imports it but the CLI.
 """

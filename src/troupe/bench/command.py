@@ -15,15 +15,20 @@ import subprocess
 import sys
 
 from troupe.bench import records as records_mod
-from troupe.bench import registry, render, world
+from troupe.bench import registry, render
 from troupe.bench.options import Options
 from troupe.bench.records import Record
 from troupe.bench.workloads import checkout_root
+from troupe.runtime.spawn import RankFailed, run_ranks
 
 
 def _rank_main(rank: int, world_size: int, name: str, options: Options) -> list[Record]:
-    """What every rank runs (module level: spawn pickles it by name)."""
-    return registry.get(name).run(rank, world_size, options)
+    """What every rank runs (module level: spawn pickles it by name); rank 0's records are kept."""
+    from troupe.runtime.world import init
+
+    measured = registry.get(name).run(rank, world_size, options)
+    init().comm.barrier()  # every rank has finished its collectives before any leaves
+    return measured if rank == 0 else []
 
 
 def list_benchmarks() -> str:
@@ -49,8 +54,8 @@ def run(name: str, options: Options, out: str | None, script_args: list[str]) ->
     stamp = records_mod.stamp(root)
     print(f"troupe bench: {name} on {options.nproc} ranks x {options.threads} thread(s), {options.reps} reps "
           f"(run {stamp.run}, commit {stamp.commit or 'unknown'})", file=sys.stderr, flush=True)
-    measured = world.launch(_rank_main, options.nproc, name, options, threads=options.threads,
-                            timeout=options.timeout)
+    measured = run_ranks(_rank_main, options.nproc, name, options, threads=options.threads,
+                         timeout=options.timeout)[0]
     stamped = [stamp.apply(r) for r in measured]
     if out:
         records_mod.write(out, stamped)
@@ -105,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
         plot(args.results, args.out, args.benchmark, args.run)
         print(f"troupe bench: plot written to {args.out}", file=sys.stderr)
         return 0
-    except (ValueError, FileNotFoundError, ImportError, TimeoutError, world.RankFailed) as e:
+    except (ValueError, FileNotFoundError, ImportError, TimeoutError, RankFailed) as e:
         print(f"troupe bench: {e}", file=sys.stderr)
         return 2
 

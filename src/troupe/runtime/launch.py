@@ -418,25 +418,3 @@ def _adopt_existing_group() -> DistInfo:
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     return DistInfo(rank, local_rank, world, _env_int("LOCAL_WORLD_SIZE") or world, device, backend, "external")
 
-
-def wait_all(processes, grace: float = 10.0) -> int:
-    """Join the processes of a multiprocessing launch; once one fails, give the rest `grace`
-    seconds to stop on their own (they usually report which peer failed), then kill them.
-
-    Returns 0 when all succeeded, else the first failure's exit code (128 + signal for a signal).
-    """
-    first: tuple[float, int] | None = None
-    while any(p.is_alive() for p in processes):
-        failed = [p.exitcode for p in processes if not p.is_alive() and p.exitcode]
-        if failed and first is None:
-            first = (time.monotonic(), failed[0])
-        if first is not None and time.monotonic() - first[0] > grace:
-            for p in processes:
-                if p.is_alive():
-                    p.kill()
-            break
-        time.sleep(0.05)
-    for p in processes:
-        p.join()
-    code = first[1] if first else next((p.exitcode for p in processes if p.exitcode), 0)
-    return code if code >= 0 else 128 - code

@@ -9,8 +9,6 @@ about layers or plans.
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import queue
 import re
 import time
 from dataclasses import dataclass
@@ -166,19 +164,12 @@ def _ping_pong(comm: Communicator, nbytes: int, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _measure_rank(rank: int, ticket: object, reps: int, results: mp.Queue) -> None:
-    from troupe.runtime.world import init, shutdown
+def _measure_rank(rank: int, world_size: int, reps: int) -> list[float]:
+    """Rank 0's and rank 1's view of the ping-pong, one median per size in MEASURE_SIZES."""
+    from troupe.runtime.world import init
 
-    torch.set_num_threads(1)
-    try:
-        comm = init(ticket, rank, 2, timeout=30.0, join_timeout=30.0).comm
-        times = [_ping_pong(comm, size, reps) for size in MEASURE_SIZES]
-        results.put((rank, True, times))
-    except BaseException as e:  # the parent reports it; never hang the other rank's wait silently
-        results.put((rank, False, f"{type(e).__name__}: {e}"))
-        raise SystemExit(1)
-    finally:
-        shutdown()
+    comm = init().comm
+    return [_ping_pong(comm, size, reps) for size in MEASURE_SIZES]
 
 
 def measure_link(timeout: float = 60.0, reps: int = 10) -> Link:
@@ -186,34 +177,14 @@ def measure_link(timeout: float = 60.0, reps: int = 10) -> Link:
 
     The processes are killed after `timeout` seconds (then a ValueError says so).
     """
-    from troupe.runtime.launch import Ticket
+    from troupe.runtime.spawn import RankFailed, run_ranks
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    ticket = Ticket()
-    procs = [ctx.Process(target=_measure_rank, args=(r, ticket, reps, results), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
+    env = {"TROUPE_TIMEOUT": "30", "TROUPE_JOIN_TIMEOUT": "30"}
     try:
-        got = []
-        while len(got) < 2:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ValueError(f"measuring the link took longer than {timeout} s")
-            try:
-                got.append(results.get(timeout=min(left, 0.5)))
-            except queue.Empty:
-                continue
-        failed = [msg for _, ok, msg in got if not ok]
-        if failed:
-            raise ValueError(f"measuring the link failed: {failed[0]}")
-        times = next(t for r, _, t in got if r == 0)
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        times = run_ranks(_measure_rank, 2, reps, timeout=timeout, env=env)[0]
+    except TimeoutError:
+        raise ValueError(f"measuring the link took longer than {timeout} s") from None
+    except RankFailed as e:
+        raise ValueError(f"measuring the link failed: {e}") from None
     alpha, beta = fit_alpha_beta([float(s) for s in MEASURE_SIZES], times)
     return Link(alpha, beta, name="measured loopback")
