@@ -12,7 +12,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def run(cmd, timeout=240):
@@ -30,7 +29,7 @@ def test_alpha_beta_fit_recovers_a_synthetic_link():
 
 
 def test_step_prediction_uses_the_slower_of_link_and_loopback():
-    from throughput import link_beta, predict_step
+    from troupe.bench.suites.throughput import link_beta, predict_step
 
     assert link_beta("100mbit", 1e-10) == pytest.approx(8e-8)
     assert link_beta("loopback", 1e-10) == 1e-10 and link_beta("none", 1e-10) == 1e-10
@@ -54,11 +53,12 @@ def test_collectives_benchmark_runs(tmp_path):
 
 
 def test_throughput_benchmark_runs_on_loopback_and_simulated_hosts(tmp_path):
-    from netns import available
+    from troupe.bench.netns import available
 
     links = ["loopback"] + (["none"] if available() is None else [])
     plot, data = tmp_path / "t.png", tmp_path / "t.json"
-    proc = run([sys.executable, "benchmarks/throughput.py", "--workers", "1", "2", "--links", *links, "--reps", "1",
+    proc = run([sys.executable, "-m", "troupe.cli", "bench", "run", "throughput", "--args",
+                "--workers", "1", "2", "--links", *links, "--reps", "1",
                 "--steps", "2", "--warmup", "1", "--plot", str(plot), "--json", str(data)], timeout=400)
     assert "| link | workers | samples/s" in proc.stdout
     summary = json.loads(data.read_text())
@@ -72,7 +72,7 @@ def test_throughput_benchmark_runs_on_loopback_and_simulated_hosts(tmp_path):
         assert "| none | 2 |" in proc.stdout
         import fcntl
 
-        from netns import LOCK
+        from troupe.bench.netns import LOCK
 
         with open(LOCK, "w") as lock:  # another test's hosts may exist now: look when none does
             fcntl.flock(lock, fcntl.LOCK_EX)

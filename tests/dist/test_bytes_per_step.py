@@ -1,4 +1,4 @@
-"""benchmarks/bytes_per_step.py in a tiny configuration: the harness's bytes, not timings."""
+"""`troupe bench run bytes_per_step` in a tiny configuration: the harness's bytes, not timings."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import pytest
 from troupe.compress.topk import topk_count
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 DENSE = 2 * ((431080 + 14) * 4 + 12)
 """Plain step, both workers: the step's agreement (12 bytes) and the CNN's 2 buckets (431,080 parameters
@@ -24,7 +23,8 @@ def bytes_per_step(tmp_path: Path, net: str, *configs: str) -> tuple[dict[str, d
     options = [c for c in configs if not c.startswith("sandblaster")]
     frameworks = [c for c in configs if c.startswith("sandblaster")]
     data, plot = tmp_path / "bytes.json", tmp_path / "bytes.png"
-    cmd = [sys.executable, "benchmarks/bytes_per_step.py", "--options", *options, "--frameworks", *frameworks,
+    cmd = [sys.executable, "-m", "troupe.cli", "bench", "run", "bytes_per_step", "--args",
+           "--options", *options, "--frameworks", *frameworks,
            "--steps", "1", "3", "--batch", "8", "--data", "synthetic", "--net", net, "--timeout", "120",
            "--json", str(data), "--plot", str(plot)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_JOIN_TIMEOUT": "30", "TROUPE_TIMEOUT": "60"}
@@ -64,7 +64,7 @@ def test_counters_on_loopback(tmp_path):
 
 
 def test_veth_agrees_with_the_counters_on_simulated_hosts(tmp_path):
-    from netns import available
+    from troupe.bench.netns import available
 
     why_not = available()
     if why_not:

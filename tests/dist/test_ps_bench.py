@@ -1,4 +1,4 @@
-"""benchmarks/ps.py runs end to end in a tiny configuration (harness, not timing)."""
+"""`troupe bench run ps` runs end to end in a tiny configuration (harness, not timing)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_ps_benchmark_times_ddp_and_a_parameter_server(tmp_path):
     rows = tmp_path / "rows.jsonl"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "ps.py"), "--contestants", "ddp,downpour", "--steps", "6",
+    cmd = [sys.executable, "-m", "troupe.cli", "bench", "run", "ps", "--args",
+           "--contestants", "ddp,downpour", "--steps", "6",
            "--snapshot-every", "3", "--test-size", "1000", "--targets", "0.0,0.999", "--json", str(rows)]
     env = {**os.environ, "TROUPE_JOIN_TIMEOUT": "60", "TROUPE_TIMEOUT": "120"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -31,11 +32,7 @@ def test_ps_benchmark_times_ddp_and_a_parameter_server(tmp_path):
 
 
 def test_a_contestant_name_may_carry_its_momentum():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import ps
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    from troupe.bench.suites import ps
     assert ps.variant("downpour-sum-m0.7") == ("downpour-sum", 0.7)
     assert ps.variant("downpour-bg-mean-inverse") == ("downpour-bg-mean-inverse", 0.9)  # "-m" inside: no suffix
     assert ps.launch_args("downpour-predict-sum-m0.5", 2) == ps.launch_args("downpour-predict-sum", 2)
@@ -43,11 +40,7 @@ def test_a_contestant_name_may_carry_its_momentum():
 
 
 def test_a_contestant_name_may_carry_its_steps():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import ps
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    from troupe.bench.suites import ps
     assert ps.variant("downpour-m0.7-s2000") == ("downpour", 0.7) and ps.steps_of("downpour-m0.7-s2000", 1000) == 2000
     assert ps.variant("downpour-sum-s2000") == ("downpour-sum", 0.9)
     assert ps.steps_of("downpour-sum", 1000) == 1000 and ps.steps_of("downpour-sum-m0.5", 7) == 7

@@ -2,7 +2,7 @@
 
     troupe bench list
     troupe bench run collectives -n 2 --reps 11 --out results.jsonl
-    troupe bench run ps --out ps.jsonl --args --steps 800      # a script benchmark: its arguments after --args
+    troupe bench run ps --out ps.jsonl --args --steps 800      # a job suite: its own options after --args
     troupe bench table results.jsonl
     troupe bench plot results.jsonl out.png
     troupe bench faults --doc docs/reliability.md          # network faults on simulated hosts
@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 
 from troupe.bench import records as records_mod
@@ -34,7 +33,7 @@ def _rank_main(rank: int, world_size: int, name: str, options: Options) -> list[
 def list_benchmarks() -> str:
     lines = []
     for b in registry.BENCHMARKS.values():
-        how = f"script: python {b.script} --out FILE" if b.script else "harness"
+        how = f"jobs: troupe bench run {b.name} --out FILE --args ..." if b.jobs else "harness"
         lines.append(f"{b.name:<17} {b.help} [{how}]")
     return "\n".join(lines)
 
@@ -43,13 +42,14 @@ def run(name: str, options: Options, out: str | None, script_args: list[str]) ->
     """Run one benchmark; print its table; append its records to `out`."""
     bench = registry.get(name)
     root = checkout_root()
-    if bench.script:
-        options.with_defaults({}, bench.uses, name)  # a flag the script does not take is an error
-        cmd = [sys.executable, str(root / bench.script), *(["--out", out] if out else []), *script_args]
-        print(f"troupe bench: {' '.join(cmd)}", file=sys.stderr, flush=True)
-        return subprocess.run(cmd, cwd=root, timeout=options.timeout).returncode
+    if bench.jobs:
+        options.with_defaults({}, bench.uses, name)  # a flag the suite does not take is an error
+        argv = [*(["--out", out] if out else []), *script_args]
+        print(f"troupe bench: {name} {' '.join(argv)}", file=sys.stderr, flush=True)
+        return _within(options.timeout, lambda: bench.main(argv))
     if script_args:
-        raise ValueError(f"{name} is a harness benchmark: --args is for script benchmarks only")
+        raise ValueError(f"{name} runs in one world: --args is for the job suites only "
+                         f"({', '.join(sorted(registry.JOB_SUITES))})")
     options = options.with_defaults(bench.defaults, bench.uses, name)
     stamp = records_mod.stamp(root)
     print(f"troupe bench: {name} on {options.nproc} ranks x {options.threads} thread(s), {options.reps} reps "
@@ -62,6 +62,24 @@ def run(name: str, options: Options, out: str | None, script_args: list[str]) ->
         print(f"troupe bench: {len(stamped)} records appended to {out}", file=sys.stderr)
     print(bench.table(stamped), flush=True)
     return 0
+
+
+def _within(timeout: float | None, fn) -> int:
+    """fn() under SIGALRM after `timeout` seconds (TimeoutError); its jobs are killed by their own timeouts."""
+    if not timeout:
+        return fn() or 0
+    import signal
+
+    def expire(signum, frame):
+        raise TimeoutError(f"the benchmark did not finish within {timeout:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(max(1, int(timeout)))
+    try:
+        return fn() or 0
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _select(path: str, benchmark: str | None, run_id: str | None) -> list[Record]:

@@ -155,6 +155,13 @@ class Hosts:
         env = {**(env or os.environ), "GLOO_SOCKET_IFNAME": f"th{i}"}
         return subprocess.Popen(["ip", "netns", "exec", self.names[i], *cmd], env=env, **kw)
 
+    def retransmitted_segments(self, i: int) -> int:
+        """TCP segments host i sent again (its namespace is fresh: since it was made)."""
+        snmp = subprocess.run(["ip", "netns", "exec", self.names[i], "cat", "/proc/net/snmp"], capture_output=True,
+                              text=True, check=True).stdout
+        header, values = [line.split() for line in snmp.splitlines() if line.startswith("Tcp:")][:2]
+        return int(values[header.index("RetransSegs")])
+
     def tx_bytes(self, i: int) -> int:
         out = subprocess.run(["ip", "netns", "exec", self.names[i], "cat", f"/sys/class/net/th{i}/statistics/tx_bytes"],
                              capture_output=True, text=True, check=True).stdout

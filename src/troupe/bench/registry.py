@@ -9,7 +9,8 @@ from typing import Any
 
 from troupe.bench.options import Options
 from troupe.bench.records import Record
-from troupe.bench.suites import accumulate, collectives, compression, ddp, graph, scripts
+from troupe.bench.suites import (accumulate, bytes_per_step, collectives, compression, ddp, fault_detection, graph, ps,
+                                 throughput, time_to_accuracy)
 
 COMMON = frozenset({"reps", "steps", "burnin", "nproc", "threads", "seed", "timeout"})
 """Options every engine benchmark takes."""
@@ -18,20 +19,24 @@ TRAINING = COMMON | {"workloads", "data", "batch_size", "local"}
 
 @dataclass(frozen=True, kw_only=True)
 class Benchmark:
-    """A named benchmark: how to run it (in a world, or as a script) and how to render its records."""
+    """A named benchmark: how to run it (in a world, or as whole jobs) and how to render its records."""
 
     name: str
     help: str
     suite: ModuleType
-    """Module with run(rank, world_size, options), table(records), plot(records, out)."""
+    """Module with run(rank, world_size, options) (or main(argv) for a job suite), table(records), plot(records, out)."""
     defaults: dict[str, Any] = field(default_factory=dict)
     uses: frozenset[str] = COMMON
-    script: str | None = None
-    """benchmarks/NAME.py for the benchmarks that stay scripts (run with --out)."""
+    jobs: bool = False
+    """A job suite: starts whole jobs itself (`troupe.bench.jobs`); its own options come after --args."""
 
     @property
     def run(self) -> Callable[[int, int, Options], list[Record]] | None:
-        return None if self.script else self.suite.run
+        return None if self.jobs else self.suite.run
+
+    @property
+    def main(self) -> Callable[[list[str]], int] | None:
+        return self.suite.main if self.jobs else None
 
     def table(self, records: list[Record]) -> str:
         return self.suite.table(records)
@@ -73,8 +78,17 @@ BENCHMARKS: dict[str, Benchmark] = {
         defaults={**_ENGINE, "burnin": None, "workloads": ("cnn", "resnet18"), "data": "synthetic", "local": False},
         uses=TRAINING),
 }
-for _name, (_script, _help) in scripts.SCRIPTS.items():
-    BENCHMARKS[_name] = Benchmark(name=_name, suite=scripts, help=_help, script=_script, uses=frozenset({"timeout"}))
+JOB_SUITES = {
+    "throughput": (throughput, "samples/s vs workers on loopback and simulated hosts (netns, tc)"),
+    "ps": (ps, "time to MNIST accuracy per cluster framework vs all-reduce and DDP"),
+    "bytes_per_step": (bytes_per_step, "bytes on the wire per step by dist_option and framework, counters vs veth"),
+    "time_to_accuracy": (time_to_accuracy, "training time to an MNIST accuracy for one dist_option (loopback or "
+                                           "simulated hosts)"),
+    "fault_detection": (fault_detection, "time to detect each injected fault (kill, raise, stop, hang, nan)"),
+}
+"""name -> (suite, what it measures): the suites that start whole jobs."""
+for _name, (_suite, _help) in JOB_SUITES.items():
+    BENCHMARKS[_name] = Benchmark(name=_name, suite=_suite, help=_help, jobs=True, uses=frozenset({"timeout"}))
 
 
 def get(name: str) -> Benchmark:

@@ -1,13 +1,13 @@
 """Cluster frameworks vs plain all-reduce and PyTorch DDP: time to MNIST accuracy, server updates/s, staleness.
 
-    python benchmarks/ps.py                            # every contestant, 4 processes each
-    python benchmarks/ps.py --straggler                # worker 1 runs 2x slower
-    python benchmarks/ps.py --contestants allreduce,downpour --reps 3 --straggler
-    python benchmarks/ps.py --workers 2 --straggler   # 2 computing workers each: the 2 cores are not oversubscribed
+    troupe bench run ps                                # every contestant, 4 processes each
+    troupe bench run ps --args --straggler             # worker 1 runs 2x slower
+    troupe bench run ps --args --contestants allreduce,downpour --reps 3 --straggler
+    troupe bench run ps --args --workers 2 --straggler # 2 computing workers each: the 2 cores are not oversubscribed
 
 Every contestant trains the CNN of examples/mnist_cnn.py (SGD lr 0.05, momentum 0.9,
 weight decay 1e-5, batch 64 per worker) on real MNIST with 4 processes; the training
-code (`worker()`) is one script, only the launch differs. Worker 0 keeps a copy of its
+code (benchmarks/ps_job.py) is one script, only the launch differs. Worker 0 keeps a copy of its
 parameters every --snapshot-every steps with the training time so far, and evaluates
 the copies on the whole test set (10,000 images) after training, so evaluation never
 slows training down. The time to an accuracy is the training time of the first copy at
@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from troupe.bench.jobs import run_job
+from troupe.bench.suites.generic import plot, table  # noqa: F401  (the registry renders records with them)
+
+JOB = "benchmarks/ps_job.py"
 
 CONTESTANTS = {
     # every contestant uses 4 processes
@@ -104,12 +104,11 @@ def launch_args(name: str, workers: int | None) -> list[str]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="troupe bench run ps --args", description=__doc__.splitlines()[0])
     p.add_argument("--contestants", default=",".join(CONTESTANTS))
     p.add_argument("--steps", type=int, default=500, help="training steps of worker 0")
     p.add_argument("--batch-size", type=int, default=64, help="per worker")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9, help=argparse.SUPPRESS)  # per contestant: its -m<momentum>
     p.add_argument("--targets", default="0.985,0.989", help="test accuracies to time")
     p.add_argument("--snapshot-every", type=int, default=20)
     p.add_argument("--test-size", type=int, default=10000)
@@ -120,82 +119,7 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="append every run's result to this JSON-lines file")
     p.add_argument("--out", default=None, help="append every run as troupe bench records (JSON lines)")
     p.add_argument("--table", default=None, metavar="JSONL", help="only print the table of the runs saved in JSONL")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # the training script's mode: ddp or troupe
     return p.parse_args(argv)
-
-
-def worker(args) -> None:
-    """The training script every rank runs (server ranks never return from DistOpt)."""
-    import torch
-    import torch.nn.functional as F
-
-    import troupe
-
-    sys.path.insert(0, str(ROOT / "examples"))
-    from mnist_cnn import CNN
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = CNN()
-    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=1e-5)
-    if args.worker == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        info = troupe.init()
-        rank, world, net, ps, close = info.global_rank, info.world_size, DDP(model), None, lambda: None
-
-        def step(loss):
-            sgd.zero_grad()
-            loss.backward()
-            sgd.step()
-    else:
-        opt = troupe.DistOpt(sgd)
-        opt.sync_parameters(model)
-        rank, world, net, ps, step, close = opt.global_rank, opt.world_size, model, opt.strategy, opt, opt.close
-    train_x, train_y, test_x, test_y = troupe.data.load_mnist()
-    x, y = troupe.data.partition(train_x, train_y, rank, world)
-    g = torch.Generator().manual_seed(rank)
-    snapshots, trained = [], 0.0
-    for n in range(1, args.steps + 1):
-        t0 = time.perf_counter()
-        idx = torch.randint(0, len(x), (args.batch_size,), generator=g)
-        step(F.cross_entropy(net(x[idx]), y[idx]))
-        if args.straggler and rank == 1:
-            time.sleep(time.perf_counter() - t0)
-        trained += time.perf_counter() - t0
-        if rank == 0 and (n % args.snapshot_every == 0 or n == args.steps):
-            snapshots.append((trained, n, {k: v.detach().clone() for k, v in model.state_dict().items()}))
-    staleness = list(getattr(ps, "staleness", None) or [0])
-    close()
-    if rank != 0:
-        return
-    torch.set_num_threads(2)
-    result = {"seconds": round(trained, 2), "steps": args.steps, "steps_per_s": round(args.steps / trained, 1),
-              "worker_staleness_mean": round(statistics.mean(staleness), 2), "worker_staleness_max": max(staleness)}
-    targets = sorted(float(t) for t in args.targets.split(","))
-    def accuracy(state, n):
-        model.load_state_dict(state)
-        correct = sum((model(test_x[i : i + 1000]).argmax(1) == test_y[i : i + 1000]).sum().item()
-                      for i in range(0, n, 1000))
-        return correct / n
-
-    # A first pass on 1,000 test images finds where the curve nears each target; the whole test set
-    # then decides, in order, from the first copy within 1.5 points of the lowest target on.
-    curve = []
-    with torch.no_grad():
-        rough = [accuracy(state, min(1000, args.test_size)) for _, _, state in snapshots]
-        start = next((i for i, a in enumerate(rough) if a >= targets[0] - 0.015), len(snapshots) - 1)
-        for i in range(start, len(snapshots)):
-            if i < len(snapshots) - 1 and all(any(a >= t for _, _, a in curve) for t in targets):
-                continue  # every target reached: only the last copy is left to score
-            seconds, n, state = snapshots[i]
-            curve.append((round(seconds, 2), n, accuracy(state, args.test_size)))
-    for t in targets:
-        first = next(((s, n) for s, n, a in curve if a >= t), None)
-        result[f"time_to_{t}"], result[f"steps_to_{t}"] = first if first else (None, None)
-    result["final_acc"] = curve[-1][2]
-    result["curve"] = curve
-    print("RESULT " + json.dumps(result), flush=True)
 
 
 SERVER_LINE = re.compile(
@@ -207,17 +131,16 @@ SYNC_LINE = re.compile(r"troupe group sync rank \d+: (\d+) merges into its maste
 
 def run_one(name: str, args) -> dict:
     launch = launch_args(name, args.workers)
-    cmd = [sys.executable, "-m", "troupe.cli", "run", *launch, __file__,
-           "--worker", "ddp" if name == "ddp" else "troupe", "--steps", str(steps_of(name, args.steps)),
+    cmd = [JOB, "--worker", "ddp" if name == "ddp" else "troupe", "--steps", str(steps_of(name, args.steps)),
            "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--momentum", str(variant(name)[1]),
            "--targets", args.targets,
            "--snapshot-every", str(args.snapshot_every), "--test-size", str(args.test_size)]
     if args.straggler:
         cmd.append("--straggler")
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_job(cmd, None, flags=launch, threads=None, env={"OMP_NUM_THREADS": "1"})
     found = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not found:
-        raise RuntimeError(f"{name} failed (code {done.returncode}):\n{done.stderr[-3000:]}")
+    if done.failed or not found:
+        raise RuntimeError(f"{name} failed (code {done.codes[0]}):\n{done.stderr[-3000:]}")
     row = {"contestant": name, "straggler": args.straggler, "workers": args.workers, **found[0]}
     servers = [m.groups() for m in SERVER_LINE.finditer(done.stderr)]
     if servers:
@@ -250,7 +173,7 @@ def _median(rows: list[dict], key: str) -> float | None:
     return statistics.median(values) if len(values) == len(rows) else None
 
 
-def table(results: dict[str, list[dict]], targets: list[float], base: str | None) -> str:
+def rows_table(results: dict[str, list[dict]], targets: list[float], base: str | None) -> str:
     head = ["contestant"] + [f"time to {t:.1%} (s)" for t in targets] + \
         [f"time to {targets[0]:.1%} / {base}'s" for _ in targets[:1] if base] + ["steps to first", "final acc", "worker steps/s",
                                                              "server slice updates/s", "staleness mean/max"]
@@ -274,29 +197,28 @@ def table(results: dict[str, list[dict]], targets: list[float], base: str | None
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        return worker(args)
     names = [n.strip() for n in args.contestants.split(",") if n.strip()]
     launches = equal_workers(args.workers) if args.workers else CONTESTANTS
     unknown = sorted(n for n in names if variant(n)[0] not in launches)
     if unknown:
-        raise SystemExit(f"unknown contestant(s) {unknown}; choose from {sorted(launches)}, each optionally "
+        raise ValueError(f"unknown contestant(s) {unknown}; choose from {sorted(launches)}, each optionally "
                          "ending in -m<momentum> and then -s<steps>")
     targets = sorted(float(t) for t in args.targets.split(","))
     results: dict[str, list[dict]] = {n: [] for n in names}
     if args.out:
         from troupe.bench.records import save, stamp
+        from troupe.bench.workloads import checkout_root
 
-        started = stamp(ROOT)
+        started = stamp(checkout_root())
     if args.table:  # runs saved earlier (several invocations may have appended to one file)
         for row in map(json.loads, Path(args.table).read_text().splitlines()):
             if row["contestant"] in results and row["straggler"] == args.straggler \
                     and row.get("workers") == args.workers:
                 results[row["contestant"]].append(row)
-        print(table({n: r for n, r in results.items() if r}, targets, "plain" if "plain" in names else None))
-        return
+        print(rows_table({n: r for n, r in results.items() if r}, targets, "plain" if "plain" in names else None))
+        return 0
     for rep in range(args.reps):
         for name in names if rep % 2 == 0 else names[::-1]:  # A B C, C B A, ...
             row = run_one(name, args)
@@ -312,8 +234,5 @@ def main(argv=None) -> None:
     base = "plain" if "plain" in names else None
     print(f"# {args.steps} steps of worker 0, batch {args.batch_size}/worker, lr {args.lr}, {args.reps} rep(s)"
           + (", worker 1 slowed 2x" if args.straggler else ""))
-    print(table(results, targets, base))
-
-
-if __name__ == "__main__":
-    main()
+    print(rows_table(results, targets, base))
+    return 0

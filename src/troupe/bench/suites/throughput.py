@@ -1,13 +1,12 @@
-"""Throughput (samples/s) vs number of workers, on loopback and on simulated hosts with shaped links.
+"""throughput: samples/s vs number of workers, on loopback and on simulated hosts with shaped links.
 
-    python benchmarks/throughput.py --workers 1 2 4 --links loopback none 1gbit 100mbit --reps 3 \
-        --plot docs/throughput.png --json docs/throughput.json --out results.jsonl
+    troupe bench run throughput --out results.jsonl --args --workers 1 2 4 --links loopback none 1gbit 100mbit \
+        --reps 3 --plot docs/throughput.png --json docs/throughput.json
 
-Each worker trains the reference MNIST CNN (synthetic 28x28 images, batch 64 per worker,
+Each worker (benchmarks/throughput_job.py) trains the reference MNIST CNN (synthetic 28x28 images, batch 64 per worker,
 one thread) with DistOpt for `--steps` measured steps after `--warmup` steps. "loopback"
 runs `troupe run -n N` on this machine; the other links put each worker in its own network
-namespace on one bridge, with every host's link limited by tc (benchmarks/netns.py), and
-launch it with `troupe run --nnodes N --node-rank i --master 10.78.0.1:PORT`. Bytes per
+namespace on one bridge, with every host's link limited by tc (`troupe.bench.jobs`). Bytes per
 step come from the Communicator's counters and, on simulated hosts, from host 0's
 interface counters (which also count TCP/IP headers and the rendezvous traffic).
 Note: this machine has 2 cores, so more than 2 workers share cores. `--out FILE` appends
@@ -18,47 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import secrets
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+from troupe.bench.jobs import run_job
+from troupe.bench.suites.generic import plot, table  # noqa: F401  (the registry renders records with them)
 
-
-def worker(args: argparse.Namespace) -> None:
-    import torch
-    import torch.nn.functional as F
-
-    import troupe
-
-    sys.path.insert(0, str(ROOT / "examples"))
-    from mnist_cnn import CNN
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = CNN()
-    sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-    model.set_optimizer(sgd)
-    x, y = troupe.data.synthetic(args.batch * 4, seed=sgd.global_rank)
-    comm = sgd.communicator
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            comm.barrier()
-            start, sent = time.perf_counter(), comm.bytes_sent()
-        i = step % 4
-        sgd(F.cross_entropy(model(x[i * args.batch : (i + 1) * args.batch]), y[i * args.batch : (i + 1) * args.batch]))
-    comm.barrier()
-    elapsed = time.perf_counter() - start
-    if sgd.global_rank == 0:
-        print(json.dumps({"world": sgd.world_size, "step_s": elapsed / args.steps,
-                          "samples_per_s": args.steps * args.batch * sgd.world_size / elapsed,
-                          "bytes_per_step": (comm.bytes_sent() - sent) / args.steps}), flush=True)
+JOB = "benchmarks/throughput_job.py"
 
 
 def _result(out: str) -> dict:
@@ -68,34 +34,14 @@ def _result(out: str) -> dict:
     raise RuntimeError(f"no result in output:\n{out[-2000:]}")
 
 
-def run_loopback(n: int, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(n), "--threads", "1", __file__, "--worker",
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    if proc.returncode:
-        raise RuntimeError(proc.stderr[-2000:])
-    return _result(proc.stdout)
-
-
-def run_hosts(n: int, link: str, args: argparse.Namespace) -> dict:
-    from netns import Hosts
-
-    rate = None if link == "none" else link
-    token, port = secrets.token_hex(8), 29700 + secrets.randbelow(200)
-    with Hosts(n, rate=rate, delay=args.delay) as hosts:
-        before = hosts.tx_bytes(0)
-        procs = []
-        for i in range(n):
-            cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "1", "--threads", "1", "--nnodes", str(n),
-                   "--node-rank", str(i), "--master", f"{hosts.addr(0)}:{port}", "--token", token, __file__,
-                   "--worker", "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
-            procs.append(hosts.popen(i, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
-        outs = [p.communicate(timeout=900) for p in procs]
-        if any(p.returncode for p in procs):
-            raise RuntimeError("\n".join(err[-1500:] for _, err in outs))
-        result = _result(outs[0][0])
-        total_steps = args.steps + args.warmup
-        result["iface_bytes_per_step"] = (hosts.tx_bytes(0) - before) / total_steps
+def run_once(n: int, link: str, args: argparse.Namespace) -> dict:
+    """One job of `n` workers on `link` ("loopback", or simulated hosts: "none" or a tc rate)."""
+    job_args = [JOB, "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
+    hosts = None if link == "loopback" else link
+    job = run_job(job_args, n, link=hosts, delay=args.delay, timeout=600 if hosts is None else 900).check(1500)
+    result = _result(job.stdout)
+    if hosts is not None:
+        result["iface_bytes_per_step"] = job.tx_bytes[0] / (args.steps + args.warmup)
     return result
 
 
@@ -162,9 +108,8 @@ def save_records(path: str, table: dict[str, dict[int, list[dict]]], args: argpa
     save(path, out, started)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="troupe bench run throughput --args", description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--links", nargs="+", default=["loopback", "none", "1gbit", "100mbit"])
     p.add_argument("--delay", default=None, help="added one-way latency on simulated links, e.g. 1ms")
@@ -178,25 +123,23 @@ def main() -> None:
     p.add_argument("--cost-model", default=None,
                    help="`troupe bench run collectives --out` records (or an old collectives.py --json file): "
                         "print predicted step times")
-    args = p.parse_args()
-    if args.worker:
-        return worker(args)
-    from netns import available
-
+    args = p.parse_args(argv)
+    from troupe.bench.netns import available
     from troupe.bench.records import stamp
+    from troupe.bench.workloads import checkout_root
 
-    started = stamp(ROOT)
+    started = stamp(checkout_root())
     why_not = available()
     links = [link for link in args.links if link == "loopback" or why_not is None]
     if len(links) < len(args.links):
         print(f"skipping simulated hosts: {why_not}", file=sys.stderr)
-    table: dict[str, dict[int, list[dict]]] = {link: {} for link in links}
+    runs: dict[str, dict[int, list[dict]]] = {link: {} for link in links}
     for rep in range(args.reps):  # repetitions interleave every configuration
-        single = run_loopback(1, args) if 1 in args.workers else None  # one worker sends nothing: any link
+        single = run_once(1, "loopback", args) if 1 in args.workers else None  # one worker sends nothing: any link
         for link in links:
             for n in args.workers:
-                r = single if n == 1 else run_loopback(n, args) if link == "loopback" else run_hosts(n, link, args)
-                table[link].setdefault(n, []).append(r)
+                r = single if n == 1 else run_once(n, link, args)
+                runs[link].setdefault(n, []).append(r)
                 print(f"rep {rep} {link:>8} n={n}: {r['samples_per_s']:.0f} samples/s", file=sys.stderr, flush=True)
     print(f"MNIST CNN, batch {args.batch}/worker, {args.steps} steps after {args.warmup} warm-up, "
           f"median of {args.reps}\n")
@@ -206,7 +149,7 @@ def main() -> None:
     for link in links:
         base = None
         for n in args.workers:
-            rs = table[link][n]
+            rs = runs[link][n]
             rate = statistics.median(r["samples_per_s"] for r in rs)
             base = base or rate
             step = statistics.median(r["step_s"] for r in rs)
@@ -220,7 +163,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     if args.out:
-        save_records(args.out, table, args, started)
+        save_records(args.out, runs, args, started)
     if args.cost_model:
         print_predictions(summary, load_cost_model(args.cost_model))
     if args.plot:
@@ -241,7 +184,4 @@ def main() -> None:
         ax.legend(title="link")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,17 +1,16 @@
 """Bytes on the wire per training step, by dist_option (and PS framework), vs dense, cross-checked on veth.
 
-    python benchmarks/bytes_per_step.py --plot docs/bytes_per_step.png --json docs/bytes_per_step.json
+    troupe bench run bytes_per_step --args --plot docs/bytes_per_step.png --json docs/bytes_per_step.json
 
-Each configuration trains the example's MNIST CNN (examples/mnist_cnn.py: its model, its
+Each configuration (benchmarks/bytes_per_step_job.py) trains the example's MNIST CNN (examples/mnist_cnn.py: its model, its
 `train_one_batch(x, y, dist_option, spars)`, its SGD settings, batch 64 per worker of real
 MNIST) with 2 workers, twice: for `--steps A B` steps. Every process reports the bytes all
 of its Communicators counted (`troupe.init().traffic`: payload = bytes handed to
 collectives and sent messages, wire = what the textbook algorithm sends): a worker at exit, on
 stdout; a server, which `troupe run` starts as `python -m troupe.cluster.bootstrap` (it never runs
-this script), in the `troupe server rank R: traffic {...}` line it writes to stderr as it leaves. With network namespaces (benchmarks/netns.py;
-needs root) every process runs on a simulated host of its own, launched with
-`troupe run --nnodes P --node-rank i --master ...`, and each host's veth transmit counter
-is read before and after. Per step = (run B - run A) / (B - A): start-up, rendezvous, the
+the job script), in the `troupe server rank R: traffic {...}` line it writes to stderr as it leaves.
+With network namespaces (needs root) every process runs on a simulated host of its own
+(`troupe.bench.jobs`), and each host's veth transmit counter is read before and after. Per step = (run B - run A) / (B - A): start-up, rendezvous, the
 initial broadcast and shutdown are in both runs and cancel; what remains is steps A+1..B
 (plus the watchdog's heartbeats to the store while they run). Bytes are the whole job's
 (every process's sends added up) per step of each worker; with --reps R the median of R
@@ -24,19 +23,16 @@ a parameter server, worker -> server (the rest is the servers' replies).
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
-import os
 import re
-import secrets
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+from troupe.bench.jobs import run_job
+from troupe.bench.suites.generic import plot, table  # noqa: F401  (the registry renders records with them)
+
+JOB = "benchmarks/bytes_per_step_job.py"
 
 OPTIONS = ["plain", "fp16", "bf16", "partialUpdate", "sparseTopK", "sparseThreshold"]
 """The example's --dist-option values (fp32 is plain under another name)."""
@@ -67,10 +63,7 @@ WORKERS = 2
 
 
 
-# --- the training script every process runs ---------------------------------------------------
-
-
-def _summary(rank: int, role: str, ops: dict[str, list[int]]) -> dict:
+def summary(rank: int, role: str, ops: dict[str, list[int]]) -> dict:
     """A process's report from its counters by operation ([payload bytes, wire bytes] each)."""
     # a message's bytes are counted once, by its sender (a receive buffer is no payload sent)
     payload = sum(p for op, (p, _) in ops.items() if op != "recv")
@@ -78,53 +71,9 @@ def _summary(rank: int, role: str, ops: dict[str, list[int]]) -> dict:
     return {"rank": rank, "role": role, "payload": payload, "wire": wire, "ops": dict(sorted(ops.items()))}
 
 
-def _report(role: str, world) -> None:
-    """Print this process's counters (a worker's, after its steps and troupe's shutdown hooks)."""
-    ops = {op: [t.payload_bytes, t.wire_bytes] for op, t in world.traffic.items()}
-    line = json.dumps(_summary(int(os.environ.get("RANK", 0)), role, ops))
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), (MARK + line + "\n").encode())  # one write: the job's ranks share the pipe
-
-
-def worker(args: argparse.Namespace) -> None:
-    import torch
-
-    import troupe
-
-    sys.path.insert(0, str(ROOT / "examples"))
-    from mnist_cnn import CNN
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = CNN()
-    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-5)  # the example's
-    # A worker reports at exit, after troupe's shutdown hooks (registered later, so run earlier)
-    # have sent what they send (a Hogwild sync still in flight, a PS worker's stop). Server ranks
-    # never get here: troupe run starts them as `python -m troupe.cluster.bootstrap`, and they
-    # report on stderr (SERVER_TRAFFIC).
-    done = {"steps": False}
-    atexit.register(lambda: done["steps"] and _report("worker", world))
-    sgd = troupe.DistOpt(sgd)
-    world = troupe.init()  # joined by DistOpt; its counters outlive troupe.shutdown()
-    model.set_optimizer(sgd)
-    if args.data == "mnist":
-        x, y, _, _ = troupe.data.load_mnist()
-        x, y = troupe.data.partition(x, y, sgd.global_rank, sgd.world_size)
-    else:
-        x, y = troupe.data.synthetic(args.batch * 4, seed=sgd.global_rank)
-    bs = args.batch
-    for step in range(args.worker_steps):
-        i = step % (len(x) // bs)
-        model.train_one_batch(x[i * bs : (i + 1) * bs], y[i * bs : (i + 1) * bs], args.option, args.spars)
-    done["steps"] = True  # a worker that failed before its last step does not report
-
-
-# --- the driver ---------------------------------------------------------------------------------
-
-
 def _worker_args(args: argparse.Namespace, option: str, steps: int) -> list[str]:
     spars = {"sparseTopK": args.topk, "sparseThreshold": args.threshold}.get(option)
-    return [__file__, "--worker", "--option", option, "--worker-steps", str(steps), "--batch", str(args.batch),
+    return [JOB, "--option", option, "--worker-steps", str(steps), "--batch", str(args.batch),
             "--data", args.data, *(["--spars", str(spars)] if spars is not None else [])]
 
 
@@ -134,7 +83,7 @@ def _reports(out: str, err: str) -> list[dict]:
     for line in err.splitlines():
         m = SERVER_TRAFFIC.match(line)
         if m:
-            reports.append(_summary(int(m.group(1)), "server", json.loads(m.group(2))))
+            reports.append(summary(int(m.group(1)), "server", json.loads(m.group(2))))
     return reports
 
 
@@ -152,45 +101,16 @@ def _totals(reports: list[dict], nprocs: int, failed: bool, stderr: str) -> dict
             "workers_wire": sum(r["wire"] for r in reports if r["role"] == "worker")}
 
 
-def run_loopback(flags: list[str], nprocs: int, script: list[str], timeout: float) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(nprocs), "--threads", "1", *flags, *script]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    return _totals(_reports(proc.stdout, proc.stderr), nprocs, proc.returncode != 0, proc.stderr)
-
-
-def run_hosts(flags: list[str], nprocs: int, script: list[str], timeout: float) -> dict[str, float]:
-    """One process per simulated host; adds `veth`: what the hosts' interfaces transmitted."""
-    from netns import Hosts
-
-    token, port = secrets.token_hex(8), 29700 + secrets.randbelow(200)
-    with Hosts(nprocs) as hosts:
-        before = [hosts.tx_bytes(i) for i in range(nprocs)]
-        procs = []
-        for i in range(nprocs):
-            cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "1", "--threads", "1", "--nnodes", str(nprocs),
-                   "--node-rank", str(i), "--master", f"{hosts.addr(0)}:{port}", "--token", token, *flags, *script]
-            procs.append(hosts.popen(i, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
-        try:
-            outs = [p.communicate(timeout=timeout) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        veth = sum(hosts.tx_bytes(i) - before[i] for i in range(nprocs))
-        retransmits = sum(_retransmitted_segments(hosts.names[i]) for i in range(nprocs))
-    reports = [r for out, err in outs for r in _reports(out, err)]
-    stderr = "\n".join(err[-1500:] for _, err in outs)
-    return {**_totals(reports, nprocs, any(p.returncode for p in procs), stderr), "veth": veth,
-            "retransmits": retransmits}
-
-
-def _retransmitted_segments(namespace: str) -> int:
-    """TCP segments sent again in this (fresh) namespace: bytes on the veth that no counter sees."""
-    snmp = subprocess.run(["ip", "netns", "exec", namespace, "cat", "/proc/net/snmp"], capture_output=True,
-                          text=True, check=True).stdout
-    header, values = [line.split() for line in snmp.splitlines() if line.startswith("Tcp:")][:2]
-    return int(values[header.index("RetransSegs")])
+def run_once(flags: list[str], nprocs: int, script: list[str], args: argparse.Namespace) -> dict[str, float]:
+    """One job's counters added up; on simulated hosts also `veth` (what the hosts' interfaces sent)."""
+    link = "none" if args.net == "netns" else None
+    job = run_job(script, nprocs, flags=flags, link=link, timeout=args.timeout)
+    reports = [r for out, err in zip(job.outs, job.errs) for r in _reports(out, err)]
+    stderr = "\n".join(err[-1500:] for err in job.errs) if link else job.stderr
+    totals = _totals(reports, nprocs, job.failed, stderr)
+    if link:
+        totals.update(veth=sum(job.tx_bytes), retransmits=sum(job.retransmits))
+    return totals
 
 
 def measure(name: str, flags: list[str], nprocs: int, option: str, args: argparse.Namespace,
@@ -199,12 +119,11 @@ def measure(name: str, flags: list[str], nprocs: int, option: str, args: argpars
 
     Every pair's values are appended to `sink` as troupe bench records (when given).
     """
-    run = run_hosts if args.net == "netns" else run_loopback
     a, b = args.steps
     per_step: dict[str, list[float]] = {}
     retransmits = 0
     for _ in range(args.reps):
-        short, long_ = (run(flags, nprocs, _worker_args(args, option, n), args.timeout) for n in (a, b))
+        short, long_ = (run_once(flags, nprocs, _worker_args(args, option, n), args) for n in (a, b))
         retransmits += short.pop("retransmits", 0) + long_.pop("retransmits", 0)
         for key in long_:
             per_step.setdefault(key, []).append((long_[key] - short[key]) / (b - a))
@@ -224,7 +143,7 @@ def measure(name: str, flags: list[str], nprocs: int, option: str, args: argpars
     return row
 
 
-def table(rows: list[dict], dense: float) -> str:
+def rows_table(rows: list[dict], dense: float) -> str:
     veth = all("veth" in r for r in rows)
     lines = ["| configuration | processes | payload B/step | wire B/step (counters) | veth B/step | veth / wire "
              "| wire vs dense | TCP retransmits | workers' wire B/step |",
@@ -236,7 +155,7 @@ def table(rows: list[dict], dense: float) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+def rows_plot(rows: list[dict], path: str, title: str) -> None:
     """Wire bytes (counters) and veth bytes per step, log scale, each group labelled with its ratio to dense."""
     import matplotlib
 
@@ -276,7 +195,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="troupe bench run bytes_per_step --args", description=__doc__.splitlines()[0])
     p.add_argument("--options", nargs="+", default=OPTIONS, choices=OPTIONS)
     p.add_argument("--frameworks", nargs="*", default=list(FRAMEWORKS), choices=list(FRAMEWORKS))
     p.add_argument("--steps", type=int, nargs=2, default=[4, 24], metavar=("A", "B"),
@@ -293,31 +212,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--out", default=None, help="append every pair of runs as troupe bench records (JSON lines)")
-    # what each process of the job runs
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--option", default="plain", help=argparse.SUPPRESS)
-    p.add_argument("--spars", type=float, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--worker-steps", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     a, b = args.steps
     if not 0 <= a < b:
-        raise SystemExit(f"--steps A B needs 0 <= A < B, got {a} {b}")
+        raise ValueError(f"--steps A B needs 0 <= A < B, got {a} {b}")
     if args.reps < 1:
-        raise SystemExit(f"--reps must be >= 1, got {args.reps}")
+        raise ValueError(f"--reps must be >= 1, got {args.reps}")
     if "plain" not in args.options:
-        raise SystemExit("--options must include plain (the dense reference)")
+        raise ValueError("--options must include plain (the dense reference)")
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        return worker(args)
-    from netns import available
+    from troupe.bench.netns import available
+    from troupe.bench.workloads import checkout_root
 
     why_not = available()
     if args.net == "netns" and why_not:
-        raise SystemExit(f"--net netns: network namespaces are not available here ({why_not})")
+        raise ValueError(f"--net netns: network namespaces are not available here ({why_not})")
     if args.net == "auto":
         args.net = "netns" if why_not is None else "loopback"
         if why_not:
@@ -325,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
                   file=sys.stderr)
     from troupe.bench.records import save, stamp
 
-    started, sink = stamp(ROOT), ([] if args.out else None)
+    started, sink = stamp(checkout_root()), ([] if args.out else None)
     rows = [measure(option, [], 2, option, args, sink) for option in args.options]
     rows += [measure(name, flags, n, "plain", args, sink) for name, (flags, n) in FRAMEWORKS.items()
              if name in args.frameworks]
@@ -337,13 +250,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"MNIST CNN (431,080 parameters), 2 workers, batch {args.batch}/worker, {args.data} data, {where}; "
           f"per step = (run of {b} steps - run of {a} steps) / {b - a}; bytes of all processes together; "
           f"sparseTopK spars {args.topk}, sparseThreshold spars {args.threshold}\n")
-    print(table(rows, dense))
+    print(rows_table(rows, dense))
     if args.json:
         Path(args.json).write_text(json.dumps({"net": args.net, "steps": args.steps, "batch": args.batch,
                                                "data": args.data, "rows": rows}, indent=1))
     if args.plot:
-        plot(rows, args.plot, f"MNIST CNN, 2 workers: bytes per step ({where.split(' (')[0]})")
-
-
-if __name__ == "__main__":
-    main()
+        rows_plot(rows, args.plot, f"MNIST CNN, 2 workers: bytes per step ({where.split(' (')[0]})")
+    return 0

@@ -1,26 +1,14 @@
-"""Benchmarks that stay scripts in ``benchmarks/`` (each starts its own jobs, or needs root).
+"""The tables and plots of the job suites' records (contestant x metric, or curves).
 
-They write the same JSON-lines records with ``--out FILE``; `troupe bench run NAME`
-runs the script with ``--out`` and the arguments after ``--args``; `troupe bench table`
-renders their records with `table`.
+The job suites (throughput, ps, bytes_per_step, time_to_accuracy, fault_detection) start
+whole jobs (`troupe.bench.jobs`) rather than run inside one world; they write the same
+JSON-lines records with ``--out FILE`` and `troupe bench table` renders them with `table`.
 """
 
 from __future__ import annotations
 
 from troupe.bench import render
 from troupe.bench.records import Record
-
-SCRIPTS = {
-    "throughput": ("benchmarks/throughput.py", "samples/s vs workers on loopback and simulated hosts (netns, tc)"),
-    "ps": ("benchmarks/ps.py", "time to MNIST accuracy per cluster framework vs all-reduce and DDP"),
-    "bytes_per_step": ("benchmarks/bytes_per_step.py", "bytes on the wire per step by dist_option and framework, "
-                                                       "counters vs veth"),
-    "time_to_accuracy": ("benchmarks/time_to_accuracy.py", "training time to an MNIST accuracy for one dist_option "
-                                                           "(under troupe run, or shaped_link.sh)"),
-    "faults": ("benchmarks/faults.py", "time to detect each injected fault"),
-}
-"""name -> (script, what it measures)."""
-
 
 CURVE = "accuracy"
 """time_to_accuracy's evaluation points (params step, seconds): plotted, not tabled."""
