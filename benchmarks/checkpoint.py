@@ -16,10 +16,8 @@ import argparse
 import hashlib
 import io
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -130,19 +128,19 @@ def main() -> None:
     if args.child:
         child(args.reps, args.child, args.model)
         return
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    from troupe.bench.jobs import run_job
+
     print(f"{args.model}, SGD momentum, DistOpt plain; median of {args.reps} alternating reps (rank 0's wall time)\n")
     print("| ranks | save first format | save DCP | ratio | load first format | load DCP | ratio | "
           "bytes first format | bytes DCP |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n in args.ranks:
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(n), __file__, "--reps", str(args.reps),
-                   "--model", args.model, "--child", tmp]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            job = run_job(["benchmarks/checkpoint.py", "--reps", str(args.reps), "--model", args.model,
+                           "--child", tmp], n, threads=None, env={"OMP_NUM_THREADS": "1"}, timeout=1200)
+        line = next((ln for ln in job.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
-            raise RuntimeError(f"{n} ranks failed:\n{proc.stdout}\n{proc.stderr}")
+            raise RuntimeError(f"{n} ranks failed:\n{job.stdout}\n{job.stderr}")
         r = json.loads(line[len("RESULT "):])
         med = {k: statistics.median(v) * 1e3 for k, v in r["times"].items()}
         print(f"| {n} | {med['save first']:.1f} ms | {med['save dcp']:.1f} ms | "

@@ -36,15 +36,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import secrets
-import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+ROOT = Path(__file__).resolve().parents[1]
 
 WORKERS = 4
 BATCH = 32
@@ -273,31 +268,15 @@ def _lines(out: str, tag: str) -> list[dict]:
 
 def launch(args: argparse.Namespace, workload: str, link: str) -> str:
     """Run the worker on 4 local processes (loopback) or 4 simulated hosts; its stdout (rank 0's)."""
+    from troupe.bench.jobs import run_job
+
     flags = ["--worker", "--workload", workload, "--link", link, "--reps", str(args.reps), "--steps",
              str(args.steps), "--burnin", str(args.burnin), "--plans", *args.plans]
     if args.steps_to_loss and link == "loopback":
         flags += ["--steps-to-loss", "--loss", str(args.loss)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_TIMEOUT": "600"}
-    if link == "loopback":
-        cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(WORKERS), "--threads", "1", __file__, *flags]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=ROOT, env=env)
-        if proc.returncode:
-            raise RuntimeError(proc.stderr[-3000:])
-        return proc.stdout
-    from netns import Hosts
-
-    token, port = secrets.token_hex(8), 29700 + secrets.randbelow(200)
-    with Hosts(WORKERS, rate=link, delay=args.delay) as hosts:
-        procs = []
-        for i in range(WORKERS):
-            cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "1", "--threads", "1", "--nnodes", str(WORKERS),
-                   "--node-rank", str(i), "--master", f"{hosts.addr(0)}:{port}", "--token", token, __file__, *flags]
-            procs.append(hosts.popen(i, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     cwd=ROOT))
-        outs = [p.communicate(timeout=3600) for p in procs]
-        if any(p.returncode for p in procs):
-            raise RuntimeError("\n".join(err[-1500:] for _, err in outs))
-        return outs[0][0]
+    job = run_job(["benchmarks/partition.py", *flags], WORKERS, link=None if link == "loopback" else link,
+                  delay=args.delay, env={"TROUPE_TIMEOUT": "600"}, timeout=3600)
+    return job.check(3000 if link == "loopback" else 1500).stdout
 
 
 def prediction_table(records, predicted: dict) -> str:

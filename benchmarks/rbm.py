@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,13 +47,12 @@ def run_example(procs: int, args: argparse.Namespace) -> dict:
     flags = ["--pretrain-epochs", str(args.pretrain_epochs), "--finetune-epochs", str(args.finetune_epochs),
              "--batch-size", str(100 // procs), "--finetune-lr", str(args.finetune_lr),
              "--lr-gaussian", str(args.lr_gaussian), "--threads", "1", "--quiet", *args.extra]
-    cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(procs), "examples/rbm_mnist.py", *flags]
+    from troupe.bench.jobs import run_job
+
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_job(["examples/rbm_mnist.py", *flags], procs, threads=None, env={"OMP_NUM_THREADS": "1"})
     wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-    out = done.stdout
+    out = done.check().stdout
     error = float(re.search(r"^test reconstruction error = ([\d.]+) per image$", out, re.M).group(1))
     pre = float(re.search(r"^pre-training ([\d.]+)s, total ([\d.]+)s$", out, re.M).group(1))
     before = float(re.search(r"before fine-tuning: test reconstruction error = ([\d.]+)", out).group(1))
