@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-from troupe.bench import faults, netns
+from troupe.bench import netns
+from troupe.bench import network_faults as faults
 
 pytestmark = pytest.mark.skipif(bool(netns.available()), reason=f"simulated hosts: {netns.available()}")
 

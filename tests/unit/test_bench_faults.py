@@ -4,7 +4,8 @@ delayer's netlink messages, the matrix's definitions."""
 import socket
 import struct
 
-from troupe.bench import delayer, faults, netns
+from troupe.bench import delayer, netns
+from troupe.bench import network_faults as faults
 
 
 def test_doc_table_merges_cells_by_regime_and_fault_in_matrix_order(tmp_path):

@@ -118,10 +118,10 @@ def main(args: argparse.Namespace) -> int:
         if args.bench_command == "run":
             return run(args.name, options_from(args), args.out, args.script_args)
         if args.bench_command == "faults":
-            from troupe.bench import faults
+            from troupe.bench import network_faults
 
-            return faults.main(args.regimes, args.faults or list(faults.FAULTS), args.steps, args.pace,
-                               args.seed, args.doc, args.out, args.workdir)
+            return network_faults.main(args.regimes, args.faults or list(network_faults.FAULTS), args.steps,
+                                       args.pace, args.seed, args.doc, args.out, args.workdir)
         if args.bench_command == "table":
             print(table(args.results, args.benchmark, args.run))
             return 0
