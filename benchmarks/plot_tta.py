@@ -1,6 +1,6 @@
 """Plot accuracy against training time from time_to_accuracy.py result lines (JSON, one per run).
 
-    python benchmarks/plot_tta.py docs/tta_100mbit.jsonl docs/tta_100mbit.png --title "100 Mbit/s link"
+    python benchmarks/plot_tta.py benchmarks/results/tta_100mbit.jsonl benchmarks/results/tta_100mbit.png --title "100 Mbit/s link"
 """
 
 import argparse

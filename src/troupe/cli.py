@@ -111,7 +111,7 @@ def _add_bench_parser(sub) -> None:
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--timeout", type=float, default=None, help="seconds before the run's ranks are killed")
     run.add_argument("--args", dest="script_args", nargs=argparse.REMAINDER, default=[],
-                     help="everything after --args goes to a script benchmark (benchmarks/NAME.py)")
+                     help="everything after --args goes to a job suite (throughput, ps, ...): its own options")
     faults = bsub.add_parser("faults", help="network faults injected into jobs on simulated hosts (root)")
     faults.add_argument("--regimes", nargs="+", default=["plain-2", "plain-4", "topk-4", "downpour-4", "hogwild-4"])
     faults.add_argument("--faults", nargs="+", default=None, help="default: every fault")

@@ -246,7 +246,7 @@ def hand_over(job: Job, spec: TrainingSpec) -> NoReturn:
     stats = serve(job, spec)
     print(f"troupe server rank {job.role.rank}: {stats}", file=sys.stderr, flush=True)
     # What this server sent, by operation ([payload bytes, wire bytes]): a server started without the
-    # training script has no other way to report its counters (benchmarks/bytes_per_step.py).
+    # training script has no other way to report its counters (troupe bench run bytes_per_step).
     traffic = {op: [t.payload_bytes, t.wire_bytes] for op, t in sorted(job.runtime.traffic.items())}
     print(f"troupe server rank {job.role.rank}: traffic {json.dumps(traffic)}", file=sys.stderr, flush=True)
     shutdown()

@@ -1,6 +1,6 @@
 """Bytes on the wire per training step, by dist_option (and PS framework), vs dense, cross-checked on veth.
 
-    troupe bench run bytes_per_step --args --plot docs/bytes_per_step.png --json docs/bytes_per_step.json
+    troupe bench run bytes_per_step --args --plot benchmarks/results/bytes_per_step.png --json benchmarks/results/bytes_per_step.json
 
 Each configuration (benchmarks/bytes_per_step_job.py) trains the example's MNIST CNN (examples/mnist_cnn.py: its model, its
 `train_one_batch(x, y, dist_option, spars)`, its SGD settings, batch 64 per worker of real

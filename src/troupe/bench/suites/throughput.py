@@ -1,7 +1,7 @@
 """throughput: samples/s vs number of workers, on loopback and on simulated hosts with shaped links.
 
     troupe bench run throughput --out results.jsonl --args --workers 1 2 4 --links loopback none 1gbit 100mbit \
-        --reps 3 --plot docs/throughput.png --json docs/throughput.json
+        --reps 3 --plot benchmarks/results/throughput.png --json benchmarks/results/throughput.json
 
 Each worker (benchmarks/throughput_job.py) trains the reference MNIST CNN (synthetic 28x28 images, batch 64 per worker,
 one thread) with DistOpt for `--steps` measured steps after `--warmup` steps. "loopback"
@@ -64,7 +64,7 @@ def load_cost_model(path: str) -> dict:
     try:
         old = json.loads(Path(path).read_text())
         if isinstance(old, dict) and "alpha_s" in old:
-            return old  # the summary the old benchmarks/collectives.py --json wrote (docs/collectives.json)
+            return old  # the summary the old benchmarks/collectives.py --json wrote (benchmarks/results/collectives.json)
     except json.JSONDecodeError:
         pass  # several lines: records
     import statistics as st
