@@ -14,6 +14,7 @@ import sys
 import time
 
 from troupe.runtime import settings
+from troupe.runtime.rankio import RankOutput, parse_ranks
 from troupe.runtime.ticket import LOOPBACK, Ticket, free_port
 
 GRACE_SECONDS = 5.0
@@ -60,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeline", metavar="FILE", default=None, help="a Chrome trace (chrome://tracing, Perfetto)")
     run.add_argument("--tensorboard", metavar="DIR", default=None,
                      help="per-step stats as TensorBoard scalars, one run per rank (DIR/rank0, ...)")
+    run.add_argument("--prefix", action="store_true", help="put [rankR]: in front of each line a rank prints")
+    run.add_argument("--log-dir", metavar="DIR", default=None,
+                     help="also keep each rank's whole output (stdout and stderr) in DIR/rankR.log")
+    run.add_argument("--ranks", metavar="LIST", default=None,
+                     help="show only these ranks' output here, e.g. 0 or 0,2 or 0-3 (--log-dir keeps all)")
     run.add_argument("script", help="the training script (a .py file)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     sub.add_parser("info", help="what this machine offers: torch, backends, devices, MPI")
@@ -270,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
         require()  # one clear error here, not one per rank
         extra_env["TROUPE_TENSORBOARD"] = os.path.abspath(args.tensorboard)
     extra_env.update(_cluster_env(args))
+    args.output = _rank_output(args)
     resume = "yes" if args.resume else "no"
     for attempt in range(args.max_restarts + 1):
         code = _run_once(args, {**extra_env, "TROUPE_RESUME": resume})
@@ -280,6 +287,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"troupe run: restarting from the last checkpoint in {ckpt_dir} "
               f"(restart {attempt + 1} of {args.max_restarts})", file=sys.stderr)
     return code
+
+
+def _rank_output(args: argparse.Namespace) -> RankOutput | None:
+    """Where the ranks' output goes: passed on line by line when several ranks share this terminal or
+    --prefix/--log-dir/--ranks ask for it; else (one rank) inherited as it is."""
+    ranks = parse_ranks(args.ranks) if args.ranks is not None else None
+    if args.nproc < 2 and not (args.prefix or args.log_dir or ranks is not None):
+        return None
+    output = RankOutput(prefix=args.prefix, ranks=ranks, log_dir=args.log_dir)
+    first = args.node_rank * args.nproc
+    output.clear_logs(range(first, first + args.nproc))
+    return output
 
 
 def _report(args: argparse.Namespace) -> None:
@@ -325,8 +344,18 @@ def _run_once(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
         rank = args.node_rank * args.nproc + local_rank
         cmd = [sys.executable, "-m", "troupe.cluster.bootstrap"] if rank in getattr(args, "servers", ()) \
             else [sys.executable, args.script, *args.args]
-        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-    return _supervise(procs, first_rank=args.node_rank * args.nproc, tolerate=getattr(args, "tolerate", set()))
+        output = getattr(args, "output", None)
+        if output is not None and sys.stdout.isatty():
+            env.setdefault("PYTHONUNBUFFERED", "1")  # a pipe would hold the lines a terminal shows at once
+        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, **(output.pipes() if output else {})))
+        if output is not None:
+            output.attach(rank, procs[-1])
+    drain = output.drain if output is not None else lambda: None
+    try:
+        return _supervise(procs, first_rank=args.node_rank * args.nproc, tolerate=getattr(args, "tolerate", set()),
+                          drain=drain)
+    finally:
+        drain()
 
 
 def _culprit(procs: list[subprocess.Popen], first_rank: int, tolerate: set[int],
@@ -340,8 +369,12 @@ def _culprit(procs: list[subprocess.Popen], first_rank: int, tolerate: set[int],
     return next(((rank, code) for rank, code in failed if code < 0), failed[0])
 
 
-def _supervise(procs: list[subprocess.Popen], first_rank: int, tolerate: set[int] = frozenset()) -> int:
-    """Wait for the ranks; stop them all when one fails, unless it is in `tolerate` (async PS workers)."""
+def _supervise(procs: list[subprocess.Popen], first_rank: int, tolerate: set[int] = frozenset(),
+               drain=lambda: None) -> int:
+    """Wait for the ranks; stop them all when one fails, unless it is in `tolerate` (async PS workers).
+
+    `drain()` returns once the ranks' output has been passed on (before the closing line is printed).
+    """
     reported: set[int] = set()
 
     def stop_all(*_sig) -> None:
@@ -370,6 +403,7 @@ def _supervise(procs: list[subprocess.Popen], first_rank: int, tolerate: set[int
             if failed:
                 rank, code = _culprit(procs, first_rank, tolerate, failed)
                 stop_all()
+                drain()
                 why = f"signal {-code}" if code < 0 else f"code {code}"
                 print(f"troupe run: rank {rank} exited with {why}; stopped the other ranks", file=sys.stderr)
                 return code if code > 0 else 128 - code
