@@ -7,8 +7,6 @@ here holds state of its own.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import Tensor, nn
 
 from troupe.strategies import registry
@@ -66,12 +64,10 @@ class SingaMethods:
         self._singa_step(loss, "sparseTopK" if topK else "sparseThreshold", spars=spars, topK=topK, corr=corr)
 
     def update(self, loss: Tensor, dist_option: str = "plain", spars: float | None = None) -> None:
-        """Run the update that `dist_option` names (SINGA's names, see `DIST_OPTIONS`)."""
-        method = registry.check_option(dist_option)
-        kwargs: dict[str, Any] = dict(registry.DIST_OPTION_ARGS.get(dist_option, {}))
-        if spars is not None and method == "backward_and_sparse_update":
-            kwargs["spars"] = spars
-        getattr(self, method)(loss, **kwargs)
+        """Run the update that `dist_option` names (SINGA's names, see `DIST_OPTIONS`); `spars` reaches
+        the options that take it."""
+        regime = registry.lookup(dist_option)
+        getattr(self, regime.method)(loss, **regime.method_args(spars=spars))
 
     # --- collectives ----------------------------------------------------------------------
 

@@ -192,6 +192,13 @@ class ClusterConfig:
         return self.nworkers_per_procs > 1
 
     @property
+    def worker_regime(self) -> str:
+        """The registered regime of this cluster's workers (`troupe.cluster.regimes`)."""
+        if self.server_worker_separate:
+            return "ps-client"
+        return "in-memory-hogwild" if self.in_memory else "co-located"
+
+    @property
     def synchronous(self) -> bool:
         """One worker group: every update waits for the whole group."""
         return self.nworker_groups == 1

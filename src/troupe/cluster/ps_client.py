@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from troupe.cluster import sparse
+from troupe.cluster.regimes import PS_WORKER_STATE
 from troupe.cluster.config import ClusterConfig, Role
 from troupe.cluster.layout import Layout
 from troupe.cluster.frames import HEADER_BYTES, Inbox, pack
@@ -213,6 +214,10 @@ class PSClient:
         if self.feedback is not None:
             stats["residual_norm"] = residual_norm(self.residuals)
         return stats
+
+    def per_rank_state(self) -> list[str]:
+        residuals = ["top-K/threshold error-feedback residuals (what each rank has not sent yet)"]
+        return [PS_WORKER_STATE, *(residuals if self.residuals else [])]
 
     def state_dict(self) -> dict:
         """Top-K's residuals (what this worker has not sent yet); the rest of the state is on the servers."""

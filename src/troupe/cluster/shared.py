@@ -25,6 +25,7 @@ from troupe.cluster.config import ClusterConfig, Role
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
 from troupe.cluster.groupsync import GroupSync
+from troupe.cluster.regimes import PS_WORKER_STATE
 from troupe.cluster.shard import plan_slices
 
 log = logging.getLogger("troupe.cluster.config")
@@ -107,6 +108,9 @@ class SharedMemory:
 
     def all_finite(self) -> bool:
         return all_finite([p.grad for p in self.params if p.grad is not None])  # this worker's own update
+
+    def per_rank_state(self) -> list[str]:
+        return [PS_WORKER_STATE]
 
     def state_dict(self) -> dict:
         return {}

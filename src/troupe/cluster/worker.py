@@ -29,6 +29,7 @@ from torch import Tensor
 from troupe.cluster.config import ClusterConfig, Role
 from troupe.cluster.groupsync import GroupSync
 from troupe.cluster.layout import Layout
+from troupe.cluster.regimes import PS_WORKER_STATE
 from troupe.cluster.scatter import BucketScatter
 from troupe.cluster.shard import ParamShard, Slice, plan_slices
 from troupe.reliability.nonfinite import all_finite
@@ -180,6 +181,9 @@ class CoLocated:
             self.group.all_reduce(flag, "min")
             ok = bool(flag.item() == 1.0)
         return ok
+
+    def per_rank_state(self) -> list[str]:
+        return [PS_WORKER_STATE]
 
     def state_dict(self) -> dict:
         return {}
