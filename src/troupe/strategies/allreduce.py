@@ -18,9 +18,10 @@ from torch import Tensor
 from troupe.compress import Compressor, residual_norm
 from troupe.runtime.comm import Communicator
 from troupe.strategies.base import StepStats, reduced_buckets_finite
-from troupe.strategies.compressed import CompressedReduce
 from troupe.sync.agree import PAYLOAD_BYTES as AGREEMENT_BYTES
-from troupe.sync.hooks import MeanAllReduce, ReduceHook
+from troupe.sync.hooks import ReduceHook
+from troupe.sync.hooks.allreduce import MeanAllReduce
+from troupe.sync.hooks.compressed import CompressedReduce
 from troupe.sync.reducer import GradReducer
 
 

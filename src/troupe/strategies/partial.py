@@ -22,7 +22,8 @@ from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
 from troupe.strategies.allreduce import dense_bytes
 from troupe.sync.agree import Agreement
-from troupe.sync.hooks import MeanAllReduce, ReduceHook
+from troupe.sync.hooks import ReduceHook
+from troupe.sync.hooks.allreduce import MeanAllReduce
 from troupe.sync.reducer import GradReducer
 from troupe.util import check_int
 
