@@ -369,7 +369,7 @@ def test_explicit_shutdown_lets_servers_finish(tmp_path):
 def reduce_scatter_buckets(rank, world_size):
     """Gradients through GradReducer + BucketScatter: returns, per parameter, (grad or None, owned element mask)."""
     import troupe
-    from troupe.cluster.scatter import BucketScatter
+    from troupe.sync.hooks.scatter import BucketScatter
     from troupe.cluster.shard import plan_slices
     from troupe.sync.reducer import GradReducer
 

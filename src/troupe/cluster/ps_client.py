@@ -37,7 +37,7 @@ from troupe.compress.fp16 import half_dtype
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator, Handle
 from troupe.sync.bucket import Bucket
-from troupe.sync.hooks import SendBuckets
+from troupe.sync.hooks.send import SendBuckets
 from troupe.sync.reducer import GradReducer
 
 log = logging.getLogger("troupe.cluster.config")

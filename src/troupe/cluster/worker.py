@@ -4,7 +4,7 @@
   `troupe.cluster.ps_client`; `SharedMemory` (in-memory Hogwild) in `troupe.cluster.shared`.
 * `CoLocated` (servers share the workers' processes: AllReduce, Distributed Hogwild):
   inside a group, reduce the gradients (reduce-scatter onto their owners under NCCL,
-  `troupe.cluster.scatter`), each worker updates the slices its co-located server owns, then
+  `troupe.sync.hooks.scatter`), each worker updates the slices its co-located server owns, then
   all-gather the slices; with several groups, every `sync_freq`
   steps each group folds its change into the master copies, asynchronously
   (`troupe.cluster.groupsync`).
@@ -30,12 +30,12 @@ from troupe.cluster.config import ClusterConfig, Role
 from troupe.cluster.groupsync import GroupSync
 from troupe.cluster.layout import Layout
 from troupe.cluster.regimes import PS_WORKER_STATE
-from troupe.cluster.scatter import BucketScatter
 from troupe.cluster.shard import ParamShard, Slice, plan_slices
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
 from troupe.strategies.base import reduced_buckets_finite
-from troupe.sync.hooks import MeanAllReduce
+from troupe.sync.hooks.allreduce import MeanAllReduce
+from troupe.sync.hooks.scatter import BucketScatter
 from troupe.sync.reducer import GradReducer
 
 

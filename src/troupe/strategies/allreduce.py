@@ -20,9 +20,10 @@ from troupe.runtime.comm import Communicator
 from troupe.strategies.base import StepStats, reduced_buckets_finite
 from troupe.strategies.choice import DistOption
 from troupe.strategies.registry import Capabilities, Context, register
-from troupe.strategies.compressed import CompressedReduce
 from troupe.sync.agree import PAYLOAD_BYTES as AGREEMENT_BYTES
-from troupe.sync.hooks import MeanAllReduce, ReduceHook
+from troupe.sync.hooks import ReduceHook
+from troupe.sync.hooks.allreduce import MeanAllReduce
+from troupe.sync.hooks.compressed import CompressedReduce
 from troupe.sync.reducer import GradReducer
 
 

@@ -24,7 +24,8 @@ from troupe.strategies.allreduce import dense_bytes
 from troupe.strategies.choice import DistOption
 from troupe.strategies.registry import Capabilities, Context, register
 from troupe.sync.agree import Agreement
-from troupe.sync.hooks import MeanAllReduce, ReduceHook
+from troupe.sync.hooks import ReduceHook
+from troupe.sync.hooks.allreduce import MeanAllReduce
 from troupe.sync.reducer import GradReducer
 from troupe.util import check_int
 

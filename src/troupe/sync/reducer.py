@@ -25,7 +25,8 @@ from troupe.runtime.watchdog import waiting
 from troupe.runtime.comm import Communicator, Handle
 from troupe.sync.agree import Agreement, flag_digest, raise_mismatch
 from troupe.sync.bucket import FIRST_BUCKET_SIZE, Bucket, Span, allocate, plan_buckets
-from troupe.sync.hooks import MeanAllReduce, ReduceHook
+from troupe.sync.hooks import ReduceHook
+from troupe.sync.hooks.allreduce import MeanAllReduce
 
 class GradReducer:
     """Buckets the given parameters and reduces their gradients as backward produces them.
