@@ -23,7 +23,7 @@ _WHERE = {
     "CompressionConfig": "troupe.strategies.compressed",
     "DistInfo": "troupe.runtime.launch",
     "DistOpt": "troupe.distopt",
-    "Model": "troupe.model",
+    "Model": "troupe.singa.model",
     "StepMismatchError": "troupe.sync.agree",
     "UpdateStrategy": "troupe.strategies.base",
     "World": "troupe.runtime.world",
@@ -45,13 +45,13 @@ if TYPE_CHECKING:
     from troupe import data, metrics, partition
     from troupe.algorithms import cd
     from troupe.distopt import DIST_OPTIONS, DistOpt
-    from troupe.model import Model
     from troupe.partition import clip_grad_norm_, full_state_dict
     from troupe.reliability import checkpoint
     from troupe.runtime.comm import Communicator
     from troupe.runtime.launch import DistInfo, wait_all
     from troupe.runtime.world import World, info, init, shutdown
     from troupe.scalars import log
+    from troupe.singa.model import Model
     from troupe.strategies.base import UpdateStrategy
     from troupe.strategies.compressed import CompressionConfig
     from troupe.sync.agree import StepMismatchError
