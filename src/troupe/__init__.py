@@ -30,19 +30,19 @@ _WHERE = {
     "cd": "troupe.algorithms",
     "checkpoint": "troupe.reliability",
     "clip_grad_norm_": "troupe.partition",
-    "data": "troupe",
+    "data": "troupe.script",
     "full_state_dict": "troupe.partition",
     "info": "troupe.runtime.world",
     "init": "troupe.runtime.world",
-    "log": "troupe.scalars",
-    "metrics": "troupe",
+    "log": "troupe.script.scalars",
+    "metrics": "troupe.script",
     "partition": "troupe",
     "shutdown": "troupe.runtime.world",
     "wait_all": "troupe.runtime.launch",
 }
 
 if TYPE_CHECKING:
-    from troupe import data, metrics, partition
+    from troupe import partition
     from troupe.algorithms import cd
     from troupe.distopt import DIST_OPTIONS, DistOpt
     from troupe.partition import clip_grad_norm_, full_state_dict
@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     from troupe.runtime.comm import Communicator
     from troupe.runtime.launch import DistInfo, wait_all
     from troupe.runtime.world import World, info, init, shutdown
-    from troupe.scalars import log
+    from troupe.script import data, metrics
+    from troupe.script.scalars import log
     from troupe.singa.model import Model
     from troupe.strategies.base import UpdateStrategy
     from troupe.strategies.compressed import CompressionConfig
@@ -61,7 +62,7 @@ def __getattr__(name: str):
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'troupe' has no attribute {name!r}")
-    if module == "troupe":  # one of troupe's own modules (data, metrics, partition)
+    if module == "troupe":  # a sub-package of troupe itself (partition): getattr would come back here
         value = importlib.import_module(f"troupe.{name}")
     else:
         parent = importlib.import_module(module)
