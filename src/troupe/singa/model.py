@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from troupe.singa.methods import SingaMethods
-
-if TYPE_CHECKING:
-    from troupe.distopt import DistOpt
 
 
 class Model(nn.Module):
@@ -28,7 +25,7 @@ class Model(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.optimizer: DistOpt | torch.optim.Optimizer | None = None
+        self.optimizer: torch.optim.Optimizer | None = None  # a DistOpt, or any torch optimizer
         self._train_arity: int | None = None  # set by compile(is_train=True): forward's input count
 
     def __call__(self, *args, **kwargs):
@@ -39,13 +36,13 @@ class Model(nn.Module):
             return self.train_one_batch(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
-    def set_optimizer(self, optimizer: DistOpt | torch.optim.Optimizer) -> None:
+    def set_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Attach the optimizer; a DistOpt also copies rank 0's parameters and buffers to every rank."""
         if not isinstance(optimizer, torch.optim.Optimizer):  # a DistOpt is one
             raise TypeError(f"set_optimizer takes a DistOpt or torch optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
-        # A DistOpt is known by its SINGA methods: this module sits below troupe.distopt,
-        # which inherits them from here.
+        # A DistOpt is known by its SINGA methods: this module sits below troupe.distopt
+        # (which inherits them from here) and does not import it.
         if isinstance(optimizer, SingaMethods):
             optimizer.sync_parameters(self)
 
