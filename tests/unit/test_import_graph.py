@@ -27,7 +27,8 @@ LAYERS = (
     ("distopt", "partition", "script", "algorithms"),  # what a training script calls
     ("cluster",),
     ("singa",),  # below cluster: cluster's configuration reads SINGA's job files through singa.jobfile
-    ("graphstep", "strategies"),
+    ("graphstep",),  # graph mode's option list is the regime table's
+    ("strategies",),
     ("sync", "reliability"),
     ("compress", "runtime"),
     ("observe", "util"),
