@@ -195,7 +195,7 @@ def _ticket(args: argparse.Namespace) -> Ticket:
 
 
 def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
-    from troupe.cluster.config import CHOICES, FIELD_FLAGS, PRESETS, WIRE_DTYPES
+    from troupe.cluster.configuration.config import CHOICES, FIELD_FLAGS, PRESETS, WIRE_DTYPES
 
     group = run.add_argument_group("cluster (parameter servers; SINGA's ClusterProto)")
     group.add_argument("--framework", choices=sorted(PRESETS), default=None, help="a preset cluster topology")
@@ -223,7 +223,7 @@ def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
 
 def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     """Resolve the cluster (if any), fix -n from it, print every rank's role; the env var that carries it."""
-    from troupe.cluster.config import ENV_VAR, FIELD_FLAGS, expendable_ranks, resolve, roles
+    from troupe.cluster.configuration.config import ENV_VAR, FIELD_FLAGS, expendable_ranks, resolve, roles
 
     fields = {name: getattr(args, name)
               for name in (*FIELD_FLAGS, "server_worker_separate", "share_memory", "group_merge", "wire_dtype",
@@ -238,7 +238,7 @@ def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     args.nproc = cluster.nprocs // args.nnodes
     args.tolerate = expendable_ranks(cluster)  # asynchronous groups: the others go on when a worker dies
     # Server-only ranks run the cluster bootstrap, not the script: a server learns the parameters'
-    # sizes and the optimizer from worker 0 (troupe.cluster.spec), so it never loads data or a model.
+    # sizes and the optimizer from worker 0 (troupe.cluster.configuration.spec), so it never loads data or a model.
     args.servers = {r.rank for r in roles(cluster) if r.worker is None}
     if args.node_rank == 0:
         print(f"troupe run: cluster {cluster.to_json()}", file=sys.stderr)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from troupe.sync.bucket import Bucket
 from troupe.runtime.comm import Communicator, Handle
-from troupe.cluster.shard import Slice
+from troupe.cluster.serving.shard import Slice
 
 
 class BucketScatter:

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from troupe.cluster.spec import OptimizerSpec
+from troupe.cluster.configuration.spec import OptimizerSpec
 
-log = logging.getLogger("troupe.cluster.config")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class ParamShard:
     ):
         self.slices = {s.id: s for s in slices}
         self.owners = {k: (owners or {}).get(k) for k in self.slices}
-        """Per slice of a partitioned model (`troupe.cluster.layout`): the index in each group of the one
+        """Per slice of a partitioned model (`troupe.cluster.workers.layout`): the index in each group of the one
         worker holding it, or None when every worker of a group holds it."""
         self.position = dict(position or {})
         """Each worker's index inside its group."""

@@ -31,10 +31,10 @@ import torch
 from torch import Tensor
 
 from troupe.runtime.comm import Communicator, Handle
-from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
-from troupe.cluster.shard import Slice
+from troupe.cluster.wire.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
+from troupe.cluster.serving.shard import Slice
 
-log = logging.getLogger("troupe.cluster.config")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 WATCH_INTERVAL = 0.5

@@ -3,7 +3,7 @@ with neighboring server groups periodically").
 
 With ``server_worker_separate`` and G = ``nserver_groups`` > 1 every server group holds a replica of
 the parameters, updated by its own worker groups. The master copy of each part is spread as
-Distributed Hogwild's is (`troupe.cluster.groupsync.parts`): the slices server j holds are cut into
+Distributed Hogwild's is (`troupe.cluster.serving.groupsync.parts`): the slices server j holds are cut into
 G parts, and part k's master copy lives with server j of server group k. Every ``sync_freq`` group
 updates of its whole shard (the shard's slice updates grow by ``sync_freq`` times its number of
 slices) a server folds its own part into its master copy and sends ``cur - last_sync`` of every
@@ -48,12 +48,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from troupe.cluster.groupsync import parts
-from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
-from troupe.cluster.shard import ParamShard
+from troupe.cluster.serving.groupsync import parts
+from troupe.cluster.wire.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
+from troupe.cluster.serving.shard import ParamShard
 from troupe.runtime.comm import Communicator, Handle
 
-log = logging.getLogger("troupe.cluster.config")
+log = logging.getLogger(__name__)
 
 WATCH_INTERVAL = 0.5
 """Seconds between checks that the peers a closing server waits for still exist."""

@@ -7,7 +7,7 @@ one parameter memory: the first of them writes the initial values into a file in
 /dev/shm that every one of them maps; each worker's parameters become views into it,
 and each worker's own optimizer (its own momentum) steps them in place while the others
 read and write them. Across processes the server groups synchronise as Distributed
-Hogwild does (`troupe.cluster.groupsync`): the first worker of each process folds the
+Hogwild does (`troupe.cluster.serving.groupsync`): the first worker of each process folds the
 process's change into the master copies every `sync_freq` of its steps.
 """
 
@@ -21,13 +21,13 @@ import uuid
 import torch
 from torch import Tensor
 
-from troupe.cluster.config import ClusterConfig, Role
+from troupe.cluster.configuration.config import ClusterConfig, Role
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
-from troupe.cluster.groupsync import GroupSync
-from troupe.cluster.shard import plan_slices
+from troupe.cluster.serving.groupsync import GroupSync
+from troupe.cluster.serving.shard import plan_slices
 
-log = logging.getLogger("troupe.cluster.config")
+log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 
