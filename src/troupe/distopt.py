@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from troupe.cluster.configuration.config import from_env as cluster_from_env
+from troupe.cluster.configuration.sources import from_env as cluster_from_env
 from troupe.reliability.nonfinite import NAN_POLICIES, NanPolicy, all_finite, nonfinite
 from troupe.runtime import world as world_mod
 from troupe.runtime.comm import Handle

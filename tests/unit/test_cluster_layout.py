@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from troupe.cluster.configuration.config import ClusterConfig, parse_cluster_text
+from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.configuration.sources import parse_cluster_text
 from troupe.cluster.workers.layout import build, entries
 from troupe.cluster.serving.shard import ParamShard, plan_slices
 from troupe.cluster.configuration.spec import TrainingSpec

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from troupe.cluster.wire import sparse
-from troupe.cluster.configuration.config import ClusterConfig, parse_cluster_text, resolve
+from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.configuration.sources import parse_cluster_text, resolve
 from troupe.cluster.wire.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check
 from troupe.cluster.serving.server import Server
 from troupe.cluster.serving.shard import ParamShard, plan_slices

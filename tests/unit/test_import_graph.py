@@ -220,7 +220,7 @@ def test_the_command_line_starts_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, troupe, troupe.cli; from troupe.cluster.configuration.config import resolve; "
+    code = ("import sys, troupe, troupe.cli; from troupe.cluster.configuration.sources import resolve; "
             "troupe.cli.build_parser().parse_args(['run', '-n', '2', 'x.py']); "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

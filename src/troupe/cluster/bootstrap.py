@@ -32,7 +32,9 @@ from typing import NoReturn
 
 import torch
 
-from troupe.cluster.configuration.config import ClusterConfig, Role, expendable_ranks, from_env, roles
+from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.configuration.roles import Role, expendable_ranks, roles
+from troupe.cluster.configuration.sources import from_env
 from troupe.cluster.configuration.spec import TrainingSpec
 from troupe.cluster.serving.server import Server, ServerStats, process_alive
 from troupe.cluster.serving.serversync import MasterCopies, ServerSync

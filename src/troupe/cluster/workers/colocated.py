@@ -26,7 +26,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from troupe.cluster.configuration.config import ClusterConfig, Role
+from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.configuration.roles import Role
 from troupe.cluster.serving.groupsync import GroupSync
 from troupe.cluster.workers.layout import Layout, trainable
 from troupe.cluster.scatter import BucketScatter

@@ -21,7 +21,8 @@ import uuid
 import torch
 from torch import Tensor
 
-from troupe.cluster.configuration.config import ClusterConfig, Role
+from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.configuration.roles import Role
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
 from troupe.cluster.serving.groupsync import GroupSync

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from troupe.cluster.wire import sparse
-from troupe.cluster.configuration.config import ClusterConfig, Role
+from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.configuration.roles import Role
 from troupe.cluster.workers.layout import Layout
 from troupe.cluster.wire.frames import HEADER_BYTES, Inbox, pack
 from troupe.cluster.wire.messages import HEADER_TAG, PAYLOAD_TAG, SPARSE, Header, MessageError, Op, check
