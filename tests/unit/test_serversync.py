@@ -11,7 +11,8 @@ import torch
 
 from troupe.cluster.wire.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op
 from troupe.cluster.serving.server import Server
-from troupe.cluster.serving.serversync import MasterCopies, ServerSync
+from troupe.cluster.serving.mastercopies import MasterCopies
+from troupe.cluster.serving.serversync import ServerSync
 from troupe.cluster.serving.shard import ParamShard, plan_slices
 
 NUMELS = [6, 5]

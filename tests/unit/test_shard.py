@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from troupe.cluster.serving import groupsync
+from troupe.cluster.serving import mastercopies as groupsync
 from troupe.cluster.wire.messages import Header, MessageError, Op, check
 from troupe.cluster.serving.shard import ParamShard, plan_slices
 

@@ -37,7 +37,8 @@ from troupe.cluster.configuration.roles import Role, expendable_ranks, roles
 from troupe.cluster.configuration.sources import from_env
 from troupe.cluster.configuration.spec import TrainingSpec
 from troupe.cluster.serving.server import Server, ServerStats, process_alive
-from troupe.cluster.serving.serversync import MasterCopies, ServerSync
+from troupe.cluster.serving.mastercopies import MasterCopies
+from troupe.cluster.serving.serversync import ServerSync
 from troupe.cluster.serving.shard import ParamShard, plan_slices
 from troupe.cluster.workers import layout
 from troupe.cluster.workers.colocated import CoLocated

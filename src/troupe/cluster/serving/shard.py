@@ -272,15 +272,6 @@ class ParamShard:
             for group, i in zip(self.optimizer.param_groups, self._group_of_server_group):
                 group["lr"] = float(lrs[i]) * self.lr_scale
 
-    def delta_since_sync(self, slice_id: int) -> Tensor:
-        """``cur - last_sync``: what this group changed since it last synced with the master copy."""
-        return self.values[slice_id] - self.last_sync[slice_id]
-
-    def adopt(self, slice_id: int, value: Tensor) -> None:
-        """Take the master copy's value after a sync."""
-        self.values[slice_id].copy_(value)
-        self.last_sync[slice_id].copy_(value)
-
     def state_dict(self) -> dict[str, Any]:
         """Slices, versions and server-side optimizer state (a server checkpoint)."""
         return {

@@ -28,10 +28,11 @@ from torch import Tensor
 
 from troupe.cluster.configuration.config import ClusterConfig
 from troupe.cluster.configuration.roles import Role
-from troupe.cluster.serving.groupsync import GroupSync
-from troupe.cluster.workers.layout import Layout, trainable
 from troupe.cluster.scatter import BucketScatter
+from troupe.cluster.serving.groupsync import GroupSync
+from troupe.cluster.serving.mastercopies import MasterCopies
 from troupe.cluster.serving.shard import ParamShard, Slice, plan_slices
+from troupe.cluster.workers.layout import Layout, trainable
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
 from troupe.strategies.base import reduced_buckets_finite
@@ -106,16 +107,9 @@ class CoLocated:
             self.shard.put(s.id, self._flat(s))
         if self.sync_channels is not None:
             n = self.cluster.nworkers_per_group
-            self.groups = GroupSync(
-                *self.sync_channels,
-                group=self.me // n,
-                ngroups=self.cluster.nworker_groups,
-                rank_of=lambda k: k * n + self.index,
-                slices=self.mine,
-                values=self.shard.values,
-                merge=self.cluster.group_merge,
-                alive=self.alive,
-            )
+            copies = MasterCopies(self.shard, self.me // n, self.cluster.nworker_groups, self.cluster.group_merge)
+            self.groups = GroupSync(*self.sync_channels, copies, rank_of=lambda k: k * n + self.index,
+                                    alive=self.alive)
             self.groups.start()
 
     def _flat(self, s) -> Tensor:
@@ -180,7 +174,7 @@ class CoLocated:
         self._apply_own()
         self.steps += 1
         if self.groups is not None and self.steps % self.cluster.sync_freq == 0:
-            self.groups.sync(self.shard.values)
+            self.groups.sync()
         self._all_gather()
         self.staleness.append(self.steps % self.cluster.sync_freq if self.groups is not None else 0)
         return {"staleness": self.staleness[-1]}
@@ -211,7 +205,7 @@ class CoLocated:
             return
         self.closed = True
         if self.steps % self.cluster.sync_freq:
-            self.groups.sync(self.shard.values)
+            self.groups.sync()
             self._all_gather()
         self.groups.close(self.timeout)
         print(f"troupe group sync rank {self.me}: {self.groups.stats()}", file=sys.stderr, flush=True)

@@ -25,13 +25,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from troupe.cluster.wire import sparse
 from troupe.cluster.configuration.config import ClusterConfig
 from troupe.cluster.configuration.roles import Role
-from troupe.cluster.workers.layout import Layout
+from troupe.cluster.serving.shard import plan_slices
+from troupe.cluster.wire import sparse
 from troupe.cluster.wire.frames import HEADER_BYTES, Inbox, pack
 from troupe.cluster.wire.messages import HEADER_TAG, PAYLOAD_TAG, SPARSE, Header, MessageError, Op, check
-from troupe.cluster.serving.shard import plan_slices
+from troupe.cluster.workers.layout import Layout
 from troupe.compress.feedback import ErrorFeedback, residual_norm
 from troupe.compress.fp16 import half_dtype
 from troupe.reliability.nonfinite import all_finite
