@@ -5,8 +5,8 @@ With ``server_worker_separate`` and G = ``nserver_groups`` > 1 every server grou
 the parameters, updated by its own worker groups. The master copy of each part is spread as
 Distributed Hogwild's is, with the same arithmetic (`troupe.cluster.serving.mastercopies`): the
 slices server j holds are cut into G parts, and part k's master copy lives with server j of server
-group k. Every ``sync_freq`` group updates of its whole shard (the shard's slice updates grow by ``sync_freq`` times its number of
-slices) a server folds its own part into its master copy and sends ``cur - last_sync`` of every
+group k. Every ``sync_freq`` group updates of its whole shard (the shard's slice updates grow by
+``sync_freq`` times its number of slices) a server folds its own part into its master copy and sends ``cur - last_sync`` of every
 other part to that part's master (Merge), which folds it in and answers with its value (Merged).
 The server adopts it, keeping the updates its workers made meanwhile::
 
