@@ -61,6 +61,8 @@ class GroupSync:
         self.requests, self.replies = requests, replies
         self.copies = copies
         self.group, self.ngroups = copies.group, copies.ngroups
+        self.parts, self.sizes = copies.parts, copies.sizes
+        """Per group k, the (slice, start, stop) ranges whose master copy group k holds, and their sizes."""
         self.rank = rank_of(self.group)
         self.peers = {k: rank_of(k) for k in range(self.ngroups) if k != self.group}
         self.alive = alive
@@ -74,11 +76,6 @@ class GroupSync:
         self._live = set(self.peers.values())
         self._done = threading.Condition(self.lock)
         self._thread: threading.Thread | None = None
-
-    @property
-    def parts(self) -> list:
-        """Per group k, the (slice, start, stop) ranges whose master copy group k holds."""
-        return self.copies.parts
 
     @property
     def master(self) -> torch.Tensor:
