@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from troupe.cluster import regimes as _cluster_regimes  # noqa: F401  (registers the cluster's worker regimes)
-from troupe.cluster.config import from_env as cluster_from_env
 from troupe import graphstep
+from troupe.cluster import regimes as _cluster_regimes  # noqa: F401  (registers the cluster's worker regimes)
+from troupe.cluster.configuration.sources import from_env as cluster_from_env
 from troupe.reliability.nonfinite import NAN_POLICIES, NanPolicy, all_finite, nonfinite
 from troupe.runtime import world as world_mod
 from troupe.runtime.comm import Handle

@@ -193,10 +193,10 @@ def test_relative_lazy_and_type_checking_imports():
         "if TYPE_CHECKING:\n"
         "    from troupe.opt import DistOpt\n"
         "def f():\n"
-        "    import troupe.cluster.worker\n"
+        "    import troupe.cluster.workers.colocated\n"
     )
     found = {name for name, _ in imports_in(source, "troupe.runtime.launch", is_package=False)}
-    assert found == {"troupe.runtime.comm", "troupe.sync.bucket", "troupe.cluster.worker"}
+    assert found == {"troupe.runtime.comm", "troupe.sync.bucket", "troupe.cluster.workers.colocated"}
 
 
 def test_cycle_report_names_the_imports():
@@ -247,7 +247,7 @@ def test_the_command_line_starts_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, troupe, troupe.cli; from troupe.cluster.config import resolve; "
+    code = ("import sys, troupe, troupe.cli; from troupe.cluster.configuration.sources import resolve; "
             "troupe.cli.build_parser().parse_args(['run', '-n', '2', 'x.py']); "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
