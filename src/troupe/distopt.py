@@ -4,30 +4,33 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from troupe.cluster.config import from_env as cluster_from_env
+from troupe import graphstep
+from troupe.cluster import regimes as _cluster_regimes  # noqa: F401  (registers the cluster's worker regimes)
+from troupe.cluster.configuration.sources import from_env as cluster_from_env
 from troupe.reliability.nonfinite import NAN_POLICIES, NanPolicy, all_finite, nonfinite
 from troupe.runtime import world as world_mod
 from troupe.runtime.comm import Handle
 from troupe.runtime.launch import Ticket
-from troupe.singa import SingaMethods
+from troupe.singa.methods import SingaMethods
 from troupe.strategies import registry
 from troupe.strategies.base import UpdateStrategy
-from troupe.strategies.choice import Fixed, OptionSwitch
+from troupe.strategies.choice import Fixed, OptionSwitch, params_of
 from troupe.strategies.compressed import CompressionConfig
-from troupe.strategies.partitioned import split_by_holders
-from troupe.sync.bucket import DEFAULT_BUCKET_SIZE, FIRST_BUCKET_SIZE
+from troupe.strategies.partitioned import broadcast_replicated
+from troupe.sync.bucket import DEFAULT_BUCKET_SIZE, FIRST_BUCKET_SIZE, plan_buckets
 from troupe.sync.compiled import SplitCompiledGraphs
 from troupe.sync.reducer import GradReducer
 from troupe.util import check_int
 
-DIST_OPTIONS = registry.DIST_OPTIONS
+DIST_OPTIONS = registry.dist_options()
+"""`dist_option` names (SINGA's) and the DistOpt method each one calls (`troupe.strategies.registry`)."""
 
 
 class DistOpt(SingaMethods, torch.optim.Optimizer):
@@ -79,14 +82,10 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
             raise TypeError(f"compression must be a troupe.CompressionConfig, got {type(compression).__name__}")
         if ticket is not None and nccl_id is not None:
             raise ValueError("give ticket= or its SINGA alias nccl_id=, not both")
-        registry.check_option(dist_option)
         cluster = cluster_from_env()
-        if cluster is not None and registry.DIST_OPTIONS[dist_option] != "backward_and_update":
-            raise ValueError(f"dist_option {dist_option!r} is not available under a parameter-server cluster: "
-                             "use 'plain' (the cluster's workers and servers exchange updates their own way)")
+        regime = registry.resolve(dist_option, cluster)  # the cluster's worker regime, if the job has a cluster
         self.world = world_mod.init(ticket if ticket is not None else nccl_id, local_rank, world_size, rank=rank,
                                     backend=backend, timeout=timeout, join_timeout=join_timeout)
-        self.info = self.world.info
         self.optimizer = optimizer
         self.bucket_size, self.first_bucket_size = bucket_size, first_bucket_size
         self.nan_policy = nan_policy
@@ -96,26 +95,16 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         self._pending: list[Handle] = []
         self._synced = False
         self._last_stats: dict[str, Any] = {}
-        self._choice: OptionSwitch | Fixed
-        if cluster is not None:
-            # The bootstrap owns roles: on a server rank this call serves and ends the process
-            # (it never returns); a worker gets its view of the job (workers only) and its strategy.
-            from troupe.cluster import bootstrap
-
-            self.info, strategy = bootstrap.worker_strategy(cluster, optimizer, self.world, bucket_size, nan_policy)
-            self.communicator = self.world.comm
-            self._check_and_broadcast()
-            self._choice = Fixed(strategy)
-            strategy.start()  # Put/Get the initial parameters
-        else:
-            self.communicator = self.world.comm
-            self._check_and_broadcast()
-            args = dict(registry.DIST_OPTION_ARGS.get(dist_option, {}))
-            if spars is not None and registry.DIST_OPTIONS[dist_option] == "backward_and_sparse_update":
-                args["spars"] = spars
-            self._choice = OptionSwitch(self.communicator, self._params(), optimizer,
-                                        compression or CompressionConfig(), lambda: self.step_count,
-                                        self.param_name, bucket_size, first_bucket_size, dist_option, **args)
+        setup = registry.Setup(world=self.world, optimizer=optimizer, bucket_size=bucket_size,
+                               first_bucket_size=first_bucket_size, compression=compression or CompressionConfig(),
+                               nan_policy=nan_policy, step_count=lambda: self.step_count, name_of=self.param_name,
+                               cluster=cluster, args={"spars": spars})
+        # A cluster's regime takes this rank's role here: a server rank serves and never returns.
+        self._choice: OptionSwitch | Fixed = regime.choose(setup)
+        self.info = self._choice.info or self.world.info
+        self.communicator = self.world.comm
+        broadcast_replicated(self.communicator, self._params())
+        self._choice.start()  # e.g. a parameter-server worker's first Put/Get
         self._watch_reducer()
         self._split: SplitCompiledGraphs | None = None
         if split_compiled and self.reducer is not None:
@@ -123,19 +112,16 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
             if self._split.install():
                 weakref.finalize(self, self._split.remove)
 
-    # --- where this process is -------------------------------------------------------
+    # --- where this process is, and torch.optim.Optimizer's state: the wrapped optimizer's, read
+    # through (its load_state_dict replaces these objects, so they are never copied here)
 
-    @property
-    def local_rank(self) -> int:
-        return self.info.local_rank
-
-    @property
-    def global_rank(self) -> int:
-        return self.info.global_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.info.world_size
+    local_rank = property(lambda self: self.info.local_rank)
+    global_rank = property(lambda self: self.info.global_rank)
+    world_size = property(lambda self: self.info.world_size)
+    device = property(lambda self: self.info.device, doc="``cuda:local_rank`` under NCCL, else the CPU.")
+    param_groups = property(lambda self: self.optimizer.param_groups)  # type: ignore[assignment]
+    state = property(lambda self: self.optimizer.state)  # type: ignore[assignment]
+    defaults = property(lambda self: self.optimizer.defaults)  # type: ignore[assignment]
 
     @property
     def strategy(self) -> UpdateStrategy:
@@ -147,40 +133,12 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         """The GradReducer that reduces gradients during backward (None in a world of one)."""
         return self._choice.reducer
 
-    @property
-    def device(self) -> torch.device:
-        """``cuda:local_rank`` under NCCL, else the CPU."""
-        return self.info.device
-
-    # --- torch.optim.Optimizer's state: the wrapped optimizer's, read through (its
-    # load_state_dict replaces these objects, so they are never copied here)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
     # --- the PyTorch loop ---------------------------------------------------------------
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Backward inside the block accumulates gradients locally, with no communication
         (gradient accumulation); the next backward outside it reduces the sum."""
-        if self.reducer is None:
-            yield
-            return
-        before, self.reducer.enabled = self.reducer.enabled, False
-        try:
-            yield
-        finally:
-            self.reducer.enabled = before
+        return self.reducer.paused() if self.reducer is not None else nullcontext()
 
     def synchronize(self) -> None:
         """Leave in ``p.grad`` what `step()` will apply: the mean over ranks (waits for the
@@ -212,11 +170,9 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add parameters (on every rank, in the same order): rank 0's values are broadcast and
         the new parameters join the reduction."""
-        if not self._choice.local:
-            raise ValueError("add_param_group is not available under a parameter-server cluster: "
-                             "give the optimizer every parameter before creating the DistOpt")
+        self._choice.require("add_param_group")
         self.optimizer.add_param_group(param_group)
-        self._check_and_broadcast()
+        broadcast_replicated(self.communicator, self._params())
         self._choice.add_params(self._params())
         self._watch_reducer()
 
@@ -232,24 +188,18 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         program order (SINGA), else the compiler may overlap communication with the backward.
         Where the platform cannot compile, the first step warns and steps run eagerly.
         """
-        from troupe.graphstep import GraphStep
+        return graphstep.compile_step(self, model, loss_fn, dist_option=dist_option, sequential=sequential,
+                                      backend=backend)
 
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-
-        def eager(*batch: Any) -> Tensor:
-            loss = loss_fn(*batch)
-            self.update(loss, dist_option)
-            return loss.detach()
-
-        return GraphStep(self, model, loss_fn, eager, returns_loss=True, dist_option=dist_option,
-                         sequential=sequential, backend=backend)
-
-    def check_graph_mode(self) -> None:
-        """Raise ValueError where graph mode cannot run (it reduces every gradient among all ranks)."""
-        if not self._choice.local or self._choice.holders is not None:
-            raise ValueError("graph mode reduces every gradient among all ranks: not available under a "
-                             "parameter-server cluster or for a partitioned model")
+    def graph_plan(self) -> graphstep.GraphPlan:
+        """What graph mode compiles a step over (`troupe.graphstep.GraphHost`); a ValueError where it cannot
+        run (graph mode reduces every gradient among all ranks)."""
+        self._choice.require("graph_mode")
+        params = [p for p in self._params() if p.requires_grad]
+        buckets = [[params[j] for j in members]
+                   for members in plan_buckets(params, self.bucket_size, self.first_bucket_size)]
+        group = self.communicator.group if self.world_size > 1 else None
+        return graphstep.GraphPlan(params, buckets, self.world_size, group, self.param_name, self.optimizer.step)
 
     def apply_reduced(self, update: Callable[[], Any]) -> None:
         """Graph mode's update: ``p.grad`` already holds the mean over ranks; apply `nan_policy`, then
@@ -277,11 +227,9 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         Other collectives inside the loop (metrics every step) cannot be shadowed: reduce
         them after the block.
         """
-        if self._choice.local and self._choice.holders is not None:
-            raise ValueError("join() cannot shadow a partitioned model: the other workers of a rank's group "
-                             "need it for every forward; give every rank the same number of batches")
+        self._choice.require("join")
         yield self
-        if self.reducer is None or not self._choice.local:
+        if not self._choice.shadows_joins:
             return
         while self.reducer.shadow() > 0:
             self.step()
@@ -306,17 +254,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
     def per_rank_state(self) -> list[str]:
         """Why this DistOpt's state belongs to each rank and cannot move to another world size
         (empty: every rank's model and optimizer state is the job's; troupe.checkpoint reshards it)."""
-        reasons = []
-        if not self._choice.local:
-            reasons.append("parameter-server worker (the parameters and their optimizer live on the servers)")
-        elif self._choice.holders is not None:
-            reasons.append("partitioned model (each rank holds its own slices)")
-        state = self._choice.state_dict()
-        if state.get("residuals"):
-            reasons.append("top-K/threshold error-feedback residuals (what each rank has not sent yet)")
-        if "partial_counter" in state:
-            reasons.append("partial update (each rank's parameters and momentum differ)")
-        return reasons
+        return self._choice.per_rank_state()
 
     def close(self) -> None:
         """Leave cleanly: under a parameter-server cluster, tell the servers this worker has finished (also done at exit)."""
@@ -334,24 +272,6 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         raise TypeError("a DistOpt holds process-group state and cannot be pickled; save state_dict() instead")
 
     # --- internals ----------------------------------------------------------------------
-
-    def _singa_step(self, loss: Tensor, option: str, **args: Any) -> None:
-        """One of SINGA's methods: zero the gradients, backward under `option`'s strategy, step."""
-        rec = self.world.recorder
-        if rec is not None:
-            rec.note_loss(loss)
-        strategy = self._choice.select(option, **args)
-        self.zero_grad()
-        if self._choice.local and self.reducer is not None:
-            hook = strategy.reduce_hook()
-            if hook is not None:  # start the step's agreement now: it overlaps backward
-                self.reducer.open_step(hook, exchange=True)
-        try:
-            loss.backward()
-        except BaseException:
-            self._abandon_open_step()
-            raise
-        self.step()
 
     def _watch_reducer(self) -> None:
         if self.reducer is not None:
@@ -391,14 +311,4 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
             rec.end_step(self.step_count, self.communicator.bytes_sent(), extra)
 
     def _params(self) -> list[Tensor]:
-        seen: dict[int, Tensor] = {}
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                seen.setdefault(id(p), p)
-        return list(seen.values())
-
-    def _check_and_broadcast(self) -> None:
-        # A partitioned model's slices differ by rank by design (troupe.partition broadcast them whole).
-        params, _ = split_by_holders(self._params(), self.communicator.world_size)
-        self.communicator.check_same([(tuple(p.shape), str(p.dtype)) for p in params], "the optimizer's parameters")
-        self.communicator.broadcast_tensors(params)
+        return params_of(self.optimizer)

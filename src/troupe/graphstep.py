@@ -23,18 +23,16 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from troupe.sync.bucket import plan_buckets
+from troupe.strategies import registry
 from troupe.sync.compiled import unsplit
-from troupe.sync.ingraph import CODECS, Codec, InGraphReduce, gate
-
-if TYPE_CHECKING:
-    from troupe.distopt import DistOpt
+from troupe.sync.ingraph import Codec, InGraphReduce, gate
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 """torch.compile backends graph mode accepts (aot_eager: traced graphs run op by op, fast to build)."""
@@ -50,6 +48,54 @@ class GraphCompileWarning(UserWarning):
     """Graph mode could not compile on this platform and runs eagerly."""
 
 
+@dataclass(frozen=True)
+class GraphPlan:
+    """What a step is compiled over: the trainable parameters in their buckets, and where they are reduced."""
+
+    params: list[Tensor]
+    buckets: list[list[Tensor]]
+    """The parameters in reduction buckets (each bucket's gradients are reduced together in the graph)."""
+    world_size: int
+    group: Any
+    """The process group the gradients are reduced over (None in a world of one: the WORLD)."""
+    name_of: Callable[[Tensor], str]
+    optimizer_step: Callable[[], Any]
+    """The wrapped optimizer's step (compiled as the update)."""
+
+
+class GraphHost(Protocol):
+    """All graph mode needs of the optimizer it compiles a step for (`troupe.DistOpt` is one)."""
+
+    def graph_plan(self) -> GraphPlan:
+        """The step's parameters and buckets; raises ValueError where graph mode cannot run."""
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """A block whose backward leaves gradients to the graph (no eager reduction)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def update(self, loss: Tensor, dist_option: str = "plain") -> None:
+        """SINGA's eager update (the step without graph mode, after a failed compile)."""
+
+    def apply_reduced(self, update: Callable[[], Any]) -> None:
+        """The update after the graph's reduction: nan_policy, then `update`, then count the step."""
+
+
+def compile_step(host: GraphHost, model: nn.Module, loss_fn: Callable[..., Tensor], *, dist_option: str = "plain",
+                 sequential: bool = False, backend: str | Callable[..., Any] = "inductor") -> GraphStep:
+    """Graph mode for a plain module and a loss function (`troupe.DistOpt.compile_step`)."""
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+
+    def eager(*batch: Any) -> Tensor:
+        loss = loss_fn(*batch)
+        host.update(loss, dist_option)
+        return loss.detach()
+
+    return GraphStep(host, model, loss_fn, eager, returns_loss=True, dist_option=dist_option,
+                     sequential=sequential, backend=backend)
+
+
 class UpdateCall:
     """Stands in for the DistOpt while the compiled forward runs: SINGA's update methods only note
     the loss and the dist_option (the backward and the update follow outside the forward's graph)."""
@@ -59,13 +105,11 @@ class UpdateCall:
         self.codec = Codec()
 
     def update(self, loss: Tensor, dist_option: str = "plain", spars: float | None = None) -> None:
-        if dist_option in ("plain", "fp32"):
-            self.backward_and_update(loss)
-        elif dist_option in ("fp16", "bf16"):
-            self.backward_and_update_half(loss, dtype=dist_option)
-        else:
-            raise ValueError(f"graph mode reduces with one of {CODECS} (and fp32), not dist_option {dist_option!r}; "
-                             "compile with use_graph=False for the other options")
+        regime = registry.lookup(dist_option)
+        if not regime.supports.graph_mode:
+            raise ValueError(f"graph mode reduces with one of {registry.graph_options()}, not dist_option "
+                             f"{dist_option!r}; compile with use_graph=False for the other options")
+        getattr(self, regime.method)(loss, **regime.fixed_args)
 
     def backward_and_update(self, loss: Tensor) -> None:
         self.loss, self.codec = loss, Codec("plain")
@@ -100,37 +144,36 @@ class GraphStep:
             or a backend function (a test's, to look at the graphs).
     """
 
-    def __init__(self, sgd: DistOpt, model: nn.Module, forward: Callable[..., Any], eager: Callable[..., Any], *,
+    def __init__(self, sgd: GraphHost, model: nn.Module, forward: Callable[..., Any], eager: Callable[..., Any], *,
                  returns_loss: bool, dist_option: str = "plain", sequential: bool = False,
                  backend: str | Callable[..., Any] = "inductor"):
         check_backend(backend)
-        sgd.check_graph_mode()
-        if returns_loss and dist_option not in ("plain", "fp32", "fp16", "bf16"):
-            raise ValueError(f"graph mode reduces with plain, fp32, fp16 or bf16, not dist_option {dist_option!r}")
+        plan = sgd.graph_plan()
+        if returns_loss and dist_option not in registry.graph_options():
+            raise ValueError(f"graph mode reduces with {', '.join(registry.graph_options())}, not dist_option "
+                             f"{dist_option!r}")
         if not isinstance(sequential, bool):
             raise TypeError(f"sequential must be a bool, got {sequential!r}")
         self.sgd, self.model, self.eager = sgd, model, eager
         self.returns_loss, self.sequential, self.backend = returns_loss, sequential, backend
-        self.codec = Codec("plain" if dist_option == "fp32" else dist_option)
+        self.codec = Codec(registry.lookup(dist_option).name)
         self.failed: BaseException | None = None
         """Why graph mode fell back to eager (None while it runs compiled)."""
         self.steps = 0
         owned = {id(p) for p in model.parameters()}
-        params = list({id(p): p for g in sgd.param_groups for p in g["params"] if p.requires_grad}.values())
-        strangers = [sgd.param_name(p) for p in params if id(p) not in owned]
+        strangers = [plan.name_of(p) for p in plan.params if id(p) not in owned]
         if strangers:
             raise ValueError(f"graph mode needs every parameter of the optimizer in the model; not in it: "
                              f"{strangers[:5]}")
         self._names = {id(p): n for n, p in model.named_parameters()}
-        self._buckets = [[params[j] for j in members]
-                         for members in plan_buckets(params, sgd.bucket_size, sgd.first_bucket_size)]
+        self._buckets = plan.buckets
         self._reduce: InGraphReduce | None = None
-        if sgd.world_size > 1:
-            group = sgd.communicator.group or torch.distributed.group.WORLD
-            self._reduce = InGraphReduce(group.group_name, sgd.world_size, self.codec)
+        if plan.world_size > 1:
+            group = plan.group or torch.distributed.group.WORLD
+            self._reduce = InGraphReduce(group.group_name, plan.world_size, self.codec)
         self._call = UpdateCall()
         self._forward = torch.compile(forward, **self._compile_args())
-        self._update = torch.compile(sgd.optimizer.step, **self._compile_args())
+        self._update = torch.compile(plan.optimizer_step, **self._compile_args())
 
     def _compile_args(self) -> dict[str, Any]:
         if callable(self.backend) or self.backend != "inductor":

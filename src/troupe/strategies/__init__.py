@@ -1,9 +1,12 @@
 """Update strategies: how gradients become a step, one class per regime.
 
-`base` defines the `UpdateStrategy` interface DistOpt holds exactly one of; `allreduce`
-(plain mean all-reduce), `compressed` (fp16/bf16/top-K/threshold), `partial` (SINGA's
-partial update) implement it, and the parameter-server worker kinds live in
-`troupe.cluster`. `registry` maps SINGA's dist_option names to strategies. A strategy
-gets its communicator, parameters and optimizer in __init__ and never reaches back into
-DistOpt.
+`base` defines the `UpdateStrategy` interface DistOpt holds exactly one of; `registry` is
+the one table of regimes (each registers itself: `allreduce` plain, `half` fp16/bf16,
+`sparse` top-K/threshold, `partial` SINGA's partial update; the parameter-server worker
+kinds in `troupe.cluster.regimes`); `choice` holds a DistOpt's strategies (SINGA's
+per-call options, or the one a cluster fixes). A strategy gets its communicator,
+parameters and optimizer in __init__ and never reaches back into DistOpt.
 """
+
+# Importing a regime's module registers it: every dist_option is known once this package is.
+from troupe.strategies import allreduce, half, partial, sparse  # noqa: F401

@@ -18,9 +18,12 @@ from torch import Tensor
 from troupe.compress import Compressor, residual_norm
 from troupe.runtime.comm import Communicator
 from troupe.strategies.base import StepStats, reduced_buckets_finite
-from troupe.strategies.compressed import CompressedReduce
+from troupe.strategies.choice import DistOption
+from troupe.strategies.registry import Capabilities, Context, register
 from troupe.sync.agree import PAYLOAD_BYTES as AGREEMENT_BYTES
-from troupe.sync.hooks import MeanAllReduce, ReduceHook
+from troupe.sync.hooks import ReduceHook
+from troupe.sync.hooks.allreduce import MeanAllReduce
+from troupe.sync.hooks.compressed import CompressedReduce
 from troupe.sync.reducer import GradReducer
 
 
@@ -84,6 +87,14 @@ class AllReduce:
             "residual_norm": residual_norm(self.residuals),
         }
 
+    def start(self) -> None:
+        pass
+
+    def per_rank_state(self) -> list[str]:
+        if self.compressed is not None and self.residuals:
+            return ["top-K/threshold error-feedback residuals (what each rank has not sent yet)"]
+        return []
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -92,6 +103,27 @@ class AllReduce:
 
     def close(self) -> None:
         pass
+
+
+@register
+class Plain(DistOption):
+    """SINGA's backward_and_update: the mean all-reduce of fp32 gradients."""
+
+    name, aliases, method = "plain", ("fp32",), "backward_and_update"
+    supports = Capabilities(graph_mode=True)
+
+    @classmethod
+    def build(cls, ctx: Context) -> AllReduce:
+        return AllReduce(name="plain", comm=ctx.comm, reducer=ctx.reducer, optimizer=ctx.optimizer,
+                         params=ctx.params)
+
+
+def compressed(name: str, ctx: Context, compressor: Compressor, signature: str) -> AllReduce:
+    """An AllReduce whose buckets travel through `compressor` (after the configured warm-up)."""
+    return AllReduce(name=name, comm=ctx.comm, reducer=ctx.reducer, optimizer=ctx.optimizer, params=ctx.params,
+                     compressor=compressor, min_compress_size=ctx.config.min_compress_size,
+                     warmup_steps=ctx.config.warmup_steps, residuals=ctx.residuals, step_count=ctx.step_count,
+                     signature=signature)
 
 
 def dense_bytes(reducer: GradReducer | None, world_size: int) -> int:

@@ -14,6 +14,11 @@ The life of one step, in the PyTorch loop:
 * `all_finite()`: the same answer on every rank (nan_policy);
 * `step()`: the update (optimizer step, and whatever the regime sends afterwards);
   returns the step's stats.
+
+Around the steps: `start()` once, after rank 0's parameters reached every rank (a
+parameter-server worker Puts or Gets the initial values); `close()` once at the end;
+`per_rank_state()` says why a checkpoint of this strategy cannot move to another number
+of ranks. Which regime builds which strategy is `troupe.strategies.registry`'s table.
 """
 
 from __future__ import annotations
@@ -35,6 +40,11 @@ StepStats = dict[str, Any]
 class UpdateStrategy(Protocol):
     name: str
     """The dist_option (or cluster role) this strategy implements, for messages and stats."""
+    reducer: GradReducer | None
+    """The GradReducer that reduces (or packs) gradients during backward; None in a world of one."""
+
+    def start(self) -> None:
+        """Begin, once every rank holds rank 0's parameters (a PS worker's first Put/Get)."""
 
     def describe(self) -> str:
         """What every rank must agree on for this step (compared before the first collective)."""
@@ -52,6 +62,9 @@ class UpdateStrategy(Protocol):
         """Apply the update; return this step's stats."""
 
     def state_dict(self) -> dict[str, Any]: ...
+
+    def per_rank_state(self) -> list[str]:
+        """Why this strategy's state belongs to each rank (empty: a checkpoint reshards to any world size)."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 

@@ -4,42 +4,75 @@ SINGA lets every call pick its regime (``sgd.update(loss, "fp16")`` then ``"plai
 DistOpt without a cluster holds an `OptionSwitch`: one GradReducer shared by every
 option, each option's strategy made once on first use (its error-feedback memory and
 partial-update position kept across switches), and their state saved together. Under a
-parameter-server cluster the bootstrap gives one strategy (`Fixed`) and only "plain"
-(the cluster's own exchange) is allowed.
+parameter-server cluster the cluster's regime gives one strategy (`Fixed`) and only the
+options it accepts.
+
+Both answer DistOpt the same questions (`require`, `shadows_joins`, `per_rank_state`), from
+what the regimes declare (`troupe.strategies.registry.Capabilities`), so DistOpt has no
+branch of its own for any regime.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from troupe.runtime.comm import Communicator
+from troupe.runtime.launch import DistInfo
 from troupe.strategies import registry
 from troupe.strategies.base import UpdateStrategy
-from troupe.strategies.compressed import CompressionConfig
 from troupe.strategies.partitioned import HolderGroups, Partitioned, split_by_holders
+from troupe.strategies.registry import Capabilities, Regime, Setup
 from troupe.sync.reducer import GradReducer
+
+_REFUSED = {
+    "add_param_group": "add_param_group is not available {where}: give the optimizer every parameter before "
+                       "creating the DistOpt",
+    "graph_mode": "graph mode reduces every gradient among all ranks: not available {where}; use the PyTorch "
+                  "loop or SINGA's update(loss) there",
+    "join": "join() cannot shadow {where}: the other workers of a rank's group need it for every forward; "
+            "give every rank the same number of batches",
+    "partition": "{name} cannot carry a partitioned model: partition a model under 'plain', 'fp16', 'bf16' or "
+                 "a sparse option",
+}
+
+
+def refuse(feature: str, where: str, name: str = "") -> ValueError:
+    """The error for a `feature` (a `Capabilities` field) that the regime `where` names cannot offer."""
+    return ValueError(_REFUSED[feature].format(where=where, name=name))
+
+
+class DistOption(Regime):
+    """A dist_option's regime: a DistOpt without a cluster, able to switch options per call."""
+
+    supports = Capabilities()
+    where = "under this dist_option"
+
+    @classmethod
+    def choose(cls, setup: Setup) -> OptionSwitch:
+        return OptionSwitch(setup, cls.name, **cls.method_args(**setup.args))
 
 
 class OptionSwitch:
     """The strategies of one DistOpt without a cluster, one per dist_option, sharing one reducer."""
 
-    local = True
-    """The reducer is the DistOpt's own (it can be rebuilt, and shadow a joined rank's steps)."""
+    info: DistInfo | None = None
+    """The World's own view of this rank (a cluster's regime may give a narrower one)."""
+    owns_reducer = True
+    """The reducer is the DistOpt's own: a SINGA step may open it with the step's hook before backward."""
 
-    def __init__(self, comm: Communicator, params: Sequence[Tensor], optimizer: torch.optim.Optimizer,
-                 config: CompressionConfig, step_count: Callable[[], int], name_of: Callable[[Tensor], str],
-                 bucket_size: int, first_bucket_size: int, option: str = "plain", **args: Any):
-        self.comm, self.bucket_size, self.first_bucket_size = comm, bucket_size, first_bucket_size
+    def __init__(self, setup: Setup, option: str = "plain", **args: Any):
+        comm = setup.world.comm
+        self.comm, self.bucket_size, self.first_bucket_size = comm, setup.bucket_size, setup.first_bucket_size
+        params = params_of(setup.optimizer)
         everyone, partitioned = split_by_holders(params, comm.world_size)
         self._partitioned = {h: [id(p) for p in ps] for h, ps in partitioned.items()}
         self.holders = HolderGroups.make(comm, partitioned)
         """A partitioned model's parameters that only some ranks hold (troupe.partition)."""
         self.reducer = self._make_reducer(everyone)
-        self.ctx = registry.Context(comm, self.reducer, optimizer, everyone, config, step_count, name_of)
+        self.ctx = registry.Context(comm, self.reducer, setup.optimizer, everyone, setup.compression,
+                                    setup.step_count, setup.name_of)
         self._made: dict[tuple, UpdateStrategy] = {}
         self._restored: dict[str, Any] = {}  # state from load_state_dict, for strategies made later
         self.current: UpdateStrategy = self.select(option, **args)
@@ -49,9 +82,10 @@ class OptionSwitch:
         key = (option, tuple(sorted(args.items())))
         strategy = self._made.get(key)
         if strategy is None:
-            if self.holders is not None and registry.check_option(option) == "backward_and_partial_update":
+            regime = registry.lookup(option)
+            if self.holders is not None and not regime.supports.partition:
                 raise ValueError(f"dist_option {option!r} averages parameters, not gradients, and cannot average "
-                                 "a partitioned model's slices: use 'plain', 'fp16', 'bf16' or a sparse option")
+                                 f"a partitioned model's slices: use one of {_partition_options()}")
             strategy = registry.build(option, self.ctx, **args)
             strategy.load_state_dict(self._restored)
             if self.holders is not None:
@@ -59,6 +93,22 @@ class OptionSwitch:
             self._made[key] = strategy
         self.current = strategy
         return strategy
+
+    def start(self) -> None:
+        """Nothing to start: every rank already holds rank 0's parameters."""
+
+    def require(self, feature: str) -> None:
+        """Raise ValueError unless this DistOpt can offer `feature` (a `Capabilities` field): every
+        dist_option offers join and add_param_group; graph mode checks its own option (`graphstep`)."""
+        if self.holders is not None and feature == "join":
+            raise refuse(feature, "a partitioned model")
+        if self.holders is not None and feature == "graph_mode":
+            raise refuse(feature, "for a partitioned model")
+
+    @property
+    def shadows_joins(self) -> bool:
+        """Does ``join()`` keep a rank that ran out of data in the others' reductions?"""
+        return self.reducer is not None
 
     def add_params(self, params: Sequence[Tensor]) -> GradReducer | None:
         """Rebuild the reducer over `params` (all of them, old and new); the current option is remade."""
@@ -74,6 +124,13 @@ class OptionSwitch:
         self._made.clear()
         self.select(key[0], **dict(key[1]))
         return self.reducer
+
+    def per_rank_state(self) -> list[str]:
+        """Why the state of the strategies used so far belongs to each rank (each reason once)."""
+        reasons: list[str] = []
+        for s in self._made.values():
+            reasons += [r for r in s.per_rank_state() if r not in reasons]
+        return reasons
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"residuals": {k: v.clone() for k, v in self.ctx.residuals.items()}}
@@ -100,22 +157,50 @@ class OptionSwitch:
 
 
 class Fixed:
-    """The one strategy a parameter-server cluster gives a worker."""
+    """The one strategy a cluster's regime gives a worker, with the worker's view of the job."""
 
-    local = False
+    owns_reducer = False
 
-    def __init__(self, strategy: UpdateStrategy):
-        self.current = strategy
-        self.reducer: GradReducer | None = strategy.reducer  # every cluster worker strategy has one (or None)
+    def __init__(self, regime: type[Regime], strategy: UpdateStrategy, info: DistInfo | None = None):
+        self.regime, self.current, self.info = regime, strategy, info
+        self.reducer: GradReducer | None = strategy.reducer
 
     def select(self, option: str, **args: Any) -> UpdateStrategy:
-        if registry.check_option(option) != "backward_and_update":
-            raise ValueError(f"dist_option {option!r} is not available under a parameter-server cluster: use "
-                             "'plain' (the cluster's workers and servers exchange updates their own way)")
+        self.regime.accept(registry.lookup(option))
         return self.current
+
+    def start(self) -> None:
+        self.current.start()
+
+    def require(self, feature: str) -> None:
+        if not getattr(self.regime.supports, feature):
+            raise refuse(feature, self.regime.where, self.regime.name)
+
+    @property
+    def shadows_joins(self) -> bool:
+        return self.regime.supports.join and self.reducer is not None
+
+    def add_params(self, params: Sequence[Tensor]) -> GradReducer | None:
+        raise refuse("add_param_group", self.regime.where)
+
+    def per_rank_state(self) -> list[str]:
+        return self.current.per_rank_state()
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {}, **self.current.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.current.load_state_dict(state)
+
+
+def params_of(optimizer: Any) -> list[Tensor]:
+    """The optimizer's parameters, each once, in param-group order."""
+    seen: dict[int, Tensor] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _partition_options() -> list[str]:
+    return sorted({r.name for r in registry.REGIMES.values() if r.kind == "dist_option" and r.supports.partition})

@@ -21,8 +21,11 @@ from torch import Tensor
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
 from troupe.strategies.allreduce import dense_bytes
+from troupe.strategies.choice import DistOption
+from troupe.strategies.registry import Capabilities, Context, register
 from troupe.sync.agree import Agreement
-from troupe.sync.hooks import MeanAllReduce, ReduceHook
+from troupe.sync.hooks import ReduceHook
+from troupe.sync.hooks.allreduce import MeanAllReduce
 from troupe.sync.reducer import GradReducer
 from troupe.util import check_int
 
@@ -177,6 +180,12 @@ class PartialUpdate:
             stats["chunk"] = chunk
         return stats
 
+    def start(self) -> None:
+        pass
+
+    def per_rank_state(self) -> list[str]:
+        return ["partial update (each rank's parameters and momentum differ)"]
+
     def state_dict(self) -> dict[str, Any]:
         return {"partial_counter": self.averager.counter if self.averager else 0}
 
@@ -186,3 +195,18 @@ class PartialUpdate:
 
     def close(self) -> None:
         pass
+
+
+@register
+class Partial(DistOption):
+    """SINGA's backward_and_partial_update (chunk size, full syncs and warm-up from `CompressionConfig`)."""
+
+    name, method = "partialUpdate", "backward_and_partial_update"
+    supports = Capabilities(partition=False)
+
+    @classmethod
+    def build(cls, ctx: Context) -> PartialUpdate:
+        c = ctx.config
+        return PartialUpdate(comm=ctx.comm, reducer=ctx.reducer, optimizer=ctx.optimizer, params=ctx.params,
+                             chunk_size=c.chunk_size, full_sync_every=c.full_sync_every,
+                             warmup_steps=c.warmup_steps, step_count=ctx.step_count)

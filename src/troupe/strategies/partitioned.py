@@ -41,6 +41,14 @@ def split_by_holders(params: Sequence[Tensor], world_size: int) -> tuple[list[Te
     return everyone, partitioned
 
 
+def broadcast_replicated(comm: Communicator, params: Sequence[Tensor]) -> None:
+    """Check every rank has the same parameters and give them rank 0's values; a partitioned model's
+    slices differ by rank by design (troupe.partition broadcast them whole) and are left alone."""
+    replicated, _ = split_by_holders(params, comm.world_size)
+    comm.check_same([(tuple(p.shape), str(p.dtype)) for p in replicated], "the optimizer's parameters")
+    comm.broadcast_tensors(replicated)
+
+
 class HolderGroups:
     """One communicator per set of holders this rank belongs to, made on every rank in one order."""
 
@@ -104,6 +112,12 @@ class Partitioned:
 
     def step(self) -> StepStats:
         return self.inner.step()
+
+    def start(self) -> None:
+        self.inner.start()
+
+    def per_rank_state(self) -> list[str]:
+        return ["partitioned model (each rank holds its own slices)", *self.inner.per_rank_state()]
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()

@@ -1,52 +1,63 @@
-"""SINGA's dist_option names, and the strategy each one builds.
+"""Every regime troupe can train under, in one table: SINGA's dist_options and the cluster frameworks.
 
-`build(option, ctx, **args)` makes the strategy for one option; `ctx` carries what every
-strategy is given (communicator, reducer, optimizer, parameters, configuration, the
-error-feedback memory). The SINGA method each option calls, and the fixed arguments it
-passes, stay here too, so `DistOpt.update(loss, option)` and ``DistOpt(opt,
-dist_option=...)`` mean the same thing.
+A regime is a class that registers itself here (`register`): its name (and aliases), what
+it declares it can do (`Capabilities`), and `build`, which makes the `UpdateStrategy` one
+DistOpt steps with. The SINGA dist_options register in `allreduce`, `half`, `sparse` and
+`partial`; the parameter-server worker kinds in `troupe.cluster.regimes`. `DistOpt` never
+names a regime: it asks `resolve(dist_option, cluster)` for one and lets it `choose`.
+
+    >>> @register
+    ... class Plain(Regime):
+    ...     name, aliases, method = "plain", ("fp32",), "backward_and_update"
+    ...     supports = Capabilities(graph_mode=True)
+    ...     @classmethod
+    ...     def build(cls, ctx, **args): return AllReduce(...)
+
+SINGA's method names (`DistOpt.backward_and_update_half` ...) and the fixed arguments a
+dist_option passes to its method come from the same classes, so `DistOpt.update(loss,
+option)`, ``DistOpt(opt, dist_option=...)`` and graph mode mean the same thing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
 
-from troupe.compress import Compressor, ErrorFeedback, HalfCompressor, ThresholdCompressor, TopKCompressor
-from troupe.compress.fp16 import half_dtype
 from troupe.runtime.comm import Communicator
-from troupe.strategies.allreduce import AllReduce
 from troupe.strategies.base import UpdateStrategy
 from troupe.strategies.compressed import CompressionConfig
-from troupe.strategies.partial import PartialUpdate
 from troupe.sync.reducer import GradReducer
 
-DIST_OPTIONS = {
-    "plain": "backward_and_update",
-    "fp32": "backward_and_update",
-    "fp16": "backward_and_update_half",
-    "bf16": "backward_and_update_half",
-    "partialUpdate": "backward_and_partial_update",
-    "sparseTopK": "backward_and_sparse_update",
-    "sparseThreshold": "backward_and_sparse_update",
-}
-"""`dist_option` names (SINGA's) and the DistOpt method each one calls."""
+if TYPE_CHECKING:
+    from troupe.runtime.world import World
 
-DIST_OPTION_ARGS: dict[str, dict[str, Any]] = {
-    "bf16": {"dtype": "bf16"},
-    "sparseTopK": {"topK": True},
-    "sparseThreshold": {"topK": False},
-}
-"""Fixed keyword arguments a `dist_option` passes to its method."""
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What a regime can do, declared by the regime (DistOpt asks, never probes)."""
+
+    per_call: bool = True
+    """SINGA's ``update(loss, option)`` may switch to another dist_option on any call."""
+    join: bool = True
+    """``DistOpt.join()`` shadows a rank that ran out of data (False: the block is a plain block)."""
+    graph_mode: bool = False
+    """The whole step compiles with the reduction inside the graph (``compile_step``, ``use_graph``)."""
+    add_param_group: bool = True
+    """Parameters may join after the DistOpt is made."""
+    partition: bool = True
+    """A partitioned model's slices can be reduced among their holders (``troupe.partition``)."""
+    elastic: bool = False
+    """Worker groups may leave and rejoin while the others train on."""
 
 
 @dataclass
 class Context:
-    """What every strategy of one DistOpt is built from."""
+    """What a dist_option's strategy is built from (one per DistOpt, shared by its options)."""
 
     comm: Communicator
     reducer: GradReducer | None
@@ -59,61 +70,111 @@ class Context:
     """Error-feedback memory, shared by the sparse options (checkpointed by DistOpt)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """What a DistOpt hands the regime it resolved, to choose this rank's strategy."""
+
+    world: World
+    optimizer: torch.optim.Optimizer
+    bucket_size: int
+    first_bucket_size: int
+    compression: CompressionConfig
+    nan_policy: str
+    step_count: Callable[[], int]
+    name_of: Callable[[Tensor], str]
+    cluster: Any = None
+    """The job's ClusterConfig (None without a cluster)."""
+    args: Mapping[str, Any] = field(default_factory=dict)
+    """The dist_option's method arguments (``spars=0.01``, ``clipping=True``)."""
+
+
+class Regime:
+    """One way of training on many workers: a dist_option or a cluster's worker kind.
+
+    Subclasses set the class variables and `build`; `register` puts them in `REGIMES`.
+    """
+
+    name: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
+    kind: ClassVar[Literal["dist_option", "cluster"]] = "dist_option"
+    method: ClassVar[str] = "backward_and_update"
+    """SINGA's DistOpt method a dist_option calls (`troupe.singa.SingaMethods`)."""
+    fixed_args: ClassVar[Mapping[str, Any]] = {}
+    """Keyword arguments the dist_option always passes to its method (``topK=True``)."""
+    supports: ClassVar[Capabilities] = Capabilities()
+    where: ClassVar[str] = ""
+    """How errors name the regime ("under a parameter-server cluster")."""
+
+    @classmethod
+    def build(cls, ctx: Any, **args: Any) -> UpdateStrategy:
+        raise NotImplementedError(f"regime {cls.name!r} does not build a strategy")
+
+    @classmethod
+    def method_args(cls, **given: Any) -> dict[str, Any]:
+        """The fixed arguments plus those of `given` (not None) that this regime's builder takes."""
+        takes = inspect.signature(cls.build).parameters
+        return {**cls.fixed_args, **{k: v for k, v in given.items() if v is not None and k in takes}}
+
+    @classmethod
+    def choose(cls, setup: Setup) -> Any:
+        """This rank's strategies under this regime (`troupe.strategies.choice`: an OptionSwitch or Fixed)."""
+        raise NotImplementedError(f"regime {cls.name!r} cannot be chosen for a DistOpt")
+
+    @classmethod
+    def accept(cls, option: type[Regime]) -> None:
+        """A cluster regime: raise unless a step may run `option` under it (DistOpt and ``update()``)."""
+
+
+REGIMES: dict[str, type[Regime]] = {}
+"""Every registered regime by name and alias (filled by each regime's module)."""
+
+
+def register(cls: type[Regime]) -> type[Regime]:
+    """Class decorator: add `cls` to `REGIMES` under its name and aliases (a name is taken once)."""
+    for name in (cls.name, *cls.aliases):
+        if REGIMES.get(name, cls) is not cls:
+            raise ValueError(f"regime name {name!r} is already taken by {REGIMES[name].__qualname__}")
+        REGIMES[name] = cls
+    return cls
+
+
+def lookup(name: str, kind: str = "dist_option") -> type[Regime]:
+    """The registered regime of `kind` called `name`, or a ValueError listing the valid names."""
+    regime = REGIMES.get(name) if isinstance(name, str) else None
+    if regime is None or regime.kind != kind:
+        known = sorted(n for n, r in REGIMES.items() if r.kind == kind)
+        label = "dist_option" if kind == "dist_option" else f"{kind} regime"
+        raise ValueError(f"unknown {label} {name!r}; choose one of {known}")
+    return regime
+
+
 def check_option(option: str) -> str:
-    """The method name of a dist_option, or a ValueError listing the valid names."""
-    try:
-        return DIST_OPTIONS[option]
-    except KeyError:
-        raise ValueError(f"unknown dist_option {option!r}; choose one of {sorted(DIST_OPTIONS)}") from None
+    """The SINGA method name of a dist_option, or a ValueError listing the valid names."""
+    return lookup(option).method
+
+
+def dist_options() -> dict[str, str]:
+    """`dist_option` names (SINGA's, with aliases) and the DistOpt method each one calls."""
+    return {name: r.method for name, r in REGIMES.items() if r.kind == "dist_option"}
+
+
+def graph_options() -> tuple[str, ...]:
+    """The dist_options graph mode can compile (their reduction runs inside the graph)."""
+    return tuple(name for name, r in REGIMES.items() if r.kind == "dist_option" and r.supports.graph_mode)
+
+
+def resolve(dist_option: str, cluster: Any = None) -> type[Regime]:
+    """The regime a DistOpt trains under: the cluster's worker regime when the job has a cluster
+    (which must accept `dist_option`), else `dist_option`'s own."""
+    option = lookup(dist_option)
+    if cluster is None:
+        return option
+    regime = lookup(cluster.worker_regime, "cluster")
+    regime.accept(option)
+    return regime
 
 
 def build(option: str, ctx: Context, **args: Any) -> UpdateStrategy:
     """The strategy for `option` with its method's keyword arguments (``spars=0.01``, ``clipping=True`` ...)."""
-    method = check_option(option)
-    kwargs = {**DIST_OPTION_ARGS.get(option, {}), **args}
-    return _BUILDERS[method](option, ctx, **kwargs)
-
-
-def _plain(option: str, ctx: Context) -> UpdateStrategy:
-    return AllReduce(name="plain", comm=ctx.comm, reducer=ctx.reducer, optimizer=ctx.optimizer, params=ctx.params)
-
-
-def _compressed(name: str, ctx: Context, compressor: Compressor, signature: str) -> UpdateStrategy:
-    return AllReduce(name=name, comm=ctx.comm, reducer=ctx.reducer, optimizer=ctx.optimizer, params=ctx.params,
-                     compressor=compressor, min_compress_size=ctx.config.min_compress_size,
-                     warmup_steps=ctx.config.warmup_steps, residuals=ctx.residuals, step_count=ctx.step_count,
-                     signature=signature)
-
-
-def _half(option: str, ctx: Context, clipping: bool = False, clip_value: float = 100, dtype: str = "fp16"):
-    torch_dtype = half_dtype(dtype)
-    for p in ctx.params:
-        if p.requires_grad and p.dtype != torch.float32:
-            raise ValueError(f"half precision needs float32 parameters; {ctx.name_of(p)} is {p.dtype} "
-                             f"(shape {tuple(p.shape)})")
-    compressor = HalfCompressor(torch_dtype, clip_value if clipping else None, scale=1.0 / ctx.comm.world_size)
-    name = "fp16" if torch_dtype == torch.float16 else "bf16"
-    return _compressed(name, ctx, compressor, f"{name}(clipping={clipping}, clip_value={clip_value})")
-
-
-def _sparse(option: str, ctx: Context, spars: float = 0.05, topK: bool = False, corr: bool = True):
-    compressor: Compressor = TopKCompressor(spars) if topK else ThresholdCompressor(spars)
-    if corr:
-        compressor = ErrorFeedback(compressor, ctx.residuals)
-    name = "sparseTopK" if topK else "sparseThreshold"
-    return _compressed(name, ctx, compressor, f"{name}(spars={spars}, corr={corr})")
-
-
-def _partial(option: str, ctx: Context) -> UpdateStrategy:
-    c = ctx.config
-    return PartialUpdate(comm=ctx.comm, reducer=ctx.reducer, optimizer=ctx.optimizer, params=ctx.params,
-                         chunk_size=c.chunk_size, full_sync_every=c.full_sync_every, warmup_steps=c.warmup_steps,
-                         step_count=ctx.step_count)
-
-
-_BUILDERS: dict[str, Callable[..., UpdateStrategy]] = {
-    "backward_and_update": _plain,
-    "backward_and_update_half": _half,
-    "backward_and_sparse_update": _sparse,
-    "backward_and_partial_update": _partial,
-}
+    regime = lookup(option)
+    return regime.build(ctx, **{**regime.fixed_args, **args})

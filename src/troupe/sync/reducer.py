@@ -16,7 +16,8 @@ gradients written by hand).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -25,7 +26,8 @@ from troupe.runtime.watchdog import waiting
 from troupe.runtime.comm import Communicator, Handle
 from troupe.sync.agree import Agreement, flag_digest, raise_mismatch
 from troupe.sync.bucket import FIRST_BUCKET_SIZE, Bucket, Span, allocate, plan_buckets
-from troupe.sync.hooks import MeanAllReduce, ReduceHook
+from troupe.sync.hooks import ReduceHook
+from troupe.sync.hooks.allreduce import MeanAllReduce
 
 class GradReducer:
     """Buckets the given parameters and reduces their gradients as backward produces them.
@@ -219,6 +221,15 @@ class GradReducer:
         """Forget a step whose backward failed."""
         self.in_step = False
         self._callback_queued = False
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Backward inside the block leaves gradients local and summed in ``p.grad`` (no_sync)."""
+        before, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = before
 
     def remove(self) -> None:
         """Detach the hooks from the parameters."""

@@ -1,4 +1,4 @@
-"""The AllReduce framework's gradient exchange: reduce-scatter per bucket, onto the servers that own the slices.
+"""The reduce-scatter hook: each bucket reduce-scattered onto the ranks that own its parameters' slices.
 
 With servers co-located with the workers of a group (SINGA's AllReduce framework), server
 j needs the group's summed gradient only for the slices it owns. As backward fills each
@@ -7,18 +7,35 @@ in j's slices, then the bucket's used/active flags, padded to one length) and
 reduce-scattered: each worker receives the sum of its own chunk only. With the
 all-gather of the updated slices that follows the step, a worker sends 2(n-1)/n of the
 parameters per step, where an all-reduce of the gradients and the all-gather send 3(n-1)/n.
+
+The AllReduce cluster framework (`troupe.cluster`'s co-located servers) uses it with its slices;
+this module needs of a slice only the four numbers of `OwnedRange`, so it imports nothing from there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from troupe.sync.bucket import Bucket
 from troupe.runtime.comm import Communicator, Handle
-from troupe.cluster.shard import Slice
+from troupe.sync.bucket import Bucket
+
+
+class OwnedRange(Protocol):
+    """Elements [start, stop) of the flattened parameter number `param`, owned by rank `server` of the
+    communicator (`troupe.cluster`'s slices are such ranges)."""
+
+    @property
+    def param(self) -> int: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def stop(self) -> int: ...
+    @property
+    def server(self) -> int: ...
 
 
 class BucketScatter:
@@ -27,7 +44,7 @@ class BucketScatter:
     ``bucket.flags`` the summed flags, as after an all-reduce."""
 
     def __init__(self, comm: Communicator, buckets: Sequence[Bucket], params: Sequence[Tensor],
-                 slices: Sequence[Slice]):
+                 slices: Sequence[OwnedRange]):
         self.comm = comm
         self.n, self.me = comm.world_size, comm.rank
         self.prescale = 1.0 / self.n

@@ -66,12 +66,28 @@ class SingaMethods:
         self._singa_step(loss, "sparseTopK" if topK else "sparseThreshold", spars=spars, topK=topK, corr=corr)
 
     def update(self, loss: Tensor, dist_option: str = "plain", spars: float | None = None) -> None:
-        """Run the update that `dist_option` names (SINGA's names, see `DIST_OPTIONS`)."""
-        method = registry.check_option(dist_option)
-        kwargs: dict[str, Any] = dict(registry.DIST_OPTION_ARGS.get(dist_option, {}))
-        if spars is not None and method == "backward_and_sparse_update":
-            kwargs["spars"] = spars
-        getattr(self, method)(loss, **kwargs)
+        """Run the update that `dist_option` names (SINGA's names, see `DIST_OPTIONS`); `spars` reaches
+        the options that take it."""
+        regime = registry.lookup(dist_option)
+        getattr(self, regime.method)(loss, **regime.method_args(spars=spars))
+
+    def _singa_step(self, loss: Tensor, option: str, **args: Any) -> None:
+        """One of SINGA's methods: zero the gradients, backward under `option`'s strategy, step (DistOpt's)."""
+        rec = self.world.recorder
+        if rec is not None:
+            rec.note_loss(loss)
+        strategy = self._choice.select(option, **args)
+        self.zero_grad()
+        if self.reducer is not None and self._choice.owns_reducer:
+            hook = strategy.reduce_hook()
+            if hook is not None:  # start the step's agreement now: it overlaps backward
+                self.reducer.open_step(hook, exchange=True)
+        try:
+            loss.backward()
+        except BaseException:
+            self._abandon_open_step()
+            raise
+        self.step()
 
     # --- collectives ----------------------------------------------------------------------
 

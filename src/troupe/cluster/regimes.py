@@ -1,0 +1,121 @@
+"""The cluster frameworks' worker regimes, registered in `troupe.strategies.registry`.
+
+SINGA's four frameworks are settings of one `ClusterConfig`; what a worker runs follows
+from them (`ClusterConfig.worker_regime`): a client of separate servers (Sandblaster,
+Downpour), a worker hosting its group's servers (AllReduce, Distributed Hogwild), or
+workers sharing one process's memory (in-memory Hogwild). Each is a `Regime` whose
+`choose` runs the bootstrap, which decides a rank's role before any worker strategy
+exists: a server rank serves there and never returns.
+
+This module is imported with the package's config and stays light: the worker strategies
+are imported when a regime builds one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from troupe.strategies.choice import Fixed
+from troupe.strategies.registry import Capabilities, Regime, Setup, register
+
+PS_WORKER_STATE = "parameter-server worker (the parameters and their optimizer live on the servers)"
+"""Why a cluster worker's checkpoint cannot move to another number of ranks."""
+
+_INSTEAD = {
+    "backward_and_update_half": "for {option} on the wire set the cluster's wire_dtype: {option} "
+                                "(troupe run --wire-dtype {option}; separate servers)",
+    "backward_and_sparse_update": "to send only the largest part of each update set the cluster's wire_topk, "
+                                  "e.g. wire_topk: 0.01 (troupe run --wire-topk 0.01; separate servers)",
+    "backward_and_partial_update": "to average seldom use Distributed Hogwild's sync_freq (troupe run "
+                                   "--framework hogwild --sync-freq N) or Downpour's fetch_freq",
+}
+"""What does under a cluster what each dist_option does without one."""
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a cluster worker's strategy is built from (made by `troupe.cluster.bootstrap`)."""
+
+    cluster: Any
+    job: Any
+    """The rank's `bootstrap.Job`: its role and every group of the job."""
+    params: list
+    optimizer: Any
+    bucket_size: int
+    nan_policy: str
+    layout: Any
+    """The job parameters the workers agreed on (`troupe.cluster.layout.Layout`)."""
+
+
+class ClusterWorker(Regime):
+    """A worker of a parameter-server cluster: one strategy for the whole job, the cluster's own exchange."""
+
+    kind = "cluster"
+    supports = Capabilities(per_call=False, join=False, graph_mode=False, add_param_group=False)
+    where = "under a parameter-server cluster"
+
+    @classmethod
+    def accept(cls, option: type[Regime]) -> None:
+        if option.method != "backward_and_update":
+            instead = _INSTEAD.get(option.method, "").format(option=option.name)
+            raise ValueError(f"dist_option {option.name!r} is not available under a parameter-server cluster: "
+                             f"use 'plain' (the cluster's workers and servers exchange updates their own way)"
+                             + (f"; {instead}" if instead else ""))
+
+    @classmethod
+    def choose(cls, setup: Setup) -> Fixed:
+        # The bootstrap owns roles: on a server rank this call serves and ends the process.
+        from troupe.cluster import bootstrap
+
+        info, strategy = bootstrap.worker_strategy(setup.cluster, setup.optimizer, setup.world, setup.bucket_size,
+                                                   setup.nan_policy)
+        return Fixed(cls, strategy, info)
+
+
+@register
+class SeparateServers(ClusterWorker):
+    """Sandblaster and Downpour: the worker sends updates to separate server ranks and fetches values."""
+
+    name = "ps-client"
+
+    @classmethod
+    def build(cls, ctx: WorkerContext) -> Any:
+        from troupe.cluster.workers.ps_client import PSClient
+
+        job, role = ctx.job, ctx.job.role
+        group = job.group_comms[role.worker[0]]
+        agree = group if ctx.layout.partitioned and ctx.cluster.nworkers_per_group > 1 else None
+        return PSClient(ctx.cluster, role, job.everyone, job.world, ctx.params, ctx.bucket_size, ctx.optimizer,
+                        ctx.nan_policy, layout=ctx.layout, agree=agree)
+
+
+@register
+class CoLocatedServers(ClusterWorker):
+    """AllReduce and Distributed Hogwild: each worker hosts one server of its group."""
+
+    name = "co-located"
+
+    @classmethod
+    def build(cls, ctx: WorkerContext) -> Any:
+        from troupe.cluster.workers.colocated import CoLocated
+
+        job, role = ctx.job, ctx.job.role
+        return CoLocated(ctx.cluster, role, job.group_comms[role.worker[0]], ctx.optimizer, ctx.bucket_size,
+                         job.sync_channels, job.alive, job.timeout, layout=ctx.layout)
+
+
+@register
+class InMemoryHogwild(ClusterWorker):
+    """Several workers of one process share its parameter memory (``nworkers_per_procs > 1``)."""
+
+    name = "in-memory-hogwild"
+
+    @classmethod
+    def build(cls, ctx: WorkerContext) -> Any:
+        from troupe.cluster.workers.in_memory import SharedMemory
+
+        job, role = ctx.job, ctx.job.role
+        process = job.processes_comms[role.rank // ctx.cluster.nworkers_per_procs]
+        return SharedMemory(ctx.cluster, role, process, ctx.optimizer, ctx.params,
+                            job.sync_channels if role.server else None, job.alive, job.timeout)
