@@ -1,7 +1,7 @@
 """RBM pre-training + autoencoder fine-tuning (examples/rbm_mnist.py) vs PCA-30: test reconstruction error, wall time.
 
     python benchmarks/rbm.py                                   # 1, 2 and 4 processes, defaults below
-    python benchmarks/rbm.py --procs 2 --pretrain-epochs 2 --finetune-epochs 6 --out docs/rbm.jsonl
+    python benchmarks/rbm.py --procs 2 --pretrain-epochs 2 --finetune-epochs 6 --out benchmarks/results/rbm.jsonl
 
 PCA-30 is computed here on the same data (MNIST's 60,000 training images centred by their
 mean, the top 30 eigenvectors of their covariance; the test images projected and

@@ -4,7 +4,8 @@
 settings, the communicators (the job, the data-parallel one, named subgroups), the
 recorder and the watchdog. `launch` decides which launcher started this process (troupe
 run, a Ticket, torchrun, mpiexec, one process) and builds the process group; `spawn` starts
-N local ranks from Python (tests, benchmarks, the planner's link probe); `ticket` is
+N local ranks from Python (tests, benchmarks, the planner's link probe); `rankio` passes
+the output of the ranks `troupe run` starts on, whole lines at a time; `ticket` is
 the Ticket (address, port, token), torch-free for the command line; `comm`
 holds the Communicator, the only caller of torch.distributed collectives, with its byte
 counters; `watchdog` the heartbeats and the stall/failure reports every collective waits
