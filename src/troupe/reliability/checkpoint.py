@@ -20,7 +20,9 @@ resumes on the same number of ranks, each on the node that holds its files.
 
 A checkpoint exists only once its manifest does: the manifest is written after every
 rank's files are on disk (fsynced), so a crash during a save leaves the previous
-checkpoint as the latest good one. Extras are read with ``torch.load(weights_only=True)``
+checkpoint as the latest good one. An asynchronous save (``async_save=True``) writes the
+same files from a background thread (`troupe.reliability.background`) while training goes
+on; the next checkpoint call waits for it and raises its failure. Extras are read with ``torch.load(weights_only=True)``
 and DCP's metadata with an unpickler that builds only DCP's records: no code runs from a
 checkpoint file. Checkpoints of the first format (``rank{r}.pt`` full copies) still load
 on the same world size.
@@ -36,6 +38,7 @@ import pickle
 import re
 import secrets
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from troupe.reliability import state as named
+from troupe.reliability.background import Background, SaveFailed
 from troupe.runtime import world
 
 MANIFEST = "MANIFEST.json"
@@ -90,20 +94,98 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # --- save ---------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Job:
+    """One save's plan, fixed when `save` is called: what the writing (maybe in the background) needs."""
+
+    directory: Path
+    target: Path
+    step: int
+    keep: int
+    rest: bytes
+    """This rank's small rest (``rank{r}.pt``), serialised already: training may change it now."""
+    reasons: tuple[str, ...]
+    """Why the optimizer's state belongs to each rank (DistOpt's ``per_rank_state()``)."""
+    params: frozenset[str]
+    """The model's parameter keys (``model.<name>``)."""
+
+
 def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: dict[str, Any] | None = None,
-         keep: int = 2) -> Path:
+         keep: int = 2, *, async_save: bool = False) -> Path:
     """Save the job's state as checkpoint `step` (call on every rank; it is collective).
 
     `optimizer` is a DistOpt (its residuals and counters are saved too) or a torch optimizer.
-    `extra` holds plain data the script needs to resume (epoch, batch index, numpy RNG state).
-    The newest `keep` complete checkpoints are kept.
+    `extra` holds plain data the script needs to resume (epoch, the sampler's ``state_dict()``,
+    numpy RNG state). The newest `keep` complete checkpoints are kept.
+
+    ``async_save=True`` (the same on every rank) returns once the state is copied in memory:
+    the files are written in a background thread while training goes on, and the
+    checkpoint becomes complete (its manifest written) only when every rank's files are.
+    The next `save`, `load`, `latest` or `wait` waits for it first, and raises a
+    CheckpointError there if it failed. It holds a second copy of the model and optimizer
+    state in CPU memory until written.
+
+    >>> checkpoint.save(ckpt_dir, step, model, sgd, {"sampler": train.sampler.state_dict()}, async_save=True)
     """
+    wait()  # one save at a time: the previous one is complete (or its failure raised) first
     c = world.init().comm
     target = Path(directory) / f"step-{step:08d}"
     target.mkdir(parents=True, exist_ok=True)
     (target / MANIFEST).unlink(missing_ok=True)  # saving a step again: incomplete until its new manifest
     inner, _ = named.unwrap(optimizer)
     tensors, optim_rest = named.named_state(model, inner)
+    full = optimizer.state_dict() if inner is not optimizer else None
+    rest = {
+        "format": FORMAT, "step": step, "rank": c.rank, "world_size": c.world_size, "optim": optim_rest,
+        "distopt": None if full is None else {k: v for k, v in full.items() if k != "optimizer"},
+        "rng": rng_state(), "extra": extra or {},
+    }
+    buf = io.BytesIO()
+    torch.save(rest, buf)
+    job = _Job(Path(directory), target, step, keep, buf.getvalue(),
+               tuple(getattr(optimizer, "per_rank_state", tuple)()),
+               frozenset(f"model.{n}" for n, _ in model.named_parameters()))
+    if not async_save:
+        _write(c, tensors, job)
+        return target
+    # The staging copy: the optimizer updates `tensors` in place from the next step on.
+    staged = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+    saver = _background(world.current())
+    comm = saver.comm(c)
+    saver.submit(str(target), lambda: _write(comm, staged, job))
+    return target
+
+
+def wait() -> Path | None:
+    """Block until this process's asynchronous save in flight is complete; return its checkpoint (None: none).
+
+    Raises CheckpointError if it failed (the checkpoint is then incomplete, and `latest`
+    still returns the one before). Call it before the job ends to see such a failure;
+    otherwise the next `save`, `load` or `latest` does.
+    """
+    saver = _saver
+    if saver is None or saver.world is not world.current():
+        return None
+    try:
+        done = saver.wait()
+    except SaveFailed as e:
+        raise CheckpointError(str(e)) from e.__cause__
+    return None if done is None else Path(done)
+
+
+_saver: Background | None = None  # the World's save in flight (a new World: a new Background)
+
+
+def _background(w: world.World) -> Background:
+    global _saver
+    if _saver is None or _saver.world is not w:
+        _saver = Background(w)
+    return _saver
+
+
+def _write(c, tensors: dict[str, Tensor], job: _Job) -> None:
+    """Write `tensors` and this rank's rest as checkpoint `job.target`, then (rank 0) its manifest; collective over `c`."""
+    target = job.target
     shared, every_key, replicated = _survey(c, target, tensors)
     per_rank = sorted(every_key - replicated)
     import torch.distributed.checkpoint as dcp  # here, not at import troupe: about 1 s
@@ -116,28 +198,26 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
     else:
         dcp.save(tensors, storage_writer=FileSystemWriter(target / f"rank{c.rank}", sync_files=True), no_dist=True)
         written = sorted(p for p in (target / f"rank{c.rank}").rglob("*") if p.is_file())
-    full = optimizer.state_dict() if inner is not optimizer else None
-    rest = {
-        "format": FORMAT, "step": step, "rank": c.rank, "world_size": c.world_size, "optim": optim_rest,
-        "distopt": None if full is None else {k: v for k, v in full.items() if k != "optimizer"},
-        "rng": rng_state(), "extra": extra or {},
-    }
-    buf = io.BytesIO()
-    torch.save(rest, buf)
-    _atomic_write(target / f"rank{c.rank}.pt", buf.getvalue())
-    digests = {p.relative_to(target).as_posix(): _sha256(p.read_bytes()) for p in written}
-    digests[f"rank{c.rank}.pt"] = _sha256(buf.getvalue())
-    every = c.all_gather_object(digests)  # also the barrier: every rank's files are on disk
+    failure = None
+    try:
+        _atomic_write(target / f"rank{c.rank}.pt", job.rest)
+        digests = {p.relative_to(target).as_posix(): _sha256(p.read_bytes()) for p in written}
+        digests[f"rank{c.rank}.pt"] = _sha256(job.rest)
+    except OSError as e:  # told to every rank below, so that none waits for this one's digests
+        failure, digests = e, {}
+    every = c.all_gather_object((digests, None if failure is None else f"rank {c.rank}: {failure}"))
+    errors = [err for _, err in every if err]
+    if errors:
+        raise CheckpointError(f"{target}: not saved ({'; '.join(errors)})") from failure
     if c.rank == 0 or not shared:  # without a shared disk every rank writes the manifest it can see
         manifest = {
-            "format": FORMAT, "step": step, "world_size": c.world_size, "layout": "sharded" if shared else "local",
-            "per_rank_keys": per_rank, "not_reshardable": _refusals(model, optimizer, per_rank, shared),
-            "sha256": {name: d for ds in every for name, d in sorted(ds.items())},
+            "format": FORMAT, "step": job.step, "world_size": c.world_size, "layout": "sharded" if shared else "local",
+            "per_rank_keys": per_rank, "not_reshardable": _refusals(job, per_rank, shared),
+            "sha256": {name: d for ds, _ in every for name, d in sorted(ds.items())},
         }
         _atomic_write(target / MANIFEST, json.dumps(manifest, indent=1).encode())
-        _prune(Path(directory), keep)
-    c.barrier()  # nobody trains on while the checkpoint could still be incomplete
-    return target
+        _prune(job.directory, job.keep)
+    c.barrier()  # nobody goes on while the checkpoint could still be incomplete
 
 
 def _survey(c, target: Path, tensors: dict[str, Tensor]) -> tuple[bool, set[str], set[str]]:
@@ -156,11 +236,10 @@ def _survey(c, target: Path, tensors: dict[str, Tensor]) -> tuple[bool, set[str]
     return all(s for s, _ in views), set().union(*(theirs for _, theirs in views)), replicated
 
 
-def _refusals(model: nn.Module, optimizer, per_rank: list[str], shared: bool) -> list[str]:
+def _refusals(job: _Job, per_rank: list[str], shared: bool) -> list[str]:
     """Why this checkpoint cannot resume on another number of ranks (empty: it can)."""
-    reasons = list(getattr(optimizer, "per_rank_state", list)())
-    params = {f"model.{n}" for n, _ in model.named_parameters()}
-    differ = [k for k in per_rank if k in params or k.startswith("optim.")]
+    reasons = list(job.reasons)
+    differ = [k for k in per_rank if k in job.params or k.startswith("optim.")]
     if differ and not reasons:
         reasons.append(f"parameters or optimizer state differ between ranks ({', '.join(differ[:3])})")
     if not shared:
@@ -215,6 +294,7 @@ def verify(checkpoint: Path, rank: int | None = None) -> dict[str, Any]:
 
 def latest(directory: str | Path) -> Path | None:
     """The newest complete, uncorrupted checkpoint in `directory` (None when there is none)."""
+    wait()  # this process's save in flight first: it may be the newest
     directory = Path(directory)
     if not directory.is_dir():
         return None
@@ -239,6 +319,7 @@ def load(checkpoint: str | Path, model: nn.Module, optimizer) -> dict[str, Any]:
     and keeps its RNG. Per-rank state (residuals, partial update, partitions, parameter-server
     workers) is refused with a CheckpointError.
     """
+    wait()
     c = world.init().comm
     checkpoint = Path(checkpoint)
     manifest = verify(checkpoint, c.rank)
