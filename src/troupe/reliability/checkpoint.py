@@ -30,6 +30,7 @@ on the same world size.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -152,7 +153,7 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
     staged = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
     saver = _background(world.current())
     comm = saver.comm(c)
-    saver.submit(str(target), lambda: _write(comm, staged, job))
+    saver.submit(str(target), functools.partial(_write, comm, staged, job))
     return target
 
 
