@@ -41,7 +41,8 @@ class Background:
         self.world = world
         self._groups: dict[tuple[int, ...], Communicator] = {}
         self._thread: threading.Thread | None = None
-        self._what = ""
+        self.what = ""
+        """The save in flight (or the last one)."""
         self._error: BaseException | None = None
         world.on_shutdown(self._finish_at_exit)
 
@@ -62,7 +63,7 @@ class Background:
     def submit(self, what: str, write: Callable[[], None]) -> None:
         """Run `write()` in the background (after the previous save, which must have been waited for)."""
         assert self._thread is None, "wait() for the save in flight first"
-        self._what, self._error = what, None
+        self.what, self._error = what, None
 
         def run() -> None:
             try:
@@ -87,9 +88,9 @@ class Background:
         self._thread = None
         error, self._error = self._error, None
         if error is not None:
-            raise SaveFailed(f"the asynchronous save of {self._what} failed: {type(error).__name__}: {error}") \
+            raise SaveFailed(f"the asynchronous save of {self.what} failed: {type(error).__name__}: {error}") \
                 from error
-        return self._what
+        return self.what
 
     def _finish_at_exit(self) -> None:
         try:

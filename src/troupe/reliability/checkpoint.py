@@ -26,17 +26,18 @@ on; the next checkpoint call waits for it and raises its failure. Extras are rea
 and DCP's metadata with an unpickler that builds only DCP's records: no code runs from a
 checkpoint file. Checkpoints of the first format (``rank{r}.pt`` full copies) still load
 on the same world size.
+
+This module owns saving and the public API; the manifest and its checks are in
+`troupe.reliability.manifest`, loading in `troupe.reliability.restore`, the save in
+flight in `troupe.reliability.background`.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import json
 import os
-import pickle
-import re
 import secrets
 import shutil
 from dataclasses import dataclass
@@ -46,18 +47,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from troupe.reliability import restore
 from troupe.reliability import state as named
 from troupe.reliability.background import Background, SaveFailed
+from troupe.reliability.manifest import (FORMAT, MANIFEST, STEP_DIR, CheckpointError, complete, rng_state,
+                                         set_rng_state, sha256, verify)
 from troupe.runtime import world
 
-MANIFEST = "MANIFEST.json"
-FORMAT = 2
+__all__ = ["CheckpointError", "MANIFEST", "from_env", "in_flight", "latest", "load", "rng_state", "save",
+           "set_rng_state", "verify", "wait"]
+
 _PROBE = ".shared-disk-probe"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, corrupted, or does not fit this job."""
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -72,24 +72,6 @@ def _atomic_write(path: Path, data: bytes) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def rng_state() -> dict[str, Any]:
-    """torch's CPU (and CUDA) generator states."""
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # --- save ---------------------------------------------------------------------------------
@@ -174,6 +156,12 @@ def wait() -> Path | None:
     return None if done is None else Path(done)
 
 
+def in_flight() -> Path | None:
+    """The checkpoint this process is still writing in the background (None: none), without waiting."""
+    saver = _saver
+    return Path(saver.what) if saver is not None and saver.world is world.current() and saver.busy else None
+
+
 _saver: Background | None = None  # the World's save in flight (a new World: a new Background)
 
 
@@ -202,8 +190,8 @@ def _write(c, tensors: dict[str, Tensor], job: _Job) -> None:
     failure = None
     try:
         _atomic_write(target / f"rank{c.rank}.pt", job.rest)
-        digests = {p.relative_to(target).as_posix(): _sha256(p.read_bytes()) for p in written}
-        digests[f"rank{c.rank}.pt"] = _sha256(job.rest)
+        digests = {p.relative_to(target).as_posix(): sha256(p.read_bytes()) for p in written}
+        digests[f"rank{c.rank}.pt"] = sha256(job.rest)
     except OSError as e:  # told to every rank below, so that none waits for this one's digests
         failure, digests = e, {}
     every = c.all_gather_object((digests, None if failure is None else f"rank {c.rank}: {failure}"))
@@ -248,49 +236,17 @@ def _refusals(job: _Job, per_rank: list[str], shared: bool) -> list[str]:
     return reasons
 
 
-def _complete(directory: Path) -> list[Path]:
-    found = [p for p in directory.iterdir() if _STEP_DIR.match(p.name) and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: p.name)
-
-
 def _prune(directory: Path, keep: int) -> None:
-    complete = _complete(directory)
-    for old in complete[: max(len(complete) - keep, 0)]:
+    done = complete(directory)
+    for old in done[: max(len(done) - keep, 0)]:
         shutil.rmtree(old, ignore_errors=True)
-    newest = complete[-1].name if complete else ""
+    newest = done[-1].name if done else ""
     for partial in directory.iterdir():  # saves that died before their manifest
-        if _STEP_DIR.match(partial.name) and not (partial / MANIFEST).is_file() and partial.name < newest:
+        if STEP_DIR.match(partial.name) and not (partial / MANIFEST).is_file() and partial.name < newest:
             shutil.rmtree(partial, ignore_errors=True)
 
 
 # --- find and check -----------------------------------------------------------------------
-
-
-def _current_rank() -> int | None:
-    w = world.current()
-    return None if w is None else w.comm.rank
-
-
-def verify(checkpoint: Path, rank: int | None = None) -> dict[str, Any]:
-    """The manifest of `checkpoint` after checking every file's checksum; raises CheckpointError.
-
-    A checkpoint written without a shared filesystem checks only `rank`'s files (default:
-    this process's rank once it has joined the job): the others are on other nodes.
-    """
-    checkpoint = Path(checkpoint)
-    try:
-        manifest = json.loads((checkpoint / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{checkpoint}: no readable {MANIFEST} ({e})") from None
-    files = manifest["sha256"]
-    rank = _current_rank() if rank is None else rank
-    if manifest.get("layout") == "local" and rank is not None:
-        files = {n: d for n, d in files.items() if n == f"rank{rank}.pt" or n.startswith(f"rank{rank}/")}
-    for name, digest in files.items():
-        path = checkpoint / name
-        if not path.is_file() or _sha256(path.read_bytes()) != digest:
-            raise CheckpointError(f"{path}: missing or corrupted (checksum mismatch)")
-    return manifest
 
 
 def latest(directory: str | Path) -> Path | None:
@@ -299,7 +255,7 @@ def latest(directory: str | Path) -> Path | None:
     directory = Path(directory)
     if not directory.is_dir():
         return None
-    for candidate in reversed(_complete(directory)):
+    for candidate in reversed(complete(directory)):
         try:
             verify(candidate)
             return candidate
@@ -317,97 +273,12 @@ def load(checkpoint: str | Path, model: nn.Module, optimizer) -> dict[str, Any]:
     A checkpoint written by another number of ranks is resharded when every rank's model and
     optimizer state was the same: parameters, optimizer state and DistOpt counters are the
     job's, rank r < old world size takes its own RNG and `extra`, a new rank rank 0's `extra`
-    and keeps its RNG. Per-rank state (residuals, partial update, partitions, parameter-server
-    workers) is refused with a CheckpointError.
+    and keeps its RNG (a `DistributedSampler`'s state in `extra` is the job's position: any
+    rank's copy resumes the epoch). Per-rank state (residuals, partial update, partitions,
+    parameter-server workers) is refused with a CheckpointError.
     """
-    wait()
-    c = world.init().comm
-    checkpoint = Path(checkpoint)
-    manifest = verify(checkpoint, c.rank)
-    chosen = c.all_gather_object(checkpoint.name)
-    if len(set(chosen)) > 1:
-        raise CheckpointError(f"ranks resolved different checkpoints ({', '.join(chosen)}): a file of the newer one "
-                              "is missing or corrupted on some node; remove it there, or load one step on every rank")
-    if manifest.get("format") is None:
-        return _load_first_format(checkpoint, manifest, c, model, optimizer)
-    old = manifest["world_size"]
-    if old != c.world_size and manifest["not_reshardable"]:
-        raise CheckpointError(f"{checkpoint} was written by {old} ranks, this job has {c.world_size}, and it holds "
-                              f"state that belongs to each rank: {'; '.join(manifest['not_reshardable'])}")
-    own = torch.load(checkpoint / f"rank{c.rank if c.rank < old else 0}.pt", map_location="cpu", weights_only=True)
-    job = own if old == c.world_size else torch.load(checkpoint / "rank0.pt", map_location="cpu", weights_only=True)
-    model_sd = model.state_dict()
-    wanted = {f"model.{k}": v for k, v in model_sd.items() if isinstance(v, Tensor)}
-    path, stored, source = _locate(checkpoint, manifest, c)
-    ours = {k: (tuple(v.shape), v.dtype) for k, v in wanted.items()}
-    theirs = {k: stored[source(k)] for k in _model_keys(stored, manifest, source)}
-    if ours != theirs:
-        diff = sorted(set(ours.items()) ^ set(theirs.items()), key=str)[:3]
-        raise CheckpointError(f"{checkpoint}: the model does not match the checkpoint (differences: {diff})")
-    inner, _ = named.unwrap(optimizer)
-    names = named.param_names(model, inner)
-    if job["optim"]["param_names"] != names:
-        raise CheckpointError(f"{checkpoint}: the optimizer's parameters {names[:4]} do not match the "
-                              f"checkpoint's {job['optim']['param_names'][:4]}")
-    optim = {k: torch.empty(stored[source(k)][0], dtype=stored[source(k)][1]) for k in job["optim"]["optim_index"]}
-    request = {source(k): v for k, v in {**wanted, **optim}.items()}  # the model's tensors load in place
-    # Every rank reads what it needs by itself (the whole state, or its own): no collective plan.
-    import torch.distributed.checkpoint as dcp
-
-    from troupe.reliability import dcp_files
-
-    dcp.load(request, storage_reader=dcp_files.SafeReader(path), no_dist=True)
-    model.load_state_dict(model_sd)
-    sd = named.optimizer_state(names, job["optim"], optim)
-    optimizer.load_state_dict(sd if job["distopt"] is None else {"optimizer": sd, **job["distopt"]})
-    if c.rank < old:
-        set_rng_state(own["rng"])
-    return {"step": job["step"], **own["extra"]}
-
-
-def _locate(checkpoint: Path, manifest: dict[str, Any], c):
-    """(DCP checkpoint path, its tensors' shapes and dtypes, this rank's stored key for each key)."""
-    local = manifest["layout"] == "local"
-    path = checkpoint / f"rank{c.rank}" if local else checkpoint
-    per_rank = set(manifest["per_rank_keys"])
-    owner = c.rank if manifest["world_size"] == c.world_size else 0  # a reshard takes rank 0's buffers
-
-    def source(key: str) -> str:
-        return key if local or key not in per_rank else f"rank{owner}/{key}"
-
-    from troupe.reliability import dcp_files
-
-    try:
-        stored = dcp_files.tensor_shapes(path)
-    except (OSError, pickle.UnpicklingError) as e:
-        raise CheckpointError(f"{path}: unreadable DCP metadata ({e})") from None
-    return path, stored, source
-
-
-def _model_keys(stored: dict[str, Any], manifest: dict[str, Any], source) -> list[str]:
-    """The checkpoint's model keys as this rank sees them (its own copy of those that differ by rank)."""
-    keys = [k for k in stored if k.startswith("model.")]
-    return keys + [k for k in manifest["per_rank_keys"] if k.startswith("model.") and source(k) in stored
-                   and source(k) != k]
-
-
-def _load_first_format(checkpoint: Path, manifest: dict[str, Any], c, model: nn.Module, optimizer) -> dict[str, Any]:
-    """A checkpoint of troupe's first format: a full rank{r}.pt per rank, same world size only."""
-    if manifest["world_size"] != c.world_size:
-        raise CheckpointError(
-            f"{checkpoint} was written by {manifest['world_size']} ranks, this job has {c.world_size} "
-            "(a checkpoint of troupe's first format, one full copy per rank, resumes on the same number of ranks)"
-        )
-    state = torch.load(checkpoint / f"rank{c.rank}.pt", map_location="cpu", weights_only=True)
-    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    theirs = {k: tuple(v.shape) for k, v in state["model"].items()}
-    if ours != theirs:
-        diff = sorted(set(ours.items()) ^ set(theirs.items()))[:3]
-        raise CheckpointError(f"{checkpoint}: the model does not match the checkpoint (differences: {diff})")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    set_rng_state(state["rng"])
-    return {"step": state["step"], **state["extra"]}
+    wait()  # this process's save in flight first
+    return restore.load(Path(checkpoint), model, optimizer)
 
 
 def from_env() -> tuple[Path | None, str]:
