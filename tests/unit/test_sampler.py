@@ -193,9 +193,9 @@ def test_a_state_from_before_positions_resumes():
     assert head + list(fresh) == s.indices(3)
     with pytest.raises(ValueError, match="position 51 is past the end"):
         fresh.load_state_dict({**old, "position": 51})
+    fresh.load_state_dict({**old, "position": 34})  # 16 left: 8 for each of the 2 ranks
+    iter(fresh)
     with pytest.raises(ValueError, match="consumed 9 is more than this rank's 8 samples left"):
-        fresh.load_state_dict({**old, "position": 34})
-        iter(fresh)
         fresh.state_dict(consumed=9)
 
 
