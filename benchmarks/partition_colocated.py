@@ -72,7 +72,7 @@ def main() -> None:
 
     import troupe
     from troupe.observe.turns import Schedule, run_ab
-    from troupe.cluster.config import from_env
+    from troupe.cluster.configuration.sources import from_env
 
     world = troupe.init()
     cluster = from_env()

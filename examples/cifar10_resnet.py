@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import troupe
-from troupe.metrics import Throughput, accuracy, progress, reduce_variable
+from troupe.script.metrics import Throughput, accuracy, progress, reduce_variable
 from troupe.reliability import checkpoint
 
 INPUT_SHAPE = (3, 32, 32)

@@ -30,7 +30,7 @@ from torch import nn
 import troupe
 from pathlib import Path
 from troupe.reliability import checkpoint
-from troupe.metrics import Throughput, accuracy, progress, reduce_variable
+from troupe.script.metrics import Throughput, accuracy, progress, reduce_variable
 
 
 INPUT_SHAPE = (1, 28, 28)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import troupe
 from troupe.algorithms.cd import RBM, DeepAutoencoder, squared_error
-from troupe.metrics import progress, reduce_variable
+from troupe.script.metrics import progress, reduce_variable
 
 SIZES = (784, 1000, 500, 250, 30)
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import troupe
-from troupe.metrics import progress, reduce_variable
+from troupe.script.metrics import progress, reduce_variable
 
 UNK = "<unk>"
 TOKEN = re.compile(r"\w+|[^\w\s]")

@@ -23,35 +23,36 @@ _WHERE = {
     "CompressionConfig": "troupe.strategies.compressed",
     "DistInfo": "troupe.runtime.launch",
     "DistOpt": "troupe.distopt",
-    "Model": "troupe.model",
+    "Model": "troupe.singa.model",
     "StepMismatchError": "troupe.sync.agree",
     "UpdateStrategy": "troupe.strategies.base",
     "World": "troupe.runtime.world",
     "cd": "troupe.algorithms",
     "checkpoint": "troupe.reliability",
     "clip_grad_norm_": "troupe.partition",
-    "data": "troupe",
+    "data": "troupe.script",
     "full_state_dict": "troupe.partition",
     "info": "troupe.runtime.world",
     "init": "troupe.runtime.world",
-    "log": "troupe.scalars",
-    "metrics": "troupe",
+    "log": "troupe.script.scalars",
+    "metrics": "troupe.script",
     "partition": "troupe",
     "shutdown": "troupe.runtime.world",
     "wait_all": "troupe.runtime.launch",
 }
 
 if TYPE_CHECKING:
-    from troupe import data, metrics, partition
+    from troupe import partition
     from troupe.algorithms import cd
     from troupe.distopt import DIST_OPTIONS, DistOpt
-    from troupe.model import Model
     from troupe.partition import clip_grad_norm_, full_state_dict
     from troupe.reliability import checkpoint
     from troupe.runtime.comm import Communicator
     from troupe.runtime.launch import DistInfo, wait_all
     from troupe.runtime.world import World, info, init, shutdown
-    from troupe.scalars import log
+    from troupe.script import data, metrics
+    from troupe.script.scalars import log
+    from troupe.singa.model import Model
     from troupe.strategies.base import UpdateStrategy
     from troupe.strategies.compressed import CompressionConfig
     from troupe.sync.agree import StepMismatchError
@@ -61,7 +62,7 @@ def __getattr__(name: str):
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'troupe' has no attribute {name!r}")
-    if module == "troupe":  # one of troupe's own modules (data, metrics, partition)
+    if module == "troupe":  # a sub-package of troupe itself (partition): getattr would come back here
         value = importlib.import_module(f"troupe.{name}")
     else:
         parent = importlib.import_module(module)

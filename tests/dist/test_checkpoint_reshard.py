@@ -265,7 +265,7 @@ def test_four_ranks_write_once_and_resume_on_three_two_and_one(tmp_path):
     assert all(_same(saved, s) for s, _, _ in written)  # data parallel: every rank held the same state
     assert not torch.equal(written[1][2]["1.running_mean"], bn["1.running_mean"])  # BatchNorm's differ
 
-    from troupe.cluster.config import ClusterConfig
+    from troupe.cluster.configuration.config import ClusterConfig
 
     cluster = ClusterConfig(nworkers_per_group=2, nservers_per_group=1, server_worker_separate=True)
     assert run_world(_ps_write, 3, str(tmp_path), timeout=240, env={"TROUPE_CLUSTER": cluster.to_json()}) == \

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.dist.world import run_world
-from troupe.cluster.config import ClusterConfig
+from troupe.cluster.configuration.config import ClusterConfig
 
 STEPS = 10
 BATCH = 8
@@ -44,7 +44,7 @@ def make_sched(opt):
 
 def send_malformed(opt):
     """Messages a server must reject without applying anything (and without losing its footing)."""
-    from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, Op
+    from troupe.cluster.wire.messages import HEADER_TAG, PAYLOAD_TAG, Header, Op
 
     world, me, server = opt.strategy.world, opt.strategy.rank, opt.strategy.all_servers[0]
     bad_magic = Header(Op.GET, 0, 0, me, 0).encode()
@@ -370,7 +370,7 @@ def reduce_scatter_buckets(rank, world_size):
     """Gradients through GradReducer + BucketScatter: returns, per parameter, (grad or None, owned element mask)."""
     import troupe
     from troupe.sync.hooks.scatter import BucketScatter
-    from troupe.cluster.shard import plan_slices
+    from troupe.cluster.serving.shard import plan_slices
     from troupe.sync.reducer import GradReducer
 
     torch.manual_seed(0)

@@ -21,7 +21,7 @@ from torch import nn
 
 from tests.dist.world import run_world
 from tests.dist.test_cluster import MLP  # the same model as the SINGA-loop cluster tests
-from troupe.cluster.config import ClusterConfig
+from troupe.cluster.configuration.config import ClusterConfig
 
 STEPS = 8
 MICRO = 2
@@ -223,7 +223,7 @@ def test_async_frameworks_train_with_the_loop_and_skip_a_non_finite_step(framewo
 
 
 def test_shard_skips_a_group_update_that_a_worker_skipped():
-    from troupe.cluster.shard import ParamShard, plan_slices
+    from troupe.cluster.serving.shard import ParamShard, plan_slices
 
     w = torch.zeros(4)
     shard = ParamShard(plan_slices([4], 1), torch.optim.SGD([w], lr=1.0, momentum=0.9), [0], {0: {0, 1}})
@@ -236,7 +236,7 @@ def test_shard_skips_a_group_update_that_a_worker_skipped():
 
 
 def test_training_spec_is_plain_json_and_rebuilds_the_optimizer():
-    from troupe.cluster.spec import TrainingSpec
+    from troupe.cluster.configuration.spec import TrainingSpec
 
     a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, 2))
     opt = torch.optim.Adam([{"params": [a]}, {"params": [b], "lr": 0.5, "betas": (0.8, 0.9)}], lr=0.01)

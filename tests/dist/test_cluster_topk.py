@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from tests.dist.test_cluster import BATCH, MLP, SMALL, STEPS, batches, make_sched, make_sgd, train_mnist_subset
 from tests.dist.world import run_world
-from troupe.cluster.config import ClusterConfig
-from troupe.cluster.shard import plan_slices
+from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.serving.shard import plan_slices
 
 
 def train_recording_what_was_sent(rank, world_size, directory):

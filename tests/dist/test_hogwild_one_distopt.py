@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.dist.world import RankFailed, run_world
-from troupe.cluster.config import ClusterConfig
+from troupe.cluster.configuration.config import ClusterConfig
 
 
 def two_distopts(rank: int, world_size: int):

@@ -1,4 +1,4 @@
-"""Separate server groups synchronise (`troupe.cluster.serversync`): after the workers stop, every
+"""Separate server groups synchronise (`troupe.cluster.serving.serversync`): after the workers stop, every
 server group holds the same values, and those hold every group's change; the example trains under
 two server groups; a server whose neighbour dies finishes without it."""
 
@@ -13,7 +13,7 @@ from torch import nn
 
 from tests.dist.test_launchers import run
 from tests.dist.world import run_world
-from troupe.cluster.config import ClusterConfig
+from troupe.cluster.configuration.config import ClusterConfig
 
 STEPS = 30
 LR = 0.1

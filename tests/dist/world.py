@@ -54,7 +54,7 @@ def _context():
     method = os.environ.get("TROUPE_TEST_START", "forkserver")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "troupe.distopt", "troupe.model", "troupe.runtime.world", "tests.dist.world"])
+        ctx.set_forkserver_preload(["torch", "troupe.distopt", "troupe.singa.model", "troupe.runtime.world", "tests.dist.world"])
     return ctx
 
 

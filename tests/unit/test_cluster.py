@@ -6,7 +6,10 @@ import warnings
 
 import pytest
 
-from troupe.cluster.config import PRESETS, ClusterConfig, from_env, parse_cluster_text, preset, roles
+from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.configuration.presets import PRESETS, preset
+from troupe.cluster.configuration.roles import roles
+from troupe.cluster.configuration.sources import from_env, parse_cluster_text
 
 SEED_BLOCK = """
 cluster {
@@ -116,7 +119,7 @@ def test_bad_text():
 
 
 def test_resolve_for_troupe_run():
-    from troupe.cluster.config import resolve
+    from troupe.cluster.configuration.sources import resolve
 
     assert resolve() is None
     assert resolve("hogwild", nprocs=4, sync_freq=5) == ClusterConfig(nworker_groups=4, nserver_groups=4, sync_freq=5)

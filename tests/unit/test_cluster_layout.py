@@ -1,15 +1,16 @@
 """A partitioned model under parameter servers, without processes: the job parameters the
-servers hold (`troupe.cluster.layout`), the shard's holders and scaling, the cluster field."""
+servers hold (`troupe.cluster.workers.layout`), the shard's holders and scaling, the cluster field."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from troupe.cluster.config import ClusterConfig, parse_cluster_text
-from troupe.cluster.layout import build, entries
-from troupe.cluster.shard import ParamShard, plan_slices
-from troupe.cluster.spec import TrainingSpec
+from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.configuration.sources import parse_cluster_text
+from troupe.cluster.workers.layout import build, entries
+from troupe.cluster.serving.shard import ParamShard, plan_slices
+from troupe.cluster.configuration.spec import TrainingSpec
 
 # Worker j of a 2-worker group: a replicated (5, g0), its own slice (6, g0), a replicated (3, g1);
 # worker 0 also holds a dim -1 layer (4, g1).

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from troupe.cluster import sparse
-from troupe.cluster.config import ClusterConfig, parse_cluster_text, resolve
-from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check
-from troupe.cluster.server import Server
-from troupe.cluster.shard import ParamShard, plan_slices
+from troupe.cluster.wire import sparse
+from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.configuration.sources import parse_cluster_text, resolve
+from troupe.cluster.wire.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check
+from troupe.cluster.serving.server import Server
+from troupe.cluster.serving.shard import ParamShard, plan_slices
 from troupe.compress import ErrorFeedback
 from troupe.compress.topk import topk_count
 

@@ -1,9 +1,9 @@
-"""A co-located worker's slices with a partitioned model (`troupe.cluster.worker.colocated_slices`)."""
+"""A co-located worker's slices with a partitioned model (`troupe.cluster.workers.colocated.colocated_slices`)."""
 
 from __future__ import annotations
 
-from troupe.cluster.shard import Slice, plan_slices
-from troupe.cluster.worker import colocated_slices
+from troupe.cluster.serving.shard import Slice, plan_slices
+from troupe.cluster.workers.colocated import colocated_slices
 
 
 def test_replicated_parameters_are_cut_over_the_servers_and_own_ones_stay_whole_on_this_worker():

@@ -35,7 +35,7 @@ def test_site_has_the_api_reference_and_every_guide(site):
     for md in sorted((ROOT / "docs").glob("*.md")):
         assert f'href="docs/{md.stem}.html"' in index and (site / "docs" / f"{md.stem}.html").is_file()
     modules = {p.relative_to(site / "api").with_suffix("").as_posix() for p in (site / "api").rglob("*.html")}
-    assert {"troupe", "troupe/distopt", "troupe/runtime/launch", "troupe/data"} <= modules
+    assert {"troupe", "troupe/distopt", "troupe/runtime/launch", "troupe/script/data"} <= modules
     assert "DistOpt" in (site / "api" / "troupe" / "distopt.html").read_text()
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from troupe.cluster import sparse
-from troupe.cluster.frames import HEADER_BYTES, Frame, pack
-from troupe.cluster.messages import FRAME_MAGIC, HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op
-from troupe.cluster.server import Server
-from troupe.cluster.shard import ParamShard, plan_slices
+from troupe.cluster.wire import sparse
+from troupe.cluster.wire.frames import HEADER_BYTES, Frame, pack
+from troupe.cluster.wire.messages import FRAME_MAGIC, HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op
+from troupe.cluster.serving.server import Server
+from troupe.cluster.serving.shard import ParamShard, plan_slices
 from tests.unit.test_cluster_topk import Scripted
 
 MIXED = [
@@ -174,7 +174,7 @@ def test_bytes_holding_wider_types_come_out_aligned():
 
 
 def test_the_inbox_keeps_the_rest_of_a_frame_for_the_next_ask():
-    from troupe.cluster.frames import Inbox
+    from troupe.cluster.wire.frames import Inbox
 
     said = [(Header(Op.REPLY, 0, 3, 9, 10), torch.arange(10.0)), (Header(Op.ACK, 1, 2, 9, 0), None),
             (Header(Op.REPLY, 1, 3, 9, 6), torch.ones(6))]

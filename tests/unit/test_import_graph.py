@@ -1,11 +1,13 @@
-"""troupe's sub-packages import each other without cycles (read with `ast`; nothing is imported).
+"""troupe's sub-packages import each other without cycles and only downwards (read with `ast`;
+nothing is imported).
 
-A node is one sub-package (runtime, sync, compress, strategies, cluster, observe,
-reliability, bench, ...) or one top-level module (opt, model, cli, data, metrics, and
-``troupe`` for the package's own ``__init__``). Every import counts, also one inside a
-function (a lazy import hides a cycle from Python, not from the design); only imports
-under ``if TYPE_CHECKING:`` are left out, since they never run. Cycles inside one
-sub-package (runtime.comm <-> runtime.launch) are allowed.
+A node is one sub-package (runtime, sync, compress, strategies, cluster, singa, script,
+bench, ...) or one top-level module (distopt, graphstep, cli, util, and ``troupe`` for the
+package's own ``__init__``). Every import counts, also one inside a function (a lazy import
+hides a cycle from Python, not from the design); only imports under ``if TYPE_CHECKING:``
+are left out, since they never run. Cycles inside one sub-package (runtime.comm <->
+runtime.launch) are allowed. `LAYERS` orders the nodes: each imports only from layers
+below its own.
 """
 
 from __future__ import annotations
@@ -16,7 +18,22 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 ROOT = SRC / "troupe"
 KNOWN_PACKAGES = ("runtime", "sync", "compress", "strategies", "cluster", "observe", "reliability", "bench",
-                  "partition", "algorithms")
+                  "partition", "algorithms", "singa", "script")
+LAYERS = (
+    ("__main__",),
+    ("cli",),
+    ("bench",),
+    ("troupe",),  # the facade: troupe.DistOpt, troupe.data, ... each loaded on first use
+    ("distopt", "partition", "script", "algorithms"),  # what a training script calls
+    ("cluster",),
+    ("singa",),  # below cluster: cluster's configuration reads SINGA's job files through singa.jobfile
+    ("graphstep",),  # graph mode's option list is the regime table's
+    ("strategies",),
+    ("sync", "reliability"),
+    ("compress", "runtime"),
+    ("observe", "util"),
+)
+"""Every node, top layer first: a node imports only from the layers below its own."""
 
 
 def module_name(path: Path) -> str:
@@ -161,7 +178,7 @@ def describe(cycle: list[str], graph: dict[str, dict[str, list[str]]]) -> str:
 def test_graph_sees_the_known_packages():
     graph = package_graph()
     present = [p for p in KNOWN_PACKAGES if (ROOT / p / "__init__.py").is_file()]
-    assert {"runtime", "sync", "compress", "strategies", "cluster"} <= set(present)
+    assert {"runtime", "sync", "compress", "strategies", "cluster", "singa", "script"} <= set(present)
     for p in present:
         assert p in graph, p
     # edges are found at all: the facade re-exports, the reducer talks through the Communicator
@@ -176,10 +193,10 @@ def test_relative_lazy_and_type_checking_imports():
         "if TYPE_CHECKING:\n"
         "    from troupe.opt import DistOpt\n"
         "def f():\n"
-        "    import troupe.cluster.worker\n"
+        "    import troupe.cluster.workers.colocated\n"
     )
     found = {name for name, _ in imports_in(source, "troupe.runtime.launch", is_package=False)}
-    assert found == {"troupe.runtime.comm", "troupe.sync.bucket", "troupe.cluster.worker"}
+    assert found == {"troupe.runtime.comm", "troupe.sync.bucket", "troupe.cluster.workers.colocated"}
 
 
 def test_cycle_report_names_the_imports():
@@ -197,6 +214,16 @@ def test_no_cycle_between_packages():
     edges = "\n".join(f"  {a} -> {', '.join(sorted(bs))}" for a, bs in sorted(graph.items()) if bs)
     report = "\n".join(f"  {describe(cycle_in(g, graph), graph)}" for g in groups)
     assert not groups, f"import cycles between troupe's packages:\n{report}\nall edges:\n{edges}"
+
+
+def test_every_import_runs_down_the_layers():
+    graph = package_graph()
+    layer = {node: k for k, nodes in enumerate(LAYERS) for node in nodes}
+    unplaced = sorted(set(graph) - set(layer))
+    assert not unplaced, f"nodes in no layer of LAYERS (place each where its imports put it): {unplaced}"
+    upward = [f"  {a} (layer {layer[a]}) -> {b} (layer {layer[b]}): " + "; ".join(graph[a][b][:3])
+              for a in sorted(graph) for b in sorted(graph[a]) if layer[b] <= layer[a]]
+    assert not upward, "imports that run up or across the layers:\n" + "\n".join(upward)
 
 
 def test_troupe_loads_no_torch_module_beyond_import_torch():
@@ -220,7 +247,7 @@ def test_the_command_line_starts_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, troupe, troupe.cli; from troupe.cluster.config import resolve; "
+    code = ("import sys, troupe, troupe.cli; from troupe.cluster.configuration.sources import resolve; "
             "troupe.cli.build_parser().parse_args(['run', '-n', '2', 'x.py']); "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

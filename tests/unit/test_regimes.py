@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from troupe.cluster import regimes as cluster_regimes
-from troupe.cluster.config import ClusterConfig
+from troupe.cluster.configuration.config import ClusterConfig
 from troupe.strategies import registry
 from troupe.strategies.choice import DistOption
 from troupe.strategies.registry import REGIMES, Capabilities, register
@@ -69,7 +69,7 @@ def test_capabilities_are_declared():
 @pytest.mark.parametrize("framework, regime", [("sandblaster", "ps-client"), ("downpour", "ps-client"),
                                                ("allreduce", "co-located"), ("hogwild", "co-located")])
 def test_each_framework_resolves_to_its_worker_regime(framework, regime):
-    from troupe.cluster.config import preset
+    from troupe.cluster.configuration.presets import preset
 
     cluster = preset(framework)
     assert registry.resolve("plain", cluster).name == regime

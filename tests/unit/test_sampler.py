@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from troupe.data import DistributedSampler, loader
+from troupe.script.data import DistributedSampler, loader
 
 SIZES = [1, 2, 7, 10, 12, 13, 101]
 WORLDS = [1, 2, 3, 4, 8]

@@ -9,10 +9,11 @@ from collections import defaultdict
 import pytest
 import torch
 
-from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op
-from troupe.cluster.server import Server
-from troupe.cluster.serversync import MasterCopies, ServerSync
-from troupe.cluster.shard import ParamShard, plan_slices
+from troupe.cluster.wire.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op
+from troupe.cluster.serving.server import Server
+from troupe.cluster.serving.mastercopies import MasterCopies
+from troupe.cluster.serving.serversync import ServerSync
+from troupe.cluster.serving.shard import ParamShard, plan_slices
 
 NUMELS = [6, 5]
 W0 = torch.arange(11.0)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from troupe.cluster import groupsync
-from troupe.cluster.messages import Header, MessageError, Op, check
-from troupe.cluster.shard import ParamShard, plan_slices
+from troupe.cluster.serving import mastercopies as groupsync
+from troupe.cluster.wire.messages import Header, MessageError, Op, check
+from troupe.cluster.serving.shard import ParamShard, plan_slices
 
 
 def test_slices_balanced_cover_everything_and_split_large_params():

@@ -347,7 +347,7 @@ def run_cell(hosts: netns.Hosts, regime: Regime, fault: Fault | None, steps: int
 def _workers(regime: Regime) -> int:
     if "--framework" not in regime.run_flags:
         return regime.hosts
-    from troupe.cluster.config import preset
+    from troupe.cluster.configuration.presets import preset
 
     name = regime.run_flags[regime.run_flags.index("--framework") + 1]
     cfg = preset(name, regime.hosts)

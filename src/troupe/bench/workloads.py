@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import troupe.data
+import troupe.script.data
 
 Batch = tuple[Tensor, Tensor]
 
@@ -93,10 +93,10 @@ class Workload:
         if batch_size < 1 or count < 1:
             raise ValueError(f"batch_size and count must be >= 1, got {batch_size} and {count}")
         if data == "mnist":
-            x, y, _, _ = troupe.data.load_mnist()
-            x, y = troupe.data.partition(x, y, rank, world_size)
+            x, y, _, _ = troupe.script.data.load_mnist()
+            x, y = troupe.script.data.partition(x, y, rank, world_size)
         else:
-            x, y = troupe.data.synthetic(count * batch_size, self.shape, seed=seed + rank)
+            x, y = troupe.script.data.synthetic(count * batch_size, self.shape, seed=seed + rank)
         if len(x) < batch_size:
             raise ValueError(f"batch_size {batch_size} is larger than this rank's {len(x)} samples")
         g = torch.Generator().manual_seed(seed + rank)

@@ -2,7 +2,7 @@
 
 A server needs nothing from the training script: worker 0 describes the trainable
 parameters (sizes, dtype, param groups) and the optimizer (class path and
-hyper-parameters) as JSON (`troupe.cluster.spec`), and the bootstrap hands that to every
+hyper-parameters) as JSON (`troupe.cluster.configuration.spec`), and the bootstrap hands that to every
 rank while the job's groups are made. So a server rank can run without the script:
 
 * under `troupe run`, server-only ranks run ``python -m troupe.cluster.bootstrap`` instead
@@ -33,23 +33,26 @@ from typing import NoReturn
 
 import torch
 
-from troupe.cluster import layout
-from troupe.cluster.config import ClusterConfig, Role, expendable_ranks, from_env, roles
-from troupe.cluster.layout import Layout
-from troupe.cluster.server import Server, ServerStats, process_alive
-from troupe.cluster.serversync import MasterCopies, ServerSync
-from troupe.cluster.shard import ParamShard, plan_slices
-from troupe.cluster.spec import TrainingSpec
-from troupe.compress.fp16 import half_dtype
+from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.configuration.roles import Role, expendable_ranks, roles
+from troupe.cluster.configuration.sources import from_env
+from troupe.cluster.configuration.spec import TrainingSpec
 from troupe.cluster.regimes import WorkerContext
-from troupe.cluster.worker import trainable
+from troupe.cluster.serving.server import Server, ServerStats, process_alive
+from troupe.cluster.serving.mastercopies import MasterCopies
+from troupe.cluster.serving.serversync import ServerSync
+from troupe.cluster.serving.shard import ParamShard, plan_slices
+from troupe.cluster.workers import layout
+from troupe.cluster.workers.layout import Layout, trainable
+from troupe.compress.fp16 import half_dtype
 from troupe.runtime.comm import Communicator
 from troupe.runtime.launch import DistInfo
 from troupe.runtime.world import World, init, shutdown
 from troupe.strategies import registry
 from troupe.strategies.base import UpdateStrategy
 
-log = logging.getLogger("troupe.cluster.config")
+# Not __name__: started as ``python -m troupe.cluster.bootstrap`` this module is __main__.
+log = logging.getLogger("troupe.cluster.bootstrap")
 
 DEFAULT_PS_TIMEOUT = 7 * 24 * 3600.0
 """Seconds a parameter-server message may wait (``TROUPE_PS_TIMEOUT``); a dead peer fails at once anyway."""
@@ -179,7 +182,7 @@ def join(cluster: ClusterConfig, runtime: World) -> Job:
     k = cluster.nworkers_per_procs
     processes_comms = [world.new_group(range(p * k, (p + 1) * k)) for p in range(len(everyone) // k)] \
         if cluster.in_memory else []
-    # Separate server groups sync on a channel of their own (troupe.cluster.serversync says why).
+    # Separate server groups sync on a channel of their own (troupe.cluster.serving.serversync says why).
     server_channel = world.new_group([r.rank for r in everyone if r.worker is None]) \
         if cluster.server_worker_separate and cluster.nserver_groups > 1 else None
     log.info("troupe: %s", role.describe())

@@ -81,7 +81,7 @@ class SeparateServers(ClusterWorker):
 
     @classmethod
     def build(cls, ctx: WorkerContext) -> Any:
-        from troupe.cluster.ps_client import PSClient
+        from troupe.cluster.workers.ps_client import PSClient
 
         job, role = ctx.job, ctx.job.role
         group = job.group_comms[role.worker[0]]
@@ -98,7 +98,7 @@ class CoLocatedServers(ClusterWorker):
 
     @classmethod
     def build(cls, ctx: WorkerContext) -> Any:
-        from troupe.cluster.worker import CoLocated
+        from troupe.cluster.workers.colocated import CoLocated
 
         job, role = ctx.job, ctx.job.role
         return CoLocated(ctx.cluster, role, job.group_comms[role.worker[0]], ctx.optimizer, ctx.bucket_size,
@@ -113,7 +113,7 @@ class InMemoryHogwild(ClusterWorker):
 
     @classmethod
     def build(cls, ctx: WorkerContext) -> Any:
-        from troupe.cluster.shared import SharedMemory
+        from troupe.cluster.workers.in_memory import SharedMemory
 
         job, role = ctx.job, ctx.job.role
         process = job.processes_comms[role.rank // ctx.cluster.nworkers_per_procs]

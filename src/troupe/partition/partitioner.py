@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor, nn
 
-from troupe.cluster import config as cluster_config
+from troupe.cluster.configuration import sources as cluster_config
 from troupe.partition.connect import WorkerGroup
 from troupe.partition.layers import FeatureSplit, OnOneWorker, PartitionedLayer
 from troupe.partition.plan import Plan, check_world, resolve_plan

@@ -16,7 +16,8 @@ gradients written by hand).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -220,6 +221,15 @@ class GradReducer:
         """Forget a step whose backward failed."""
         self.in_step = False
         self._callback_queued = False
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Backward inside the block leaves gradients local and summed in ``p.grad`` (no_sync)."""
+        before, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = before
 
     def remove(self) -> None:
         """Detach the hooks from the parameters."""

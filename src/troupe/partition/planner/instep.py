@@ -18,12 +18,14 @@ With e the extra seconds over the local step and S the sync:
     local + 5 tiny K                    e = S + 5 a_K                       -> a_K
     local + 5 K of E per rank           e = S + 5 (a_K + beta_K * wire_K)   -> beta_K
         for K in all_gather, all_to_all, reduce_scatter (`cost.EXCHANGES`; send: all_to_all's)
-    local + DistOpt step of M1          e = S + alpha_r * m1 + beta_r * wire1
-    local + DistOpt step of M2          e = S + alpha_r * m2 + beta_r * wire2  -> the reduction link
+    local + reduced step of M1          e = S + alpha_r * m1 + beta_r * wire1
+    local + reduced step of M2          e = S + alpha_r * m2 + beta_r * wire2  -> the reduction link
 
-m counts messages as the cost model does with `Setup.fused_reductions` (one per step plus
-M / bucket_size), so alpha_r carries the DistOpt's fixed cost per message (its agreement,
-the hand-off to Gloo's threads) and beta_r its copies as well as the wire. The probes run
+A reduced step is DistOpt's plain step: its `GradReducer` reduces M parameters during
+backward, then an optimizer step. m counts messages as the cost model does with
+`Setup.fused_reductions` (one per step plus M / bucket_size), so alpha_r carries the
+reducer's fixed cost per message (the ranks' agreement, the hand-off to Gloo's threads)
+and beta_r its copies as well as the wire. The probes run
 over the whole job; a group of fewer workers is priced with the same numbers. Every rank
 must call these functions alike (they communicate).
 
@@ -41,12 +43,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from troupe.observe.turns import Contestant, Schedule, run_ab
 from troupe.partition.planner.cost import Setup, plan_cost
 from troupe.partition.planner.link import Link
 from troupe.partition.planner.profile import ModelProfile
 from troupe.sync.bucket import DEFAULT_BUCKET_SIZE
-
-from troupe.observe.turns import Contestant, Schedule, run_ab
+from troupe.sync.reducer import GradReducer
 
 if TYPE_CHECKING:
     from troupe.runtime.comm import Communicator
@@ -141,10 +143,11 @@ def _collective(comm: Communicator, kind: str, elems: int) -> Callable[[], objec
 def probes(comm: Communicator, local_step: Callable[[int], object], *,
            bucket_size: int = DEFAULT_BUCKET_SIZE, update: bool = True) -> list[Contestant]:
     """The calibration probes as A/B contestants, named `NAMES` (the local step is not among
-    them: the caller adds it, named `LOCAL` for `solve`). `update`: the
-    reduction probes call ``DistOpt.update(loss, "plain")`` (SINGA's loop, with its agreement
-    message) instead of ``backward(); step()``."""
-    import troupe
+    them: the caller adds it, named `LOCAL` for `solve`). The reduction probes reduce over
+    `comm` with a DistOpt's plain machinery (its `GradReducer`: buckets, the ranks' agreement,
+    the hand-off to the backend's threads); `update`: each step opens with the agreement as
+    its own message, as SINGA's ``DistOpt.update(loss, "plain")`` does, instead of carrying
+    it in the first bucket as ``backward(); step()`` does."""
 
     def after_local(name: str, collective: Callable[[], object], repeats: int) -> Contestant:
         def step(i: int) -> None:
@@ -157,17 +160,17 @@ def probes(comm: Communicator, local_step: Callable[[int], object], *,
     def reducer(name: str, sizes: tuple[int, ...]) -> Contestant:
         params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
         weights = [torch.ones(n) for n in sizes]
-        sgd = troupe.DistOpt(torch.optim.SGD(params, lr=0.0), bucket_size=bucket_size)
+        sgd = torch.optim.SGD(params, lr=0.0)
+        reduce = GradReducer(params, comm, bucket_size)  # backward leaves the mean over ranks in p.grad
 
         def step(i: int) -> None:
             local_step(i)
             loss = sum((p * w).sum() for p, w in zip(params, weights))
+            sgd.zero_grad()
             if update:
-                sgd.update(loss, "plain")
-            else:
-                sgd.zero_grad()
-                loss.backward()
-                sgd.step()
+                reduce.open_step(exchange=True)
+            loss.backward()
+            sgd.step()
 
         return Contestant(name, step)
 

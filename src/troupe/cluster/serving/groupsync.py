@@ -24,37 +24,27 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 from torch import Tensor
 
+from troupe.cluster.serving.mastercopies import MasterCopies
+from troupe.cluster.wire.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
 from troupe.runtime.comm import Communicator, Handle
-from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
-from troupe.cluster.shard import Slice
 
-log = logging.getLogger("troupe.cluster.config")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 WATCH_INTERVAL = 0.5
 """Seconds between checks that the peer groups' processes still exist and beat."""
 
 
-def parts(slices: Sequence[Slice], ngroups: int) -> list[list[tuple[Slice, int, int]]]:
-    """For each group k, the (slice, start, stop) ranges of `slices` whose master copy group k holds."""
-    out: list[list[tuple[Slice, int, int]]] = [[] for _ in range(ngroups)]
-    for s in slices:
-        for k in range(ngroups):
-            lo, hi = s.numel * k // ngroups, s.numel * (k + 1) // ngroups
-            if hi > lo:
-                out[k].append((s, lo, hi))
-    return out
-
-
 class GroupSync:
-    """One worker's side of the group synchronisation: its requests, and the master copies it serves.
+    """One worker's side of the group synchronisation: its requests, and the master copy it serves.
 
+    `copies` holds the arithmetic and this group's replica (`MasterCopies`, started here);
     `rank_of(k)` is the global rank of the worker with this worker's index in group k;
     requests travel on `requests` (this process's thread only receives there), replies on
     `replies` (only the thread sends there), so each direction has its own channel.
@@ -64,36 +54,33 @@ class GroupSync:
         self,
         requests: Communicator,
         replies: Communicator,
-        group: int,
-        ngroups: int,
+        copies: MasterCopies,
         rank_of: Callable[[int], int],
-        slices: Sequence[Slice],
-        values: Mapping[int, Tensor],
-        merge: str = "mean",
         alive: Callable[[int], bool] = lambda rank: True,
     ):
         self.requests, self.replies = requests, replies
-        self.group, self.ngroups = group, ngroups
-        self.rank = rank_of(group)
-        self.peers = {k: rank_of(k) for k in range(ngroups) if k != group}
-        self.parts = parts(slices, ngroups)
-        self.sizes = [sum(hi - lo for _, lo, hi in p) for p in self.parts]
-        self.scale = 1.0 / ngroups if merge == "mean" else 1.0
+        self.copies = copies
+        self.group, self.ngroups = copies.group, copies.ngroups
+        self.parts, self.sizes = copies.parts, copies.sizes
+        """Per group k, the (slice, start, stop) ranges whose master copy group k holds, and their sizes."""
+        self.rank = rank_of(self.group)
+        self.peers = {k: rank_of(k) for k in range(self.ngroups) if k != self.group}
         self.alive = alive
         self.lock = threading.Lock()
         """Held while the master copy, its version or the set of live peers change (both threads)."""
-        self.master = self._gather(self.group, values).clone()
-        self.last = {k: self._gather(k, values).clone() for k in range(ngroups)}
-        self.seen = {k: 0 for k in range(ngroups)}
+        copies.start()
+        self.seen = {k: 0 for k in range(self.ngroups)}
         """Version of each master copy this worker last adopted."""
-        self.version = 0
-        self.merges: list[int] = []
-        """Per merge into this process's master copy: other merges since the sender last synced."""
         self.rejected = 0
         self.gone: set[int] = set()
         self._live = set(self.peers.values())
         self._done = threading.Condition(self.lock)
         self._thread: threading.Thread | None = None
+
+    @property
+    def master(self) -> torch.Tensor:
+        """The master copy of this group's part."""
+        return self.copies.master
 
     # --- the training loop's side ----------------------------------------------------------------
 
@@ -112,37 +99,38 @@ class GroupSync:
             threading.Thread(target=self._watch, name="troupe-group-sync-watch", daemon=True).start()
 
     @torch.no_grad()
-    def sync(self, values: Mapping[int, Tensor]) -> None:
+    def sync(self) -> None:
         """Fold this group's change since the last sync into every master copy; adopt the results.
 
         Adopting adds what the master copy brings (`master - cur`, cur as sent), so updates other
-        workers make meanwhile to shared `values` (in-memory Hogwild) are kept.
+        workers make meanwhile to the shared values (in-memory Hogwild) are kept.
         """
+        copies = self.copies
         sends: list[tuple[int, Handle]] = []
-        sent: dict[int, Tensor] = {}
+        asked: list[int] = []
         for k, peer in self.peers.items():
-            if peer in self.gone or not self.sizes[k]:
+            if peer in self.gone or not copies.sizes[k]:
                 continue
-            sent[k] = self._gather(k, values)
-            header = Header(Op.SYNC, self.group, self.seen[k], self.rank, self.sizes[k])
+            delta = copies.request(k)
+            header = Header(Op.SYNC, self.group, self.seen[k], self.rank, copies.sizes[k])
             try:
                 sends.append((peer, self.requests.isend(header.encode(), peer, tag=HEADER_TAG)))
-                sends.append((peer, self.requests.isend(sent[k] - self.last[k], peer, tag=PAYLOAD_TAG)))
+                sends.append((peer, self.requests.isend(delta, peer, tag=PAYLOAD_TAG)))
+                asked.append(k)
             except RuntimeError as e:
                 self._lose(peer, str(e))
-                del sent[k]
+                copies.forget(k)
         with self.lock:
-            cur = self._gather(self.group, values)
-            self.master.add_(cur - self.last[self.group], alpha=self.scale)
-            self.version += 1
-            self.seen[self.group] = self.version
-            self._adopt(self.group, self.master, cur, values)
-        for k in sent:
+            copies.fold_own()
+            self.seen[self.group] = copies.version
+        for k in asked:
             got = self._receive(k)
-            if got is not None:
+            if got is None:
+                copies.forget(k)
+            else:
                 version, value = got
                 self.seen[k] = version
-                self._adopt(k, value, sent[k], values)
+                copies.adopt(k, value)
         for peer, h in sends:
             try:
                 self._unless_gone(peer, h.wait)
@@ -165,25 +153,13 @@ class GroupSync:
             del GroupSync._active[id(self.requests)]
 
     def stats(self) -> str:
-        merges = self.merges
+        merges = self.copies.merges
         mean = sum(merges) / len(merges) if merges else 0.0
-        return (f"{self.version} merges into its master copies (staleness mean {mean:.2f} max {max(merges, default=0)}), "
+        return (f"{self.copies.version} merges into its master copies (staleness mean {mean:.2f} max {max(merges, default=0)}), "
                 f"{self.rejected} message(s) rejected, groups gone without stopping: "
                 f"{sorted(self.gone & set(self.peers.values())) or 'none'}")
 
     # --- internals ---------------------------------------------------------------------------------
-
-    def _gather(self, k: int, values: Mapping[int, Tensor]) -> Tensor:
-        pieces = [values[s.id][lo:hi] for s, lo, hi in self.parts[k]]
-        return torch.cat(pieces) if pieces else torch.zeros(0)
-
-    def _adopt(self, k: int, value: Tensor, sent: Tensor, values: Mapping[int, Tensor]) -> None:
-        self.last[k].copy_(value)
-        change = value - sent
-        offset = 0
-        for s, lo, hi in self.parts[k]:
-            values[s.id][lo:hi].add_(change[offset : offset + hi - lo])
-            offset += hi - lo
 
     def _receive(self, k: int) -> tuple[int, Tensor] | None:
         """Peer k's reply, or None once it is gone."""
@@ -219,8 +195,8 @@ class GroupSync:
             raw = empty_header()
             self.replies.recv(raw, peer, tag=HEADER_TAG)
             header = Header.decode(raw)
-            check(header, src=peer, expected_length=self.sizes[k], allowed={Op.REPLY})
-            value = torch.empty(self.sizes[k], dtype=self.master.dtype)
+            check(header, src=peer, expected_length=self.copies.sizes[k], allowed={Op.REPLY})
+            value = torch.empty(self.copies.sizes[k], dtype=self.master.dtype)
             self.replies.recv(value, peer, tag=PAYLOAD_TAG)
             return header.version, value
         except MessageError as e:
@@ -250,7 +226,7 @@ class GroupSync:
         header = Header.decode(raw)
         if src not in self._live:
             raise MessageError(f"{header.op.name} from rank {src}, which is not a live peer of this master copy")
-        expected = self.sizes[self.group]
+        expected = self.copies.sizes[self.group]
         check(header, src=src, expected_length=expected, allowed={Op.SYNC, Op.STOP})
         if header.op is Op.STOP:
             with self._done:
@@ -265,11 +241,8 @@ class GroupSync:
         delta = torch.empty(expected, dtype=self.master.dtype)
         self.requests.recv(delta, src, tag=PAYLOAD_TAG)
         with self.lock:
-            self.master.add_(delta, alpha=self.scale)
-            self.merges.append(max(self.version - header.version, 0))
-            self.version += 1
-            reply = Header(Op.REPLY, self.group, self.version, self.rank, expected)
-            value = self.master.clone()
+            version, value = self.copies.fold(delta, header.version)
+            reply = Header(Op.REPLY, self.group, version, self.rank, expected)
         try:
             self.replies.send(reply.encode(), src, tag=HEADER_TAG)
             self.replies.send(value, src, tag=PAYLOAD_TAG)

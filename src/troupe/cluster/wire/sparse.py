@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from troupe.cluster.messages import MessageError
+from troupe.cluster.wire.messages import MessageError
 from troupe.compress.topk import TopKCompressor, scatter_dense
 
 INDEX_DTYPE = torch.int32

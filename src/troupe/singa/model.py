@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from troupe.distopt import DistOpt
+from troupe.singa.methods import SingaMethods
 
 
 class Model(nn.Module):
@@ -25,7 +25,7 @@ class Model(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.optimizer: DistOpt | torch.optim.Optimizer | None = None
+        self.optimizer: torch.optim.Optimizer | None = None  # a DistOpt, or any torch optimizer
         self._train_arity: int | None = None  # set by compile(is_train=True): forward's input count
 
     def __call__(self, *args, **kwargs):
@@ -36,12 +36,14 @@ class Model(nn.Module):
             return self.train_one_batch(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
-    def set_optimizer(self, optimizer: DistOpt | torch.optim.Optimizer) -> None:
+    def set_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Attach the optimizer; a DistOpt also copies rank 0's parameters and buffers to every rank."""
-        if not isinstance(optimizer, (DistOpt, torch.optim.Optimizer)):
+        if not isinstance(optimizer, torch.optim.Optimizer):  # a DistOpt is one
             raise TypeError(f"set_optimizer takes a DistOpt or torch optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
-        if isinstance(optimizer, DistOpt):
+        # A DistOpt is known by its SINGA methods: this module sits below troupe.distopt
+        # (which inherits them from here) and does not import it.
+        if isinstance(optimizer, SingaMethods):
             optimizer.sync_parameters(self)
 
     def train_one_batch(self, x: Tensor, y: Tensor, dist_option: str = "plain", spars: float | None = None):
@@ -82,7 +84,7 @@ class Model(nn.Module):
             self.forward(*inputs)
         if not use_graph:
             return
-        if is_train and isinstance(self.optimizer, DistOpt):
+        if is_train and isinstance(self.optimizer, SingaMethods):
             one_batch = type(self).train_one_batch.__get__(self)
             # An instance attribute shadows the method, so model(x, y) runs the graph.
             self.train_one_batch = GraphStep(self.optimizer, self, one_batch, one_batch, returns_loss=False,

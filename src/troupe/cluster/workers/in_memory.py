@@ -7,7 +7,7 @@ one parameter memory: the first of them writes the initial values into a file in
 /dev/shm that every one of them maps; each worker's parameters become views into it,
 and each worker's own optimizer (its own momentum) steps them in place while the others
 read and write them. Across processes the server groups synchronise as Distributed
-Hogwild does (`troupe.cluster.groupsync`): the first worker of each process folds the
+Hogwild does (`troupe.cluster.serving.groupsync`): the first worker of each process folds the
 process's change into the master copies every `sync_freq` of its steps.
 """
 
@@ -21,14 +21,16 @@ import uuid
 import torch
 from torch import Tensor
 
-from troupe.cluster.config import ClusterConfig, Role
+from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.configuration.roles import Role
+from troupe.cluster.serving.groupsync import GroupSync
+from troupe.cluster.serving.mastercopies import MasterCopies, SliceValues
+from troupe.cluster.serving.shard import plan_slices
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
-from troupe.cluster.groupsync import GroupSync
 from troupe.cluster.regimes import PS_WORKER_STATE
-from troupe.cluster.shard import plan_slices
 
-log = logging.getLogger("troupe.cluster.config")
+log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 
@@ -80,16 +82,10 @@ class SharedMemory:
         self.values = {s.id: self.flat[starts[s.param] + s.start : starts[s.param] + s.stop] for s in self.slices}
         self.process.barrier()  # nobody updates before every worker's parameters are views
         if self.lead and self.sync_channels is not None:
-            self.groups = GroupSync(
-                *self.sync_channels,
-                group=self.role.server[0],
-                ngroups=self.cluster.nserver_groups,
-                rank_of=lambda k: k * self.per_process,
-                slices=self.slices,
-                values=self.values,
-                merge=self.cluster.group_merge,
-                alive=self.alive,
-            )
+            copies = MasterCopies(SliceValues.of(self.slices, self.values), self.role.server[0],
+                                  self.cluster.nserver_groups, self.cluster.group_merge)
+            self.groups = GroupSync(*self.sync_channels, copies, rank_of=lambda k: k * self.per_process,
+                                    alive=self.alive)
             self.groups.start()
 
     # --- the UpdateStrategy surface: gradients stay local; step() writes into the shared memory
@@ -122,7 +118,7 @@ class SharedMemory:
         self.optimizer.step()  # in place, into the shared memory, without a lock
         self.steps += 1
         if self.groups is not None and self.steps % self.cluster.sync_freq == 0:
-            self.groups.sync(self.values)
+            self.groups.sync()
         self.staleness.append(self.steps % self.cluster.sync_freq if self.sync_channels is not None else 0)
         return {"staleness": self.staleness[-1]}
 
@@ -136,6 +132,6 @@ class SharedMemory:
         except RuntimeError as e:
             log.warning("troupe shared memory rank %d: a worker of this process is gone: %s", self.role.rank, e)
         if self.groups is not None:
-            self.groups.sync(self.values)
+            self.groups.sync()
             self.groups.close(self.timeout)
             print(f"troupe group sync rank {self.role.rank}: {self.groups.stats()}", file=sys.stderr, flush=True)

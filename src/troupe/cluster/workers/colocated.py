@@ -1,13 +1,13 @@
-"""The worker side of a cluster with co-located servers (joining a cluster is `troupe.cluster.bootstrap`'s).
+"""The co-located worker: servers share the workers' processes (AllReduce, Distributed Hogwild).
 
-* `PSClient` (servers in their own processes: Sandblaster, Downpour) is in
-  `troupe.cluster.ps_client`; `SharedMemory` (in-memory Hogwild) in `troupe.cluster.shared`.
-* `CoLocated` (servers share the workers' processes: AllReduce, Distributed Hogwild):
-  inside a group, reduce the gradients (reduce-scatter onto their owners under NCCL,
-  `troupe.sync.hooks.scatter`), each worker updates the slices its co-located server owns, then
-  all-gather the slices; with several groups, every `sync_freq`
-  steps each group folds its change into the master copies, asynchronously
-  (`troupe.cluster.groupsync`).
+Joining a cluster is `troupe.cluster.bootstrap`'s; the other kinds of worker are
+`troupe.cluster.workers.ps_client` (separate servers) and `troupe.cluster.workers.in_memory`
+(in-memory Hogwild); `troupe.cluster.regimes` registers all three.
+
+`CoLocated`: inside a group, reduce the gradients (reduce-scatter onto their owners under NCCL,
+`troupe.sync.hooks.scatter`), each worker updates the slices its co-located server owns, then
+all-gather the slices; with several groups, every `sync_freq` steps each group folds its
+change into the master copies, asynchronously (`troupe.cluster.serving.groupsync`).
 
 A partitioned model (`troupe.partition`, `layout`): a slice of a dim-1 layer, or a dim -1 layer,
 is held by one worker of the group, whose gradient already sums the group's samples (the
@@ -26,29 +26,19 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from troupe.cluster.config import ClusterConfig, Role
-from troupe.cluster.groupsync import GroupSync
-from troupe.cluster.layout import Layout
+from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.configuration.roles import Role
 from troupe.cluster.regimes import PS_WORKER_STATE
-from troupe.cluster.shard import ParamShard, Slice, plan_slices
+from troupe.cluster.serving.groupsync import GroupSync
+from troupe.cluster.serving.mastercopies import MasterCopies
+from troupe.cluster.serving.shard import ParamShard, Slice, plan_slices
+from troupe.cluster.workers.layout import Layout, trainable
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
 from troupe.strategies.base import reduced_buckets_finite
 from troupe.sync.hooks.allreduce import MeanAllReduce
 from troupe.sync.hooks.scatter import BucketScatter
 from troupe.sync.reducer import GradReducer
-
-
-def trainable(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list[int]]:
-    """The optimizer's trainable parameters in order, and the param group of each."""
-    params, groups, seen = [], [], set()
-    for g, group in enumerate(optimizer.param_groups):
-        for p in group["params"]:
-            if id(p) not in seen and p.requires_grad:
-                seen.add(id(p))
-                params.append(p)
-                groups.append(g)
-    return params, groups
 
 
 def colocated_slices(numels: Sequence[int], owned: Sequence[bool], nservers: int, index: int) -> list[Slice]:
@@ -118,16 +108,9 @@ class CoLocated:
             self.shard.put(s.id, self._flat(s))
         if self.sync_channels is not None:
             n = self.cluster.nworkers_per_group
-            self.groups = GroupSync(
-                *self.sync_channels,
-                group=self.me // n,
-                ngroups=self.cluster.nworker_groups,
-                rank_of=lambda k: k * n + self.index,
-                slices=self.mine,
-                values=self.shard.values,
-                merge=self.cluster.group_merge,
-                alive=self.alive,
-            )
+            copies = MasterCopies(self.shard, self.me // n, self.cluster.nworker_groups, self.cluster.group_merge)
+            self.groups = GroupSync(*self.sync_channels, copies, rank_of=lambda k: k * n + self.index,
+                                    alive=self.alive)
             self.groups.start()
 
     def _flat(self, s) -> Tensor:
@@ -195,7 +178,7 @@ class CoLocated:
         self._apply_own()
         self.steps += 1
         if self.groups is not None and self.steps % self.cluster.sync_freq == 0:
-            self.groups.sync(self.shard.values)
+            self.groups.sync()
         self._all_gather()
         self.staleness.append(self.steps % self.cluster.sync_freq if self.groups is not None else 0)
         return {"staleness": self.staleness[-1]}
@@ -226,7 +209,7 @@ class CoLocated:
             return
         self.closed = True
         if self.steps % self.cluster.sync_freq:
-            self.groups.sync(self.shard.values)
+            self.groups.sync()
             self._all_gather()
         self.groups.close(self.timeout)
         print(f"troupe group sync rank {self.me}: {self.groups.stats()}", file=sys.stderr, flush=True)

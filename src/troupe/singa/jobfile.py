@@ -4,7 +4,8 @@ A job.conf holds the whole job (``name``, ``neuralnet { layer { ... } }``, ``upd
 ``cluster { ... }``); troupe needs only the cluster block. `cluster_fields` finds it wherever
 it is, returns its ``key: value`` pairs as Python values, and warns naming what it skipped:
 the other top-level fields, and SINGA's cluster fields troupe has no use for. Pure text in,
-a dict out: `troupe.cluster.config` turns the dict into a `ClusterConfig`.
+a dict out (nothing of troupe's imported): `troupe.cluster.configuration.sources` turns the dict into a
+`ClusterConfig`.
 """
 
 from __future__ import annotations

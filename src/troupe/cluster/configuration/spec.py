@@ -118,7 +118,7 @@ class TrainingSpec:
     param_group_of: tuple[int, ...]
     optimizer: OptimizerSpec = field(repr=False)
     owners: tuple[int | None, ...] = ()
-    """Per parameter, under a partitioned model (`troupe.cluster.layout`): the index inside each
+    """Per parameter, under a partitioned model (`troupe.cluster.workers.layout`): the index inside each
     worker group of the one worker holding it (a dim-1 slice, a dim -1 layer), or None where every
     worker of the group holds it. Empty: nothing is partitioned."""
 

@@ -2,17 +2,17 @@
 
 A worker's gradients go to the servers of its group as Update messages, one per slice;
 `step()` copies the fresh slices in. Under a partitioned model (`troupe.partition`) a worker
-sends and fetches only the slices of the parameters it holds (`troupe.cluster.layout`). The Updates leave in `step()`, after anything the
-loop does to the gradients between backward and step (clipping); once a step shows that
+sends and fetches only the slices of the parameters it holds (`troupe.cluster.workers.layout`).
+The Updates leave in `step()`, after anything the loop does to the gradients between backward and step (clipping); once a step shows that
 the loop leaves them alone, they leave during backward instead, bucket by bucket,
 overlapped with it (`ClusterConfig.send_updates`). nan_policy: a worker checks its
 gradients before they leave, and Skips every slice of a non-finite step. With
 `ClusterConfig.wire_topk` each slice's Update carries only the top-K of (its gradient + what
-this worker left out of that slice before), as (index, value) pairs (`troupe.cluster.sparse`);
+this worker left out of that slice before), as (index, value) pairs (`troupe.cluster.wire.sparse`);
 the rest is kept as the slice's residual (error feedback), in `state_dict()`.
 With `ClusterConfig.fetch` "background" a step does not wait for its replies: a thread receives
 them while the next step computes, and that step's `step()` copies them in. A step's messages to
-one server leave as one frame, and its replies come back as one (`troupe.cluster.frames`).
+one server leave as one frame, and its replies come back as one (`troupe.cluster.wire.frames`).
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from troupe.cluster import sparse
+from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.configuration.roles import Role
 from troupe.cluster.regimes import PS_WORKER_STATE
-from troupe.cluster.config import ClusterConfig, Role
-from troupe.cluster.layout import Layout
-from troupe.cluster.frames import HEADER_BYTES, Inbox, pack
-from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, SPARSE, Header, MessageError, Op, check
-from troupe.cluster.shard import plan_slices
+from troupe.cluster.serving.shard import plan_slices
+from troupe.cluster.wire import sparse
+from troupe.cluster.wire.frames import HEADER_BYTES, Inbox, pack
+from troupe.cluster.wire.messages import HEADER_TAG, PAYLOAD_TAG, SPARSE, Header, MessageError, Op, check
+from troupe.cluster.workers.layout import Layout
 from troupe.compress.feedback import ErrorFeedback, residual_norm
 from troupe.compress.fp16 import half_dtype
 from troupe.reliability.nonfinite import all_finite
@@ -40,7 +41,7 @@ from troupe.sync.bucket import Bucket
 from troupe.sync.hooks.send import SendBuckets
 from troupe.sync.reducer import GradReducer
 
-log = logging.getLogger("troupe.cluster.config")
+log = logging.getLogger(__name__)
 
 SPARSE_OF = {dense: op for op, dense in SPARSE.items()}
 """Update -> SparseUpdate, Push -> SparsePush: what a top-K worker sends instead."""

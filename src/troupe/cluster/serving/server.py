@@ -1,13 +1,13 @@
 """The server loop: receive a message from any worker, check it, apply it to the ParamShard, reply.
 
-A frame (`troupe.cluster.frames`: a worker's messages of one step) is handled message by message,
+A frame (`troupe.cluster.wire.frames`: a worker's messages of one step) is handled message by message,
 and the replies it causes leave as one frame per worker once it is done.
 
 All state lives in `ParamShard`; this file only moves messages. A worker that stops
 (Op.STOP) or dies (a send to it fails, or its process is gone) is forgotten: updates its group was waiting for
 complete without it, and the loop ends when every worker is gone. With several separate server
 groups a server then also waits until every server group has finished (their messages travel on a
-channel of their own, `troupe.cluster.serversync`).
+channel of their own, `troupe.cluster.serving.serversync`).
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from troupe.runtime.comm import Communicator
-from troupe.cluster import sparse
-from troupe.cluster.frames import HEADER_BYTES, Frame, pack
-from troupe.cluster.messages import (HEADER_TAG, PAYLOAD_TAG, SPARSE, WITH_PAYLOAD, Header, MessageError, Op, check,
+from troupe.cluster.wire import sparse
+from troupe.cluster.wire.frames import HEADER_BYTES, Frame, pack
+from troupe.cluster.wire.messages import (HEADER_TAG, PAYLOAD_TAG, SPARSE, WITH_PAYLOAD, Header, MessageError, Op, check,
                                      empty_header)
-from troupe.cluster.serversync import ServerSync
-from troupe.cluster.shard import ParamShard
+from troupe.cluster.serving.serversync import ServerSync
+from troupe.cluster.serving.shard import ParamShard
 from troupe.compress.topk import topk_count
 
-log = logging.getLogger("troupe.cluster.config")
+log = logging.getLogger(__name__)
 
 WATCH_INTERVAL = 0.5
 """Seconds between checks that the live workers' processes still exist."""

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from troupe.cluster.messages import HEADER_LEN, HEADER_TAG, PAYLOAD_TAG, Header, MessageError, empty_header
+from troupe.cluster.wire.messages import HEADER_LEN, HEADER_TAG, PAYLOAD_TAG, Header, MessageError, empty_header
 
 HEADER_BYTES = HEADER_LEN * 8
 

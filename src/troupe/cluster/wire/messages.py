@@ -3,7 +3,7 @@
 A header is ``[MAGIC, op, slice_id, version, sender, length]``. The receiver checks
 every field before it touches a payload; a malformed or unexpected message is
 rejected with a logged error and never applied. Several messages to one peer travel as
-one frame (`troupe.cluster.frames`): the first one's header, marked by `FRAME_MAGIC`,
+one frame (`troupe.cluster.wire.frames`): the first one's header, marked by `FRAME_MAGIC`,
 carries the frame's size in bytes where a lone header carries its payload's length.
 """
 
@@ -16,10 +16,10 @@ from enum import IntEnum
 import torch
 from torch import Tensor
 
-log = logging.getLogger("troupe.cluster.config")
+log = logging.getLogger(__name__)
 
 MAGIC = 0x7450_5331  # "tPS1"
-FRAME_MAGIC = 0x7450_5346  # "tPSF": this header opens a frame (`troupe.cluster.frames`)
+FRAME_MAGIC = 0x7450_5346  # "tPSF": this header opens a frame (`troupe.cluster.wire.frames`)
 HEADER_LEN = 6
 HEADER_TAG = 0x7450
 """Point-to-point tag of headers: a receive for any header can never match a payload."""
@@ -52,12 +52,12 @@ class Op(IntEnum):
     nan_policy): the group's update of the slice is skipped. Answered with an Ack."""
     SPARSE_UPDATE = 12
     """Worker -> server: an Update as `length` (index, value) pairs, the top-K of the slice's update
-    (`ClusterConfig.wire_topk`; the payload's layout is `troupe.cluster.sparse`'s)."""
+    (`ClusterConfig.wire_topk`; the payload's layout is `troupe.cluster.wire.sparse`'s)."""
     SPARSE_PUSH = 13
     """Worker -> server: a Push as (index, value) pairs."""
     MERGE = 14
     """Server -> the master copy of a part, held by a server of another server group
-    (`troupe.cluster.serversync`): my change of the part since I last synced (`slice_id`: my server
+    (`troupe.cluster.serving.serversync`): my change of the part since I last synced (`slice_id`: my server
     group; `version`: the master copy's version I last adopted)."""
     MERGED = 15
     """Master copy -> server: the part's value after folding in your Merge (`version`: the master copy's)."""

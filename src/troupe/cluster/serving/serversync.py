@@ -3,10 +3,10 @@ with neighboring server groups periodically").
 
 With ``server_worker_separate`` and G = ``nserver_groups`` > 1 every server group holds a replica of
 the parameters, updated by its own worker groups. The master copy of each part is spread as
-Distributed Hogwild's is (`troupe.cluster.groupsync.parts`): the slices server j holds are cut into
-G parts, and part k's master copy lives with server j of server group k. Every ``sync_freq`` group
-updates of its whole shard (the shard's slice updates grow by ``sync_freq`` times its number of
-slices) a server folds its own part into its master copy and sends ``cur - last_sync`` of every
+Distributed Hogwild's is, with the same arithmetic (`troupe.cluster.serving.mastercopies`): the
+slices server j holds are cut into G parts, and part k's master copy lives with server j of server
+group k. Every ``sync_freq`` group updates of its whole shard (the shard's slice updates grow by
+``sync_freq`` times its number of slices) a server folds its own part into its master copy and sends ``cur - last_sync`` of every
 other part to that part's master (Merge), which folds it in and answers with its value (Merged).
 The server adopts it, keeping the updates its workers made meanwhile::
 
@@ -48,109 +48,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from troupe.cluster.groupsync import parts
-from troupe.cluster.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
-from troupe.cluster.shard import ParamShard
+from troupe.cluster.serving.mastercopies import MasterCopies
+from troupe.cluster.wire.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
 from troupe.runtime.comm import Communicator, Handle
 
-log = logging.getLogger("troupe.cluster.config")
+log = logging.getLogger(__name__)
 
 WATCH_INTERVAL = 0.5
 """Seconds between checks that the peers a closing server waits for still exist."""
-
-
-class MasterCopies:
-    """One server's arithmetic, no I/O: the master copy of its own part, and what it sent of the others.
-
-    The server's values and ``last_sync`` stay in its `ParamShard`; `group` is this server's server
-    group, `ngroups` the number of server groups.
-    """
-
-    def __init__(self, shard: ParamShard, group: int, ngroups: int, merge: str = "mean"):
-        if merge not in ("mean", "sum"):
-            raise ValueError(f"group_merge must be 'mean' or 'sum', got {merge!r}")
-        self.shard = shard
-        self.group, self.ngroups = group, ngroups
-        self.parts = parts([shard.slices[k] for k in sorted(shard.slices)], ngroups)
-        self.sizes = [sum(hi - lo for _, lo, hi in p) for p in self.parts]
-        self.scale = 1.0 / ngroups if merge == "mean" else 1.0
-        self.master: Tensor | None = None
-        """The master copy of part `group` (None until every slice has its initial value)."""
-        self.version = 0
-        self.sent: dict[int, Tensor] = {}
-        """Part -> its value when the Merge now in flight left (what the answer is adopted against)."""
-        self.merges: list[int] = []
-        """Per neighbour's Merge folded in here: other merges since that neighbour last adopted."""
-        self.drift = 0.0
-        """Largest |master - replica| over the parts this server adopted: how far apart the replicas were."""
-
-    def ready(self) -> bool:
-        return len(self.shard.initialised) == len(self.shard.slices)
-
-    def start(self) -> None:
-        """Take the master copy from this server's values (its initial values, or a resumed checkpoint)."""
-        self.master = self.gather(self.group).clone()
-
-    def gather(self, k: int, source: dict[int, Tensor] | None = None) -> Tensor:
-        """Part k of the server's values (or of `source`, e.g. ``shard.last_sync``), as one vector."""
-        source = self.shard.values if source is None else source
-        pieces = [source[s.id][lo:hi] for s, lo, hi in self.parts[k]]
-        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=self.shard.dtype)
-
-    def request(self, k: int) -> Tensor:
-        """``cur - last_sync`` of part k, to send to its master; remembers cur to adopt the answer against."""
-        if k in self.sent:
-            raise RuntimeError(f"a Merge of part {k} is already in flight")
-        cur = self.gather(k).clone()
-        self.sent[k] = cur
-        return cur - self.gather(k, self.shard.last_sync)
-
-    def fold(self, delta: Tensor, seen: int) -> tuple[int, Tensor]:
-        """A neighbour's change into the master copy; returns (version, value) to answer with."""
-        self.master.add_(delta.to(self.master.dtype), alpha=self.scale)
-        self.merges.append(max(self.version - seen, 0))
-        self.version += 1
-        return self.version, self.master.clone()
-
-    def fold_own(self) -> None:
-        """This server's own change of its part into the master copy, adopted at once."""
-        cur = self.gather(self.group).clone()
-        self.master.add_(cur - self.gather(self.group, self.shard.last_sync), alpha=self.scale)
-        self.version += 1
-        self._adopt(self.group, self.master, cur)
-
-    def adopt(self, k: int, value: Tensor) -> None:
-        """The master's answer to the Merge of part k in flight: cur += value - sent; last_sync = value."""
-        self._adopt(k, value, self.sent.pop(k))
-
-    def forget(self, k: int) -> None:
-        """No answer will come for part k (its master is gone): keep the values as they are."""
-        self.sent.pop(k, None)
-
-    def settle(self, k: int, value: Tensor) -> None:
-        """Part k's final value (every server group has finished): cur = last_sync = value."""
-        self._write(k, value, self.shard.values)
-        self._write(k, value, self.shard.last_sync)
-
-    def final(self) -> Tensor:
-        """Set this server's own part to its master copy (every change folded in) and return it."""
-        self.settle(self.group, self.master)
-        return self.master.clone()
-
-    def _adopt(self, k: int, value: Tensor, sent: Tensor) -> None:
-        change = value - sent
-        self.drift = max(self.drift, float(change.abs().max())) if change.numel() else self.drift
-        offset = 0
-        for s, lo, hi in self.parts[k]:
-            self.shard.values[s.id][lo:hi].add_(change[offset : offset + hi - lo])
-            self.shard.last_sync[s.id][lo:hi].copy_(value[offset : offset + hi - lo])
-            offset += hi - lo
-
-    def _write(self, k: int, value: Tensor, target: dict[int, Tensor]) -> None:
-        offset = 0
-        for s, lo, hi in self.parts[k]:
-            target[s.id][lo:hi].copy_(value[offset : offset + hi - lo])
-            offset += hi - lo
 
 
 class ServerSync:
@@ -215,7 +120,7 @@ class ServerSync:
     def progress(self, live: set[int]) -> None:
         """After each message: start once the values are in, sync when due, finish when the workers stopped."""
         if self.copies.master is None:
-            if not self.copies.ready():
+            if len(self.shard.initialised) < len(self.shard.slices):  # a slice's initial value has not come
                 if not self.finishing and not (self.own_workers & live):
                     # Our workers left before every initial value came (the job failed at its start):
                     # nothing to sync. End; the neighbours forget this server when its process ends.

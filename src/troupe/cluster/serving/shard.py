@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from troupe.cluster.spec import OptimizerSpec
+from troupe.cluster.configuration.spec import OptimizerSpec
 
-log = logging.getLogger("troupe.cluster.config")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class ParamShard:
     ):
         self.slices = {s.id: s for s in slices}
         self.owners = {k: (owners or {}).get(k) for k in self.slices}
-        """Per slice of a partitioned model (`troupe.cluster.layout`): the index in each group of the one
+        """Per slice of a partitioned model (`troupe.cluster.workers.layout`): the index in each group of the one
         worker holding it, or None when every worker of a group holds it."""
         self.position = dict(position or {})
         """Each worker's index inside its group."""
@@ -271,15 +271,6 @@ class ParamShard:
         if self.optimizer is not None:
             for group, i in zip(self.optimizer.param_groups, self._group_of_server_group):
                 group["lr"] = float(lrs[i]) * self.lr_scale
-
-    def delta_since_sync(self, slice_id: int) -> Tensor:
-        """``cur - last_sync``: what this group changed since it last synced with the master copy."""
-        return self.values[slice_id] - self.last_sync[slice_id]
-
-    def adopt(self, slice_id: int, value: Tensor) -> None:
-        """Take the master copy's value after a sync."""
-        self.values[slice_id].copy_(value)
-        self.last_sync[slice_id].copy_(value)
 
     def state_dict(self) -> dict[str, Any]:
         """Slices, versions and server-side optimizer state (a server checkpoint)."""

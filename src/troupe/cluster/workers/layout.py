@@ -13,6 +13,9 @@ A server averages a replicated slice's Updates over the group's k workers, each 
 its own samples' mean loss. A partitioned slice has one sender, whose gradient already sums the
 contributions of the whole group's samples (the connection layers' backward adds them), so the
 server scales it by 1/k: both give the gradient of the group's mean loss.
+
+`trainable` lists a worker's own trainable parameters (the optimizer's, in order), which every
+kind of worker and the bootstrap start from.
 """
 
 from __future__ import annotations
@@ -20,9 +23,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from troupe.util import holders_of
+
+def trainable(optimizer: torch.optim.Optimizer) -> tuple[list[Tensor], list[int]]:
+    """The optimizer's trainable parameters in order, and the param group of each."""
+    params, groups, seen = [], [], set()
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in seen and p.requires_grad:
+                seen.add(id(p))
+                params.append(p)
+                groups.append(g)
+    return params, groups
+
 
 Entry = tuple[int, int, "int | None"]
 """(numel, param group, owner) of one trainable parameter; owner None: every worker of a group holds it."""

@@ -7,6 +7,8 @@ here holds state of its own.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
 from troupe.strategies import registry
@@ -68,6 +70,24 @@ class SingaMethods:
         the options that take it."""
         regime = registry.lookup(dist_option)
         getattr(self, regime.method)(loss, **regime.method_args(spars=spars))
+
+    def _singa_step(self, loss: Tensor, option: str, **args: Any) -> None:
+        """One of SINGA's methods: zero the gradients, backward under `option`'s strategy, step (DistOpt's)."""
+        rec = self.world.recorder
+        if rec is not None:
+            rec.note_loss(loss)
+        strategy = self._choice.select(option, **args)
+        self.zero_grad()
+        if self.reducer is not None and self._choice.owns_reducer:
+            hook = strategy.reduce_hook()
+            if hook is not None:  # start the step's agreement now: it overlaps backward
+                self.reducer.open_step(hook, exchange=True)
+        try:
+            loss.backward()
+        except BaseException:
+            self._abandon_open_step()
+            raise
+        self.step()
 
     # --- collectives ----------------------------------------------------------------------
 

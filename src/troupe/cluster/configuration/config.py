@@ -1,0 +1,295 @@
+"""Cluster topology (SINGA 0.x's ClusterProto): worker groups, server groups, and how they train.
+
+Worker groups run asynchronously to each other, workers inside a group synchronously.
+Group g talks to server group ``g // (nworker_groups // nserver_groups)``. The four
+frameworks of the reference are four settings of one `ClusterConfig` (`presets`); the
+role of every rank follows from it (`roles`).
+
+Every field says in its metadata what the rest of troupe needs to know about it, so that a
+new field is one declaration here: `troupe run`'s flag (`Flag`, turned into argparse
+options by `flags`), the fields that need separate servers, and the fields that leave a
+preset's shape alone. A `Literal[...]` field takes exactly the listed values, its default first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from troupe.util import check_int
+
+ENV_VAR = "TROUPE_CLUSTER"
+"""Environment variable through which `troupe run` hands the cluster (JSON) to every rank."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How `troupe run` takes a field on its command line: ``--`` and the field's name with dashes."""
+
+    help: str | None = None
+    metavar: str | None = None
+
+
+def option(default: Any, *, flag: Flag | None = None, separate_only: str | None = None,
+           keeps_shape: bool = False, check: typing.Callable[[Any, bool], None] | None = None) -> Any:
+    """A `ClusterConfig` field with what the rest of troupe needs to know about it.
+
+    Args:
+        flag: `troupe run` takes the field as a flag (None: only in a cluster file or JSON).
+        separate_only: a value other than the default needs separate servers; the text says why
+            ("" for no reason beyond that).
+        keeps_shape: the field changes neither the number of processes nor their roles, so a
+            preset given with it is still rescaled to ``troupe run -n``.
+        check: ``check(value, server_worker_separate)`` raises for a bad value (instead of the
+            checks the field's type implies).
+    """
+    metadata = {"flag": flag, "separate_only": separate_only, "keeps_shape": keeps_shape, "check": check}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _check_partition(value: object, separate: bool) -> None:
+    dims = (0, 1, -1)
+    if value is None or (not isinstance(value, bool) and value in dims):
+        return
+    if isinstance(value, dict) and value and all(
+            isinstance(k, str) and not isinstance(v, bool) and v in dims for k, v in value.items()):
+        return
+    raise ValueError(f"partition_dim must be one of {dims} or a table of module-name globs -> one of them, "
+                     f"got {value!r}")
+
+
+def _check_topk(value: object, separate: bool) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"wire_topk is the fraction of each slice's update a worker sends and must be in (0, 1) "
+                         f"or unset (dense), got {value!r}")
+
+
+_SIZE = Flag()
+"""A size or count flag: an integer >= 1, no help text."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """SINGA's ClusterProto, plus server-group synchronisation and shared memory."""
+
+    nworker_groups: int = option(1, flag=_SIZE)
+    """Worker groups run asynchronously to each other."""
+    nserver_groups: int = option(1, flag=_SIZE)
+    """Each server group holds a full copy of the parameters; must divide nworker_groups."""
+    nworkers_per_group: int = option(1, flag=_SIZE)
+    """Workers of one group run synchronously (their updates are summed, then applied once)."""
+    nservers_per_group: int = option(1, flag=_SIZE)
+    """The parameters are cut into slices balanced across the servers of a group."""
+    nworkers_per_procs: int = option(1, flag=_SIZE)
+    """Workers hosted by one process."""
+    nservers_per_procs: int = option(1, flag=_SIZE)
+    """Servers hosted by one process."""
+    server_worker_separate: bool = option(False, flag=Flag())
+    """Servers in processes of their own (True) or sharing the workers' processes (False)."""
+    sync_freq: int = option(10, flag=_SIZE, keeps_shape=True)
+    """With several server groups: every sync_freq updates a group syncs each slice with its master group."""
+    share_memory: bool = option(False, keeps_shape=True, flag=Flag(
+        "workers of one process share its parameter memory (in-memory Hogwild)"))
+    """Workers of one process share parameter memory (in-memory Hogwild)."""
+    fetch_freq: int = option(1, flag=_SIZE, keeps_shape=True)
+    """Separate servers: workers copy fresh slices every fetch_freq steps (Downpour's n_fetch); in between
+    the servers only acknowledge their updates."""
+    staleness_bound: int | None = option(None, flag=_SIZE, keeps_shape=True)
+    """Stale-synchronous: a worker group more than this many updates ahead of the slowest waits (None: no bound)."""
+    group_merge: Literal["mean", "sum"] = option("mean", keeps_shape=True, flag=Flag(
+        "how asynchronous worker groups' changes combine (default mean; sum is SINGA's)"))
+    """How the changes of asynchronous worker groups combine. "mean": each group counts 1/G (a Downpour
+    server steps with lr / G per group's update; a Hogwild master copy adds a group's change / G), so
+    the learning rate means what it means synchronously. "sum": SINGA's rule, each group's full change
+    (G times the step; diverges at a learning rate one group trains well with)."""
+    fetch: Literal["wait", "background", "predict"] = option("wait", separate_only="", keeps_shape=True, flag=Flag(
+        "separate servers: wait for the fresh values in step(), take them in the background while the next "
+        "step computes, or that and predict this worker's own update locally (default wait)"))
+    """Separate servers: when a worker takes in the fresh values its Updates bring back. "wait":
+    ``step()`` waits for them (a round trip to the servers every step). "background": ``step()``
+    sends the Updates and returns at once; the replies are received by a thread while the next
+    step computes, and copied in at that step's ``step()``. Every step then computes on values
+    that lack this worker's previous update (a delay of one own step; measured in
+    docs/clusters.md), and a worker waits only when the servers take longer than a step. A
+    synchronous group (Sandblaster) then trains as SGD with a one-step delay. "predict": as
+    "background", and the worker also steps the wrapped optimizer on its own gradient (at the
+    servers' learning rate) and adds that change to the values it computes on until the servers'
+    values holding it arrive: no delay of its own update (exact with one worker), only the other
+    groups' updates arrive late, as under "wait"."""
+    staleness_lr: Literal["constant", "inverse"] = option("constant", separate_only="", keeps_shape=True, flag=Flag(
+        "separate servers: divide the learning rate of an update tau versions stale by tau (inverse) or not "
+        "(default constant)"))
+    """Separate servers: the learning rate of an update computed on values that are tau updates
+    old. "constant": the same for every update. "inverse": divided by max(1, tau) (Zhang et al.,
+    "Staleness-aware Async-SGD", IJCAI 2016), so a stale gradient moves the values less."""
+    send_updates: Literal["auto", "step"] = option("auto", keeps_shape=True)
+    """Separate servers: when a worker's Update messages leave. "step": in ``step()``, after whatever the
+    loop did to the gradients (clipping). "auto": in ``step()`` until a step shows that the loop leaves
+    the gradients alone between backward and step, then during backward (overlapped with it); always
+    in ``step()`` under ``nan_policy="skip"`` (docs/clusters.md)."""
+
+    wire_dtype: Literal["fp32", "fp16", "bf16"] = option(
+        "fp32", separate_only="co-located servers exchange fp32", keeps_shape=True,
+        flag=Flag("separate servers: precision of the gradients sent and values fetched (default fp32)"))
+    """Separate servers: the precision of what crosses the wire after the start, the gradients a
+    worker sends and the values it fetches. "fp16" or "bf16" halve both; the servers keep and update
+    fp32 values (the first values a worker Puts travel in full). Co-located servers refuse it."""
+
+    wire_topk: float | None = option(
+        None, separate_only="co-located servers and in-memory Hogwild exchange dense updates", keeps_shape=True,
+        check=_check_topk, flag=Flag("separate servers: send the top FRACTION of each slice's update, with error "
+                                     "feedback (default: dense)", metavar="FRACTION"))
+    """Separate servers: the fraction of each slice's update a worker sends, in (0, 1): the
+    ceil(wire_topk * n) largest-magnitude elements of (its update + what it left out before), as
+    (int32 index, value) pairs, values in `wire_dtype`; what it leaves out is kept per slice and
+    added to the next step's update (error feedback). Unset: dense updates. Co-located servers refuse it."""
+
+    partition_dim: int | dict[str, int] | None = option(None, check=_check_partition)
+    """A partitioned model (`troupe.partition(model)` in the script): every Linear/Conv2d's
+    partition_dim (0 batch, 1 output features, -1 one worker), or, in TOML, a table of
+    module-name globs -> dim; split inside each worker group of nworkers_per_group workers.
+    Unset: the script decides (no partition unless it partitions by hand)."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_field(f, getattr(self, f.name), self.server_worker_separate)
+        if self.nworker_groups % self.nserver_groups:
+            raise ValueError(
+                f"nworker_groups ({self.nworker_groups}) must be divisible by nserver_groups "
+                f"({self.nserver_groups}): each server group serves the same number of worker groups"
+            )
+        _check_packing("workers", self.nworkers_per_group, self.nworkers_per_procs)
+        _check_packing("servers", self.nservers_per_group, self.nservers_per_procs)
+        if not self.server_worker_separate and self.nworker_procs != self.nserver_procs:
+            raise ValueError(
+                f"with server_worker_separate false every process hosts workers and servers, so the "
+                f"worker processes ({self.nworker_procs} = {self.nworkers} workers / nworkers_per_procs "
+                f"{self.nworkers_per_procs}) must equal the server processes ({self.nserver_procs} = "
+                f"{self.nservers} servers / nservers_per_procs {self.nservers_per_procs})"
+            )
+
+    # --- derived sizes -------------------------------------------------------------
+
+    @property
+    def nworkers(self) -> int:
+        return self.nworker_groups * self.nworkers_per_group
+
+    @property
+    def nservers(self) -> int:
+        return self.nserver_groups * self.nservers_per_group
+
+    @property
+    def nworker_procs(self) -> int:
+        return -(-self.nworkers // self.nworkers_per_procs)
+
+    @property
+    def nserver_procs(self) -> int:
+        return -(-self.nservers // self.nservers_per_procs)
+
+    @property
+    def nprocs(self) -> int:
+        """OS processes troupe starts: SINGA's count (cluster.cc: sum if separate, else the max), except that
+        the `nworkers_per_procs` workers of one process run as processes of their own sharing its memory."""
+        if self.server_worker_separate:
+            return self.nworker_procs + self.nserver_procs
+        return max(self.nworker_procs, self.nserver_procs) * self.nworkers_per_procs
+
+    @property
+    def in_memory(self) -> bool:
+        """In-memory Hogwild: several workers share one process's parameter memory."""
+        return self.nworkers_per_procs > 1
+
+    @property
+    def worker_regime(self) -> str:
+        """The registered regime of this cluster's workers (`troupe.cluster.regimes`)."""
+        if self.server_worker_separate:
+            return "ps-client"
+        return "in-memory-hogwild" if self.in_memory else "co-located"
+
+    @property
+    def synchronous(self) -> bool:
+        """One worker group: every update waits for the whole group."""
+        return self.nworker_groups == 1
+
+    def server_group_of(self, worker_group: int) -> int:
+        """The server group that worker group `worker_group` talks to."""
+        return worker_group // (self.nworker_groups // self.nserver_groups)
+
+    # --- (de)serialisation -----------------------------------------------------------
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> ClusterConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"unknown cluster field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**fields)
+
+    @classmethod
+    def from_json(cls, text: str) -> ClusterConfig:
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{ENV_VAR} is not valid JSON ({e}): {text!r}") from None
+        return cls.from_dict(fields)
+
+
+def choices(name: str, cls: type = ClusterConfig) -> tuple[str, ...]:
+    """The values field `name` may take when its type is a ``Literal[...]``, its default first; else ()."""
+    hint = _hints(cls)[name]
+    return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+
+
+def keeps_shape(name: str) -> bool:
+    """Does field `name` leave the number of processes and their roles alone? (False for an unknown name.)"""
+    f = {f.name: f for f in dataclasses.fields(ClusterConfig)}.get(name)
+    return f is not None and f.metadata["keeps_shape"]
+
+
+def flag_fields(cls: type = ClusterConfig) -> list[dataclasses.Field]:
+    """The fields `troupe run` takes as flags, in declaration order."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("flag") is not None]
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_field(f: dataclasses.Field, value: object, separate: bool) -> None:
+    """One field's value: its own check, else the one its type implies; and separate servers where it needs them."""
+    allowed = choices(f.name)
+    if f.metadata["check"] is not None:
+        f.metadata["check"](value, separate)
+    elif f.type == "bool":
+        if not isinstance(value, bool):
+            raise TypeError(f"{f.name} must be true or false, got {value!r}")
+    elif allowed:
+        if value not in allowed:
+            raise ValueError(f"{f.name} must be one of {', '.join(allowed)}, got {value!r}")
+    elif f.type == "int | None":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{f.name} must be an integer >= 0 or unset, got {value!r}")
+    else:
+        check_int(f.name, value)
+    why = f.metadata["separate_only"]
+    if why is not None and value != f.default and not separate:
+        raise ValueError(f"{f.name} {value} needs separate servers (server_worker_separate: true)"
+                         + (f"; {why}" if why else ""))
+
+
+def _check_packing(what: str, per_group: int, per_procs: int) -> None:
+    # SINGA places whole groups in a process or whole processes in a group, never a mix.
+    if per_group % per_procs and per_procs % per_group:
+        raise ValueError(
+            f"n{what}_per_group ({per_group}) and n{what}_per_procs ({per_procs}) must divide one another"
+        )

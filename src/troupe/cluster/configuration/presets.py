@@ -1,0 +1,52 @@
+"""The reference's four frameworks as `ClusterConfig` presets, and their rescaling to a job's process count.
+
+>>> cfg = PRESETS["downpour"]
+>>> cfg.nprocs, cfg.nworker_groups, cfg.nservers
+(6, 2, 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from troupe.cluster.configuration.config import ClusterConfig
+
+PRESETS: dict[str, ClusterConfig] = {
+    "sandblaster": ClusterConfig(nworkers_per_group=3, nservers_per_group=2, server_worker_separate=True),
+    "allreduce": ClusterConfig(nworkers_per_group=3, nservers_per_group=3),
+    "downpour": ClusterConfig(
+        nworker_groups=2, nworkers_per_group=2, nservers_per_group=2, server_worker_separate=True
+    ),
+    "hogwild": ClusterConfig(nworker_groups=3, nserver_groups=3),
+}
+"""The reference's four frameworks, exactly as its `cluster { ... }` blocks give them."""
+
+
+def preset(name: str, nprocs: int | None = None, **overrides) -> ClusterConfig:
+    """A named framework, rescaled to `nprocs` processes when given.
+
+    Rescaling keeps the framework's shape: Sandblaster and Downpour keep their server
+    count and give the remaining processes to workers; AllReduce and Hogwild use one
+    worker (and one co-located server) per process.
+    """
+    try:
+        cfg = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown framework {name!r}; choose one of {sorted(PRESETS)}") from None
+    if nprocs is not None and nprocs != cfg.nprocs:
+        cfg = _rescale(name, cfg, nprocs)
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+def _rescale(name: str, cfg: ClusterConfig, nprocs: int) -> ClusterConfig:
+    if name == "allreduce":
+        return dataclasses.replace(cfg, nworkers_per_group=nprocs, nservers_per_group=nprocs)
+    if name == "hogwild":
+        return dataclasses.replace(cfg, nworker_groups=nprocs, nserver_groups=nprocs)
+    nworkers = nprocs - cfg.nservers
+    if nworkers < cfg.nworker_groups or nworkers % cfg.nworker_groups:
+        raise ValueError(
+            f"framework {name!r} has {cfg.nservers} server(s) and {cfg.nworker_groups} worker group(s): "
+            f"-n {nprocs} leaves {nworkers} worker(s), which must be a positive multiple of {cfg.nworker_groups}"
+        )
+    return dataclasses.replace(cfg, nworkers_per_group=nworkers // cfg.nworker_groups)
