@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from troupe.cluster import regimes as cluster_regimes
+from troupe.cluster.workers import PS_WORKER_STATE
 from troupe.cluster.configuration.config import ClusterConfig
 from troupe.strategies import registry
 from troupe.strategies.choice import DistOption
@@ -97,4 +97,4 @@ def test_an_option_a_cluster_cannot_run_names_what_does_it_there(option, alterna
 
 
 def test_cluster_workers_say_why_their_state_is_per_rank():
-    assert "parameter-server worker" in cluster_regimes.PS_WORKER_STATE
+    assert "parameter-server worker" in PS_WORKER_STATE

@@ -120,12 +120,83 @@ def test_state_dict_through_a_dataloader_and_an_explicit_count():
 
 def test_state_from_another_setup_is_refused():
     state = DistributedSampler(50, rank=0, world_size=2).state_dict()
-    with pytest.raises(ValueError, match="world_size=2"):
-        DistributedSampler(50, rank=0, world_size=4).load_state_dict(state)
+    # Another world size is not another setup: the position reshards (tests below).
+    DistributedSampler(50, rank=0, world_size=4).load_state_dict(state)
     with pytest.raises(ValueError, match="size=50"):
         DistributedSampler(49, rank=0, world_size=2).load_state_dict(state)
     with pytest.raises(ValueError, match="consumed 26"):
         DistributedSampler(50, rank=0, world_size=2).load_state_dict({"epoch": 0, "consumed": 26})
+
+
+def resume_through(size, worlds, steps, tail, batch=3, epoch=1, seed=9):
+    """The indices each world hands out in one epoch of a run checkpointed and resumed on each world size of
+    `worlds` in turn: world k takes `steps[k]` batches per rank (None: to the end of the epoch), then one
+    rank's state (a different rank each time) goes to the next world."""
+    seen, state = [], None
+    for k, (world_size, n_steps) in enumerate(zip(worlds, steps)):
+        samplers = shares(size, world_size, tail=tail, seed=seed)
+        loaders = []
+        for s in samplers:
+            if state is not None:
+                s.load_state_dict(state)
+            s.set_epoch(epoch)  # the loop's own call for the resumed epoch keeps the position
+            loaders.append(torch.utils.data.DataLoader(range(size), batch_size=batch, sampler=s))
+        batches = [iter(dl) for dl in loaders]
+        seen.append([])
+        for _ in range(n_steps if n_steps is not None else max(map(len, loaders))):
+            for it in batches:  # a synchronous loop: one batch per rank per step, until a rank runs out
+                seen[-1] += next(it, torch.tensor([], dtype=torch.long)).tolist()
+        state = samplers[k % world_size].state_dict()
+        assert all(s.state_dict()["position"] == state["position"] for s in samplers)
+    return seen
+
+
+@pytest.mark.parametrize("worlds,steps", [
+    ((4, 2), (3, None)), ((2, 3), (5, None)), ((4, 2, 3), (2, 3, None)), ((3, 3), (4, None)),
+    ((1, 4, 2), (7, 1, None)), ((4, 2), (0, None)), ((2, 4), (17, None)),  # 17 steps: the first epoch ends
+])
+@pytest.mark.parametrize("size", [101, 24])
+def test_a_resumed_epoch_reshards_to_any_world_size(worlds, steps, size):
+    # The epoch's permutation, computed here as torch's DistributedSampler defines it (seed + epoch)
+    permutation = torch.randperm(size, generator=torch.Generator().manual_seed(9 + 1)).tolist()
+    per_world = resume_through(size, worlds, steps, "uneven")
+    uneven = [i for part in per_world for i in part]
+    assert sorted(uneven) == list(range(size))  # every sample exactly once across the worlds
+    start = 0
+    for part in per_world:  # and each world took the next stretch of the permutation
+        assert sorted(part) == sorted(permutation[start:start + len(part)])
+        start += len(part)
+    last = worlds[-1]
+    pad = [i for part in resume_through(size, worlds, steps, "pad") for i in part]
+    assert set(pad) == set(range(size)) and len(pad) - size < last  # only the last world's padding repeats
+    drop = [i for part in resume_through(size, worlds, steps, "drop") for i in part]
+    assert len(set(drop)) == len(drop) and size - len(drop) < last  # nothing repeats; only its tail is left out
+
+
+@pytest.mark.parametrize("tail", ["uneven", "pad", "drop"])
+def test_the_same_world_size_resumes_exactly_the_uninterrupted_run(tail):
+    for world_size in (1, 3, 4):
+        whole = [s.indices(1) for s in shares(101, world_size, tail=tail, seed=9)]
+        both = [i for part in resume_through(101, (world_size, world_size), (2, None), tail) for i in part]
+        flat = [i for j in range(len(whole[0])) for part in whole for i in part[j * 3: j * 3 + 3]]
+        assert both == flat
+
+
+def test_a_state_from_before_positions_resumes():
+    s = DistributedSampler(50, rank=1, world_size=2, tail="uneven")
+    s.set_epoch(3)
+    it = iter(s)
+    head = [next(it) for _ in range(4)]
+    old = {k: v for k, v in s.state_dict().items() if k != "position"}  # consumed per rank, as before
+    fresh = DistributedSampler(50, rank=1, world_size=2, tail="uneven")
+    fresh.load_state_dict(old)
+    assert head + list(fresh) == s.indices(3)
+    with pytest.raises(ValueError, match="position 51 is past the end"):
+        fresh.load_state_dict({**old, "position": 51})
+    fresh.load_state_dict({**old, "position": 34})  # 16 left: 8 for each of the 2 ranks
+    iter(fresh)
+    with pytest.raises(ValueError, match="consumed 9 is more than this rank's 8 samples left"):
+        fresh.state_dict(consumed=9)
 
 
 def test_loader_batches_this_ranks_share_of_tensors():

@@ -37,7 +37,6 @@ from troupe.cluster.configuration.config import ClusterConfig
 from troupe.cluster.configuration.roles import Role, expendable_ranks, roles
 from troupe.cluster.configuration.sources import from_env
 from troupe.cluster.configuration.spec import TrainingSpec
-from troupe.cluster.regimes import WorkerContext
 from troupe.cluster.serving.server import Server, ServerStats, process_alive
 from troupe.cluster.serving.mastercopies import MasterCopies
 from troupe.cluster.serving.serversync import ServerSync
@@ -84,6 +83,21 @@ class Job:
         for TROUPE_PEER_TIMEOUT (on any host: a dead machine, a cut cable, a partition)."""
         dog = self.runtime.watchdog
         return process_alive(*self.processes[rank]) and (dog is None or dog.alive(rank))
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a cluster worker's strategy is built from (its regime's `build`, `troupe.cluster.regimes`)."""
+
+    cluster: ClusterConfig
+    job: Job
+    """This rank's role and every group of the job."""
+    params: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    bucket_size: int
+    nan_policy: str
+    layout: Layout
+    """The job parameters the workers agreed on (a partitioned model's union)."""
 
 
 def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, world: World, bucket_size: int,

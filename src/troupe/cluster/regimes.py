@@ -7,20 +7,19 @@ workers sharing one process's memory (in-memory Hogwild). Each is a `Regime` who
 `choose` runs the bootstrap, which decides a rank's role before any worker strategy
 exists: a server rank serves there and never returns.
 
-This module is imported with the package's config and stays light: the worker strategies
-are imported when a regime builds one.
+`DistOpt` imports this module (which registers the regimes) and stays light: the bootstrap and
+the worker strategies are imported when a regime is chosen and builds one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from troupe.strategies.choice import Fixed
 from troupe.strategies.registry import Capabilities, Regime, Setup, register
 
-PS_WORKER_STATE = "parameter-server worker (the parameters and their optimizer live on the servers)"
-"""Why a cluster worker's checkpoint cannot move to another number of ranks."""
+if TYPE_CHECKING:
+    from troupe.cluster.bootstrap import WorkerContext
 
 _INSTEAD = {
     "backward_and_update_half": "for {option} on the wire set the cluster's wire_dtype: {option} "
@@ -31,21 +30,6 @@ _INSTEAD = {
                                    "--framework hogwild --sync-freq N) or Downpour's fetch_freq",
 }
 """What does under a cluster what each dist_option does without one."""
-
-
-@dataclass(frozen=True)
-class WorkerContext:
-    """What a cluster worker's strategy is built from (made by `troupe.cluster.bootstrap`)."""
-
-    cluster: Any
-    job: Any
-    """The rank's `bootstrap.Job`: its role and every group of the job."""
-    params: list
-    optimizer: Any
-    bucket_size: int
-    nan_policy: str
-    layout: Any
-    """The job parameters the workers agreed on (`troupe.cluster.layout.Layout`)."""
 
 
 class ClusterWorker(Regime):

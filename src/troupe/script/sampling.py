@@ -2,8 +2,10 @@
 
 Re-exported from `troupe.data`; see there. Every rank draws the same permutation from
 ``(seed, epoch)`` and takes every ``world_size``-th index starting at its rank, so the
-shares are disjoint and, together, the epoch. Owns no process state: the rank and world
-size are read once, from the World, when a sampler is made.
+shares are disjoint and, together, the epoch. A checkpoint keeps the job's position in the
+permutation (not each rank's), so a job resumed on another number of ranks sees the rest
+of the epoch, each sample once. Owns no process state: the rank and world size are read
+once, from the World, when a sampler is made.
 """
 
 from __future__ import annotations
@@ -100,47 +102,61 @@ class DistributedSampler(Sampler[int]):
         self.size, self.rank, self.world_size = size, rank, world_size
         self.shuffle, self.seed, self.tail = bool(shuffle), seed, tail
         self.epoch = 0
-        self._start = 0     # where the next iteration begins in this epoch (set by load_state_dict)
-        self._yielded = 0   # indices handed out this epoch, counting the resumed-from ones
+        self._next = 0      # where the next iteration begins in the epoch's permutation (set by load_state_dict)
+        self._base = 0      # where the current iteration began
+        self._yielded = 0   # indices handed out since the current iteration began
 
     # --- sizes ------------------------------------------------------------------------------
 
     @property
     def num_samples(self) -> int:
         """How many indices this rank gets in a whole epoch."""
-        if self.tail == "pad":
-            return math.ceil(self.size / self.world_size)
-        if self.tail == "drop":
-            return self.size // self.world_size
-        return len(range(self.rank, self.size, self.world_size))
+        return self._share_len(0)
 
     @property
     def total_size(self) -> int:
         """Indices handed out per epoch over all ranks (the dataset size with "uneven")."""
-        if self.tail == "uneven":
-            return self.size
-        return self.world_size * (math.ceil(self.size / self.world_size) if self.tail == "pad"
-                                  else self.size // self.world_size)
+        return self._rest_len(0)
 
     def __len__(self) -> int:
         """Indices the next iteration yields: `num_samples`, less those consumed before a resume."""
-        return self.num_samples - self._start
+        return self._share_len(self._next)
+
+    def _rest_len(self, start: int) -> int:
+        """Indices handed out over all ranks from permutation position `start` to the epoch's end."""
+        left, w = self.size - start, self.world_size
+        if self.tail == "pad":
+            return math.ceil(left / w) * w
+        return left - left % w if self.tail == "drop" else left
+
+    def _share_len(self, start: int, rank: int | None = None) -> int:
+        """How many of them `rank` (default: this one) gets."""
+        return len(range(self.rank if rank is None else rank, self._rest_len(start), self.world_size))
 
     # --- the indices --------------------------------------------------------------------------
 
-    def global_indices(self, epoch: int | None = None) -> list[int]:
-        """Every rank's indices of `epoch` (default: the current one), rank r's at r, r + world_size, ..."""
-        epoch = self.epoch if epoch is None else epoch
+    def _rest(self, epoch: int, start: int) -> list[int]:
+        """Every rank's indices from position `start` of `epoch`'s permutation on; rank r's at r, r + world_size, ...
+
+        The rest of a permutation is cut to this world's tail rule: "pad" repeats the
+        permutation from its start, "drop" leaves out the last few. From `start` 0 that is a
+        whole epoch; a resumed epoch starts where the checkpoint's world had got to.
+        """
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + epoch)  # as torch's DistributedSampler, so "pad"/"drop" match it
             order = torch.randperm(self.size, generator=g).tolist()
         else:
             order = list(range(self.size))
-        total = self.total_size
-        while len(order) < total:  # "pad": repeat from the start (more than once on tiny datasets)
-            order += order[: total - len(order)]
-        return order[:total]
+        total = self._rest_len(start)
+        rest = order[start:]
+        while len(rest) < total:  # "pad": repeat from the start (more than once on tiny datasets)
+            rest += order[: total - len(rest)]
+        return rest[:total]
+
+    def global_indices(self, epoch: int | None = None) -> list[int]:
+        """Every rank's indices of `epoch` (default: the current one), rank r's at r, r + world_size, ..."""
+        return self._rest(self.epoch if epoch is None else epoch, 0)
 
     def indices(self, epoch: int | None = None) -> list[int]:
         """This rank's indices of a whole `epoch` (default: the current one), ignoring any resume point."""
@@ -148,9 +164,8 @@ class DistributedSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         # Not a generator itself: the resume point is taken when iteration starts, not at the first next().
-        start, self._start = self._start, 0
-        self._yielded = start
-        return self._count(self.indices()[start:])
+        self._base, self._next, self._yielded = self._next, 0, 0
+        return self._count(self._rest(self.epoch, self._base)[self.rank :: self.world_size])
 
     def _count(self, indices: list[int]) -> Iterator[int]:
         for i in indices:
@@ -161,34 +176,71 @@ class DistributedSampler(Sampler[int]):
         """Use epoch `epoch`'s permutation from the next iteration on (call it at the start of every epoch)."""
         _int("epoch", epoch, 0)
         if epoch != self.epoch:  # set_epoch(the epoch just loaded) keeps the resume point
-            self._start = self._yielded = 0
+            self._next = self._base = self._yielded = 0
         self.epoch = epoch
 
     # --- checkpoints ----------------------------------------------------------------------------
 
-    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
-        """Where this rank is: the epoch and how many of its indices were consumed.
+    def position(self, consumed: int | None = None) -> int:
+        """How many samples of the epoch's permutation the ranks together have taken, when this one took `consumed`.
 
-        `consumed` defaults to the indices handed out so far this epoch, which is what the
-        training loop has taken when a DataLoader with ``num_workers=0`` reads them; with
-        workers the DataLoader reads ahead: pass ``consumed=batches_done * batch_size``.
+        The ranks take turns through the permutation (rank r the r-th of every world_size),
+        so while every rank has taken as many indices (a synchronous loop: one batch each
+        per step), all of them have taken the permutation's first ``consumed * world_size``
+        samples: a count that means the same on any number of ranks. A rank that has taken
+        its whole share counts the epoch as done: a synchronous loop ends on every rank at
+        the same step (with "uneven", after ``join()``); a save is collective, so no rank
+        can save while another still has batches left.
         """
         consumed = self._yielded if consumed is None else _int("consumed", consumed, 0)
-        if consumed > self.num_samples:
-            raise ValueError(f"consumed {consumed} is more than this rank's {self.num_samples} samples per epoch")
-        return {"epoch": self.epoch, "consumed": consumed, "size": self.size, "rank": self.rank,
-                "world_size": self.world_size, "seed": self.seed, "shuffle": self.shuffle, "tail": self.tail}
+        share = self._share_len(self._base)
+        if consumed > share:
+            raise ValueError(f"consumed {consumed} is more than this rank's {share} samples "
+                             f"{'left in the resumed epoch' if self._base else 'per epoch'}")
+        taken = consumed * self.world_size if consumed < share else self._rest_len(self._base)
+        return self._base + min(taken, self.size - self._base)  # "pad": the repeats add nothing new
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """Where the job is in the epoch: the epoch and `position` (the same on every rank); resumes on any world size.
+
+        `consumed` defaults to the indices this rank took since the iteration began (since
+        the resume, in a resumed epoch), which is what the training loop has taken when a
+        DataLoader with ``num_workers=0`` reads them; with workers the DataLoader reads ahead:
+        pass ``consumed=batches_done * batch_size``.
+        """
+        consumed = self._yielded if consumed is None else consumed
+        position = self.position(consumed)
+        return {"epoch": self.epoch, "position": position, "consumed": consumed, "size": self.size,
+                "rank": self.rank, "world_size": self.world_size, "seed": self.seed, "shuffle": self.shuffle,
+                "tail": self.tail}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where `state` left off: the next iteration starts after its consumed indices."""
-        for key in ("size", "world_size", "seed", "shuffle", "tail"):
+        """Continue where `state` left off: the next iteration hands out the rest of its epoch.
+
+        `state` may come from another number of ranks (any rank's copy: the position is the
+        job's). On the same number the rest is exactly the uninterrupted run's; on another,
+        the permutation's samples not yet taken are split anew among this world's ranks,
+        each once ("pad" repeats, "drop" leaves out, fewer than world_size of them to make
+        equal shares).
+        """
+        for key in ("size", "seed", "shuffle", "tail"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(f"the sampler state was saved with {key}={state[key]!r}, this sampler has "
                                  f"{key}={getattr(self, key)!r}: its position means nothing here")
-        epoch, consumed = _int("epoch", state["epoch"], 0), _int("consumed", state["consumed"], 0)
-        if consumed > self.num_samples:
-            raise ValueError(f"consumed {consumed} is more than this rank's {self.num_samples} samples per epoch")
-        self.epoch, self._start, self._yielded = epoch, consumed, consumed
+        epoch = _int("epoch", state["epoch"], 0)
+        if "position" in state:
+            position = _int("position", state["position"], 0)
+            if position > self.size:
+                raise ValueError(f"position {position} is past the end of the epoch ({self.size} samples)")
+        else:  # saved before positions: each rank had consumed as many
+            saved_world = _int("world_size", state.get("world_size", self.world_size), 1)
+            consumed = _int("consumed", state["consumed"], 0)
+            whole = DistributedSampler(self.size, rank=0, world_size=saved_world, shuffle=self.shuffle,
+                                       seed=self.seed, tail=self.tail)
+            if consumed > whole.num_samples:
+                raise ValueError(f"consumed {consumed} is more than this rank's {whole.num_samples} samples per epoch")
+            position = whole.position(consumed)
+        self.epoch, self._next, self._base, self._yielded = epoch, position, position, 0
 
     def __repr__(self) -> str:
         return (f"DistributedSampler({self.size} samples, rank {self.rank}/{self.world_size}, tail={self.tail!r}, "

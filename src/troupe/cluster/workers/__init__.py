@@ -9,3 +9,6 @@ trainable parameters).
 Must not touch: a rank's role or the job's process groups (`troupe.cluster.bootstrap` decides
 them and hands each strategy its communicators), or a server's loop.
 """
+
+PS_WORKER_STATE = "parameter-server worker (the parameters and their optimizer live on the servers)"
+"""Why a cluster worker's checkpoint cannot move to another number of ranks (`per_rank_state`)."""

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from troupe.cluster.configuration.config import ClusterConfig
 from troupe.cluster.configuration.roles import Role
-from troupe.cluster.regimes import PS_WORKER_STATE
+from troupe.cluster.workers import PS_WORKER_STATE
 from troupe.cluster.serving.groupsync import GroupSync
 from troupe.cluster.serving.mastercopies import MasterCopies
 from troupe.cluster.serving.shard import ParamShard, Slice, plan_slices

@@ -28,7 +28,7 @@ from troupe.cluster.serving.mastercopies import MasterCopies, SliceValues
 from troupe.cluster.serving.shard import plan_slices
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
-from troupe.cluster.regimes import PS_WORKER_STATE
+from troupe.cluster.workers import PS_WORKER_STATE
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from troupe.cluster.configuration.config import ClusterConfig
 from troupe.cluster.configuration.roles import Role
-from troupe.cluster.regimes import PS_WORKER_STATE
+from troupe.cluster.workers import PS_WORKER_STATE
 from troupe.cluster.serving.shard import plan_slices
 from troupe.cluster.wire import sparse
 from troupe.cluster.wire.frames import HEADER_BYTES, Inbox, pack
