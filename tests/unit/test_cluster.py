@@ -137,6 +137,10 @@ def test_preset_rescaled_to_nprocs():
     assert preset("allreduce", 4).nservers_per_group == 4
     with pytest.raises(ValueError, match="leaves 1 worker"):
         preset("downpour", 3)
+    with pytest.raises(ValueError, match=r"leaves 0 worker.*-n 4, 6, 8, ... fit \(the smallest: -n 4\)"):
+        preset("downpour", 2)
+    with pytest.raises(ValueError, match=r"the smallest: -n 3\)"):
+        preset("sandblaster", 2)
     with pytest.raises(ValueError, match="unknown framework 'ring'"):
         preset("ring")
     with pytest.raises(ValueError, match="nservers_per_procs must be 1"):

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from troupe.cluster import regimes as _cluster_regimes  # noqa: F401  (registers them, as DistOpt does)
 from troupe.cluster.workers import PS_WORKER_STATE
 from troupe.cluster.configuration.config import ClusterConfig
 from troupe.strategies import registry
@@ -98,3 +99,21 @@ def test_an_option_a_cluster_cannot_run_names_what_does_it_there(option, alterna
 
 def test_cluster_workers_say_why_their_state_is_per_rank():
     assert "parameter-server worker" in PS_WORKER_STATE
+
+
+def test_what_a_cluster_worker_refuses_and_what_it_runs_plainly():
+    from troupe.strategies.choice import Fixed
+
+    strategy = SimpleNamespace(reducer=None, per_rank_state=lambda: [PS_WORKER_STATE])
+    fixed = Fixed(registry.lookup("ps-client", "cluster"), strategy)
+    with pytest.raises(ValueError, match="add_param_group is not available under a parameter-server cluster"):
+        fixed.add_params([])
+    with pytest.raises(ValueError, match="graph mode reduces every gradient among all ranks: not available under "
+                                         "a parameter-server cluster"):
+        fixed.require("graph_mode")
+    fixed.require("join")  # join()'s block runs, without shadowing
+    assert not fixed.shadows_joins and not fixed.owns_reducer
+    assert fixed.per_rank_state() == [PS_WORKER_STATE]
+    with pytest.raises(ValueError, match="dist_option 'fp16' is not available"):
+        fixed.select("fp16")
+    assert fixed.select("fp32") is strategy

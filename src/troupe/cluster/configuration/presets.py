@@ -45,8 +45,11 @@ def _rescale(name: str, cfg: ClusterConfig, nprocs: int) -> ClusterConfig:
         return dataclasses.replace(cfg, nworker_groups=nprocs, nserver_groups=nprocs)
     nworkers = nprocs - cfg.nservers
     if nworkers < cfg.nworker_groups or nworkers % cfg.nworker_groups:
+        fits = [cfg.nservers + k * cfg.nworker_groups for k in range(1, 4)]
         raise ValueError(
             f"framework {name!r} has {cfg.nservers} server(s) and {cfg.nworker_groups} worker group(s): "
-            f"-n {nprocs} leaves {nworkers} worker(s), which must be a positive multiple of {cfg.nworker_groups}"
+            f"-n {nprocs} leaves {nworkers} worker(s), which must be a positive multiple of {cfg.nworker_groups}; "
+            f"-n {', '.join(map(str, fits))}, ... fit (the smallest: -n {fits[0]}), or give the layout yourself "
+            f"(--nworker-groups, --nservers-per-group)"
         )
     return dataclasses.replace(cfg, nworkers_per_group=nworkers // cfg.nworker_groups)
