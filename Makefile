@@ -38,7 +38,8 @@ docs: setup
 	$(BIN)/python tools/build_docs.py build/docs
 	$(BIN)/python tools/check_docs.py build/docs --links
 
-# Also load every page in headless Chromium (Debian's chromium package, or CHROMIUM=PATH).
+# Also load every page in headless Chromium and try the API pages' search (Debian's chromium
+# package, or CHROMIUM=PATH); .ci/run runs it after make test.
 docs-check: docs
 	$(BIN)/python tools/check_docs.py build/docs
 

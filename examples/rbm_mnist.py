@@ -2,7 +2,7 @@
 
 SINGA 0.x's RBM example (Hinton & Salakhutdinov, Science 2006): four RBMs
 784-1000-500-250-30 (the last with Gaussian hidden units) trained greedily, layer by
-layer, with CD-1 (batch 100, SGD momentum 0.8); then unrolled into a deep autoencoder
+layer, with CD-1 (a global batch of 100, SGD momentum 0.8); then unrolled into a deep autoencoder
 (decoder weights tied to the encoder's, as SINGA's autoencoder.conf) and fine-tuned by
 back-propagation on the pixels' cross-entropy. The same script runs under every launcher
 and cluster:
@@ -33,6 +33,8 @@ from troupe.algorithms.cd import RBM, DeepAutoencoder, squared_error
 from troupe.script.metrics import progress, reduce_variable
 
 SIZES = (784, 1000, 500, 250, 30)
+GLOBAL_BATCH = 100
+"""The default batch over all ranks: the paper's and SINGA's 100, whatever the process count."""
 
 
 def parse_args(argv=None):
@@ -41,7 +43,9 @@ def parse_args(argv=None):
                    help="pre-training epochs per RBM and fine-tuning epochs (sets both)")
     p.add_argument("--pretrain-epochs", type=int, default=2, help="per RBM (SINGA: 6000 steps of 100 = 10)")
     p.add_argument("--finetune-epochs", type=int, default=6, help="(SINGA: 12200 steps of 100 = 20)")
-    p.add_argument("--batch-size", type=int, default=100, help="per rank")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"per rank (default: {GLOBAL_BATCH} // ranks, a global batch of {GLOBAL_BATCH} as SINGA's "
+                        "rbm*.conf and docs/cd.md's table)")
     p.add_argument("--lr", type=float, default=0.1, help="CD learning rate of the Bernoulli RBMs")
     # SINGA's rbm4.conf and the paper use 0.001 for 10 to 50 epochs; 0.005 learns as much in 2
     p.add_argument("--lr-gaussian", type=float, default=0.005, help="CD learning rate of the last (Gaussian) RBM")
@@ -62,7 +66,7 @@ def parse_args(argv=None):
     if args.epochs is not None:
         args.pretrain_epochs = args.finetune_epochs = args.epochs
     for name in ("pretrain_epochs", "finetune_epochs", "batch_size", "cd_k"):
-        if getattr(args, name) < (0 if name.endswith("epochs") else 1):
+        if getattr(args, name) is not None and getattr(args, name) < (0 if name.endswith("epochs") else 1):
             p.error(f"--{name.replace('_', '-')} out of range: {getattr(args, name)}")
     return args
 
@@ -160,6 +164,8 @@ def train_rbm_mnist(args):
     sgd = torch.optim.SGD(param_groups(rbms, args.weight_decay), lr=args.lr, momentum=args.momentum)
     sgd = troupe.DistOpt(sgd, dist_option=args.dist_option, spars=args.spars)  # broadcasts rank 0's parameters
     main = sgd.global_rank == 0
+    if args.batch_size is None:  # the same algorithm at every process count: only the split of the batch changes
+        args.batch_size = max(1, GLOBAL_BATCH // sgd.world_size)
 
     train_x, train_y, test_x, test_y = troupe.data.load_mnist(args.data)
     train_x, test_x = train_x.flatten(1), test_x.flatten(1)
@@ -173,7 +179,8 @@ def train_rbm_mnist(args):
         raise ValueError(f"--batch-size {args.batch_size} is larger than this rank's {len(train_x)} training images")
     rng = np.random.default_rng(args.seed + sgd.global_rank)
     if main:
-        print(f"{sgd}: {len(train_x)} training images per rank, batch {args.batch_size}, "
+        print(f"{sgd}: {len(train_x)} training images per rank, batch {args.batch_size} per rank "
+              f"({args.batch_size * sgd.world_size} in all), "
               f"RBMs {'-'.join(map(str, SIZES))}", flush=True)
 
     start = time.perf_counter()

@@ -7,7 +7,11 @@ The link check parses every HTML page and fails on an internal href/src whose fi
 or whose #fragment names no id on the target page. The browser check loads every page in
 headless Chromium through Playwright (`pip install 'torch-troupe[docs]'` plus a Chromium:
 Debian's `chromium` package, or `python -m playwright install chromium`) and fails on a
-console error, an uncaught page error, a failed request or a non-2xx response.
+console error, an uncaught page error, a failed request, a non-2xx response or an empty page;
+then on one API page at each folder depth it types a query into pdoc's search box and fails
+unless the results appear and each result's link leads to an existing page and anchor
+(following the expected one in the browser too). Without Playwright or a Chromium it says so
+in one line and exits 2 (`.ci/run` runs this check only where it installed a Chromium).
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ import sys
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
+from urllib.request import url2pathname
 
 EXTERNAL = ("http", "https", "mailto", "javascript", "data")
+SEARCH = ("DistOpt", "troupe/distopt.html#DistOpt")
+"""A query for pdoc's search box, and the result (relative to api/) it must list and lead to."""
 
 
 class _Page(HTMLParser):
@@ -101,8 +108,55 @@ def browser_errors(site: Path, executable: str | None = None) -> list[str]:
             page.goto(path.as_uri(), wait_until="load", timeout=30_000)
             if not _has_text(page):
                 note("rendered an empty body")
+        for path in _one_page_per_depth(site / "api"):
+            current["name"] = f"{path.relative_to(site)} (search)"
+            for line in search_errors(page, path, site):
+                note(line)
         browser.close()
     return problems
+
+
+def _one_page_per_depth(api: Path) -> list[Path]:
+    """The first API page (by name) in each folder depth: the search's links are relative to the page."""
+    first: dict[int, Path] = {}
+    for path in sorted(api.rglob("*.html")):
+        if path.name != "index.html":  # pdoc's index only redirects to the top module
+            first.setdefault(len(path.relative_to(api).parts), path)
+    return [first[depth] for depth in sorted(first)]
+
+
+def search_errors(page, path: Path, site: Path) -> list[str]:
+    """Search pdoc's index from the API page at `path`; one line per thing that does not work."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    query, expected = SEARCH
+    page.goto(path.as_uri(), wait_until="load", timeout=30_000)
+    page.fill("input[type=search]", query)  # its focus loads search.js, its input runs the query
+    try:
+        page.wait_for_selector(".search-result a", timeout=30_000)
+    except PlaywrightTimeout:
+        shown = page.evaluate("document.querySelector('main.pdoc').innerText.slice(0, 200)")
+        return [f"searching {query!r} showed no result: {shown!r}"]
+    hrefs = page.eval_on_selector_all(".search-result a", "links => links.map(a => a.href)")
+    problems = [f"search result {href} (not a file of the site)" for href in hrefs if _missing(href, site)]
+    want = (site / "api" / expected.split("#")[0]).resolve().as_uri() + "#" + expected.split("#")[1]
+    if want not in hrefs:
+        return problems + [f"searching {query!r} did not list {expected}: {hrefs}"]
+    page.click(f".search-result a[href$='{expected.split('/')[-1]}']")
+    page.wait_for_load_state("load")
+    anchor = expected.split("#")[1]
+    if page.url != want or not page.evaluate("id => document.getElementById(id) !== null", anchor):
+        problems.append(f"following the result for {expected} reached {page.url} without its anchor")
+    return problems
+
+
+def _missing(href: str, site: Path) -> bool:
+    """Whether a file:// link misses its page or its #anchor."""
+    url = urlsplit(href)
+    target = Path(url2pathname(url.path)).resolve()
+    if url.scheme != "file" or site.resolve() not in target.parents or not target.is_file():
+        return True
+    return bool(url.fragment) and unquote(url.fragment) not in _parse(target).ids
 
 
 def _has_text(page) -> bool:
@@ -117,6 +171,25 @@ def _has_text(page) -> bool:
     return False
 
 
+def _no_browser() -> str | None:
+    """Why the browser check cannot run here, or None."""
+    try:
+        import playwright  # noqa: F401
+    except ImportError:
+        return "playwright is not installed (pip install -e '.[docs]')"
+    if find_chromium() is None and not _playwright_has_chromium():
+        return "no Chromium (apt-get install chromium, or set CHROMIUM=/path/to/chrome)"
+    return None
+
+
+def _playwright_has_chromium() -> bool:
+    """Whether `python -m playwright install chromium` has put its own browser in place."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        return Path(pw.chromium.executable_path).is_file()
+
+
 def main(argv: list[str]) -> int:
     args = [a for a in argv if not a.startswith("--")]
     site = Path(args[0]) if args else Path(__file__).resolve().parents[1] / "build" / "docs"
@@ -126,12 +199,16 @@ def main(argv: list[str]) -> int:
     problems = broken_links(site)
     npages = len(list(site.rglob("*.html")))
     print(f"links: {npages} pages, {len(problems)} broken")
-    if "--links" not in argv:
-        errors = browser_errors(site)
-        print(f"browser: {npages} pages loaded in headless Chromium, {len(errors)} errors")
+    missing = None if "--links" in argv else _no_browser()
+    if "--links" not in argv and missing is None:
+        errors = browser_errors(site, find_chromium())
+        print(f"browser: {npages} pages loaded in headless Chromium, pdoc's search tried, {len(errors)} errors")
         problems += errors
     for line in problems:
         print(line, file=sys.stderr)
+    if missing:
+        print(f"browser: cannot check, {missing}", file=sys.stderr)
+        return 2
     return 1 if problems else 0
 
 
