@@ -324,6 +324,9 @@ def _run_once(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
             env["TROUPE_TIMEOUT"] = str(args.timeout)
         if args.threads:
             env["OMP_NUM_THREADS"] = str(args.threads)
+        # c10d logs a lost store connection as a warning with pages of C++ frames on every survivor of
+        # a stopped job; troupe's watchdog says who died in one line (set the variable to see them).
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         rank = args.node_rank * args.nproc + local_rank
         cmd = [sys.executable, "-m", "troupe.cluster.bootstrap"] if rank in getattr(args, "servers", ()) \
             else [sys.executable, args.script, *args.args]

@@ -194,3 +194,18 @@ def test_a_rendezvous_that_refuses_connections_stops_a_waiting_rank_at_once(deat
         assert "refuses connections since step 9: rank 0, which hosts it, has exited" in deaths[0]
     finally:
         dog.stop()
+
+
+def test_a_survivor_says_who_died_in_one_line_and_other_errors_keep_their_traceback(capsys):
+    from types import SimpleNamespace
+
+    from troupe.runtime.watchdog import PeerFailure, Watchdog
+
+    seen = []
+    dog = SimpleNamespace(_previous_hook=lambda *exc: seen.append(exc[0]), _ask=lambda f: None, rank=1, step=3)
+    failure = PeerFailure("rank 1: gradient bucket 1 failed at step 3: rank(s) [0] died")
+    Watchdog._excepthook(dog, PeerFailure, failure, None)
+    err = capsys.readouterr().err
+    assert err == f"troupe: PeerFailure: {failure}\n" and not seen
+    Watchdog._excepthook(dog, ValueError, ValueError("boom"), None)
+    assert seen == [ValueError]  # the rank's own error: the default hook prints its traceback

@@ -289,7 +289,12 @@ class Watchdog:
         os._exit(70)  # the main thread may be blocked inside the backend; nothing else can unblock it
 
     def _excepthook(self, kind, value, tb) -> None:
-        if not isinstance(value, (PeerFailure, KeyboardInterrupt)):
+        if isinstance(value, PeerFailure):
+            # Another rank's death, not this rank's bug: its message already names the culprit and the
+            # step, and a survivor's traceback through the backend would bury the failing rank's own.
+            print(f"troupe: {kind.__name__}: {value}", file=sys.stderr, flush=True)
+            return
+        if not isinstance(value, KeyboardInterrupt):
             try:
                 line = traceback.format_exception_only(kind, value)[-1].strip()
                 self._ask(lambda store: store.set(f"failed/{self.rank}", f"{line[:300]} at step {self.step}"))
