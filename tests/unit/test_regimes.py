@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from troupe.cluster import regimes as _cluster_regimes  # noqa: F401  (registers them, as troupe.distopt does)
 from troupe.cluster.workers import PS_WORKER_STATE
 from troupe.cluster.configuration.config import ClusterConfig
 from troupe.strategies import registry
