@@ -37,7 +37,7 @@ def _context():
     method = os.environ.get("TROUPE_TEST_START", "forkserver")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "troupe.distopt", "troupe.singa.model", "troupe.runtime.world",
+        ctx.set_forkserver_preload(["torch", "torch._dynamo", "troupe.distopt", "troupe.singa.model", "troupe.runtime.world",
                                     "troupe.runtime.spawn", "tests.dist.world"])
     return ctx
 
