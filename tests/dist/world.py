@@ -37,8 +37,9 @@ def _context():
     method = os.environ.get("TROUPE_TEST_START", "forkserver")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "troupe.distopt", "troupe.singa.model", "troupe.runtime.world",
-                                    "troupe.runtime.spawn", "tests.dist.world"])
+        # torch._dynamo: every optimizer's __init__ imports it (torch._disable_dynamo), 2-6 s a rank
+        ctx.set_forkserver_preload(["torch", "torch._dynamo", "troupe.distopt", "troupe.singa.model",
+                                    "troupe.runtime.world", "troupe.runtime.spawn", "tests.dist.world"])
     return ctx
 
 
