@@ -357,7 +357,13 @@ def main() -> int:
         # A server's work is messages and element-wise optimizer steps on its slices; its processes
         # share the machine with the workers (troupe run --threads N sets OMP_NUM_THREADS).
         torch.set_num_threads(1)
-    job = joined(cluster, init())
+    runtime = init()
+    try:
+        job = joined(cluster, runtime)
+    except RuntimeError as e:  # the workers stopped before the job's groups were made (their error is theirs)
+        print(f"troupe server rank {runtime.info.global_rank}: the job stopped before it began "
+              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr, flush=True)
+        return 1
     if job.role.worker is not None:
         print(f"troupe.cluster.bootstrap: {job.role.describe()} is a worker: run the training script there",
               file=sys.stderr)
@@ -366,6 +372,10 @@ def main() -> int:
         spec = exchange(job)
     except ValueError as e:  # every rank raises the same error: say it once, here, and fail the job
         print(f"troupe server rank {job.role.rank}: {e}", file=sys.stderr, flush=True)
+        return 1
+    except RuntimeError as e:  # a worker died before it described the job
+        print(f"troupe server rank {job.role.rank}: the job stopped before it began "
+              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr, flush=True)
         return 1
     hand_over(job, spec)
 
