@@ -20,6 +20,7 @@ option)`, ``DistOpt(opt, dist_option=...)`` and graph mode mean the same thing.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -112,7 +113,7 @@ class Regime:
     @classmethod
     def method_args(cls, **given: Any) -> dict[str, Any]:
         """The fixed arguments plus those of `given` (not None) that this regime's builder takes."""
-        takes = inspect.signature(cls.build).parameters
+        takes = _build_parameters(cls)  # once per regime: SINGA's update() asks on every step
         return {**cls.fixed_args, **{k: v for k, v in given.items() if v is not None and k in takes}}
 
     @classmethod
@@ -123,6 +124,11 @@ class Regime:
     @classmethod
     def accept(cls, option: type[Regime]) -> None:
         """A cluster regime: raise unless a step may run `option` under it (DistOpt and ``update()``)."""
+
+
+@functools.cache
+def _build_parameters(regime: type[Regime]) -> frozenset[str]:
+    return frozenset(inspect.signature(regime.build).parameters)
 
 
 REGIMES: dict[str, type[Regime]] = {}
