@@ -169,6 +169,14 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
             if main:
                 print(f"Resumed from {found} (epoch {start_epoch}, batch {start_batch})", flush=True)
 
+    # troupe run --elastic: a restarted worker copies a healthy one's state here, live (None otherwise)
+    rejoined = troupe.track(model=model, optimizer=sgd, sampler=train.sampler)
+    if rejoined:
+        where = train.sampler.state_dict()
+        step, start_epoch, resumed_at = rejoined, where["epoch"], rejoined
+        start_batch = where["position"] // (sgd.world_size * bs)
+        print(f"rank {sgd.global_rank} rejoined at step {step} (epoch {start_epoch}, batch {start_batch})", flush=True)
+
     history = []
     for epoch in range(start_epoch, args.epochs):
         if main:

@@ -38,6 +38,7 @@ _WHERE = {
     "metrics": "troupe.script",
     "partition": "troupe",
     "shutdown": "troupe.runtime.world",
+    "track": "troupe.script.elastic",
     "wait_all": "troupe.runtime.spawn",
 }
 
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from troupe.runtime.spawn import wait_all
     from troupe.runtime.world import World, info, init, shutdown
     from troupe.script import data, metrics
+    from troupe.script.elastic import track
     from troupe.script.scalars import log
     from troupe.singa.model import Model
     from troupe.strategies.base import UpdateStrategy
@@ -100,5 +102,6 @@ __all__ = [
     "metrics",
     "partition",
     "shutdown",
+    "track",
     "wait_all",
 ]

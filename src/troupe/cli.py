@@ -56,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="DIR", default=None, help="continue from the latest checkpoint in DIR")
     run.add_argument("--max-restarts", type=int, default=0,
                      help="after a failure, restart the job from its last checkpoint up to K times")
+    elastic = run.add_argument_group("elastic worker groups (a dead worker restarts alone; the others train on)")
+    elastic.add_argument("--elastic", action="store_true",
+                         help="every process is a worker group of one; a dead one is restarted and rejoins")
+    elastic.add_argument("--min-groups", type=int, default=None,
+                         help="--elastic: steps need at least K groups present (default 2)")
+    elastic.add_argument("--restarts-per-rank", type=int, default=10,
+                         help="--elastic: restarts each rank may use before the job stops (default 10)")
+    elastic.add_argument("--elastic-timeout", type=float, default=None,
+                         help="--elastic: seconds a step waits for a frozen peer before leaving it out (default 10)")
     _add_cluster_flags(run)
     run.add_argument("--stats", metavar="FILE", default=None, help="per-step stats of every rank, as JSON lines")
     run.add_argument("--timeline", metavar="FILE", default=None, help="a Chrome trace (chrome://tracing, Perfetto)")
@@ -258,8 +267,14 @@ def run(args: argparse.Namespace) -> int:
 
         require()  # one clear error here, not one per rank
         extra_env["TROUPE_TENSORBOARD"] = os.path.abspath(args.tensorboard)
+    if args.elastic:
+        _check_elastic(args)
+    elif args.min_groups is not None:
+        raise ValueError("--min-groups needs --elastic")
     extra_env.update(_cluster_env(args))
     args.output = _rank_output(args)
+    if args.elastic:
+        return _run_elastic(args, extra_env)
     resume = "yes" if args.resume else "no"
     for attempt in range(args.max_restarts + 1):
         code = _run_once(args, {**extra_env, "TROUPE_RESUME": resume})
@@ -270,6 +285,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"troupe run: restarting from the last checkpoint in {ckpt_dir} "
               f"(restart {attempt + 1} of {args.max_restarts})", file=sys.stderr)
     return code
+
+
+def _check_elastic(args: argparse.Namespace) -> None:
+    """What this step of elastic worker groups runs: one process per group, one node, no cluster."""
+    from troupe.cluster.configuration.flags import given
+
+    if args.max_restarts:
+        raise ValueError("--elastic restarts a dead rank alone; --max-restarts restarts the whole job: give one")
+    if args.nnodes > 1:
+        raise ValueError("--elastic runs on one node for now (--nnodes 1): the quorum lives in this launcher")
+    if args.framework or args.cluster or any(v is not None for v in given(args).values()) or settings.current().cluster:
+        raise ValueError("--elastic does not run parameter-server clusters yet (--framework/--cluster/--nworker-"
+                         "groups): each process is a worker group of one, under plain data parallelism")
+    if args.nproc is not None and args.nproc < 2:
+        raise ValueError(f"--elastic needs at least 2 processes (worker groups), got -n {args.nproc}")
+    if args.restarts_per_rank < 0:
+        raise ValueError(f"--restarts-per-rank must be >= 0, got {args.restarts_per_rank}")
 
 
 def _rank_output(args: argparse.Namespace) -> RankOutput | None:
@@ -302,17 +334,30 @@ def _report(args: argparse.Namespace) -> None:
 def _run_once(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     """Start this node's ranks, watch them, and stop them all as soon as one fails."""
     ticket = _ticket(args)  # a fresh port and token for every attempt
+    start = _starter(args, extra_env, ticket)
+    procs = [start(args.node_rank * args.nproc + local_rank) for local_rank in range(args.nproc)]
+    output = getattr(args, "output", None)
+    drain = output.drain if output is not None else lambda: None
+    try:
+        return _supervise(procs, first_rank=args.node_rank * args.nproc, tolerate=getattr(args, "tolerate", set()),
+                          drain=drain)
+    finally:
+        drain()
+
+
+def _starter(args: argparse.Namespace, extra_env: dict[str, str], ticket: Ticket):
+    """`start(rank, **env)`: start one rank of this node with the job's environment."""
     world_size = args.nproc * args.nnodes
     # torch's env:// contract too, so a plain torch.distributed (DDP) script runs unchanged: its
     # rendezvous on the next port after troupe's (every node computes the same one).
     master_port = ticket.port + 1 if args.master else free_port(ticket.addr)
-    procs: list[subprocess.Popen] = []
-    for local_rank in range(args.nproc):
-        env = {**os.environ, **extra_env}
+
+    def start(rank: int, **more: str) -> subprocess.Popen:
+        env = {**os.environ, **extra_env, **more}
         env.update(
             TROUPE_TICKET=ticket.encode(),
-            RANK=str(args.node_rank * args.nproc + local_rank),
-            LOCAL_RANK=str(local_rank),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank - args.node_rank * args.nproc),
             WORLD_SIZE=str(world_size),
             LOCAL_WORLD_SIZE=str(args.nproc),
             MASTER_ADDR=ticket.addr,
@@ -327,21 +372,55 @@ def _run_once(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
         # c10d logs a lost store connection as a warning with pages of C++ frames on every survivor of
         # a stopped job; troupe's watchdog says who died in one line (set the variable to see them).
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        rank = args.node_rank * args.nproc + local_rank
         cmd = [sys.executable, "-m", "troupe.cluster.bootstrap"] if rank in getattr(args, "servers", ()) \
             else [sys.executable, args.script, *args.args]
         output = getattr(args, "output", None)
         if output is not None and sys.stdout.isatty():
             env.setdefault("PYTHONUNBUFFERED", "1")  # a pipe would hold the lines a terminal shows at once
-        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, **(output.pipes() if output else {})))
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, **(output.pipes() if output else {}))
         if output is not None:
-            output.attach(rank, procs[-1])
-    drain = output.drain if output is not None else lambda: None
+            output.attach(rank, proc)
+        return proc
+
+    return start
+
+
+def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
+    """Start the ranks of an elastic job, keep its quorum here, and restart a dead rank alone."""
+    from troupe.runtime.lighthouse import Lighthouse
+    from troupe.runtime.quorum import ENV_VAR, ElasticOptions
+    from troupe.runtime.restarts import supervise
+
+    ticket = _ticket(args)
+    options = ElasticOptions(groups=args.nproc, min_groups=args.min_groups or 2,
+                             **({"timeout": args.elastic_timeout} if args.elastic_timeout else {}))
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    lighthouse = Lighthouse(ticket, options, say=say).start()
+    start = _starter(args, {**extra_env, ENV_VAR: options.encode()}, ticket)
+    output = getattr(args, "output", None)
     try:
-        return _supervise(procs, first_rank=args.node_rank * args.nproc, tolerate=getattr(args, "tolerate", set()),
-                          drain=drain)
+        return supervise(lambda rank, n: start(rank, TROUPE_INCARNATION=str(n)), list(range(args.nproc)), lighthouse,
+                         restarts_per_rank=args.restarts_per_rank, say=say, stop_all=_stop_all)
+    except KeyboardInterrupt:
+        return 130
     finally:
-        drain()
+        lighthouse.stop()
+        if output is not None:
+            output.drain()
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every rank still running; SIGKILL those still there after GRACE_SECONDS."""
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_SECONDS
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
 
 
 def _culprit(procs: list[subprocess.Popen], first_rank: int, tolerate: set[int],
@@ -364,16 +443,7 @@ def _supervise(procs: list[subprocess.Popen], first_rank: int, tolerate: set[int
     reported: set[int] = set()
 
     def stop_all(*_sig) -> None:
-        for p in procs:
-            if p.poll() is None:
-                _signal_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_SECONDS
-        for p in procs:
-            try:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                _signal_group(p, signal.SIGKILL)
-                p.wait()
+        _stop_all(procs)
 
     old = signal.signal(signal.SIGTERM, lambda *s: (stop_all(), sys.exit(143)))
     try:

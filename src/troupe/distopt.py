@@ -21,7 +21,7 @@ from troupe.runtime.launch import Ticket
 from troupe.singa.methods import SingaMethods
 from troupe.strategies import registry
 from troupe.strategies.base import UpdateStrategy
-from troupe.strategies.choice import Fixed, OptionSwitch, params_of
+from troupe.strategies.choice import Fixed, OptionSwitch, params_of, refuse
 from troupe.strategies.compressed import CompressionConfig
 from troupe.strategies.partitioned import broadcast_replicated
 from troupe.sync.bucket import DEFAULT_BUCKET_SIZE, FIRST_BUCKET_SIZE, plan_buckets
@@ -103,7 +103,8 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         self._choice: OptionSwitch | Fixed = regime.choose(setup)
         self.info = self._choice.info or self.world.info
         self.communicator = self.world.comm
-        broadcast_replicated(self.communicator, self._params())
+        if self.world.membership.builds_together:  # else troupe.track gives a joiner the quorum's values
+            broadcast_replicated(self.communicator, self._params())
         self._choice.start()  # e.g. a parameter-server worker's first Put/Get
         self._watch_reducer()
         self._split: SplitCompiledGraphs | None = None
@@ -154,12 +155,25 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.synchronize()
+        membership = self.world.membership  # an elastic job's quorum: a lost peer costs the step, not the job
+        error = self.reducer.failed if self.reducer is not None else None  # kept by backward's hooks
+        if error is None:
+            try:
+                self.synchronize()
+            except membership.lost as e:
+                error = e
+        if error is not None:
+            self._abandon_open_step()
+            if self.reducer is not None:
+                self.reducer.failed = None
         self._synced = False
-        if self.nan_policy != "ignore" and not self.strategy.all_finite():
+        if not membership.vote(error is None, error):
+            self.optimizer.zero_grad(set_to_none=True)  # every member leaves this step out alike
+        elif self.nan_policy != "ignore" and not self.strategy.all_finite():
             self._skip()
         else:
             self._finish_step(self.strategy.step())
+        membership.advance()  # a new quorum from the next step (joiners receive this step's state)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -172,7 +186,8 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         the new parameters join the reduction."""
         self._choice.require("add_param_group")
         self.optimizer.add_param_group(param_group)
-        broadcast_replicated(self.communicator, self._params())
+        if self.world.membership.builds_together:  # else troupe.track gives a joiner the quorum's values
+            broadcast_replicated(self.communicator, self._params())
         self._choice.add_params(self._params())
         self._watch_reducer()
 
@@ -195,6 +210,8 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         """What graph mode compiles a step over (`troupe.graphstep.GraphHost`); a ValueError where it cannot
         run (graph mode reduces every gradient among all ranks)."""
         self._choice.require("graph_mode")
+        if self.world.membership.elastic:  # its compiled step has no vote: a lost peer would end the job
+            raise refuse("elastic", "in graph mode")
         params = [p for p in self._params() if p.requires_grad]
         buckets = [[params[j] for j in members]
                    for members in plan_buckets(params, self.bucket_size, self.first_bucket_size)]
@@ -275,6 +292,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
 
     def _watch_reducer(self) -> None:
         if self.reducer is not None:
+            self.reducer.defer = self.world.membership.lost
             self.reducer.on_reduced = self._mark_synced
             self.reducer.label_buckets(self.param_name)  # by position; by name once a model is attached
 

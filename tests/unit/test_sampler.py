@@ -248,7 +248,9 @@ def fake_world(monkeypatch, cluster, split):
 
     job = SimpleNamespace(rank=4, world_size=5)
     comm = SimpleNamespace(rank=1, world_size=3) if split else job
-    world = SimpleNamespace(settings=SimpleNamespace(cluster=cluster), job=job, comm=comm)
+    from troupe.runtime.elastic import Fixed
+
+    world = SimpleNamespace(settings=SimpleNamespace(cluster=cluster), job=job, comm=comm, membership=Fixed())
     monkeypatch.setattr(world_mod, "init", lambda: world)
 
 

@@ -113,6 +113,12 @@ class Communicator:
         self.watchdog, self.recorder = watchdog, recorder
         self._totals = totals if totals is not None else defaultdict(Traffic)
 
+    def rebind(self) -> None:
+        """Re-read rank and size after the default group was made anew (an elastic job's new quorum)."""
+        if self._group is not None:
+            raise RuntimeError("only a communicator over the whole job (the default group) can be rebound")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The process group (None: the whole job)."""

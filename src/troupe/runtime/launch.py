@@ -104,6 +104,8 @@ class Joined:
     """The watchdog's own connection to the job's store (None: no store to beat through)."""
     keep: list = field(default_factory=list)
     """Rank 0's TCP store: the job's rendezvous lives as long as it does."""
+    membership: object | None = None
+    """An elastic job's `troupe.runtime.elastic.Elastic` (None: the processes never change)."""
 
 
 def _env_int(*names: str) -> int | None:
@@ -140,6 +142,8 @@ def join(
     how = _detect(env, ticket, local_rank, world_size, rank)
     _check_ranks(how.rank, how.local_rank, how.world_size)
     backend = _pick_backend(backend or env.backend, how.local_rank, how.local_world)
+    if env.elastic:
+        return _join_elastic(env, how, backend, join_timeout)
     pg_timeout = datetime.timedelta(seconds=timeout)
     side, keep = None, []
     if how.launcher in ("torchrun", "env"):  # the store is at MASTER_ADDR:MASTER_PORT (torchrun's agent or rank 0)
@@ -170,6 +174,29 @@ def join(
     info = DistInfo(how.rank, how.local_rank, how.world_size, how.local_world, _device(backend, how.local_rank),
                     backend, how.launcher)
     return Joined(info, side, keep)
+
+
+def _join_elastic(env: Settings, how: _Launch, backend: str, join_timeout: float) -> Joined:
+    """An elastic worker: connect to the launcher's store, wait to be admitted to a quorum, and
+    make its process group (rank and world size stay the job's: this group's place among all)."""
+    from troupe.runtime.elastic import Elastic
+    from troupe.runtime.quorum import ElasticOptions
+
+    if how.launcher != "troupe":
+        raise ValueError(f"TROUPE_ELASTIC is set but this process was started by {how.launcher}: "
+                         "elastic worker groups need `troupe run --elastic` (its launcher restarts a dead worker)")
+    ticket, options = how.ticket, ElasticOptions.decode(env.elastic)
+
+    def connect(timeout: float) -> dist.Store:
+        base = open_store(ticket, False, timeout)
+        return dist.PrefixStore(f"troupe/{ticket.token}/", base)
+
+    check_token(open_store(ticket, False, join_timeout), ticket, how.rank)
+    membership = Elastic(ticket, options, how.rank, env.incarnation, backend, connect)
+    membership.join()
+    info = DistInfo(how.rank, how.local_rank, how.world_size, how.local_world, _device(backend, how.local_rank),
+                    backend, "troupe-elastic")
+    return Joined(info, None, membership=membership)
 
 
 @dataclass(frozen=True)
@@ -248,7 +275,7 @@ def _digest(salt: str, token: str) -> str:
     return hashlib.sha256(f"{salt}:{token}".encode()).hexdigest()
 
 
-def _open_store(ticket: Ticket, is_master: bool, timeout: float) -> dist.TCPStore:
+def open_store(ticket: Ticket, is_master: bool, timeout: float) -> dist.TCPStore:
     """The job's store (on rank 0: hosted here)."""
     td = datetime.timedelta(seconds=timeout)
     if not is_master:
@@ -278,14 +305,14 @@ def _open_store(ticket: Ticket, is_master: bool, timeout: float) -> dist.TCPStor
     )
 
 
-def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float, keep: list) -> dist.Store:
-    """Check the token, register this rank and wait for the whole world; return the job's store
-    (what must outlive the rendezvous is appended to `keep`)."""
-    base = _open_store(ticket, rank == 0, join_timeout)
-    keep.append(base)
-    if rank == 0:
-        salt = secrets.token_hex(16)
-        base.set("troupe/digest", f"{salt}:{_digest(salt, ticket.token)}")
+def token_digest_record(token: str) -> str:
+    """What the store's host publishes so that a joining process can prove it holds the token."""
+    salt = secrets.token_hex(16)
+    return f"{salt}:{_digest(salt, token)}"
+
+
+def check_token(base: dist.Store, ticket: Ticket, rank: int) -> None:
+    """Refuse to join a job whose store was opened with another token."""
     salt, digest = base.get("troupe/digest").decode().split(":")
     if not hmac.compare_digest(digest, _digest(salt, ticket.token)):
         base.add(REFUSED_KEY, 1)
@@ -293,6 +320,16 @@ def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float, keep:
             f"rank {rank}: refused by the job at {ticket.addr}:{ticket.port}: wrong ticket token "
             "(only processes given this job's Ticket may join)"
         )
+
+
+def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float, keep: list) -> dist.Store:
+    """Check the token, register this rank and wait for the whole world; return the job's store
+    (what must outlive the rendezvous is appended to `keep`)."""
+    base = open_store(ticket, rank == 0, join_timeout)
+    keep.append(base)
+    if rank == 0:
+        base.set("troupe/digest", token_digest_record(ticket.token))
+    check_token(base, ticket, rank)
     store = dist.PrefixStore(f"troupe/{ticket.token}/", base)
     if store.add(f"rank/{rank}/count", 1) > 1:
         raise ValueError(f"rank {rank} was started twice (world_size {world_size})")

@@ -54,6 +54,10 @@ class Settings:
     ps_timeout: float = 7 * 24 * 3600.0
     """TROUPE_PS_TIMEOUT: seconds a parameter-server message may wait (a dead peer fails at once
     anyway; a server waits as long as workers train between two messages)."""
+    elastic: str | None = None
+    """TROUPE_ELASTIC: JSON elastic options, set by `troupe run --elastic` (runtime/quorum.py)."""
+    incarnation: int = 0
+    """TROUPE_INCARNATION: how many times `troupe run --elastic` has restarted this rank."""
     cluster: str | None = None
     """TROUPE_CLUSTER: JSON, a framework name or a cluster file (parameter servers)."""
     stats: str | None = None

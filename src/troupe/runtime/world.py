@@ -25,6 +25,7 @@ from troupe.observe import trace
 from troupe.observe.trace import Recorder
 from troupe.runtime import watchdog as watchdog_mod
 from troupe.runtime.comm import Communicator, Traffic
+from troupe.runtime.elastic import Fixed
 from troupe.runtime.launch import DistInfo, Joined, Ticket, join
 from troupe.runtime.settings import Settings
 
@@ -53,6 +54,10 @@ class World:
         """The parameter-server job this rank joined (`troupe.cluster.bootstrap.Job`), once it has."""
         self._hooks: list[Callable[[], None]] = []
         self.closed = False
+        self.membership = joined.membership or Fixed()
+        """Which processes step together: `Fixed` (never changes) or an elastic job's quorum."""
+        if self.membership.elastic:
+            self.membership.on_reconfigure.append(self._rebind)
 
     # --- the rank facts (what troupe.init() returned before the World: DistInfo) ----------
 
@@ -83,6 +88,11 @@ class World:
         self.groups[name] = self.job.new_group(ranks, timeout=timeout)
         return self.groups[name]
 
+    def _rebind(self) -> None:
+        """A new quorum's process group is the default one: the whole-job communicators re-read it."""
+        for comm in {id(c): c for c in (self.job, self.comm)}.values():
+            comm.rebind()
+
     def use_for_data_parallel(self, comm: Communicator) -> None:
         """Make `comm` what data-parallel code reduces over (a cluster's workers, without its servers)."""
         self.comm = comm
@@ -108,6 +118,8 @@ class World:
             hook()
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self.membership.elastic:
+            self.membership.close()
         if self.recorder is not None:
             self.recorder.close()
         if dist.is_initialized():

@@ -35,6 +35,8 @@ def _data_parallel_place(rank: int | None, world_size: int | None) -> tuple[int,
     from troupe.runtime import world as world_mod  # the World joins the job: only when asked to
 
     world = world_mod.init()
+    if world.membership.elastic:  # each worker group its own share, however many groups are present now
+        return world.rank, world.world_size
     if world.settings.cluster and world.comm is world.job:
         # Until the DistOpt's bootstrap has split the job, world.comm still counts the servers.
         raise RuntimeError("under a parameter-server cluster (TROUPE_CLUSTER) make the sampler after the DistOpt: "

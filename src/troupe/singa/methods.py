@@ -107,7 +107,8 @@ class SingaMethods:
         # A partitioned model's slices differ by rank by design (troupe.partition broadcast them whole).
         shared = {id(p) for p in split_by_holders([p for _, p in model.named_parameters()], self.world_size)[0]}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in shared] + list(model.named_buffers())
-        self.communicator.check_same([(n, tuple(t.shape), str(t.dtype)) for n, t in named], "the model")
-        self.communicator.broadcast_tensors([t for _, t in named])
+        if self.world.membership.builds_together:  # else troupe.track gives an elastic joiner the quorum's values
+            self.communicator.check_same([(n, tuple(t.shape), str(t.dtype)) for n, t in named], "the model")
+            self.communicator.broadcast_tensors([t for _, t in named])
         if self.reducer is not None:
             self.reducer.label_buckets(self.param_name)

@@ -110,7 +110,7 @@ class Plain(DistOption):
     """SINGA's backward_and_update: the mean all-reduce of fp32 gradients."""
 
     name, aliases, method = "plain", ("fp32",), "backward_and_update"
-    supports = Capabilities(graph_mode=True)
+    supports = Capabilities(graph_mode=True, elastic=True)
 
     @classmethod
     def build(cls, ctx: Context) -> AllReduce:

@@ -31,6 +31,7 @@ _REFUSED = {
                        "creating the DistOpt",
     "graph_mode": "graph mode reduces every gradient among all ranks: not available {where}; use the PyTorch "
                   "loop or SINGA's update(loss) there",
+    "elastic": "elastic worker groups (troupe run --elastic) cannot run {where} yet: use one of {options}",
     "join": "join() cannot shadow {where}: the other workers of a rank's group need it for every forward; "
             "give every rank the same number of batches",
 }
@@ -38,7 +39,8 @@ _REFUSED = {
 
 def refuse(feature: str, where: str) -> ValueError:
     """The error for a `feature` (a `Capabilities` field) that the regime `where` names cannot offer."""
-    return ValueError(_REFUSED[feature].format(where=where))
+    options = sorted(n for n, r in registry.REGIMES.items() if r.kind == "dist_option" and r.supports.elastic)
+    return ValueError(_REFUSED[feature].format(where=where, options=options))
 
 
 class DistOption(Regime):
@@ -62,11 +64,13 @@ class OptionSwitch:
 
     def __init__(self, setup: Setup, option: str = "plain", **args: Any):
         comm = setup.world.comm
+        self.elastic = setup.world.membership.elastic
         self.comm, self.bucket_size, self.first_bucket_size = comm, setup.bucket_size, setup.first_bucket_size
         params = params_of(setup.optimizer)
         everyone, partitioned = split_by_holders(params, comm.world_size)
         self._partitioned = {h: [id(p) for p in ps] for h, ps in partitioned.items()}
-        self.holders = HolderGroups.make(comm, partitioned)
+        # An elastic job's joiner builds its DistOpt alone while the others train: no collective here.
+        self.holders = HolderGroups.make(comm, partitioned) if setup.world.membership.builds_together else None
         """A partitioned model's parameters that only some ranks hold (troupe.partition)."""
         self.reducer = self._make_reducer(everyone)
         self.ctx = registry.Context(comm, self.reducer, setup.optimizer, everyone, setup.compression,
@@ -81,6 +85,8 @@ class OptionSwitch:
         strategy = self._made.get(key)
         if strategy is None:
             regime = registry.lookup(option)
+            if self.elastic and not regime.supports.elastic:
+                raise refuse("elastic", f"with dist_option {option!r}")
             if self.holders is not None and not regime.supports.partition:
                 raise ValueError(f"dist_option {option!r} averages parameters, not gradients, and cannot average "
                                  f"a partitioned model's slices: use one of {_partition_options()}")

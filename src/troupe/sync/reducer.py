@@ -64,6 +64,10 @@ class GradReducer:
         self.in_step = False
         self._callback_queued = False
         self.last_active = comm.world_size
+        self.defer: tuple[type[BaseException], ...] = ()
+        """Errors of these types (an elastic job's lost peer) are kept in `failed` for the step to
+        read, not raised out of backward."""
+        self.failed: BaseException | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     # --- one step ------------------------------------------------------------------------
@@ -113,7 +117,11 @@ class GradReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
         self._add(param)
-        self._launch_ready()
+        if self.failed is None:
+            try:
+                self._launch_ready()
+            except self.defer as e:
+                self._fail(e)
 
     def _add(self, param: Tensor) -> None:
         bucket = self._bucket_of[id(param)]
@@ -145,7 +153,18 @@ class GradReducer:
         rec = self.comm.recorder
         if rec is not None:
             rec.mark("backward_end")
-        self.finish()
+        if self.failed is not None:
+            self.abort()
+            return
+        try:
+            self.finish()
+        except self.defer as e:
+            self._fail(e)
+
+    def _fail(self, error: BaseException) -> None:
+        """Keep a deferred failure for the step to read (`failed`); the rest of backward runs locally."""
+        self.failed = error
+        self._next = len(self.buckets)
 
     def finish(self) -> int:
         """Launch what is left, wait for everything, hand gradients back; return the active ranks.

@@ -1,0 +1,261 @@
+"""A worker's membership in an elastic job: the quorum it steps with, its vote, its heal.
+
+`troupe run --elastic` restarts a dead worker alone; the others train on. This module is the
+worker's side (the launcher's is runtime/lighthouse.py; the keys they share, runtime/quorum.py):
+
+* **join**: ask the lighthouse to be admitted (`Ready`), wait for a quorum that names this rank,
+  and make the quorum's process group the default one (so every communicator of the World,
+  and through them every regime, reduces over exactly the groups present);
+* **vote**, once per step, after the gradients were reduced: every member says whether its
+  reduction succeeded; the round's one `Decision` (commit or not, and the next quorum) is
+  the same on every member, so a group lost mid-step is left out of that step everywhere;
+* **advance**, after the step: move to the decided quorum; a member named its `source` hands
+  its state (model, optimizer, strategy, sampler, RNG) to the joiners through the launcher's
+  store, live, and steps on; a joiner loads it before its first step.
+
+`Fixed` is the same interface for a job whose processes never change (every other launcher).
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from troupe.runtime.quorum import REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready, round_key
+from troupe.runtime.ticket import LOOPBACK, Ticket
+
+log = logging.getLogger("troupe.elastic")
+
+
+
+
+class Fixed:
+    """The membership of a job whose processes never change: every step commits, nothing moves."""
+
+    elastic = False
+    builds_together = True
+    """Every rank makes its DistOpt at the same time, so making it may use collectives."""
+    lost: tuple[type[BaseException], ...] = ()
+    """Exceptions a step survives (none: a lost peer ends a fixed job)."""
+
+    def vote(self, ok: bool, error: BaseException | None = None) -> bool:
+        return ok
+
+    def advance(self) -> None:
+        pass
+
+    def track(self, objects: dict[str, Any]) -> int | None:
+        return None
+
+
+class Elastic:
+    """This worker's place in an elastic job (one process per worker group)."""
+
+    elastic = True
+    builds_together = False
+    """A restarted worker makes its DistOpt alone while the others train: `troupe.track` gives it
+    the quorum's values instead of a broadcast."""
+    lost: tuple[type[BaseException], ...] = (RuntimeError,)
+    """A failed collective (Gloo raises RuntimeError subclasses) costs the step, not the job."""
+
+    def __init__(self, ticket: Ticket, options: ElasticOptions, rank: int, incarnation: int, backend: str,
+                 connect: Callable[[float], dist.Store]):
+        self.options, self.rank, self.backend = options, rank, backend
+        self.incarnation = incarnation
+        # Three connections: votes and heals wait long; a forming group gives up after `timeout`
+        # (a member died meanwhile); the heartbeat thread has its own socket.
+        self.store = connect(max(options.form_within, 4 * (options.timeout + options.evict_after)))
+        self._pg_store = connect(options.timeout)
+        self._beat_store = connect(options.timeout)
+        self.quorum: Quorum | None = None
+        self.round = 0
+        self.decision: Decision | None = None
+        self.requests = 0
+        self.objects: dict[str, Any] = {}
+        self.step_count: Callable[[], int] = lambda: -1
+        self.on_reconfigure: list[Callable[[], None]] = []
+        self.heals = 0
+        """Times this process received state from a peer."""
+        self.stepped_with: tuple[int, ...] | None = None
+        """The groups whose gradients the last step averaged (None: the step was left out)."""
+        self._pending_heal: tuple[Quorum, str] | None = None
+        self._posted: str | None = None
+        if ticket.addr in (LOOPBACK, "localhost"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="troupe-elastic-heartbeat", daemon=True)
+        self._beat.start()
+
+    # --- joining -------------------------------------------------------------------------
+
+    def join(self) -> Quorum:
+        """Ask to be admitted and wait until a quorum names this rank; make its process group."""
+        last = self.quorum.id if self.quorum is not None else 0
+        while True:
+            self.requests += 1
+            ready = Ready(f"{self.incarnation}.{self.requests}", self.step_count())
+            self.store.set(f"ready/{self.rank}", ready.encode())
+            quorum = self._wait_for_admission(last)
+            try:
+                self._enter(quorum, "r0")
+                return quorum
+            except RuntimeError as e:  # a member died while the group formed: ask again
+                log.warning("troupe: rank %d could not form quorum %d (%s); asking to be admitted again",
+                            self.rank, quorum.id, str(e).splitlines()[0][:160])
+                last = quorum.id
+
+    def _wait_for_admission(self, after: int) -> Quorum:
+        while True:
+            if self.store.check(["closed"]):
+                log.warning("troupe: rank %d: the job finished while it waited to rejoin; leaving", self.rank)
+                raise SystemExit(0)
+            if self.store.check(["latest"]):
+                quorum = Quorum.decode(self.store.get("latest"))
+                if quorum.id > after and self.rank in quorum.members:
+                    return quorum
+            time.sleep(0.01)
+
+    def _enter(self, quorum: Quorum, tag: str) -> None:
+        """Make `quorum`'s process group the default one (every communicator re-reads its rank and size).
+
+        `tag` tells apart two groups of one quorum: a failed round rebuilds the same members' group."""
+        _leave_group()
+        store = dist.PrefixStore(f"pg/{quorum.id}/{tag}/", self._pg_store)
+        dist.init_process_group(self.backend, store=store, rank=quorum.index(self.rank),
+                                world_size=len(quorum.members),
+                                timeout=datetime.timedelta(seconds=self.options.timeout))
+        self.quorum, self.round = quorum, 0
+        for hook in self.on_reconfigure:
+            hook()
+        if quorum.joiners and (self.rank == quorum.source or self.rank in quorum.joiners):
+            self._pending_heal = (quorum, f"heal/{quorum.id}/{tag}")
+            self._heal_if_ready()
+
+    # --- one step ------------------------------------------------------------------------
+
+    def vote(self, ok: bool, error: BaseException | None = None) -> bool:
+        """Say whether this step's reduction succeeded; return whether every member applies it.
+
+        A member lost mid-step makes the lighthouse decide the round (never committed); an
+        error on this rank alone while nobody was lost is this rank's bug and is raised."""
+        q = self.quorum
+        self.round += 1
+        key = lambda what: round_key(q.id, self.round, what)  # noqa: E731
+        try:
+            if not ok:
+                self.store.add(key("bad"), 1)
+            if self.store.add(key("n"), 1) == len(q.members):
+                bad = self.store.add(key("bad"), 0)
+                self.store.compare_set(key("d"), "", Decision(bad == 0, self._proposal() or q).encode())
+            self.decision = Decision.decode(self.store.get(key("d")))
+        except RuntimeError as e:
+            raise ConnectionError(f"rank {self.rank}: lost the elastic job's store (the launcher): {e}") from None
+        self.stepped_with = q.members if self.decision.commit else None
+        if not ok and self.decision.by == "vote" and error is not None and self.decision.next == q:
+            raise error  # nobody was lost: the failure is this rank's own
+        return self.decision.commit
+
+    def _proposal(self) -> Quorum | None:
+        if not self.store.check(["proposal"]):
+            return None
+        proposal = Quorum.decode(self.store.get("proposal"))
+        return proposal if proposal.base == self.quorum.id else None
+
+    def advance(self) -> None:
+        """After the step: move to the quorum the round decided (a step that failed rebuilds even
+        the same quorum's group); leave and ask to be admitted again when it does not name us."""
+        d, self.decision = self.decision, None
+        if d is None:
+            return
+        nxt = d.next
+        if nxt is not None and nxt == self.quorum and d.commit:
+            return
+        if nxt is not None and self.rank not in nxt.members:
+            # The others stepped on without us (we were paused or late): our state and the script's
+            # place in its loop are behind. A fresh process catches up through troupe.track.
+            log.warning("troupe: rank %d was left out of quorum %d (paused or late); it restarts to rejoin",
+                        self.rank, nxt.id)
+            raise SystemExit(REJOIN_EXIT)
+        if nxt is None:  # too few groups left: all of us are at this step; wait for restarts to come back
+            self.join()
+            return
+        try:
+            self._enter(nxt, f"r{self.round}" if nxt.id == self.quorum.id else "r0")
+        except RuntimeError:
+            self.join()
+
+    # --- heal ----------------------------------------------------------------------------
+
+    def track(self, objects: dict[str, Any]) -> int:
+        """Hand these objects' state to joiners (as a source) or load it from one (as a joiner)."""
+        self.objects = dict(objects)
+        optimizer = objects.get("optimizer")
+        if optimizer is not None and hasattr(optimizer, "step_count"):
+            self.step_count = lambda: optimizer.step_count
+        self._heal_if_ready()
+        return self.step_count()
+
+    def _heal_if_ready(self) -> None:
+        if self._pending_heal is None or not self.objects:
+            return
+        (q, key), self._pending_heal = self._pending_heal, None
+        if self.rank == q.source:
+            self.store.set(key, _pack(self.objects))
+            if self._posted is not None:
+                self.store.delete_key(self._posted)  # its joiners have it by now (they loaded it before stepping)
+            self._posted = key
+        else:
+            _unpack(self.store.get(key), self.objects)
+            self.heals += 1
+
+    # --- liveness ------------------------------------------------------------------------
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.options.heartbeat):
+            try:
+                self._beat_store.add(f"hb/{self.rank}", 1)
+            except RuntimeError:
+                return  # the launcher is gone; the main thread finds out on its next vote
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _leave_group() -> None:
+    """Destroy the default group, even one broken by a lost peer."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except RuntimeError as e:  # shutting down a group whose peer died may fail: the group is gone anyway
+            log.debug("troupe: destroying the old quorum's group: %s", e)
+    # torch names the next default group by a counter it resets only when a destroy completes; every
+    # member of the next quorum must use the same name (it prefixes the group's rendezvous keys).
+    from torch.distributed import distributed_c10d
+
+    if dist.is_initialized():
+        distributed_c10d._update_default_pg(None)
+    distributed_c10d._world.group_count = 0
+
+
+def _pack(objects: dict[str, Any]) -> bytes:
+    state = {name: obj.state_dict() for name, obj in objects.items()}
+    state["__rng__"] = torch.get_rng_state()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def _unpack(blob: bytes, objects: dict[str, Any]) -> None:
+    state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
+    for name, obj in objects.items():
+        obj.load_state_dict(state[name])
+    torch.set_rng_state(state["__rng__"])

@@ -1,0 +1,141 @@
+"""The elastic quorum's shared vocabulary: the Quorum record, the round Decision, the store's keys.
+
+An elastic job (`troupe run --elastic`) keeps its membership in the launcher's TCP store, not
+in a worker. The launcher's `Lighthouse` (runtime/lighthouse.py) watches which worker groups
+are alive and proposes quorums; the workers (runtime/elastic.py) vote once per step and move
+to a new quorum only at a step boundary, all together. Both sides read and write the keys
+named here, and nothing else: no torch import, so `troupe run` stays light.
+
+Keys (under the job's ``troupe/<token>/`` prefix):
+
+* ``hb/<rank>``      a counter each worker's heartbeat thread adds to (the lighthouse evicts a
+                     rank whose counter stands still for ``evict_after`` seconds: SIGSTOP, a hang);
+* ``ready/<rank>``   a worker asks to be (re)admitted: a `Ready` record;
+* ``proposal``       the lighthouse's next quorum, not yet adopted;
+* ``latest``         the newest adopted quorum (what a joining worker waits for);
+* ``q<id>/r<k>/n``, ``/bad``, ``/d``   round k of quorum id: votes, failed votes, the decision
+                     (written once, by compare-and-set: by the last voter, or by the lighthouse
+                     when a member is lost and will never vote);
+* ``heal/<id>/<tag>``  the state a source member hands to the joiners of quorum id;
+* ``closed``         the job is over (members finished): a worker still waiting to be admitted leaves.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+REJOIN_EXIT = 75
+"""The exit code of a worker that was left out of the quorum and asks its launcher to start it again."""
+ENV_VAR = "TROUPE_ELASTIC"
+"""JSON `ElasticOptions`, set by `troupe run --elastic` for every worker."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticOptions:
+    """What `troupe run --elastic` tells every worker (and its lighthouse) about the job."""
+
+    groups: int
+    """Worker groups in the job when all are present (each process is a group of one)."""
+    min_groups: int = 2
+    """A step needs at least this many groups present; with fewer the job waits for restarts."""
+    timeout: float = 10.0
+    """Seconds a collective may wait for a frozen peer before the step is given up (the eviction
+    bound for a SIGSTOPped worker), and a new quorum's process group may take to form."""
+    evict_after: float = 5.0
+    """Seconds without a heartbeat after which the lighthouse drops a worker from the quorum."""
+    heartbeat: float = 0.5
+    """Seconds between a worker's heartbeats."""
+    form_within: float = 60.0
+    """At the start, seconds the lighthouse waits for every group before forming a quorum of at
+    least `min_groups` (a restart later is admitted as soon as it is ready)."""
+
+    def __post_init__(self) -> None:
+        if self.min_groups < 2:
+            raise ValueError(f"min_groups must be >= 2 (a quorum of one has nobody to heal from), got {self.min_groups}")
+        if self.min_groups > self.groups:
+            raise ValueError(f"min_groups ({self.min_groups}) is larger than the job's {self.groups} worker groups")
+        for name in ("timeout", "evict_after", "heartbeat", "form_within"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"elastic {name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.heartbeat * 2 > self.evict_after:
+            raise ValueError(f"elastic evict_after ({self.evict_after}s) must be at least two heartbeats "
+                             f"({self.heartbeat}s each)")
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, text: str) -> ElasticOptions:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The worker groups that take steps together, and who hands state to whom when it formed."""
+
+    id: int
+    members: tuple[int, ...]
+    """Global ranks (one process per group), ascending."""
+    joiners: tuple[int, ...] = ()
+    """Members whose state is not the quorum's yet: they receive it from `source` before their first step."""
+    source: int = -1
+    """The member whose state every joiner copies (-1: no joiners)."""
+    base: int = 0
+    """The quorum this one replaces (0: formed by the lighthouse from ready workers, not from a running quorum)."""
+
+    def index(self, rank: int) -> int:
+        """This rank's place in the quorum's process group."""
+        return self.members.index(rank)
+
+    def encode(self) -> str:
+        return json.dumps({"id": self.id, "members": self.members, "joiners": self.joiners, "source": self.source,
+                           "base": self.base})
+
+    @classmethod
+    def decode(cls, text: str | bytes) -> Quorum:
+        d = json.loads(text)
+        return cls(d["id"], tuple(d["members"]), tuple(d["joiners"]), d["source"], d["base"])
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How round k of a quorum ended: apply the step or not, and which quorum the next step uses."""
+
+    commit: bool
+    next: Quorum | None
+    """None: fewer than min_groups are left; every member waits to be admitted to a new quorum."""
+    by: str = "vote"
+    """"vote" (the last voter) or "lighthouse" (a member was lost)."""
+
+    def encode(self) -> str:
+        return json.dumps({"commit": self.commit, "next": None if self.next is None else self.next.encode(),
+                           "by": self.by})
+
+    @classmethod
+    def decode(cls, text: str | bytes) -> Decision:
+        d = json.loads(text)
+        return cls(d["commit"], None if d["next"] is None else Quorum.decode(d["next"]), d["by"])
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A worker asking to be admitted: a fresh process (step -1) or one that lost its quorum."""
+
+    token: str
+    """Unique per request (incarnation and attempt): the lighthouse admits each request once."""
+    step: int
+    """The optimizer steps this worker's state has taken (-1: no state yet)."""
+    extra: dict = field(default_factory=dict)
+
+    def encode(self) -> str:
+        return json.dumps({"token": self.token, "step": self.step, "extra": self.extra})
+
+    @classmethod
+    def decode(cls, text: str | bytes) -> Ready:
+        d = json.loads(text)
+        return cls(d["token"], d["step"], d.get("extra", {}))
+
+
+def round_key(quorum_id: int, k: int, what: str) -> str:
+    return f"q{quorum_id}/r{k}/{what}"

@@ -1,0 +1,95 @@
+"""`troupe run --elastic`'s supervisor: restart a dead worker alone, never the others.
+
+The launcher starts every rank, runs the `Lighthouse` (the quorum, in this process), and polls
+the ranks: a rank that exits with an error is reported to the lighthouse (so the others' step
+goes on without it at once) and started again after a back-off, as the same rank with the
+next incarnation, until its restart budget is spent. A rank that finishes (exit 0) ends the
+restarts: the job is closing. A rank out of budget stops the job, with one line naming it.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from troupe.runtime.quorum import REJOIN_EXIT
+
+POLL_SECONDS = 0.02
+BACKOFF_FIRST = 0.5
+BACKOFF_MAX = 8.0
+QUICK_SECONDS = 60.0
+"""Restarts of one rank within this window double its back-off."""
+
+
+@dataclass
+class _Rank:
+    proc: subprocess.Popen
+    started: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    """Restarts after a failure (what the budget counts)."""
+    starts: int = 1
+    """Processes started for this rank (the next one's incarnation)."""
+    recent: list[float] = field(default_factory=list)
+    due: float | None = None
+    """When a dead rank starts again (None: running, or finished)."""
+    finished: bool = False
+
+
+def why(code: int) -> str:
+    return f"signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"code {code}"
+
+
+def supervise(spawn: Callable[[int, int], subprocess.Popen], ranks: list[int], lighthouse, *,
+              restarts_per_rank: int, say: Callable[[str], None], stop_all: Callable[[list], None]) -> int:
+    """Run `ranks` (each `spawn(rank, incarnation)`) until all finish; restart the dead ones alone."""
+    state = {r: _Rank(spawn(r, 0)) for r in ranks}
+    closing = False
+    while True:
+        now = time.monotonic()
+        for rank, s in state.items():
+            if s.finished:
+                continue
+            if s.due is not None:
+                if now >= s.due and not closing:
+                    s.due, s.started = None, now
+                    s.proc = spawn(rank, s.starts)
+                    s.starts += 1
+                    lighthouse.restarted(rank)
+                continue
+            code = s.proc.poll()
+            if code is None:
+                continue
+            lighthouse.lost(rank, finished=code == 0)  # finished or dead, the others step on without it at once
+            if code == 0:
+                s.finished = closing = True
+                continue
+            if closing:
+                say(f"troupe run: rank {rank} exited with {why(code)} while the job was finishing")
+                stop_all([x.proc for x in state.values()])
+                return code if code > 0 else 128 - code
+            if code == REJOIN_EXIT:  # left out while paused: started afresh to catch up (not a failure)
+                s.due = now
+                say(f"troupe run: rank {rank} was left out of the quorum while it was paused; starting it again "
+                    "to rejoin")
+                continue
+            if s.restarts >= restarts_per_rank:
+                say(f"troupe run: rank {rank} exited with {why(code)} and has used its {restarts_per_rank} "
+                    "restarts (--restarts-per-rank); stopped the job")
+                stop_all([x.proc for x in state.values()])
+                return code if code > 0 else 128 - code
+            s.restarts += 1
+            s.recent = [t for t in s.recent if now - t < QUICK_SECONDS] + [now]
+            delay = min(BACKOFF_FIRST * 2 ** (len(s.recent) - 1), BACKOFF_MAX)
+            s.due = now + delay
+            say(f"troupe run: rank {rank} exited with {why(code)}; restarting it alone in {delay:.1f}s "
+                f"(restart {s.restarts} of {restarts_per_rank}); the others train on")
+        if all(s.finished for s in state.values()):
+            return 0
+        if closing and all(s.finished or s.due is not None for s in state.values()):
+            down = sorted(r for r, s in state.items() if s.due is not None)
+            say(f"troupe run: rank(s) {down} were down when the others finished; not restarted")
+            return 0
+        time.sleep(POLL_SECONDS)

@@ -1,0 +1,107 @@
+"""A tiny elastic job: every worker group logs which groups each of its steps averaged over.
+
+    troupe run -n 3 --elastic tests/dist/scripts/elastic_train.py OUT MODE
+
+MODE (faults in first incarnations only, unless said otherwise):
+  ok
+  kill          rank 1 SIGKILLs itself at step 6; once it is back, rank 2 raises
+  two-down      rank 1 SIGKILLs itself at step 6, rank 2 raises at step 8: too few groups until one is back
+  stop          rank 2 SIGSTOPs itself at step 6 and writes OUT/stopped (the test sends SIGCONT)
+  always-raise  rank 1 raises at step 6, and at its first step back every time
+The job trains until it has taken MIN_STEPS steps and the last FULL_STREAK of them had every group
+(the same verdict on every member: they commit the same steps). Each rank writes OUT/rank{r}.json
+(its last incarnation) and OUT/rank{r}.pt (parameters).
+"""
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import troupe
+
+EPOCHS, BATCH, SAMPLES, FAULT_AT, MIN_STEPS, FULL_STREAK = 100, 8, 720, 6, 30, 8
+
+
+def fault(mode: str, rank: int, incarnation: int, step: int, log: list, out: Path) -> None:
+    if incarnation == 0 and step == FAULT_AT:
+        if mode in ("kill", "two-down") and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "stop" and rank == 2 and not (out / "stopped").exists():
+            (out / "stopped").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+    if mode == "kill" and rank == 2 and incarnation == 0 and step > FAULT_AT and log[-1][2] == [0, 1, 2]:
+        raise RuntimeError("boom")  # a second failure, of another kind, once rank 1 is back
+    if mode == "two-down" and rank == 2 and incarnation == 0 and step == FAULT_AT + 2:
+        raise RuntimeError("boom")  # while rank 1 is still down
+    if mode == "always-raise" and rank == 1 and (incarnation > 0 or step == FAULT_AT):
+        raise RuntimeError("boom, every time")
+
+
+def data():
+    g = torch.Generator().manual_seed(123)
+    return torch.randn(SAMPLES, 8, generator=g), torch.randint(0, 4, (SAMPLES,), generator=g)
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def main(out: Path, mode: str) -> None:
+    torch.set_num_threads(1)
+    incarnation = int(os.environ.get("TROUPE_INCARNATION", "0"))
+    model, sgd = model_and_optimizer()
+    if incarnation:
+        torch.manual_seed(1000 + incarnation)  # a restart starts from other values: the heal must overwrite them
+        for p in model.parameters():
+            p.data.normal_()
+    opt = troupe.DistOpt(sgd)
+    rank = opt.global_rank
+    train = troupe.data.loader(data(), BATCH, seed=7, tail="drop", drop_last=True)
+    per_epoch = len(train)  # before the heal: a resumed sampler counts what is left of its epoch
+    steps = troupe.track(model=model, optimizer=opt, sampler=train.sampler)
+    where = train.sampler.state_dict()
+    start_epoch, start_batch = where["epoch"], where["position"] // (opt.world_size * BATCH)
+    membership = opt.world.membership
+    healed = {"steps": steps, "params": [p.detach().clone() for p in model.parameters()],
+              "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()
+                           if "momentum_buffer" in opt.state[p]]} if incarnation else None
+    log: list = []
+    streak = 0
+    for epoch in range(start_epoch, EPOCHS):
+        train.sampler.set_epoch(epoch)
+        batches = iter(train)
+        for b in range(start_batch if epoch == start_epoch else 0, per_epoch):
+            x, y = next(batches)
+            fault(mode, rank, incarnation, opt.step_count, log, out)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            members = list(membership.stepped_with) if membership.stepped_with else None
+            log.append([epoch, b, members])
+            streak = streak + 1 if members == list(range(opt.world_size)) else 0
+            if opt.step_count >= MIN_STEPS and streak >= FULL_STREAK:
+                break
+            time.sleep(0.05)
+        else:
+            continue
+        break
+    params = [p.detach() for p in model.parameters()]
+    digest = hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest()
+    torch.save({"params": params, "healed": healed}, out / f"rank{rank}.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps({
+        "rank": rank, "incarnation": incarnation, "heals": membership.heals, "steps": opt.step_count,
+        "resumed_at": steps, "log": log, "sha256": digest}))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])

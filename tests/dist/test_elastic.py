@@ -1,0 +1,159 @@
+"""Elastic worker groups under `troupe run --elastic`: a lost worker restarts alone and heals.
+
+Each job is tests/dist/scripts/elastic_train.py on 3 groups of one process. Every rank logs,
+per iteration, which groups its step averaged over; the test replays exactly those steps in
+one process (each group's batches from its own sampler) and compares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).parent / "scripts" / "elastic_train.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+sys.path.insert(0, str(SCRIPT.parent))
+import elastic_train as job  # noqa: E402
+
+from troupe.script.sampling import DistributedSampler  # noqa: E402
+
+pytestmark = [pytest.mark.dist, pytest.mark.process]
+GROUPS = 3
+
+
+def troupe_run(out: Path, mode: str, *flags: str, timeout: float = 150, wait=None) -> subprocess.CompletedProcess:
+    """Run the job; `wait(proc, stderr_path)` runs while it does (stderr goes to a file it can read)."""
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(GROUPS), "--elastic", *flags, str(SCRIPT), str(out),
+           mode]
+    err = out / "stderr.txt"
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        try:
+            if wait is not None:
+                wait(proc, err)
+            stdout, _ = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:  # never leave a job behind
+                proc.terminate()
+                proc.wait(timeout=30)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, err.read_text())
+
+
+def reports(out: Path) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(GROUPS)]
+
+
+def replay(logs: list[list]) -> list[torch.Tensor]:
+    """The steps the job committed, in one process: each the mean of the present groups' gradients."""
+    steps: dict[tuple[int, int], list[int]] = {}
+    for log in logs:
+        for epoch, b, members in log:
+            if members is not None:
+                assert steps.setdefault((epoch, b), members) == members, f"groups disagree on step {(epoch, b)}"
+    x, y = job.data()
+    samplers = [DistributedSampler(len(x), rank=g, world_size=GROUPS, seed=7, tail="drop") for g in range(GROUPS)]
+    model, sgd = job.model_and_optimizer()
+    for (epoch, b), members in sorted(steps.items()):
+        sgd.zero_grad()
+        for g in members:
+            idx = samplers[g].indices(epoch)[b * job.BATCH:(b + 1) * job.BATCH]
+            (F.cross_entropy(model(x[idx]), y[idx]) / len(members)).backward()
+        sgd.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def check_healed_and_equal(out: Path, restarted: tuple[int, ...]) -> list[dict]:
+    runs = reports(out)
+    assert len({r["sha256"] for r in runs}) == 1, "the groups ended with different parameters"
+    assert [r["incarnation"] for r in runs] == [int(r in restarted) for r in range(GROUPS)], \
+        "a survivor was restarted, or the lost rank was not"
+    params = torch.load(out / "rank0.pt")["params"]
+    for got, want in zip(params, replay([r["log"] for r in runs])):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    return runs
+
+
+@pytest.mark.timeout(240)
+def test_killed_and_raising_workers_restart_alone_and_heal(tmp_path):
+    proc = troupe_run(tmp_path, "kill")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 1 exited with signal 9 (SIGKILL); restarting it alone" in proc.stderr
+    assert "rank 2 exited with code 1; restarting it alone" in proc.stderr
+    runs = check_healed_and_equal(tmp_path, restarted=(1, 2))
+    survivor = runs[0]["log"]
+    lost_step = next(i for i, (_, _, m) in enumerate(survivor) if m is None)
+    assert survivor[lost_step][:2] == [0, job.FAULT_AT]  # the step the worker died in is left out everywhere
+    assert survivor[lost_step + 1][2] == [0, 2]           # the others train on without it
+    assert [0, 1] in [m for _, _, m in survivor]           # and later without rank 2
+    assert survivor[-1][2] == [0, 1, 2]                   # and it is back
+    # The joiner's state equals a healthy group's before its first step back: the heal overwrote the
+    # restart's own (other) initial values, and from there it stepped with the others.
+    healed = torch.load(tmp_path / "rank1.pt")["healed"]
+    assert healed["steps"] == runs[1]["resumed_at"] > 0 and runs[1]["heals"] == 1
+    assert healed["momentum"], "the optimizer's momentum was not handed over"
+
+
+@pytest.mark.timeout(240)
+def test_too_few_groups_wait_for_restarts_then_train_on(tmp_path):
+    proc = troupe_run(tmp_path, "two-down")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "too few left: waiting for restarts" in proc.stderr
+    runs = check_healed_and_equal(tmp_path, restarted=(1, 2))
+    assert runs[0]["log"][-1][2] == [0, 1, 2]
+
+
+@pytest.mark.timeout(240)
+def test_frozen_worker_is_evicted_and_comes_back_after_sigcont(tmp_path):
+    def cont_later(proc, stderr):
+        deadline = time.monotonic() + 120
+        while "worker group(s) [2] left quorum" not in stderr.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "rank 2 was never evicted"
+            time.sleep(0.1)
+        time.sleep(1)  # the others train on without it
+        os.kill(int((tmp_path / "stopped").read_text()), signal.SIGCONT)
+
+    proc = troupe_run(tmp_path, "stop", "--elastic-timeout", "3", wait=cont_later)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 2 was left out of the quorum while it was paused; starting it again" in proc.stderr
+    runs = check_healed_and_equal(tmp_path, restarted=(2,))  # back from SIGCONT, it restarts to catch up
+    survivor = runs[0]["log"]
+    assert [0, 1] in [m for _, _, m in survivor], "the others did not train on while rank 2 was stopped"
+    assert survivor[-1][2] == [0, 1, 2]
+
+
+@pytest.mark.timeout(240)
+def test_restart_budget_that_runs_out_ends_the_job_naming_the_rank(tmp_path):
+    proc = troupe_run(tmp_path, "always-raise", "--restarts-per-rank", "1")
+    assert proc.returncode != 0
+    assert "rank 1 exited with code 1 and has used its 1 restarts (--restarts-per-rank); stopped the job" \
+        in proc.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--min-groups", "4"], "min_groups (4) is larger than the job's 3 worker groups"),
+    (["--min-groups", "1"], "min_groups must be >= 2"),
+    (["--max-restarts", "2", "--checkpoint-dir", "ck"], "--elastic restarts a dead rank alone; --max-restarts"),
+    (["--framework", "downpour"], "--elastic does not run parameter-server clusters yet"),
+])
+def test_bad_elastic_flags_say_one_line(tmp_path, flags, message):
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(GROUPS), "--elastic", *flags, str(SCRIPT),
+           str(tmp_path), "ok"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+        proc.stderr
+
+
+def test_min_groups_without_elastic_is_refused(tmp_path):
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "2", "--min-groups", "2", str(SCRIPT), str(tmp_path), "ok"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--min-groups needs --elastic" in proc.stderr, proc.stderr
