@@ -88,13 +88,13 @@ def test_killed_and_raising_workers_restart_alone_and_heal(tmp_path):
     proc = troupe_run(tmp_path, "kill")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 1 exited with signal 9 (SIGKILL); restarting it alone" in proc.stderr
-    assert "rank 2 exited with code 1; restarting it alone" in proc.stderr
-    runs = check_healed_and_equal(tmp_path, restarted=(1, 2))
-    survivor = runs[0]["log"]
+    assert "rank 0 exited with code 1; restarting it alone" in proc.stderr
+    runs = check_healed_and_equal(tmp_path, restarted=(0, 1))
+    survivor = runs[2]["log"]
     lost_step = next(i for i, (_, _, m) in enumerate(survivor) if m is None)
     assert survivor[lost_step][:2] == [0, job.FAULT_AT]  # the step the worker died in is left out everywhere
     assert survivor[lost_step + 1][2] == [0, 2]           # the others train on without it
-    assert [0, 1] in [m for _, _, m in survivor]           # and later without rank 2
+    assert [1, 2] in [m for _, _, m in survivor]           # and later without rank 0, the first rank
     assert survivor[-1][2] == [0, 1, 2]                   # and it is back
     # The joiner's state equals a healthy group's before its first step back: the heal overwrote the
     # restart's own (other) initial values, and from there it stepped with the others.

@@ -47,6 +47,8 @@ class Lighthouse:
         self.started = time.monotonic()
         self.dead: set[int] = set()
         self.finished: set[int] = set()
+        self.departed: set[int] = set()
+        """Ranks whose process exited since the last tick (even if already started again)."""
         self.beats = {r: _Beat() for r in range(options.groups)}
         self.admitted: dict[int, str] = {}
         self.active: Quorum | None = None
@@ -75,6 +77,7 @@ class Lighthouse:
         """The process of `rank` exited (`finished`: with code 0, its training done)."""
         with self._lock:
             self.dead.add(rank)
+            self.departed.add(rank)
             if finished:
                 self.finished.add(rank)
 
@@ -110,13 +113,14 @@ class Lighthouse:
             if now - beat.changed < self.options.evict_after:
                 alive.add(rank)
         asking = self._asking(alive)
+        departed, self.departed = self.departed, set()
         if self.finished and (self.active is None or set(self.active.members) <= self.finished):
             self.store.set("closed", "1")  # the job is over: a worker still waiting to be admitted leaves
             return
         if self.active is None:
             self._form(asking, now)
             return
-        lost = set(self.active.members) - alive
+        lost = (set(self.active.members) - alive) | (departed & set(self.active.members))
         lost |= {r for r in asking if r in self.active.members}  # a member asking again has left its quorum
         if lost:
             self._abort(lost, asking)

@@ -4,7 +4,7 @@
 
 MODE (faults in first incarnations only, unless said otherwise):
   ok
-  kill          rank 1 SIGKILLs itself at step 6; once it is back, rank 2 raises
+  kill          rank 1 SIGKILLs itself at step 6; once it is back, rank 0 raises
   two-down      rank 1 SIGKILLs itself at step 6, rank 2 raises at step 8: too few groups until one is back
   stop          rank 2 SIGSTOPs itself at step 6 and writes OUT/stopped (the test sends SIGCONT)
   always-raise  rank 1 raises at step 6, and at its first step back every time
@@ -37,8 +37,8 @@ def fault(mode: str, rank: int, incarnation: int, step: int, log: list, out: Pat
         if mode == "stop" and rank == 2 and not (out / "stopped").exists():
             (out / "stopped").write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGSTOP)
-    if mode == "kill" and rank == 2 and incarnation == 0 and step > FAULT_AT and log[-1][2] == [0, 1, 2]:
-        raise RuntimeError("boom")  # a second failure, of another kind, once rank 1 is back
+    if mode == "kill" and rank == 0 and incarnation == 0 and step > FAULT_AT and log[-1][2] == [0, 1, 2]:
+        raise RuntimeError("boom")  # a second failure, of another kind, once rank 1 is back: rank 0 is not special
     if mode == "two-down" and rank == 2 and incarnation == 0 and step == FAULT_AT + 2:
         raise RuntimeError("boom")  # while rank 1 is still down
     if mode == "always-raise" and rank == 1 and (incarnation > 0 or step == FAULT_AT):

@@ -1,0 +1,164 @@
+"""The elastic quorum's keeper (runtime/lighthouse.py), driven tick by tick through its store, no processes."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch.distributed as dist
+
+from troupe.runtime.lighthouse import Lighthouse
+from troupe.runtime.quorum import Decision, ElasticOptions, Quorum, Ready, round_key
+from troupe.runtime.ticket import Ticket
+
+
+@pytest.fixture
+def house():
+    ticket = Ticket()
+    lh = Lighthouse(ticket, ElasticOptions(groups=3, min_groups=2, evict_after=5.0, heartbeat=0.5))
+    client = dist.PrefixStore(f"troupe/{ticket.token}/", dist.TCPStore(
+        ticket.addr, ticket.port, is_master=False, timeout=datetime.timedelta(seconds=5)))
+    yield lh, client
+    lh.stop()
+
+
+def beat(client, *ranks):
+    for r in ranks:
+        client.add(f"hb/{r}", 1)
+
+
+def ask(client, rank, token, step=-1):
+    client.set(f"ready/{rank}", Ready(token, step).encode())
+
+
+def latest(client) -> Quorum:
+    return Quorum.decode(client.get("latest"))
+
+
+def form_all(lh, client) -> Quorum:
+    beat(client, 0, 1, 2)
+    for r in range(3):
+        ask(client, r, f"0.{r}", step=0)
+    lh.tick()
+    return latest(client)
+
+
+def test_the_first_quorum_waits_for_every_group_then_heals_all_from_one(house):
+    lh, client = house
+    beat(client, 0, 1)
+    ask(client, 0, "a", step=0)
+    ask(client, 1, "b", step=0)
+    lh.tick()
+    assert not client.check(["latest"]), "formed before every group was ready"
+    beat(client, 2)
+    ask(client, 2, "c", step=0)
+    lh.tick()
+    q = latest(client)
+    assert (q.id, q.members, q.source, q.joiners, q.base) == (1, (0, 1, 2), 0, (1, 2), 0)
+
+
+def test_a_group_asking_to_join_is_proposed_to_the_running_quorum(house):
+    lh, client = house
+    q1 = form_all(lh, client)
+    # round 1 of quorum 1 committed by its members, with nothing proposed
+    client.set(round_key(q1.id, 1, "d"), Decision(True, q1).encode())
+    lh.tick()
+    assert lh.cursor == 2 and lh.active == q1
+    lh.lost(2)
+    lh.restarted(2)
+    beat(client, 0, 1, 2)
+    # rank 2's old process never voted in round 2: the lighthouse decides it, without rank 2
+    lh.tick()
+    d = Decision.decode(client.get(round_key(q1.id, 2, "d")))
+    assert not d.commit and d.by == "lighthouse" and d.next.members == (0, 1) and d.next.base == q1.id
+    assert latest(client) == d.next and lh.active == d.next
+    ask(client, 2, "1.1")  # the restarted process is ready
+    beat(client, 0, 1, 2)
+    lh.tick()
+    proposal = Quorum.decode(client.get("proposal"))
+    assert proposal.members == (0, 1, 2) and proposal.joiners == (2,) and proposal.source == 0
+    assert proposal.base == d.next.id and latest(client) == d.next, "a proposal is not a quorum until adopted"
+    # the next round's last voter adopts it; the lighthouse follows and publishes it
+    client.set(round_key(d.next.id, 1, "d"), Decision(True, proposal).encode())
+    lh.tick()
+    assert latest(client) == proposal and lh.active == proposal and lh.admitted[2] == "1.1"
+
+
+def test_a_round_the_voters_committed_before_the_loss_was_seen_is_kept(house):
+    lh, client = house
+    q1 = form_all(lh, client)
+    client.set(round_key(q1.id, 1, "d"), Decision(True, q1).encode())  # rank 1 voted, then died
+    lh.lost(1)
+    beat(client, 0, 2)
+    lh.tick()
+    assert Decision.decode(client.get(round_key(q1.id, 1, "d"))).commit
+    aborted = Decision.decode(client.get(round_key(q1.id, 2, "d")))
+    assert not aborted.commit and aborted.next.members == (0, 2)
+
+
+def test_a_silent_group_is_evicted_after_evict_after(house, monkeypatch):
+    lh, client = house
+    q1 = form_all(lh, client)
+    clock = [1000.0]
+    monkeypatch.setattr("troupe.runtime.lighthouse.time.monotonic", lambda: clock[0])
+    for b in lh.beats.values():
+        b.changed = clock[0]
+    for _ in range(3):
+        clock[0] += 2.0
+        beat(client, 0, 1)  # rank 2 is frozen: its counter stands still
+        lh.tick()
+    d = Decision.decode(client.get(round_key(q1.id, 1, "d")))
+    assert not d.commit and d.next.members == (0, 1)
+
+
+def test_too_few_groups_pause_until_enough_ask_again(house):
+    lh, client = house
+    q1 = form_all(lh, client)
+    lh.lost(1)
+    lh.lost(2)
+    beat(client, 0)
+    lh.tick()
+    d = Decision.decode(client.get(round_key(q1.id, 1, "d")))
+    assert not d.commit and d.next is None and lh.active is None
+    ask(client, 0, "0.9", step=7)  # the survivor asks again, with its steps
+    beat(client, 0)
+    lh.tick()
+    assert latest(client) == q1, "formed with fewer than min_groups"
+    lh.restarted(1)
+    ask(client, 1, "1.1")
+    beat(client, 0, 1)
+    lh.tick()
+    q = latest(client)
+    assert q.members == (0, 1) and q.source == 0 and q.joiners == (1,) and q.id > q1.id
+
+
+def test_when_the_members_have_finished_a_waiting_worker_is_told_to_leave(house):
+    lh, client = house
+    form_all(lh, client)
+    for r in (0, 1):
+        lh.lost(r, finished=True)
+    lh.lost(2)
+    lh.tick()
+    assert not client.check(["closed"])  # rank 2 (a member) is not finished: the job may still need it
+    lh.lost(2, finished=True)
+    lh.tick()
+    assert client.check(["closed"])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(groups=3, min_groups=4), "min_groups (4) is larger than the job's 3 worker groups"),
+    (dict(groups=3, min_groups=1), "min_groups must be >= 2"),
+    (dict(groups=3, timeout=0), "elastic timeout must be > 0 seconds"),
+    (dict(groups=3, heartbeat=3.0, evict_after=5.0), "must be at least two heartbeats"),
+])
+def test_bad_elastic_options(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ElasticOptions(**kwargs)
+
+
+def test_records_round_trip():
+    q = Quorum(4, (0, 2), (2,), 0, base=3)
+    assert Quorum.decode(q.encode()) == q and q.index(2) == 1
+    d = Decision(False, q, by="lighthouse")
+    assert Decision.decode(d.encode()) == d and Decision.decode(Decision(True, None).encode()).next is None
+    assert ElasticOptions.decode(ElasticOptions(groups=5).encode()) == ElasticOptions(groups=5)
