@@ -96,6 +96,16 @@ def test_groups_differ_or_one_has_no_result(tmp_path):
     assert missing["nonzero_exits"] == 1
 
 
+def test_progress_lost_when_every_group_restarts_from_scratch(tmp_path):
+    healed = steps(0, [0, 1, 2, 3]) + [{"t": 5, "group": 1, "step": 4, "committed": True, "samples": 64}]
+    write(tmp_path / "events.jsonl", healed)
+    assert summarize(tmp_path)["progress_lost_steps"] == 0  # a healed group jumps ahead, never back
+    reset = [{"t": t, "group": g, "step": s, "committed": True, "samples": 64}
+             for t, g, s in [(0, 0, 5), (0, 1, 5), (1, 0, 6), (1, 1, 6), (9, 0, 1), (9, 1, 1), (10, 1, 2)]]
+    write(tmp_path / "events.jsonl", reset)
+    assert summarize(tmp_path)["progress_lost_steps"] == 5
+
+
 def test_an_empty_run(tmp_path):
     s = summarize(tmp_path)
     assert s["samples_per_s"] == 0.0 and s["kills"] == 0 and s["recovery_p50"] is None
@@ -116,6 +126,6 @@ def test_markdown_table_keeps_throughput_relative_to_the_reference(tmp_path):
     table = markdown_table({"fault-free": ref, "kill 30 s": s}, reference="fault-free")
     lines = table.splitlines()
     assert len(lines) == 4 and lines[1].count("---") == lines[0].count("|") - 1
-    assert "| kill 30 s | 166 | 0.50 | 2 | 4.5 / 4.5 | 2.0 / 2.0 | 0 | 0 | 98.00 | yes |" in table
+    assert "| kill 30 s | 166 | 0.50 | 2 | 4.5 / 4.5 | 2.0 / 2.0 | 0 | 0 | 0 | 98.00 | yes |" in table
     with pytest.raises(ValueError, match="reference 'x'"):
         markdown_table({"a": s}, reference="x")

@@ -10,8 +10,8 @@ writes into one folder:
   group made no step for 60 s);
 * ``final.jsonl``   ``{"group", "eval_acc", "params_sha256", "exit_code"}`` per group.
 
-`summarize` turns them into throughput, recovery and stall times, crashes, hangs, final
-accuracy and whether the groups ended bit-identical; `markdown_table` lays several runs
+`summarize` turns them into throughput, recovery and stall times, crashes, hangs, progress
+lost to a restart from scratch, final accuracy and whether the groups ended bit-identical; `markdown_table` lays several runs
 side by side against a fault-free one.
 """
 
@@ -93,6 +93,23 @@ def stall_s(times: dict[int, list[float]], group: int, start: float, end: float,
     return max(0.0, max(gaps) - (median_step or 0.0))
 
 
+def progress_lost_steps(events: Sequence[dict[str, Any]]) -> int:
+    """The most steps any one group went back: 0 when every restarted group healed from a peer.
+
+    A group's committed step never decreases while some group keeps the state (a restarted
+    group heals to the quorum's step); when every group restarted at once, training starts
+    again from step 0 and each group goes back by the steps it had done.
+    """
+    lost: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for e in sorted((e for e in events if e["committed"]), key=lambda e: e["t"]):
+        g = e["group"]
+        if g in last and e["step"] < last[g]:
+            lost[g] = lost.get(g, 0) + last[g] - e["step"]
+        last[g] = e["step"]
+    return max(lost.values(), default=0)
+
+
 def _kill_figures(times: dict[int, list[float]], faults: Sequence[dict[str, Any]],
                   median_step: float | None) -> list[dict[str, Any]]:
     """Recovery and stall of every kill, in the order of the kills."""
@@ -155,6 +172,7 @@ def summarize(out_dir: str | Path) -> dict[str, Any]:
         "stall_p99": percentile(stalls, 99),
         "crashes": kinds.count("crash"),
         "hangs": kinds.count("hang"),
+        "progress_lost_steps": progress_lost_steps(events),
         "bad_event_lines": bad_events,
         "per_kill": kills,
         **_final_figures(finals),
@@ -171,7 +189,7 @@ def markdown_table(runs: dict[str, dict[str, Any]], reference: str) -> str:
         raise ValueError(f"reference {reference!r} is not one of the runs {sorted(runs)}")
     ref = runs[reference]["samples_per_s"]
     head = ("| run | samples/s | kept | kills | recovery p50 / p99 (s) | stall p50 / p99 (s) "
-            "| crashed survivors | hangs | final acc | bit-identical |")
+            "| crashed survivors | hangs | steps lost | final acc (%) | bit-identical |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, s in runs.items():
         kept = s["samples_per_s"] / ref if ref else None
@@ -180,5 +198,5 @@ def markdown_table(runs: dict[str, dict[str, Any]], reference: str) -> str:
             f"| {name} | {s['samples_per_s']:.0f} | {_fmt(kept)} | {s['kills']} "
             f"| {_fmt(s['recovery_p50'], 1)} / {_fmt(s['recovery_p99'], 1)} "
             f"| {_fmt(s['stall_p50'], 1)} / {_fmt(s['stall_p99'], 1)} "
-            f"| {s['crashes']} | {s['hangs']} | {_fmt(acc)} | {'yes' if s['bit_identical'] else 'no'} |")
+            f"| {s['crashes']} | {s['hangs']} | {s['progress_lost_steps']} | {_fmt(acc)} | {'yes' if s['bit_identical'] else 'no'} |")
     return "\n".join(rows)
