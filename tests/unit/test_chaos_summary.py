@@ -96,6 +96,18 @@ def test_groups_differ_or_one_has_no_result(tmp_path):
     assert missing["nonzero_exits"] == 1
 
 
+def test_a_stopped_group_rejoins_after_its_cont(tmp_path):
+    # group 1 is stopped at 2.5, continued at 6.0 and commits at 7.0; group 0 waits 2.0 -> 5.0
+    events = steps(0, [0, 1, 2, 5, 6, 7, 8]) + steps(1, [0, 1, 2, 7, 8])
+    write(tmp_path / "events.jsonl", events)
+    write(tmp_path / "faults.jsonl", [{"t": 2.5, "group": 1, "kind": "stop"},
+                                      {"t": 6.0, "group": 1, "kind": "cont"}])
+    s = summarize(tmp_path)
+    assert s["per_stop"] == [{"t": 2.5, "group": 1, "cont_t": 6.0, "rejoin_s": 1.0, "stall_s": 2.0}]
+    assert s["stops"] == 1 and s["stop_rejoin_p99"] == 1.0 and s["stop_stall_p50"] == 2.0
+    assert s["kills"] == 0 and s["recovery_p50"] is None
+
+
 def test_progress_lost_when_every_group_restarts_from_scratch(tmp_path):
     healed = steps(0, [0, 1, 2, 3]) + [{"t": 5, "group": 1, "step": 4, "committed": True, "samples": 64}]
     write(tmp_path / "events.jsonl", healed)

@@ -123,6 +123,23 @@ def _kill_figures(times: dict[int, list[float]], faults: Sequence[dict[str, Any]
     return out
 
 
+def _stop_figures(times: dict[int, list[float]], faults: Sequence[dict[str, Any]],
+                  median_step: float | None) -> list[dict[str, Any]]:
+    """Per SIGSTOP: how long after its SIGCONT the group commits again, and the survivors' stall."""
+    last = max((ts[-1] for ts in times.values() if ts), default=0.0)
+    ordered = sorted(faults, key=lambda f: f["t"])
+    out = []
+    for i, f in enumerate(ordered):
+        if f["kind"] != "stop":
+            continue
+        cont = next((c["t"] for c in ordered[i + 1:] if c["kind"] == "cont" and c["group"] == f["group"]), None)
+        rejoin = recovery_s(times, f["group"], cont) if cont is not None else None
+        end = cont + rejoin if rejoin is not None else last
+        out.append({"t": f["t"], "group": f["group"], "cont_t": cont, "rejoin_s": rejoin,
+                    "stall_s": stall_s(times, f["group"], f["t"], end, median_step)})
+    return out
+
+
 def _final_figures(finals: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Mean accuracy over the groups that reported one, and whether all hashes agree."""
     accs = [f["eval_acc"] for f in finals if f.get("eval_acc") is not None]
@@ -141,7 +158,8 @@ def summarize(out_dir: str | Path) -> dict[str, Any]:
     samples_per_s is the committed samples of all groups over the span from the first to
     the last committed step. recovery_s and stall_s are per kill (see `recovery_s`,
     `stall_s`); their p50/p99 leave out the kills a group never recovered from
-    (counted in ``unrecovered``).
+    (counted in ``unrecovered``). For a SIGSTOP, stop_rejoin_s runs from its SIGCONT until
+    the group commits again, and its stall window from the SIGSTOP to that commit.
 
         >>> summarize("runs/ddp-kill30")["recovery_p99"]   # doctest: +SKIP
     """
@@ -158,23 +176,31 @@ def summarize(out_dir: str | Path) -> dict[str, Any]:
     recoveries = [k["recovery_s"] for k in kills if k["recovery_s"] is not None]
     stalls = [k["stall_s"] for k in kills if k["stall_s"] is not None]
     kinds = [f["kind"] for f in faults]
+    stops = _stop_figures(times, faults, median_step)
+    rejoins = [x["rejoin_s"] for x in stops if x["rejoin_s"] is not None]
+    stop_stalls = [x["stall_s"] for x in stops if x["stall_s"] is not None]
     return {
         "committed_samples": samples,
         "span_s": span,
         "samples_per_s": samples / span if span > 0 else 0.0,
         "median_step_s": median_step,
         "kills": len(kills),
-        "stops": kinds.count("stop"),
+        "stops": len(stops),
         "unrecovered": sum(1 for k in kills if k["recovery_s"] is None),
         "recovery_p50": percentile(recoveries, 50),
         "recovery_p99": percentile(recoveries, 99),
         "stall_p50": percentile(stalls, 50),
         "stall_p99": percentile(stalls, 99),
+        "stop_rejoin_p50": percentile(rejoins, 50),
+        "stop_rejoin_p99": percentile(rejoins, 99),
+        "stop_stall_p50": percentile(stop_stalls, 50),
+        "stop_stall_p99": percentile(stop_stalls, 99),
         "crashes": kinds.count("crash"),
         "hangs": kinds.count("hang"),
         "progress_lost_steps": progress_lost_steps(events),
         "bad_event_lines": bad_events,
         "per_kill": kills,
+        "per_stop": stops,
         **_final_figures(finals),
     }
 

@@ -337,10 +337,10 @@ class Supervisor:
             for w in self.workers:
                 if w.stopped_until is not None and self.now() >= w.stopped_until:
                     self.cont(w)
-            if self.now() >= next_kill:
+            if next_kill <= self.now() < a.duration:
                 self.kill_one()
                 next_kill += a.kill_every
-            if self.now() >= next_stop:
+            if next_stop <= self.now() < a.duration:
                 self.stop_one()
                 next_stop += a.stop_every
         for w in self.workers:
@@ -384,6 +384,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "events.jsonl").touch()
     (out / "args.json").write_text(json.dumps(vars(args), default=str, indent=1))
+    host = {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg()}
     lighthouse, address = start_lighthouse(out, args.min_groups, args.heartbeat_timeout_ms, args.join_timeout_ms)
     try:
         sup = Supervisor(args, address, time.time())
@@ -396,6 +397,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     w.proc.kill()
     finally:
         lighthouse.kill()
+    # Other jobs on the host move every figure here: keep the load beside the results.
+    host["loadavg_after"] = os.getloadavg()
+    (out / "host.json").write_text(json.dumps(host))
     summary = summarize(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
