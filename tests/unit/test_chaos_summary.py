@@ -43,6 +43,7 @@ def test_throughput_is_committed_samples_over_the_committed_span(tmp_path):
     assert s["span_s"] == 10
     assert s["samples_per_s"] == (9 + 10 + 7) * 64 / 10
     assert s["median_step_s"] == 1
+    assert s["kept_of_own_pace"] == (9 + 10 + 7) / 10 / 3  # 3 groups at 1 step/s would commit 3/s
 
 
 def test_recovery_and_stall_of_each_kill(tmp_path):
@@ -134,10 +135,10 @@ def test_percentile_interpolates_between_ranks():
 
 def test_markdown_table_keeps_throughput_relative_to_the_reference(tmp_path):
     s = one_kill_run(tmp_path)
-    ref = dict(s, samples_per_s=2 * s["samples_per_s"])
+    ref = dict(s, samples_per_s=2 * s["samples_per_s"], kept_of_own_pace=4 * s["kept_of_own_pace"])
     table = markdown_table({"fault-free": ref, "kill 30 s": s}, reference="fault-free")
     lines = table.splitlines()
     assert len(lines) == 4 and lines[1].count("---") == lines[0].count("|") - 1
-    assert "| kill 30 s | 166 | 0.50 | 2 | 4.5 / 4.5 | 2.0 / 2.0 | 0 | 0 | 0 | 98.00 | yes |" in table
+    assert "| kill 30 s | 166 | 0.50 | 0.25 | 2 | 4.5 / 4.5 | 2.0 / 2.0 | 0 | 0 | 0 | 98.00 | yes |" in table
     with pytest.raises(ValueError, match="reference 'x'"):
         markdown_table({"a": s}, reference="x")

@@ -156,7 +156,8 @@ def summarize(out_dir: str | Path) -> dict[str, Any]:
     """The figures of the chaos run whose files are in `out_dir` (see the module docstring).
 
     samples_per_s is the committed samples of all groups over the span from the first to
-    the last committed step. recovery_s and stall_s are per kill (see `recovery_s`,
+    the last committed step; kept_of_own_pace divides it by what every group would commit
+    at the run's median step time (1.0 for a run that never slowed down). recovery_s and stall_s are per kill (see `recovery_s`,
     `stall_s`); their p50/p99 leave out the kills a group never recovered from
     (counted in ``unrecovered``). For a SIGSTOP, stop_rejoin_s runs from its SIGCONT until
     the group commits again, and its stall window from the SIGSTOP to that commit.
@@ -176,6 +177,10 @@ def summarize(out_dir: str | Path) -> dict[str, Any]:
     recoveries = [k["recovery_s"] for k in kills if k["recovery_s"] is not None]
     stalls = [k["stall_s"] for k in kills if k["stall_s"] is not None]
     kinds = [f["kind"] for f in faults]
+    # What the groups would have committed stepping at their median pace the whole span:
+    # a ratio within one run, so a host whose load changes between runs moves it less.
+    per_step = samples / len(all_t) if all_t else 0
+    pace = len(times) * per_step / median_step if median_step else None
     stops = _stop_figures(times, faults, median_step)
     rejoins = [x["rejoin_s"] for x in stops if x["rejoin_s"] is not None]
     stop_stalls = [x["stall_s"] for x in stops if x["stall_s"] is not None]
@@ -184,6 +189,7 @@ def summarize(out_dir: str | Path) -> dict[str, Any]:
         "span_s": span,
         "samples_per_s": samples / span if span > 0 else 0.0,
         "median_step_s": median_step,
+        "kept_of_own_pace": samples / span / pace if pace and span > 0 else None,
         "kills": len(kills),
         "stops": len(stops),
         "unrecovered": sum(1 for k in kills if k["recovery_s"] is None),
@@ -210,18 +216,24 @@ def _fmt(v: float | None, digits: int = 2) -> str:
 
 
 def markdown_table(runs: dict[str, dict[str, Any]], reference: str) -> str:
-    """One row per run (name -> `summarize` result); throughput kept is relative to `reference`."""
+    """One row per run (name -> `summarize` result); throughput kept is relative to `reference`.
+
+    "kept" divides the samples per second; "kept (pace)" divides each run's
+    kept_of_own_pace, which cancels a host load that differs between the two runs.
+    """
     if reference not in runs:
         raise ValueError(f"reference {reference!r} is not one of the runs {sorted(runs)}")
     ref = runs[reference]["samples_per_s"]
-    head = ("| run | samples/s | kept | kills | recovery p50 / p99 (s) | stall p50 / p99 (s) "
+    head = ("| run | samples/s | kept | kept (pace) | kills | recovery p50 / p99 (s) | stall p50 / p99 (s) "
             "| crashed survivors | hangs | steps lost | final acc (%) | bit-identical |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, s in runs.items():
         kept = s["samples_per_s"] / ref if ref else None
+        ref_pace, pace = runs[reference]["kept_of_own_pace"], s["kept_of_own_pace"]
+        kept_pace = pace / ref_pace if pace is not None and ref_pace else None
         acc = None if s["final_acc"] is None else 100 * s["final_acc"]
         rows.append(
-            f"| {name} | {s['samples_per_s']:.0f} | {_fmt(kept)} | {s['kills']} "
+            f"| {name} | {s['samples_per_s']:.0f} | {_fmt(kept)} | {_fmt(kept_pace)} | {s['kills']} "
             f"| {_fmt(s['recovery_p50'], 1)} / {_fmt(s['recovery_p99'], 1)} "
             f"| {_fmt(s['stall_p50'], 1)} / {_fmt(s['stall_p99'], 1)} "
             f"| {s['crashes']} | {s['hangs']} | {s['progress_lost_steps']} | {_fmt(acc)} | {'yes' if s['bit_identical'] else 'no'} |")
