@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -117,6 +118,14 @@ def test_progress_lost_when_every_group_restarts_from_scratch(tmp_path):
              for t, g, s in [(0, 0, 5), (0, 1, 5), (1, 0, 6), (1, 1, 6), (9, 0, 1), (9, 1, 1), (10, 1, 2)]]
     write(tmp_path / "events.jsonl", reset)
     assert summarize(tmp_path)["progress_lost_steps"] == 5
+
+
+def test_a_compressed_events_file_reads_the_same(tmp_path):
+    plain = one_kill_run(tmp_path)
+    events = tmp_path / "events.jsonl"
+    (tmp_path / "events.jsonl.gz").write_bytes(gzip.compress(events.read_bytes()))
+    events.unlink()
+    assert summarize(tmp_path) == plain
 
 
 def test_an_empty_run(tmp_path):

@@ -17,6 +17,7 @@ side by side against a fault-free one.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import statistics
@@ -28,14 +29,20 @@ from typing import Any
 def read_jsonl(path: str | Path) -> tuple[list[dict[str, Any]], int]:
     """The records of a JSON-lines file and the number of lines that did not parse.
 
-    A missing file is empty. A line that does not parse is counted, not raised: a process
-    killed with SIGKILL may leave a torn last line, and the rest of the run still counts.
+    A missing file is read from ``<path>.gz`` when that exists (kept results are compressed),
+    else it is empty. A line that does not parse is counted, not raised: a process killed with
+    SIGKILL may leave a torn last line, and the rest of the run still counts.
     """
     path = Path(path)
-    if not path.exists():
+    zipped = path.with_name(path.name + ".gz")
+    if path.exists():
+        text = path.read_text()
+    elif zipped.exists():
+        text = gzip.decompress(zipped.read_bytes()).decode()
+    else:
         return [], 0
     records, bad = [], 0
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         if not line.strip():
             continue
         try:
