@@ -55,33 +55,56 @@ class Handle:
     """A collective in flight. `wait()` completes it and then runs its epilogue once."""
 
     def __init__(self, work: dist.Work | None, then: Callable[[], None] | None = None, label: str = "a collective",
-                 dog: Watchdog | None = None):
+                 dog: Watchdog | None = None, escape: Callable[[], str | None] | None = None):
         self._work, self._then, self.done = work, then, False
         self.label = label
         """What the stall inspector and failure messages call this collective."""
-        self._dog = dog
+        self._dog, self._escape = dog, escape
 
     def wait(self) -> None:
         if self.done:
             return
         if self._work is not None:
             with waiting(self._dog, self.label):
-                self._work.wait()
+                if self._escape is None:
+                    self._work.wait()
+                else:
+                    _wait_or_escape(self._work, self._escape)
         if self._then is not None:
             self._then()
         self.done = True
 
 
+ESCAPE_SLICE = datetime.timedelta(seconds=0.1)
+
+
+def _wait_or_escape(work: dist.Work, escape: Callable[[], str | None]) -> None:
+    """Wait for `work` in slices; between them ask `escape` whether to give up (an elastic job's
+    member was lost: only its ring neighbours see their sockets close, the others would wait for
+    the whole timeout)."""
+    while True:
+        try:
+            work.wait(ESCAPE_SLICE)
+            return
+        except RuntimeError:
+            if work.is_completed():  # it ended with an error of its own
+                raise
+            reason = escape()
+            if reason is not None:
+                raise RuntimeError(reason) from None
+
+
 class Future(Handle):
     """A Handle whose epilogue produces a value: `result()` completes it and returns the value."""
 
-    def __init__(self, work: dist.Work | None, produce: Callable[[], object], dog: Watchdog | None = None):
+    def __init__(self, work: dist.Work | None, produce: Callable[[], object], dog: Watchdog | None = None,
+                 escape: Callable[[], str | None] | None = None):
         self._value: object = None
 
         def then() -> None:
             self._value = produce()
 
-        super().__init__(work, then, dog=dog)
+        super().__init__(work, then, dog=dog, escape=escape)
 
     def result(self) -> object:
         self.wait()
@@ -111,6 +134,8 @@ class Communicator:
         self.backend = dist.get_backend(group)
         self.traffic: dict[str, Traffic] = defaultdict(Traffic)
         self.watchdog, self.recorder = watchdog, recorder
+        self.escape: Callable[[], str | None] | None = None
+        """Asked between slices of a wait (an elastic job: was this step decided without us?)."""
         self._totals = totals if totals is not None else defaultdict(Traffic)
 
     def rebind(self) -> None:
@@ -177,7 +202,7 @@ class Communicator:
             if work_tensor is not tensor:
                 tensor.copy_(work_tensor)
 
-        handle = Handle(work, finish, label=f"all_reduce of {nbytes} bytes", dog=self.watchdog)
+        handle = Handle(work, finish, label=f"all_reduce of {nbytes} bytes", dog=self.watchdog, escape=self.escape)
         return _complete(handle, async_op, tensor)
 
     def fused_all_reduce(self, tensors: Sequence[Tensor], op: Op = "sum", async_op: bool = False) -> Handle | None:
@@ -202,7 +227,7 @@ class Communicator:
         work = dist.broadcast(work_tensor, src, group=self.group, async_op=True)
         self._trace(work, "broadcast", nbytes)
         handle = Handle(work, (lambda: tensor.copy_(work_tensor)) if work_tensor is not tensor else None,
-                        label=f"broadcast of {nbytes} bytes", dog=self.watchdog)
+                        label=f"broadcast of {nbytes} bytes", dog=self.watchdog, escape=self.escape)
         return _complete(handle, async_op, tensor)
 
     def reduce_scatter(self, output: Tensor, input: Tensor, async_op: bool = False) -> Handle | Tensor:
@@ -222,7 +247,8 @@ class Communicator:
             if out is not output:
                 output.copy_(out)
 
-        handle = Handle(work, finish, label=f"reduce_scatter of {nbytes} bytes", dog=self.watchdog)
+        handle = Handle(work, finish, label=f"reduce_scatter of {nbytes} bytes", dog=self.watchdog,
+                        escape=self.escape)
         return _complete(handle, async_op, output)
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
@@ -315,7 +341,7 @@ class Communicator:
         if same_sizes:
             work, gathered = self._all_gather_async(blob)
             everyone = [lengths] * self.world_size
-            return Future(work, lambda: unpack([g.to(device) for g in gathered], everyone), self.watchdog)
+            return Future(work, lambda: unpack([g.to(device) for g in gathered], everyone), self.watchdog, self.escape)
 
         work, sizes = self._all_gather_async(torch.tensor(lengths, dtype=torch.int64, device=device))
 
@@ -331,7 +357,7 @@ class Communicator:
             inner.wait()
             return unpack([g.to(device) for g in gathered], everyone)
 
-        return Future(work, exchange_payload, self.watchdog)
+        return Future(work, exchange_payload, self.watchdog, self.escape)
 
     def _all_gather_async(self, tensor: Tensor) -> tuple[dist.Work, list[Tensor]]:
         nbytes = tensor.numel() * tensor.element_size()
@@ -436,12 +462,13 @@ class Communicator:
         """Start sending `tensor` to `dst`; keep `tensor` unchanged until the handle is waited on."""
         nbytes = tensor.numel() * tensor.element_size()
         self._count("send", nbytes, nbytes)
-        return Handle(dist.isend(self._staged(tensor).contiguous(), dst, group=self.group, tag=tag), dog=self.watchdog)
+        return Handle(dist.isend(self._staged(tensor).contiguous(), dst, group=self.group, tag=tag),
+                      dog=self.watchdog, escape=self.escape)
 
     def irecv(self, tensor: Tensor, src: int, tag: int = 0) -> Handle:
         """Start receiving into `tensor` from `src`."""
         self._count("recv", tensor.numel() * tensor.element_size(), 0)
-        return Handle(dist.irecv(tensor, src, group=self.group, tag=tag), dog=self.watchdog)
+        return Handle(dist.irecv(tensor, src, group=self.group, tag=tag), dog=self.watchdog, escape=self.escape)
 
     def new_group(self, ranks: Sequence[int], timeout: float | None = None) -> Communicator:
         """A communicator over a subset of global ranks; every rank of the job must call it, in the same order.
@@ -452,7 +479,9 @@ class Communicator:
         group = dist.new_group(sorted(ranks), **kwargs)
         if dist.get_rank() not in ranks:
             return _Outside()
-        return Communicator(group, watchdog=self.watchdog, recorder=self.recorder, totals=self._totals)
+        comm = Communicator(group, watchdog=self.watchdog, recorder=self.recorder, totals=self._totals)
+        comm.escape = self.escape
+        return comm
 
 
 class _Outside:

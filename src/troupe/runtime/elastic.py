@@ -88,6 +88,9 @@ class Elastic:
         self.stepped_with: tuple[int, ...] | None = None
         """The groups whose gradients the last step averaged (None: the step was left out)."""
         self._pending_heal: tuple[Quorum, str] | None = None
+        self._failed_step = False
+        self._graveyard: list[tuple[float, Any]] = []
+        """Groups of failed steps, kept unshut until their operation in flight has timed out."""
         self._posted: str | None = None
         if ticket.addr in (LOOPBACK, "localhost"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -96,6 +99,17 @@ class Elastic:
         self._beat.start()
 
     # --- joining -------------------------------------------------------------------------
+
+    def stand_by(self) -> None:
+        """Before `troupe.track`: a process group of this process alone, so that the World and a
+        DistOpt can be made (without collectives) while the script loads its data. The worker asks
+        to join only when it is ready to step: the others never wait for its start-up."""
+        _leave_group()
+        dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
+
+    @property
+    def joined(self) -> bool:
+        return self.quorum is not None
 
     def join(self) -> Quorum:
         """Ask to be admitted and wait until a quorum names this rank; make its process group."""
@@ -128,7 +142,8 @@ class Elastic:
         """Make `quorum`'s process group the default one (every communicator re-reads its rank and size).
 
         `tag` tells apart two groups of one quorum: a failed round rebuilds the same members' group."""
-        _leave_group()
+        self._bury()
+        _leave_group(self._set_aside if self._failed_step else None)
         store = dist.PrefixStore(f"pg/{quorum.id}/{tag}/", self._pg_store)
         dist.init_process_group(self.backend, store=store, rank=quorum.index(self.rank),
                                 world_size=len(quorum.members),
@@ -148,6 +163,9 @@ class Elastic:
         A member lost mid-step makes the lighthouse decide the round (never committed); an
         error on this rank alone while nobody was lost is this rank's bug and is raised."""
         q = self.quorum
+        if q is None:
+            raise RuntimeError("under troupe run --elastic, call troupe.track(model=..., optimizer=...) before the "
+                               "first step: it joins the running job and copies its state")
         self.round += 1
         key = lambda what: round_key(q.id, self.round, what)  # noqa: E731
         try:
@@ -160,9 +178,26 @@ class Elastic:
         except RuntimeError as e:
             raise ConnectionError(f"rank {self.rank}: lost the elastic job's store (the launcher): {e}") from None
         self.stepped_with = q.members if self.decision.commit else None
+        self._failed_step = not self.decision.commit
         if not ok and self.decision.by == "vote" and error is not None and self.decision.next == q:
             raise error  # nobody was lost: the failure is this rank's own
         return self.decision.commit
+
+    def interrupted(self) -> str | None:
+        """Why a reduction in flight should give up: the lighthouse decided this step without our
+        vote (a member was lost). None: keep waiting."""
+        q = self.quorum
+        if q is not None and self.store.check([round_key(q.id, self.round + 1, "d")]):
+            return f"rank {self.rank}: quorum {q.id}'s step was decided without this rank's vote (a member was lost)"
+        return None
+
+    def _set_aside(self, group: Any) -> None:
+        self._graveyard.append((time.monotonic() + self.options.timeout + 1.0, group))
+
+    def _bury(self) -> None:
+        """Let go of the groups set aside whose operation in flight has surely timed out by now."""
+        now = time.monotonic()
+        self._graveyard = [(t, g) for t, g in self._graveyard if t > now]
 
     def _proposal(self) -> Quorum | None:
         if not self.store.check(["proposal"]):
@@ -201,8 +236,10 @@ class Elastic:
         optimizer = objects.get("optimizer")
         if optimizer is not None and hasattr(optimizer, "step_count"):
             self.step_count = lambda: optimizer.step_count
+        if not self.joined:
+            self.join()
         self._heal_if_ready()
-        return self.step_count()
+        return max(self.step_count(), 0)
 
     def _heal_if_ready(self) -> None:
         if self._pending_heal is None or not self.objects:
@@ -230,20 +267,31 @@ class Elastic:
         self._stop.set()
 
 
-def _leave_group() -> None:
-    """Destroy the default group, even one broken by a lost peer."""
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except RuntimeError as e:  # shutting down a group whose peer died may fail: the group is gone anyway
-            log.debug("troupe: destroying the old quorum's group: %s", e)
-    # torch names the next default group by a counter it resets only when a destroy completes; every
-    # member of the next quorum must use the same name (it prefixes the group's rendezvous keys).
-    from torch.distributed import distributed_c10d
+def _leave_group(set_aside: Callable[[Any], None] | None = None) -> None:
+    """Stop using the default group: destroy it, or (`set_aside` given: a step failed and a reduction
+    may still be in flight on it) hand it over unshut. Shutting down a Gloo group waits for its
+    operation in flight, i.e. for the group's whole timeout after a lost peer (`Elastic._bury`)."""
+    from torch.distributed import distributed_c10d as c10d
 
     if dist.is_initialized():
-        distributed_c10d._update_default_pg(None)
-    distributed_c10d._world.group_count = 0
+        if set_aside is not None:
+            set_aside(c10d._get_default_group())
+            c10d._update_default_pg(None)
+            w = c10d._world
+            for registry in (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_to_tag,
+                             w.tags_to_pg, w.pg_coalesce_state):
+                registry.clear()
+            c10d._unregister_all_process_groups()
+        else:
+            try:
+                dist.destroy_process_group()
+            except RuntimeError as e:  # shutting down a group whose peer died may fail: it is gone anyway
+                log.debug("troupe: destroying the old quorum's group: %s", e)
+            if dist.is_initialized():
+                c10d._update_default_pg(None)
+    # torch names the next default group by a counter it resets only when a destroy completes; every
+    # member of the next quorum must use the same name (it prefixes the group's rendezvous keys).
+    c10d._world.group_count = 0
 
 
 def _pack(objects: dict[str, Any]) -> bytes:

@@ -177,8 +177,8 @@ def join(
 
 
 def _join_elastic(env: Settings, how: _Launch, backend: str, join_timeout: float) -> Joined:
-    """An elastic worker: connect to the launcher's store, wait to be admitted to a quorum, and
-    make its process group (rank and world size stay the job's: this group's place among all)."""
+    """An elastic worker: connect to the launcher's store and stand by in a group of its own until
+    `troupe.track` joins the quorum (rank and world size stay the job's: this group's place among all)."""
     from troupe.runtime.elastic import Elastic
     from troupe.runtime.quorum import ElasticOptions
 
@@ -193,7 +193,7 @@ def _join_elastic(env: Settings, how: _Launch, backend: str, join_timeout: float
 
     check_token(open_store(ticket, False, join_timeout), ticket, how.rank)
     membership = Elastic(ticket, options, how.rank, env.incarnation, backend, connect)
-    membership.join()
+    membership.stand_by()  # it asks to join in troupe.track, when it is ready to step
     info = DistInfo(how.rank, how.local_rank, how.world_size, how.local_world, _device(backend, how.local_rank),
                     backend, "troupe-elastic")
     return Joined(info, None, membership=membership)

@@ -82,7 +82,8 @@ def supervise(spawn: Callable[[int, int], subprocess.Popen], ranks: list[int], l
                 return code if code > 0 else 128 - code
             s.restarts += 1
             s.recent = [t for t in s.recent if now - t < QUICK_SECONDS] + [now]
-            delay = min(BACKOFF_FIRST * 2 ** (len(s.recent) - 1), BACKOFF_MAX)
+            # The first restart in a while at once; more within QUICK_SECONDS back off, doubling.
+            delay = 0.0 if len(s.recent) == 1 else min(BACKOFF_FIRST * 2 ** (len(s.recent) - 2), BACKOFF_MAX)
             s.due = now + delay
             say(f"troupe run: rank {rank} exited with {why(code)}; restarting it alone in {delay:.1f}s "
                 f"(restart {s.restarts} of {restarts_per_rank}); the others train on")

@@ -58,6 +58,7 @@ class World:
         """Which processes step together: `Fixed` (never changes) or an elastic job's quorum."""
         if self.membership.elastic:
             self.membership.on_reconfigure.append(self._rebind)
+            self.job.escape = self.membership.interrupted
 
     # --- the rank facts (what troupe.init() returned before the World: DistInfo) ----------
 

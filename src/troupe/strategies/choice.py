@@ -150,7 +150,7 @@ class OptionSwitch:
             s.load_state_dict(state)
 
     def _make_reducer(self, params: Sequence[Tensor]) -> GradReducer | None:
-        if self.comm.world_size == 1 or not params:
+        if (self.comm.world_size == 1 and not self.elastic) or not params:  # an elastic job grows back
             return None
         reducer = GradReducer(params, self.comm, self.bucket_size, self.first_bucket_size,
                               hook_for_step=lambda: self.current.reduce_hook(),

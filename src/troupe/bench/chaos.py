@@ -1,0 +1,250 @@
+"""`troupe bench chaos`: an elastic job under a kill schedule, for troupe's own elastic mode.
+
+The job is the chaos benchmark's (the MNIST CNN, 4 worker groups of one process, batch 64 per
+group, group g reads shard g; the same as `chaos_torchft`'s, so the figures compare): run under
+`troupe run --elastic`, which restarts a killed worker and heals it from a live one. This
+driver only injects the faults (SIGKILL a random worker every `--kill-every` seconds; SIGSTOP
+one every `--stop-every` for `--stop-for`), watches the launcher's log for workers that died
+without being killed (crashes), and at the end stops every group at one step. The files it
+leaves are `chaos_summary`'s: events.jsonl, faults.jsonl, final.jsonl (plus logs/, host.json).
+
+    troupe bench chaos --out runs/kill30 --kill-every 30 --duration 300
+    python -m troupe.bench.chaos job OUT     # one worker (what troupe run starts)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from troupe.bench.chaos_summary import summarize
+from troupe.bench.chaos_torchft import Shard, build_cnn, params_sha256, stop_step
+
+SETTLE_S = 60.0
+"""After the fault phase: how long to wait for every group to commit once more."""
+EXIT_S = 120.0
+"""After the stop step is written: how long the job may take to end."""
+
+
+def job(out: Path, batch_size: int, lr: float, seed: int) -> None:
+    """One worker group: train until the stop step, then evaluate and hash the parameters."""
+    import torch
+    import torch.nn.functional as F
+
+    import troupe
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    t0 = float(os.environ["TROUPE_CHAOS_T0"])
+    model = build_cnn()
+    sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+    group, groups = sgd.global_rank, sgd.world_size
+    x, y, test_x, test_y = troupe.data.load_mnist()
+    shard = Shard(x, y, group, groups, batch_size, seed)
+    troupe.track(model=model, optimizer=sgd)  # a restarted group copies a live one's state here
+    (out / "pids" / str(group)).write_text(str(os.getpid()))
+    with open(out / "events.jsonl", "a") as events:
+        while True:
+            stop = stop_step(out)
+            if stop is not None and sgd.step_count >= stop:
+                break
+            bx, by = shard.batch(sgd.step_count)
+            F.cross_entropy(model(bx), by).backward()
+            before = sgd.step_count
+            sgd.step()
+            sgd.zero_grad()
+            events.write(json.dumps({"t": time.time() - t0, "group": group, "step": sgd.step_count,
+                                     "committed": sgd.step_count > before, "samples": batch_size}) + "\n")
+            events.flush()
+    with torch.no_grad():
+        acc = float((model(test_x).argmax(1) == test_y).float().mean())
+    (out / f"final.{group}.json").write_text(json.dumps({"group": group, "eval_acc": acc,
+                                                         "params_sha256": params_sha256(model)}))
+
+
+class Driver:
+    """Starts `troupe run --elastic`, injects the faults, records them, stops the groups at one step."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args, self.out = args, Path(args.out)
+        self.rng = random.Random(args.seed)
+        self.t0 = time.time()
+        self.faults = (self.out / "faults.jsonl").open("a")
+        self.stopped: dict[int, float] = {}
+        self.killed_pids: set[int] = set()
+        self.log_seen = 0
+        cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(args.groups), "--elastic", "--min-groups",
+               str(args.min_groups), "--restarts-per-rank", "1000", "--log-dir", str(self.out / "logs"),
+               "--ranks", "0", __file__, "job", str(self.out), "--batch-size", str(args.batch_size),
+               "--lr", str(args.lr), "--seed", str(args.seed)]
+        env = {**os.environ, "TROUPE_CHAOS_T0": repr(self.t0), "OMP_NUM_THREADS": "1"}
+        self.launcher_log = (self.out / "launcher.log").open("w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.launcher_log, stderr=subprocess.STDOUT)
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    def record(self, group: int, kind: str, **extra: Any) -> None:
+        self.faults.write(json.dumps({"t": self.now(), "group": group, "kind": kind, **extra}) + "\n")
+        self.faults.flush()
+
+    def pids(self) -> dict[int, int]:
+        """The live worker of each group that has started training."""
+        live = {}
+        for path in (self.out / "pids").iterdir():
+            pid = int(path.read_text() or 0)
+            try:
+                os.kill(pid, 0)
+            except (ProcessLookupError, ValueError):
+                continue
+            if pid not in self.killed_pids:
+                live[int(path.name)] = pid
+        return live
+
+    def watch(self) -> None:
+        """Record a worker that exited on its own (the launcher's log says so) as a crash."""
+        lines = (self.out / "launcher.log").read_text().splitlines()
+        for line in lines[self.log_seen:]:
+            m = re.search(r"troupe run: rank (\d+) exited with code (\d+)", line)
+            if m:
+                self.record(int(m.group(1)), "crash", exit_code=int(m.group(2)))
+        self.log_seen = len(lines)
+
+    def fault_phase(self) -> None:
+        a = self.args
+        next_kill = a.kill_every if a.kill_every > 0 else float("inf")
+        next_stop = a.stop_every if a.stop_every > 0 else float("inf")
+        while self.now() < a.duration:
+            time.sleep(0.1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the job ended during the fault phase (code {self.proc.returncode}); "
+                                   f"see {self.out / 'launcher.log'}")
+            self.watch()
+            for group, until in list(self.stopped.items()):
+                if self.now() >= until:
+                    self._cont(group)
+            live = {g: p for g, p in self.pids().items() if g not in self.stopped}
+            if next_kill <= self.now() and live:
+                group = self.rng.choice(sorted(live))
+                os.kill(live[group], signal.SIGKILL)
+                self.killed_pids.add(live[group])
+                self.record(group, "kill")
+                next_kill += a.kill_every
+            if next_stop <= self.now() and live:
+                group = self.rng.choice(sorted(live))
+                os.kill(live[group], signal.SIGSTOP)
+                self.stopped[group] = self.now() + a.stop_for
+                self.record(group, "stop", pid=live[group])
+                next_stop += a.stop_every
+        for group in list(self.stopped):
+            self._cont(group)
+
+    def _cont(self, group: int) -> None:
+        pid = json.loads(self._last_fault(group, "stop"))["pid"]
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        del self.stopped[group]
+        self.record(group, "cont")
+
+    def _last_fault(self, group: int, kind: str) -> str:
+        lines = (self.out / "faults.jsonl").read_text().splitlines()
+        return next(line for line in reversed(lines) if json.loads(line)["group"] == group
+                    and json.loads(line)["kind"] == kind)
+
+    def finish(self) -> None:
+        """Wait until every group commits again, stop all of them at one step, collect final.jsonl."""
+        deadline = self.now() + SETTLE_S
+        last_fault = max((json.loads(x)["t"] for x in (self.out / "faults.jsonl").read_text().splitlines()),
+                         default=0.0)
+        while self.now() < deadline:
+            time.sleep(0.2)
+            self.watch()
+            events = [json.loads(x) for x in (self.out / "events.jsonl").read_text().splitlines() if x.strip()]
+            back = {e["group"] for e in events if e["committed"] and e["t"] > last_fault + 1.0}
+            if len(back) == self.args.groups:
+                break
+        steps = [json.loads(x)["step"] for x in (self.out / "events.jsonl").read_text().splitlines() if x.strip()]
+        (self.out / "stop.tmp").write_text(str(max(steps, default=0) + 10))
+        (self.out / "stop.tmp").rename(self.out / "stop")
+        try:
+            code = self.proc.wait(timeout=EXIT_S)
+        except subprocess.TimeoutExpired:
+            self.record(-1, "hang", at_exit=True)
+            self.proc.terminate()
+            code = self.proc.wait()
+        self.watch()
+        with (self.out / "final.jsonl").open("w") as f:
+            for g in range(self.args.groups):
+                path = self.out / f"final.{g}.json"
+                result = json.loads(path.read_text()) if path.exists() else {
+                    "group": g, "eval_acc": None, "params_sha256": None}
+                f.write(json.dumps({**result, "exit_code": code}) + "\n")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """One chaos run of troupe's elastic mode into args.out; returns its summary."""
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out {out} is not empty: give a new folder for each run")
+    (out / "pids").mkdir(parents=True, exist_ok=True)
+    (out / "events.jsonl").touch()
+    (out / "faults.jsonl").touch()
+    (out / "args.json").write_text(json.dumps(vars(args), default=str, indent=1))
+    host = {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg()}
+    driver = Driver(args)
+    try:
+        driver.fault_phase()
+        driver.finish()
+    finally:
+        if driver.proc.poll() is None:
+            driver.proc.terminate()
+            driver.proc.wait()
+    host["loadavg_after"] = os.getloadavg()
+    (out / "host.json").write_text(json.dumps(host))
+    summary = summarize(out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="a new folder for this run's files")
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--min-groups", type=int, default=2)
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of the fault phase")
+    p.add_argument("--kill-every", type=float, default=30.0, help="SIGKILL a random worker every T s (0: never)")
+    p.add_argument("--stop-every", type=float, default=0.0, help="SIGSTOP a random worker every S s (0: never)")
+    p.add_argument("--stop-for", type=float, default=10.0, help="seconds a stopped worker stays stopped")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["job"]:
+        p = argparse.ArgumentParser(prog="troupe.bench.chaos job")
+        p.add_argument("out", type=Path)
+        p.add_argument("--batch-size", type=int, default=64)
+        p.add_argument("--lr", type=float, default=0.05)
+        p.add_argument("--seed", type=int, default=0)
+        a = p.parse_args(argv[1:])
+        job(a.out, a.batch_size, a.lr, a.seed)
+        return
+    p = argparse.ArgumentParser(prog="troupe bench chaos")
+    add_arguments(p)
+    print(json.dumps(run(p.parse_args(argv)), indent=1))
+
+
+if __name__ == "__main__":
+    main()
