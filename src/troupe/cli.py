@@ -136,6 +136,10 @@ def _add_bench_parser(sub) -> None:
     faults.add_argument("--doc", default=None, help="rewrite the table between its markers in this file")
     faults.add_argument("--out", default=None, help="append every cell as a JSON line")
     faults.add_argument("--workdir", default="/tmp/troupe-faults", help="each job's output and checkpoints")
+    chaos = bsub.add_parser("chaos", help="an elastic job (troupe run --elastic) under a SIGKILL/SIGSTOP schedule")
+    from troupe.bench.chaos import add_arguments as add_chaos_arguments
+
+    add_chaos_arguments(chaos)
     table = bsub.add_parser("table", help="markdown tables of a JSON-lines results file")
     table.add_argument("results")
     plot = bsub.add_parser("plot", help="a matplotlib plot of a JSON-lines results file")

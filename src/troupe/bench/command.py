@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from troupe.bench import records as records_mod
@@ -122,6 +123,11 @@ def main(args: argparse.Namespace) -> int:
 
             return network_faults.main(args.regimes, args.faults or list(network_faults.FAULTS), args.steps,
                                        args.pace, args.seed, args.doc, args.out, args.workdir)
+        if args.bench_command == "chaos":
+            from troupe.bench.chaos import run as run_chaos
+
+            print(json.dumps(run_chaos(args), indent=1))
+            return 0
         if args.bench_command == "table":
             print(table(args.results, args.benchmark, args.run))
             return 0

@@ -87,8 +87,9 @@ def _wait_or_escape(work: dist.Work, escape: Callable[[], str | None]) -> None:
             work.wait(ESCAPE_SLICE)
             return
         except RuntimeError:
-            if work.is_completed():  # it ended with an error of its own
-                raise
+            if work.is_completed():  # it ended in the meantime: its own verdict, success or error
+                work.wait()
+                return
             reason = escape()
             if reason is not None:
                 raise RuntimeError(reason) from None

@@ -113,28 +113,26 @@ class Elastic:
 
     def join(self) -> Quorum:
         """Ask to be admitted and wait until a quorum names this rank; make its process group."""
-        last = self.quorum.id if self.quorum is not None else 0
         while True:
             self.requests += 1
             ready = Ready(f"{self.incarnation}.{self.requests}", self.step_count())
             self.store.set(f"ready/{self.rank}", ready.encode())
-            quorum = self._wait_for_admission(last)
+            quorum = self._wait_for_admission(ready.token)
             try:
                 self._enter(quorum, "r0")
                 return quorum
             except RuntimeError as e:  # a member died while the group formed: ask again
                 log.warning("troupe: rank %d could not form quorum %d (%s); asking to be admitted again",
                             self.rank, quorum.id, str(e).splitlines()[0][:160])
-                last = quorum.id
 
-    def _wait_for_admission(self, after: int) -> Quorum:
+    def _wait_for_admission(self, token: str) -> Quorum:
         while True:
             if self.store.check(["closed"]):
                 log.warning("troupe: rank %d: the job finished while it waited to rejoin; leaving", self.rank)
                 raise SystemExit(0)
             if self.store.check(["latest"]):
                 quorum = Quorum.decode(self.store.get("latest"))
-                if quorum.id > after and self.rank in quorum.members:
+                if quorum.admits(self.rank, token):
                     return quorum
             time.sleep(0.01)
 

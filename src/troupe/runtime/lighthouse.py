@@ -55,6 +55,7 @@ class Lighthouse:
         self.cursor = 1
         self.next_id = 1
         self.formed_once = False
+        self.collapsed_at = 0.0
         self.proposed: Quorum | None = None
         self.events: list[tuple[float, str, dict]] = []
         """(seconds since start, what, details): quorums formed and adopted, members lost, rounds decided here."""
@@ -118,12 +119,13 @@ class Lighthouse:
             self.store.set("closed", "1")  # the job is over: a worker still waiting to be admitted leaves
             return
         if self.active is None:
-            self._form(asking, now)
+            self._form(asking, alive, now)
             return
         lost = (set(self.active.members) - alive) | (departed & set(self.active.members))
-        lost |= {r for r in asking if r in self.active.members}  # a member asking again has left its quorum
-        if lost:
-            self._abort(lost, asking)
+        # A member asking again could not make the quorum's group: it never formed, for anyone.
+        failed_to_form = any(r in self.active.members for r in asking)
+        if lost or failed_to_form:
+            self._abort(lost, asking, collapse=failed_to_form)
         elif asking:
             self._propose(asking)
 
@@ -148,6 +150,7 @@ class Lighthouse:
             return
         self.active, self.cursor, self.proposed = quorum, 1, None
         if quorum is None:
+            self.collapsed_at = time.monotonic()
             self._note("paused", why="fewer than min_groups")
             return
         for rank in quorum.joiners:
@@ -160,15 +163,23 @@ class Lighthouse:
         self.store.set("latest", quorum.encode())
         self.next_id = max(self.next_id, quorum.id + 1)
 
-    def _form(self, asking: dict[int, Ready], now: float) -> None:
-        need = self.options.groups
-        if self.formed_once or now - self.started > self.options.form_within:
+    def _form(self, asking: dict[int, Ready], alive: set[int], now: float) -> None:
+        """A quorum from the workers asking: at the start all groups (or `min_groups` after
+        `form_within`); after a collapse every live worker, or `min_groups` once the others have
+        had `timeout` to give up the group they were forming and ask again (forming with the first
+        few would leave the rest asking into a quorum that moves on without them)."""
+        if not self.formed_once:
+            need = self.options.groups if now - self.started <= self.options.form_within else self.options.min_groups
+        elif now - self.collapsed_at <= self.options.timeout + 1.0:
+            need = max(len(alive - self.finished), self.options.min_groups)
+        else:
             need = self.options.min_groups
         if len(asking) < need:
             return
         source = max(asking, key=lambda r: (asking[r].step, -r))
         members = tuple(sorted(asking))
-        quorum = Quorum(self.next_id, members, tuple(r for r in members if r != source), source, base=0)
+        quorum = Quorum(self.next_id, members, tuple(r for r in members if r != source), source, base=0,
+                        tokens=tuple(asking[r].token for r in members))
         for rank, ready in asking.items():
             self.admitted[rank] = ready.token
         self.active, self.cursor, self.formed_once = quorum, 1, True
@@ -179,7 +190,9 @@ class Lighthouse:
         members = tuple(sorted(keep | set(asking)))
         if len(members) < self.options.min_groups or not keep:
             return None
-        return Quorum(self.next_id, members, tuple(sorted(set(asking) - keep)), min(keep), base=self.active.id)
+        tokens = tuple(asking[r].token if r in asking else self.admitted[r] for r in members)
+        return Quorum(self.next_id, members, tuple(sorted(set(asking) - keep)), min(keep), base=self.active.id,
+                      tokens=tokens)
 
     def _propose(self, asking: dict[int, Ready]) -> None:
         proposal = self._next_from(set(self.active.members), asking)
@@ -189,10 +202,11 @@ class Lighthouse:
         self.store.set("proposal", proposal.encode())
         self._note("proposed", id=proposal.id, joiners=list(proposal.joiners))
 
-    def _abort(self, lost: set[int], asking: dict[int, Ready]) -> None:
-        """Decide the running round (not committed) with the next quorum without `lost`."""
+    def _abort(self, lost: set[int], asking: dict[int, Ready], *, collapse: bool = False) -> None:
+        """Decide the running round (not committed) with the next quorum without `lost`; with
+        `collapse`, with none (every member asks again and a quorum forms from those asking)."""
         keep = set(self.active.members) - lost
-        nxt = self._next_from(keep, asking)
+        nxt = None if collapse else self._next_from(keep, asking)
         decision = Decision(False, nxt, by="lighthouse")
         while True:
             key = round_key(self.active.id, self.cursor, "d")
@@ -200,8 +214,10 @@ class Lighthouse:
             if stored == decision or stored.next is None or stored.next.id != self.active.id:
                 break
             self.cursor += 1  # the last voter committed that round before we knew: decide the next one
-        self._note("lost", ranks=sorted(lost), round=self.cursor, quorum=self.active.id)
-        if not lost <= self.finished:
+        self._note("lost", ranks=sorted(lost), round=self.cursor, quorum=self.active.id, collapse=collapse)
+        if collapse:
+            self.say(f"troupe run: quorum {self.active.id} did not form; forming a new one from the workers asking")
+        elif not lost <= self.finished:
             self.say(f"troupe run: worker group(s) {sorted(lost - self.finished)} left quorum {self.active.id}; "
                      + ("the others go on" if nxt is not None else "too few left: waiting for restarts"))
         self._adopt(stored.next, by=stored.by)

@@ -83,6 +83,9 @@ class Quorum:
     """The member whose state every joiner copies (-1: no joiners)."""
     base: int = 0
     """The quorum this one replaces (0: formed by the lighthouse from ready workers, not from a running quorum)."""
+    tokens: tuple[str, ...] = ()
+    """The `Ready` token each member was admitted with: a restarted process joins only a quorum that
+    admitted its own request, never one that names its rank for the process it replaced."""
 
     def index(self, rank: int) -> int:
         """This rank's place in the quorum's process group."""
@@ -90,12 +93,16 @@ class Quorum:
 
     def encode(self) -> str:
         return json.dumps({"id": self.id, "members": self.members, "joiners": self.joiners, "source": self.source,
-                           "base": self.base})
+                           "base": self.base, "tokens": self.tokens})
 
     @classmethod
     def decode(cls, text: str | bytes) -> Quorum:
         d = json.loads(text)
-        return cls(d["id"], tuple(d["members"]), tuple(d["joiners"]), d["source"], d["base"])
+        return cls(d["id"], tuple(d["members"]), tuple(d["joiners"]), d["source"], d["base"], tuple(d.get("tokens", ())))
+
+    def admits(self, rank: int, token: str) -> bool:
+        """Does this quorum name `rank` for the request `token`?"""
+        return rank in self.members and self.tokens[self.index(rank)] == token
 
 
 @dataclass(frozen=True)
