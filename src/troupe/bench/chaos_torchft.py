@@ -5,11 +5,12 @@
     python -m troupe.bench.chaos_torchft summarize runs/ddp-kill30
     python -m troupe.bench.chaos_torchft table runs/ddp-free runs/ddp-kill30 ...
 
-`run` starts a torchft lighthouse in this process and G worker processes, each one replica
-group of one process (``torchft.Manager`` over ``ProcessGroupGloo`` on CPU) training the MNIST
-CNN of examples/mnist_cnn.py on its shard of the training set. Every ``--kill-every`` seconds
-it SIGKILLs a random worker and starts it again at once (same group; torchft heals it from a
-live peer); every ``--stop-every`` seconds it SIGSTOPs one for ``--stop-for`` seconds. After
+`run` starts a torchft lighthouse in its own process and G worker processes
+(`troupe.bench.chaos_torchft_worker`), each one replica group of one process
+(``torchft.Manager`` over ``ProcessGroupGloo`` on CPU) training the MNIST CNN of
+examples/mnist_cnn.py on its shard of the training set. Every ``--kill-every`` seconds it
+SIGKILLs a random worker and starts it again at once (same group; torchft heals it from a live
+peer); every ``--stop-every`` seconds it SIGSTOPs one for ``--stop-for`` seconds. After
 ``--duration`` it lets a restarted group rejoin, asks every group to stop at one common step,
 and collects each group's test accuracy and parameter hash. The files it writes are read by
 `troupe.bench.chaos_summary` (the format is described there), which troupe's own elastic runs
@@ -25,7 +26,6 @@ Needs ``pip install torchft==0.2.0``; `summarize` and `table` do not.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -33,12 +33,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from troupe.bench.chaos_summary import markdown_table, summarize
+from troupe.bench.chaos_torchft_worker import import_torchft, worker
 
 __all__ = ["summarize", "main"]
 
@@ -48,151 +48,6 @@ SETTLE_S = 60.0
 """After the fault phase, how long to wait for every group to commit once more."""
 EXIT_S = 90.0
 """How long the workers have to reach the stop step, evaluate and exit."""
-
-
-def import_torchft() -> Any:
-    """torchft, or a one-line error saying how to install it."""
-    try:
-        import torchft
-    except ImportError:
-        raise SystemExit("chaos_torchft needs torchft: pip install torchft==0.2.0") from None
-    return torchft
-
-
-# --- the worker: one replica group of one process -------------------------------------------
-
-
-def build_cnn() -> Any:
-    """examples/mnist_cnn.py's CNN as a plain nn.Module (conv 5x5x20, pool, conv 5x5x50, pool, fc 500, fc 10)."""
-    import torch.nn.functional as F
-    from torch import nn
-
-    class CNN(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv1 = nn.Conv2d(1, 20, 5)
-            self.conv2 = nn.Conv2d(20, 50, 5)
-            self.linear1 = nn.Linear(4 * 4 * 50, 500)
-            self.linear2 = nn.Linear(500, 10)
-
-        def forward(self, x):
-            y = F.max_pool2d(F.relu(self.conv1(x)), 2)
-            y = F.max_pool2d(F.relu(self.conv2(y)), 2)
-            return self.linear2(F.relu(self.linear1(y.flatten(1))))
-
-    return CNN()
-
-
-def params_sha256(module: Any) -> str:
-    """sha256 of the parameters' bytes, concatenated in the order of their sorted names."""
-    h = hashlib.sha256()
-    for _, p in sorted(module.named_parameters()):
-        h.update(p.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-@dataclass
-class Shard:
-    """Group `group`'s shard of the training set; the batch of a step is a function of the step.
-
-    A group healed from a peer takes the peer's step, so it reads the right batch without
-    any data-loader state in the checkpoint.
-    """
-
-    x: Any
-    y: Any
-    group: int
-    groups: int
-    batch_size: int
-    seed: int
-    _perm: tuple[int, Any] = field(default=(-1, None), repr=False)
-
-    def batch(self, step: int) -> tuple[Any, Any]:
-        import torch
-
-        per_epoch = (len(self.y) // self.groups) // self.batch_size
-        epoch, i = divmod(step, per_epoch)
-        if self._perm[0] != epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch * 1000 + self.group)
-            idx = torch.arange(self.group, len(self.y), self.groups)
-            self._perm = (epoch, idx[torch.randperm(len(idx), generator=g)])
-        take = self._perm[1][i * self.batch_size:(i + 1) * self.batch_size]
-        return self.x[take], self.y[take]
-
-
-def stop_step(out: Path) -> int | None:
-    """The step at which every group stops, once the supervisor has written it."""
-    path = out / "stop"
-    return int(path.read_text()) if path.exists() else None
-
-
-def worker(args: argparse.Namespace) -> None:
-    """Train until the stop step, then write this group's accuracy and parameter hash."""
-    import torch
-    import torch.nn.functional as F
-    from torch.distributed import TCPStore
-
-    from troupe.script.data import load_mnist
-
-    ft = import_torchft()
-    torch.set_num_threads(1)
-    out = Path(args.out)
-    train_x, train_y, test_x, test_y = load_mnist()
-    shard = Shard(train_x, train_y, args.group, args.groups, args.batch_size, args.seed)
-    torch.manual_seed(0)
-    module = build_cnn()
-    optimizer = torch.optim.SGD(module.parameters(), lr=args.lr, momentum=0.9)
-
-    def state_dict() -> dict[str, Any]:  # what a healing group receives from a live peer
-        return {"model": module.state_dict(), "optim": optimizer.state_dict()}
-
-    def load_state_dict(sd: dict[str, Any]) -> None:
-        module.load_state_dict(sd["model"])
-        optimizer.load_state_dict(sd["optim"])
-
-    # The replica group's own store (torchft expects one per group); its one process hosts it.
-    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    manager = ft.Manager(
-        pg=ft.ProcessGroupGloo(timeout=timedelta(seconds=args.pg_timeout)),
-        min_replica_size=args.min_groups, load_state_dict=load_state_dict, state_dict=state_dict,
-        timeout=timedelta(seconds=args.timeout), rank=0, world_size=1,
-        store_addr="localhost", store_port=store.port, lighthouse_addr=args.lighthouse,
-        replica_id=f"group{args.group}", hostname="localhost")
-    model = ft.DistributedDataParallel(manager, module) if args.mode == "ddp" else module
-    grads = sorted(module.named_parameters())  # every group reduces in the same order
-    events = os.open(out / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    while True:
-        manager.start_quorum()
-        optimizer.zero_grad()
-        x, y = shard.batch(manager.current_step())
-        F.cross_entropy(model(x), y).backward()
-        if args.mode == "allreduce":
-            works = [manager.allreduce(p.grad) for _, p in grads]
-            for work in works:
-                work.wait()
-        committed = manager.should_commit()
-        if committed:
-            optimizer.step()
-        step = manager.current_step()
-        line = {"t": time.time() - args.t0, "group": args.group, "step": step,
-                "committed": committed, "samples": args.batch_size}
-        os.write(events, (json.dumps(line) + "\n").encode())  # one write: appends do not interleave
-        target = stop_step(out)
-        if committed and target is not None and step >= target:
-            break
-    manager.shutdown(wait=False)
-    with torch.no_grad():
-        module.eval()
-        correct = sum(int((module(test_x[i:i + 1000]).argmax(1) == test_y[i:i + 1000]).sum())
-                      for i in range(0, len(test_y), 1000))
-    result = {"group": args.group, "eval_acc": correct / len(test_y), "params_sha256": params_sha256(module),
-              "step": step}
-    (out / f"final.{args.group}.json").write_text(json.dumps(result))
-    sys.stdout.flush()
-    os._exit(0)  # torchft's background threads (heartbeat, checkpoint server) would hold the exit
-
-
-# --- the supervisor: lighthouse, workers, faults --------------------------------------------
 
 
 def free_port() -> int:
