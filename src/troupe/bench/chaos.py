@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from troupe.bench.chaos_summary import summarize
-from troupe.bench.chaos_torchft import Shard, build_cnn, params_sha256, stop_step
+from troupe.bench.chaos_torchft_worker import Shard, build_cnn, params_sha256, stop_step
 
 SETTLE_S = 60.0
 """After the fault phase: how long to wait for every group to commit once more."""
