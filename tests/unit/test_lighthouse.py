@@ -162,3 +162,40 @@ def test_records_round_trip():
     d = Decision(False, q, by="lighthouse")
     assert Decision.decode(d.encode()) == d and Decision.decode(Decision(True, None).encode()).next is None
     assert ElasticOptions.decode(ElasticOptions(groups=5).encode()) == ElasticOptions(groups=5)
+
+
+class _SlowWork:
+    """A reduction that ends after `slices` timed-out waits, with `error` (None: success)."""
+
+    def __init__(self, slices: int, error: Exception | None = None, done_during_last_slice: bool = False):
+        self.slices, self.error, self.done_during_last_slice = slices, error, done_during_last_slice
+        self.waits = 0
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        if timeout is not None and self.waits <= self.slices:
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise self.error
+
+    def is_completed(self) -> bool:
+        return self.done_during_last_slice and self.waits >= self.slices
+
+
+def test_a_wait_in_slices_gives_up_only_when_asked_and_keeps_the_reductions_verdict():
+    from troupe.runtime.comm import _wait_or_escape
+
+    asked = []
+    _wait_or_escape(_SlowWork(3), lambda: asked.append(1))  # slow but healthy: waits on
+    assert len(asked) == 3
+    # the slice timed out just as the reduction ended: its own verdict, not the timeout
+    _wait_or_escape(_SlowWork(1, done_during_last_slice=True), lambda: pytest.fail("asked after it ended"))
+    with pytest.raises(ValueError, match="its own"):
+        _wait_or_escape(_SlowWork(1, ValueError("its own"), done_during_last_slice=True), lambda: None)
+    with pytest.raises(RuntimeError, match="decided without us"):
+        _wait_or_escape(_SlowWork(5), lambda: "decided without us")
+
+
+def test_a_quorum_admits_a_rank_only_for_the_request_it_was_formed_with():
+    q = Quorum(3, (0, 2), (2,), 0, base=2, tokens=("0.1", "1.1"))
+    assert q.admits(2, "1.1") and not q.admits(2, "0.1") and not q.admits(1, "1.1")
