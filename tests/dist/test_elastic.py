@@ -133,9 +133,9 @@ def test_frozen_worker_is_evicted_and_comes_back_after_sigcont(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_restart_budget_that_runs_out_ends_the_job_naming_the_rank(tmp_path):
-    proc = troupe_run(tmp_path, "always-raise", "--restarts-per-rank", "1")
+    proc = troupe_run(tmp_path, "always-raise", "--restarts-per-rank", "0")
     assert proc.returncode != 0
-    assert "rank 1 exited with code 1 and has used its 1 restarts (--restarts-per-rank); stopped the job" \
+    assert "rank 1 exited with code 1 and has used its 0 restarts (--restarts-per-rank); stopped the job" \
         in proc.stderr
 
 

@@ -1,0 +1,83 @@
+"""`troupe run --elastic`'s supervisor (runtime/restarts.py) over scripted processes: no real ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from troupe.runtime import restarts
+from troupe.runtime.quorum import REJOIN_EXIT
+
+
+class Proc:
+    """A process whose poll() answers None `alive` times, then `code`."""
+
+    def __init__(self, code: int, alive: int = 1):
+        self.code, self.alive = code, alive
+
+    def poll(self):
+        if self.alive > 0:
+            self.alive -= 1
+            return None
+        return self.code
+
+
+class House:
+    def __init__(self):
+        self.events = []
+
+    def lost(self, rank, *, finished=False):
+        self.events.append(("finished" if finished else "lost", rank))
+
+    def restarted(self, rank):
+        self.events.append(("restarted", rank))
+
+
+@pytest.fixture(autouse=True)
+def no_sleep(monkeypatch):
+    monkeypatch.setattr(restarts, "POLL_SECONDS", 0.0)
+    monkeypatch.setattr(restarts, "BACKOFF_FIRST", 0.0)
+
+
+def supervise(script: dict[int, list[Proc]], budget: int):
+    """Run the supervisor; rank r's k-th process is script[r][k]. Returns (code, spawns, lines, house)."""
+    spawns, lines, house, stopped = [], [], House(), []
+
+    def spawn(rank, incarnation):
+        spawns.append((rank, incarnation))
+        return script[rank][sum(1 for r, _ in spawns if r == rank) - 1]
+
+    code = restarts.supervise(spawn, sorted(script), house, restarts_per_rank=budget, say=lines.append,
+                              stop_all=stopped.append)
+    return code, spawns, lines, house
+
+
+def test_a_dead_rank_restarts_alone_with_the_next_incarnation_and_the_job_ends_when_all_finish():
+    code, spawns, lines, house = supervise({0: [Proc(0, alive=5)], 1: [Proc(-9), Proc(0)]}, budget=2)
+    assert code == 0
+    assert spawns == [(0, 0), (1, 0), (1, 1)]  # rank 0 never restarted
+    assert ("lost", 1) in house.events and ("restarted", 1) in house.events
+    assert any("rank 1 exited with signal 9 (SIGKILL); restarting it alone" in line for line in lines)
+
+
+def test_a_budget_spent_stops_the_job_naming_the_rank():
+    code, spawns, lines, _ = supervise({0: [Proc(0, alive=50)], 1: [Proc(3), Proc(3), Proc(3)]}, budget=2)
+    assert code == 3 and spawns.count((0, 0)) == 1 and len([s for s in spawns if s[0] == 1]) == 3
+    assert lines[-1] == ("troupe run: rank 1 exited with code 3 and has used its 2 restarts (--restarts-per-rank); "
+                         "stopped the job")
+
+
+def test_a_worker_left_out_while_paused_restarts_without_spending_its_budget():
+    code, spawns, lines, _ = supervise({0: [Proc(0, alive=5)], 1: [Proc(REJOIN_EXIT), Proc(0)]}, budget=0)
+    assert code == 0 and spawns == [(0, 0), (1, 0), (1, 1)]
+    assert any("left out of the quorum while it was paused" in line for line in lines)
+
+
+def test_the_back_off_doubles_for_restarts_in_quick_succession(monkeypatch):
+    monkeypatch.setattr(restarts, "BACKOFF_FIRST", 0.5)
+    delays = []
+    clock = [0.0]
+    monkeypatch.setattr(restarts.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(restarts.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + 0.01))
+    code, _, lines, _ = supervise({0: [Proc(0, alive=1000)], 1: [Proc(1), Proc(1), Proc(1), Proc(0)]}, budget=5)
+    delays = [float(line.split(" in ")[1].split("s")[0]) for line in lines if "restarting it alone" in line]
+    assert code == 0 and delays == [0.0, 0.5, 1.0]
