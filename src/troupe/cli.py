@@ -402,12 +402,18 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     lighthouse = Lighthouse(ticket, options, say=say).start()
     start = _starter(args, {**extra_env, ENV_VAR: options.encode()}, ticket)
     output = getattr(args, "output", None)
+
+    def terminated(*_sig):
+        raise KeyboardInterrupt  # the supervisor stops every worker, then we exit 143
+
+    old = signal.signal(signal.SIGTERM, terminated)
     try:
         return supervise(lambda rank, n: start(rank, TROUPE_INCARNATION=str(n)), list(range(args.nproc)), lighthouse,
                          restarts_per_rank=args.restarts_per_rank, say=say, stop_all=_stop_all)
     except KeyboardInterrupt:
         return 130
     finally:
+        signal.signal(signal.SIGTERM, old)
         lighthouse.stop()
         if output is not None:
             output.drain()

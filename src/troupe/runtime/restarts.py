@@ -46,6 +46,14 @@ def supervise(spawn: Callable[[int, int], subprocess.Popen], ranks: list[int], l
               restarts_per_rank: int, say: Callable[[str], None], stop_all: Callable[[list], None]) -> int:
     """Run `ranks` (each `spawn(rank, incarnation)`) until all finish; restart the dead ones alone."""
     state = {r: _Rank(spawn(r, 0)) for r in ranks}
+    try:
+        return _watch(state, spawn, lighthouse, restarts_per_rank, say, stop_all)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (troupe run raises it): never leave a worker behind
+        stop_all([s.proc for s in state.values()])
+        raise
+
+
+def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, say, stop_all) -> int:
     closing = False
     while True:
         now = time.monotonic()
