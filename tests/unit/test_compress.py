@@ -204,3 +204,17 @@ def test_codecs_keep_the_device(device):
         assert out.device.type == device and all(t.device.type == device for t in payload)
     index, values = TopKCompressor(0.01).compress(g, "g")[0]
     assert torch.equal(values.abs().sort().values, g.abs().sort().values[-index.numel() :])
+
+
+def test_half_scale_given_as_a_callable_is_read_at_each_call():
+    """An elastic job's group changes size between steps: fp16 divides by the size of this step."""
+    size = [4]
+    c = HalfCompressor("fp16", scale=lambda: 1 / size[0])
+    g = torch.full((8,), 40000.0)
+    assert torch.equal(c.compress(g, "g")[0][0].float(), torch.full((8,), 10000.0))
+    size[0] = 2
+    payload, ctx = c.compress(g, "g")
+    assert torch.equal(payload[0].float(), torch.full((8,), 20000.0))
+    assert torch.equal(c.decompress(payload, ctx), g)
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
+        HalfCompressor("fp16", scale=0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -27,20 +27,26 @@ class HalfCompressor:
     Args:
         scale: multiplies the gradient before the cast, and `decompress` divides it
             back out. Reducing over n ranks passes ``1/n``: the ranks' payloads then sum
-            to the mean, which cannot overflow where the sum of the gradients would.
+            to the mean, which cannot overflow where the sum of the gradients would. A
+            callable is asked at every call (an elastic job's group changes size between steps).
     """
 
     summable: ClassVar[bool] = True
     fixed_size: ClassVar[bool] = True
 
-    def __init__(self, dtype: str | torch.dtype = "fp16", clip_value: float | None = None, scale: float = 1.0):
+    def __init__(self, dtype: str | torch.dtype = "fp16", clip_value: float | None = None,
+                 scale: float | Callable[[], float] = 1.0):
         self.dtype = half_dtype(dtype)
         if clip_value is not None and not (isinstance(clip_value, (int, float)) and clip_value > 0):
             raise ValueError(f"clip_value must be a positive number or None, got {clip_value!r}")
-        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+        if not callable(scale) and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a positive finite number (or a callable giving one), got {scale!r}")
         self.clip_value = clip_value
-        self.scale = float(scale)
+        self._scale = scale if callable(scale) else float(scale)
+
+    @property
+    def scale(self) -> float:
+        return float(self._scale()) if callable(self._scale) else self._scale
 
     def compress(self, grad: Tensor, name: str) -> tuple[list[Tensor], Any]:
         if grad.dtype != torch.float32:

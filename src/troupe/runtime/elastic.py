@@ -75,7 +75,8 @@ class Elastic:
         # (a member died meanwhile); the heartbeat thread has its own socket.
         self.store = connect(max(options.form_within, 4 * (options.timeout + options.evict_after)))
         self._pg_store = connect(options.timeout)
-        self._beat_store = connect(options.timeout)
+        self._connect = connect
+        self._beat_store = connect(options.evict_after)
         self.quorum: Quorum | None = None
         self.round = 0
         self.decision: Decision | None = None
@@ -255,11 +256,17 @@ class Elastic:
     # --- liveness ------------------------------------------------------------------------
 
     def _heartbeat(self) -> None:
+        """Beat until closed. A beat that fails (a slow store on a loaded host) is retried on a fresh
+        connection at the next one: a heartbeat thread that gave up would get its worker evicted."""
         while not self._stop.wait(self.options.heartbeat):
             try:
                 self._beat_store.add(f"hb/{self.rank}", 1)
-            except RuntimeError:
-                return  # the launcher is gone; the main thread finds out on its next vote
+            except (RuntimeError, ConnectionError, OSError) as e:
+                log.debug("troupe: rank %d: heartbeat failed (%s); reconnecting", self.rank, e)
+                try:
+                    self._beat_store = self._connect(self.options.evict_after)
+                except (RuntimeError, ConnectionError, OSError):
+                    pass  # the launcher is gone or busy: the main thread finds out on its next vote
 
     def close(self) -> None:
         self._stop.set()

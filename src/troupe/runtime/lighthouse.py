@@ -121,7 +121,11 @@ class Lighthouse:
         if self.active is None:
             self._form(asking, alive, now)
             return
+        silent = (set(self.active.members) - alive) - departed - self.dead
         lost = (set(self.active.members) - alive) | (departed & set(self.active.members))
+        if silent:
+            ages = ", ".join(f"rank {r}: {now - self.beats[r].changed:.1f}s" for r in sorted(silent))
+            self.say(f"troupe run: no heartbeat within {self.options.evict_after:.0f}s ({ages})")
         # A member asking again could not make the quorum's group: it never formed, for anyone.
         failed_to_form = any(r in self.active.members for r in asking)
         if lost or failed_to_form:

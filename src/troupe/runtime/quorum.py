@@ -52,7 +52,8 @@ class ElasticOptions:
 
     def __post_init__(self) -> None:
         if self.min_groups < 2:
-            raise ValueError(f"min_groups must be >= 2 (a quorum of one has nobody to heal from), got {self.min_groups}")
+            raise ValueError(f"min_groups must be >= 2 (a quorum of one has nobody to heal from), "
+                             f"got {self.min_groups}")
         if self.min_groups > self.groups:
             raise ValueError(f"min_groups ({self.min_groups}) is larger than the job's {self.groups} worker groups")
         for name in ("timeout", "evict_after", "heartbeat", "form_within"):
@@ -98,7 +99,8 @@ class Quorum:
     @classmethod
     def decode(cls, text: str | bytes) -> Quorum:
         d = json.loads(text)
-        return cls(d["id"], tuple(d["members"]), tuple(d["joiners"]), d["source"], d["base"], tuple(d.get("tokens", ())))
+        return cls(d["id"], tuple(d["members"]), tuple(d["joiners"]), d["source"], d["base"],
+                   tuple(d.get("tokens", ())))
 
     def admits(self, rank: int, token: str) -> bool:
         """Does this quorum name `rank` for the request `token`?"""

@@ -20,7 +20,7 @@ class Half(DistOption):
     """fp16 on the wire."""
 
     name, method = "fp16", "backward_and_update_half"
-    supports = Capabilities(graph_mode=True)
+    supports = Capabilities(graph_mode=True, elastic=True)
 
     @classmethod
     def build(cls, ctx: Context, clipping: bool = False, clip_value: float = 100, dtype: str = "fp16") -> AllReduce:
@@ -29,7 +29,8 @@ class Half(DistOption):
             if p.requires_grad and p.dtype != torch.float32:
                 raise ValueError(f"half precision needs float32 parameters; {ctx.name_of(p)} is {p.dtype} "
                                  f"(shape {tuple(p.shape)})")
-        compressor = HalfCompressor(torch_dtype, clip_value if clipping else None, scale=1.0 / ctx.comm.world_size)
+        comm = ctx.comm  # its size is read at each step: an elastic job's group changes size
+        compressor = HalfCompressor(torch_dtype, clip_value if clipping else None, scale=lambda: 1.0 / comm.world_size)
         name = "fp16" if torch_dtype == torch.float16 else "bf16"
         return compressed(name, ctx, compressor, f"{name}(clipping={clipping}, clip_value={clip_value})")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from troupe.compress import Compressor, ErrorFeedback, ThresholdCompressor, TopKCompressor
 from troupe.strategies.allreduce import AllReduce, compressed
 from troupe.strategies.choice import DistOption
-from troupe.strategies.registry import Context, register
+from troupe.strategies.registry import Capabilities, Context, register
 
 
 @register
@@ -18,6 +18,7 @@ class SparseThreshold(DistOption):
     """Every element at or above the threshold `spars`."""
 
     name, method, fixed_args = "sparseThreshold", "backward_and_sparse_update", {"topK": False}
+    supports = Capabilities(elastic=True)  # the group's size is read at each step; residuals heal with the rest
 
     @classmethod
     def build(cls, ctx: Context, spars: float = 0.05, topK: bool = False, corr: bool = True) -> AllReduce:

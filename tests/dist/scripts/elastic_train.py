@@ -1,6 +1,6 @@
 """A tiny elastic job: every worker group logs which groups each of its steps averaged over.
 
-    troupe run -n 3 --elastic tests/dist/scripts/elastic_train.py OUT MODE
+    troupe run -n 3 --elastic tests/dist/scripts/elastic_train.py OUT MODE [DIST_OPTION]
 
 MODE (faults in first incarnations only, unless said otherwise):
   ok
@@ -56,7 +56,7 @@ def model_and_optimizer():
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def main(out: Path, mode: str) -> None:
+def main(out: Path, mode: str, dist_option: str = "plain") -> None:
     torch.set_num_threads(1)
     incarnation = int(os.environ.get("TROUPE_INCARNATION", "0"))
     model, sgd = model_and_optimizer()
@@ -64,7 +64,7 @@ def main(out: Path, mode: str) -> None:
         torch.manual_seed(1000 + incarnation)  # a restart starts from other values: the heal must overwrite them
         for p in model.parameters():
             p.data.normal_()
-    opt = troupe.DistOpt(sgd)
+    opt = troupe.DistOpt(sgd, dist_option=dist_option, spars=0.25 if dist_option.startswith("sparse") else None)
     rank = opt.global_rank
     train = troupe.data.loader(data(), BATCH, seed=7, tail="drop", drop_last=True)
     per_epoch = len(train)  # before the heal: a resumed sampler counts what is left of its epoch
@@ -104,4 +104,4 @@ def main(out: Path, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), *sys.argv[2:])
