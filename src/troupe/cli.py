@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="--elastic: steps need at least K groups present (default 2)")
     elastic.add_argument("--restarts-per-rank", type=int, default=10,
                          help="--elastic: restarts each rank may use before the job stops (default 10)")
+    elastic.add_argument("--evict-after", type=float, default=None,
+                         help="--elastic: seconds without a heartbeat before a worker is left out (default 5)")
     elastic.add_argument("--elastic-timeout", type=float, default=None,
                          help="--elastic: seconds a step waits for a frozen peer before leaving it out (default 10)")
     _add_cluster_flags(run)
@@ -273,8 +275,11 @@ def run(args: argparse.Namespace) -> int:
         extra_env["TROUPE_TENSORBOARD"] = os.path.abspath(args.tensorboard)
     if args.elastic:
         _check_elastic(args)
-    elif args.min_groups is not None:
-        raise ValueError("--min-groups needs --elastic")
+    else:
+        for flag, value in (("--min-groups", args.min_groups), ("--evict-after", args.evict_after),
+                            ("--elastic-timeout", args.elastic_timeout)):
+            if value is not None:
+                raise ValueError(f"{flag} needs --elastic")
     extra_env.update(_cluster_env(args))
     args.output = _rank_output(args)
     if args.elastic:
@@ -396,8 +401,9 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     from troupe.runtime.restarts import supervise
 
     ticket = _ticket(args)
+    given = {"timeout": args.elastic_timeout, "evict_after": args.evict_after}
     options = ElasticOptions(groups=args.nproc, min_groups=args.min_groups or 2,
-                             **({"timeout": args.elastic_timeout} if args.elastic_timeout else {}))
+                             **{k: v for k, v in given.items() if v is not None})
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     lighthouse = Lighthouse(ticket, options, say=say).start()
     start = _starter(args, {**extra_env, ENV_VAR: options.encode()}, ticket)
