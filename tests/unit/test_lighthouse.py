@@ -111,6 +111,28 @@ def test_a_silent_group_is_evicted_after_evict_after(house, monkeypatch):
     assert not d.commit and d.next.members == (0, 1)
 
 
+def test_a_worker_that_says_goodbye_leaves_at_once_and_only_an_error_is_announced(house):
+    """A process on its way out (exit hooks) says so: nobody waits for its silence or its exit."""
+    lh, client = house
+    said = []
+    lh.say = said.append
+    q1 = form_all(lh, client)
+    client.set("bye/2", "error")
+    client.add("byes", 1)
+    beat(client, 0, 1, 2)  # still beating: the goodbye, not a silence, makes it leave
+    lh.tick()
+    d = Decision.decode(client.get(round_key(q1.id, 1, "d")))
+    assert not d.commit and d.next.members == (0, 1) and any("[2] left quorum 1" in s for s in said)
+    said.clear()
+    client.set("bye/1", "done")  # finished its script: leaves too, without a word
+    client.add("byes", 1)
+    lh.tick()
+    assert lh.active is None and not any("left quorum" in s for s in said)
+    lh.lost(2)
+    lh.restarted(2)  # its old goodbye is forgotten: the new process is not leaving
+    assert not client.check(["bye/2"]) and 2 not in lh.said_bye
+
+
 def test_too_few_groups_pause_until_enough_ask_again(house):
     lh, client = house
     q1 = form_all(lh, client)

@@ -22,6 +22,7 @@ import datetime
 import io
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -95,6 +96,9 @@ class Elastic:
         self._posted: str | None = None
         if ticket.addr in (LOOPBACK, "localhost"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # The first beat before anything else: the lighthouse gives a restarted rank `evict_after` from
+        # its start to be heard, and this process may ask to join before its thread's first beat.
+        self._beat_store.add(f"hb/{rank}", 1)
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="troupe-elastic-heartbeat", daemon=True)
         self._beat.start()
@@ -269,7 +273,17 @@ class Elastic:
                     pass  # the launcher is gone or busy: the main thread finds out on its next vote
 
     def close(self) -> None:
+        """Stop beating and say goodbye: the lighthouse leaves this rank out of the next step at once,
+        instead of after `evict_after` of silence or when the process is gone (an interpreter that
+        tears torch down takes seconds on a loaded host). "error" when an uncaught exception ends
+        the script (Python sets `sys.last_value` before the exit hooks run), else "done"."""
         self._stop.set()
+        why = "error" if getattr(sys, "last_value", None) is not None else "done"
+        try:
+            self.store.set(f"bye/{self.rank}", why)
+            self.store.add("byes", 1)
+        except (RuntimeError, ConnectionError, OSError):
+            pass  # the launcher is gone: nobody to tell
 
 
 def _leave_group(set_aside: Callable[[Any], None] | None = None) -> None:

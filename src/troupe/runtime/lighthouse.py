@@ -48,7 +48,12 @@ class Lighthouse:
         self.dead: set[int] = set()
         self.finished: set[int] = set()
         self.departed: set[int] = set()
-        """Ranks whose process exited since the last tick (even if already started again)."""
+        """Ranks whose process exited, or said goodbye, since the last tick (even if already started again)."""
+        self.said_bye: set[int] = set()
+        """Ranks whose process said goodbye (it may take seconds more to exit)."""
+        self.leaving: set[int] = set()
+        """Those of them that finished their script (not an error)."""
+        self.byes = 0
         self.beats = {r: _Beat() for r in range(options.groups)}
         self.admitted: dict[int, str] = {}
         self.active: Quorum | None = None
@@ -86,6 +91,9 @@ class Lighthouse:
         """`rank` runs again (a new process: it asks to join when it is ready)."""
         with self._lock:
             self.dead.discard(rank)
+            self.said_bye.discard(rank)
+            self.leaving.discard(rank)
+            self.store.delete_key(f"bye/{rank}")  # its last process's goodbye, said before it died
             self.beats[rank] = _Beat()
 
     # --- the loop -------------------------------------------------------------------------
@@ -103,6 +111,7 @@ class Lighthouse:
 
     def tick(self) -> None:
         self._follow_rounds()
+        self._read_byes()
         now = time.monotonic()
         alive = set()
         for rank, beat in self.beats.items():
@@ -132,6 +141,19 @@ class Lighthouse:
             self._abort(lost, asking, collapse=failed_to_form)
         elif asking:
             self._propose(asking)
+
+    def _read_byes(self) -> None:
+        """Ranks that said goodbye since the last look leave the quorum now (one counter read a tick)."""
+        byes = self.store.add("byes", 0)
+        if byes == self.byes:
+            return
+        self.byes = byes
+        for rank in set(self.beats) - self.dead - self.said_bye:
+            if self.store.check([f"bye/{rank}"]):
+                self.said_bye.add(rank)
+                self.departed.add(rank)
+                if self.store.get(f"bye/{rank}") == b"done":
+                    self.leaving.add(rank)
 
     def _asking(self, alive: set[int]) -> dict[int, Ready]:
         out = {}
@@ -221,7 +243,8 @@ class Lighthouse:
         self._note("lost", ranks=sorted(lost), round=self.cursor, quorum=self.active.id, collapse=collapse)
         if collapse:
             self.say(f"troupe run: quorum {self.active.id} did not form; forming a new one from the workers asking")
-        elif not lost <= self.finished:
-            self.say(f"troupe run: worker group(s) {sorted(lost - self.finished)} left quorum {self.active.id}; "
+        elif not lost <= self.finished | self.leaving:
+            self.say(f"troupe run: worker group(s) {sorted(lost - self.finished - self.leaving)} left quorum "
+                     f"{self.active.id}; "
                      + ("the others go on" if nxt is not None else "too few left: waiting for restarts"))
         self._adopt(stored.next, by=stored.by)

@@ -17,6 +17,8 @@ Keys (under the job's ``troupe/<token>/`` prefix):
                      (written once, by compare-and-set: by the last voter, or by the lighthouse
                      when a member is lost and will never vote);
 * ``heal/<id>/<tag>``  the state a source member hands to the joiners of quorum id;
+* ``bye/<rank>``, ``byes``   a worker leaving (its exit hooks): "done" or "error", and a counter the
+                     lighthouse watches, so it need not wait for the silence or the exit;
 * ``closed``         the job is over (members finished): a worker still waiting to be admitted leaves.
 """
 
