@@ -110,7 +110,7 @@ class Elastic:
         DistOpt can be made (without collectives) while the script loads its data. The worker asks
         to join only when it is ready to step: the others never wait for its start-up."""
         _leave_group()
-        dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
+        _init_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
 
     @property
     def joined(self) -> bool:
@@ -148,9 +148,8 @@ class Elastic:
         self._bury()
         _leave_group(self._set_aside if self._failed_step else None)
         store = dist.PrefixStore(f"pg/{quorum.id}/{tag}/", self._pg_store)
-        dist.init_process_group(self.backend, store=store, rank=quorum.index(self.rank),
-                                world_size=len(quorum.members),
-                                timeout=datetime.timedelta(seconds=self.options.timeout))
+        _init_group(self.backend, store=store, rank=quorum.index(self.rank), world_size=len(quorum.members),
+                    timeout=datetime.timedelta(seconds=self.options.timeout))
         self.quorum, self.round = quorum, 0
         for hook in self.on_reconfigure:
             hook()
@@ -284,6 +283,17 @@ class Elastic:
             self.store.add("byes", 1)
         except (RuntimeError, ConnectionError, OSError):
             pass  # the launcher is gone: nobody to tell
+
+
+def _init_group(backend: str, **kwargs: Any) -> None:
+    """`dist.init_process_group`, keeping `sys.excepthook`: torch wraps it at every group it makes to
+    prefix tracebacks with the rank in that group, which here is a place in the quorum, not the job's
+    rank, and would pile up one prefix per quorum this process has been in."""
+    hook = sys.excepthook
+    try:
+        dist.init_process_group(backend, **kwargs)
+    finally:
+        sys.excepthook = hook
 
 
 def _leave_group(set_aside: Callable[[Any], None] | None = None) -> None:
