@@ -32,8 +32,10 @@ def test_presets_match_the_reference_table():
         "allreduce": (1, 3, 1, 3, False),
         "downpour": (2, 2, 1, 2, True),
         "hogwild": (3, 1, 3, 1, False),
+        "diloco": (2, 1, 2, 1, False),  # not the reference's: its servers follow the workers (it has none)
     }
-    assert {n: c.nprocs for n, c in PRESETS.items()} == {"sandblaster": 5, "allreduce": 3, "downpour": 6, "hogwild": 3}
+    assert {n: c.nprocs for n, c in PRESETS.items()} == {"sandblaster": 5, "allreduce": 3, "downpour": 6, "hogwild": 3,
+                                                         "diloco": 2}
 
 
 def test_roles_cover_every_rank_workers_first():

@@ -14,7 +14,8 @@ from troupe.cluster.configuration.flags import add_flags, given
 
 FLAGS = ("nworker_groups", "nserver_groups", "nworkers_per_group", "nservers_per_group", "nworkers_per_procs",
          "nservers_per_procs", "server_worker_separate", "sync_freq", "share_memory", "fetch_freq",
-         "staleness_bound", "group_merge", "fetch", "staleness_lr", "wire_dtype", "wire_topk")
+         "staleness_bound", "group_merge", "fetch", "staleness_lr", "wire_dtype", "wire_topk", "outer_optimizer",
+         "outer_lr", "outer_momentum")
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -60,7 +61,8 @@ def test_help_text_and_metavar_travel_with_the_field():
 def test_fields_that_keep_a_presets_shape():
     kept = {f.name for f in dataclasses.fields(ClusterConfig) if keeps_shape(f.name)}
     assert kept == {"sync_freq", "fetch_freq", "staleness_bound", "share_memory", "group_merge", "send_updates",
-                    "wire_dtype", "wire_topk", "fetch", "staleness_lr"}
+                    "wire_dtype", "wire_topk", "fetch", "staleness_lr", "outer_optimizer", "outer_lr",
+                    "outer_momentum"}
     assert not keeps_shape("no_such_field")
 
 

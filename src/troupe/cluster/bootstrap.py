@@ -77,6 +77,8 @@ class Job:
     """(hostname, pid) of every rank, to tell a dead peer from a slow one."""
     server_channel: Communicator | None = None
     """Several separate server groups: the servers' own channel for their synchronisation."""
+    place_comms: list[Communicator] = dataclasses.field(default_factory=list)
+    """DiLoCo: per place j in a group, worker j of every group (the outer step's all-reduce)."""
 
     def alive(self, rank: int) -> bool:
         """False once `rank`'s process has ended (on this host) or its heartbeat has gone silent
@@ -98,10 +100,13 @@ class WorkerContext:
     nan_policy: str
     layout: Layout
     """The job parameters the workers agreed on (a partitioned model's union)."""
+    step_count: Callable[[], int] = lambda: 0
+    """The DistOpt's step counter (steps taken so far, skipped ones included)."""
 
 
 def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, world: World, bucket_size: int,
-                    nan_policy: str = "raise") -> tuple[DistInfo, UpdateStrategy]:
+                    nan_policy: str = "raise", step_count: Callable[[], int] = lambda: 0
+                    ) -> tuple[DistInfo, UpdateStrategy]:
     """Take this rank's role. A server rank serves and ends the process here; a worker gets
     (its view of the job: rank and world size among the workers, its strategy), and the
     World's data-parallel communicator becomes the workers'."""
@@ -121,7 +126,7 @@ def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, wo
         hand_over(job, spec)
     world.use_for_data_parallel(job.workers_comm)
     view = dataclasses.replace(info, global_rank=job.workers.index(job.role.rank), world_size=len(job.workers))
-    context = WorkerContext(cluster, job, params, optimizer, bucket_size, nan_policy, arranged)
+    context = WorkerContext(cluster, job, params, optimizer, bucket_size, nan_policy, arranged, step_count)
     strategy = registry.lookup(cluster.worker_regime, "cluster").build(context)
     world.on_shutdown(strategy.close)  # tell the servers (or peers) this worker is done, at exit too
     return view, strategy
@@ -192,7 +197,12 @@ def join(cluster: ClusterConfig, runtime: World) -> Job:
     # the ranks that sync (every worker; with in-memory Hogwild the first worker of each process).
     syncing = [r.rank for r in everyone if r.server] if cluster.in_memory else workers
     several = not cluster.server_worker_separate and len(syncing) > 1 and cluster.nserver_groups > 1
-    sync_channels = (world.new_group(syncing), world.new_group(syncing)) if several else None
+    sync_channels = (world.new_group(syncing), world.new_group(syncing)) if several and not cluster.groups_wait \
+        else None
+    # DiLoCo: the outer step all-reduces among the workers with the same place in their groups.
+    k_group = cluster.nworkers_per_group
+    place_comms = [world.new_group([g * k_group + j for g in range(cluster.nworker_groups)])
+                   for j in range(k_group)] if cluster.groups_wait else []
     k = cluster.nworkers_per_procs
     processes_comms = [world.new_group(range(p * k, (p + 1) * k)) for p in range(len(everyone) // k)] \
         if cluster.in_memory else []
@@ -201,7 +211,7 @@ def join(cluster: ClusterConfig, runtime: World) -> Job:
         if cluster.server_worker_separate and cluster.nserver_groups > 1 else None
     log.info("troupe: %s", role.describe())
     return Job(cluster, runtime, role, everyone, world, workers, workers_comm, group_comms, sync_channels,
-               processes_comms, timeout, server_channel=server_channel)
+               processes_comms, timeout, server_channel=server_channel, place_comms=place_comms)
 
 
 def exchange(job: Job, describe: Callable[[], TrainingSpec] | None = None) -> TrainingSpec:

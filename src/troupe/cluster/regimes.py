@@ -3,7 +3,8 @@
 SINGA's four frameworks are settings of one `ClusterConfig`; what a worker runs follows
 from them (`ClusterConfig.worker_regime`): a client of separate servers (Sandblaster,
 Downpour), a worker hosting its group's servers (AllReduce, Distributed Hogwild), or
-workers sharing one process's memory (in-memory Hogwild). Each is a `Regime` whose
+workers sharing one process's memory (in-memory Hogwild), or DiLoCo's workers (synchronous
+groups, an outer optimizer step over them every sync_freq steps). Each is a `Regime` whose
 `choose` runs the bootstrap, which decides a rank's role before any worker strategy
 exists: a server rank serves there and never returns.
 
@@ -53,7 +54,7 @@ class ClusterWorker(Regime):
         from troupe.cluster import bootstrap
 
         info, strategy = bootstrap.worker_strategy(setup.cluster, setup.optimizer, setup.world, setup.bucket_size,
-                                                   setup.nan_policy)
+                                                   setup.nan_policy, setup.step_count)
         return Fixed(cls, strategy, info)
 
 
@@ -103,3 +104,26 @@ class InMemoryHogwild(ClusterWorker):
         process = job.processes_comms[role.rank // ctx.cluster.nworkers_per_procs]
         return SharedMemory(ctx.cluster, role, process, ctx.optimizer, ctx.params,
                             job.sync_channels if role.server else None, job.alive, job.timeout)
+
+
+@register
+class DiLoCoWorker(ClusterWorker):
+    """DiLoCo: synchronous inside each worker group, an outer optimizer step over the groups every sync_freq steps."""
+
+    name = "diloco"
+    where = "under framework diloco"
+
+    @classmethod
+    def build(cls, ctx: WorkerContext) -> Any:
+        from troupe.cluster.workers.diloco import DiLoCo
+        from troupe.strategies.allreduce import AllReduce
+        from troupe.sync.reducer import GradReducer
+
+        if ctx.layout.partitioned:
+            raise ValueError("framework diloco does not run a partitioned model yet (troupe.partition): "
+                             "leave partition_dim unset")
+        job, role = ctx.job, ctx.job.role
+        group = job.group_comms[role.worker[0]]
+        reducer = GradReducer(ctx.params, group, ctx.bucket_size) if group.world_size > 1 and ctx.params else None
+        inner = AllReduce(name="plain", comm=group, reducer=reducer, optimizer=ctx.optimizer, params=ctx.params)
+        return DiLoCo(ctx.cluster, inner, job.place_comms[role.worker[1]], ctx.params, ctx.step_count)

@@ -86,13 +86,14 @@ def _value(key: str, raw: str) -> int | float | bool | str:
     low = raw.lower()
     if low in ("true", "false"):
         return low == "true"
-    if key in ("group_merge", "send_updates", "wire_dtype", "fetch", "staleness_lr"):
+    if key in ("group_merge", "send_updates", "wire_dtype", "fetch", "staleness_lr", "framework", "outer_optimizer"):
         return raw.strip("\"'")
-    if key == "wire_topk":  # a fraction
+    if key in ("wire_topk", "outer_lr", "outer_momentum"):  # a fraction or a rate
         try:
             return float(raw)
         except ValueError:
-            raise ValueError(f"cluster field {key}: expected a fraction in (0, 1), got {raw!r}") from None
+            what = "a fraction in (0, 1)" if key == "wire_topk" else "a number"
+            raise ValueError(f"cluster field {key}: expected {what}, got {raw!r}") from None
     try:
         return int(raw)
     except ValueError:

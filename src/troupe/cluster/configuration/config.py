@@ -70,8 +70,44 @@ def _check_topk(value: object, separate: bool) -> None:
                          f"or unset (dense), got {value!r}")
 
 
+def _check_outer_optimizer(value: object, separate: bool) -> None:
+    outer_optimizer_class(value)
+
+
+def _check_outer_lr(value: object, separate: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"outer_lr must be a number > 0, got {value!r}")
+
+
+def _check_outer_momentum(value: object, separate: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"outer_momentum must be a number in [0, 1), got {value!r}")
+
+
+OUTER_DEFAULT = "nesterov"
+"""DiLoCo's outer optimizer: torch.optim.SGD with Nesterov momentum (Douillard et al. 2023)."""
+
+
+def outer_optimizer_class(name: object) -> str:
+    """The torch.optim class name `name` stands for ("nesterov" -> "SGD"; any case), else a ValueError listing them."""
+    if name == OUTER_DEFAULT:
+        return "SGD"
+    import torch  # only a non-default name pays for torch here (the command line imports this module)
+
+    known = {n.lower(): n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
+             and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer"}
+    found = known.get(name.lower()) if isinstance(name, str) else None
+    if found is None:
+        raise ValueError(f"outer_optimizer must be {OUTER_DEFAULT!r} or a torch.optim optimizer "
+                         f"({', '.join(sorted(known.values()))}), got {name!r}")
+    return found
+
+
 _SIZE = Flag()
 """A size or count flag: an integer >= 1, no help text."""
+
+_DILOCO_ONLY = ("outer_optimizer", "outer_lr", "outer_momentum")
+"""The fields that only DiLoCo reads."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,6 +186,26 @@ class ClusterConfig:
     (int32 index, value) pairs, values in `wire_dtype`; what it leaves out is kept per slice and
     added to the next step's update (error feedback). Unset: dense updates. Co-located servers refuse it."""
 
+    framework: Literal["singa", "diloco"] = option("singa")
+    """How the worker groups combine. "singa": as the layout says (SINGA's four frameworks: one
+    group is synchronous; several sync through servers or master copies). "diloco": DiLoCo
+    (Douillard et al. 2023): the groups train on their own and every sync_freq steps the mean of
+    their pseudo-gradients (outer parameters minus the group's) steps the outer parameters with
+    the outer optimizer; every group then adopts them. ``troupe run --framework diloco``."""
+    outer_optimizer: str = option(OUTER_DEFAULT, keeps_shape=True, check=_check_outer_optimizer, flag=Flag(
+        "DiLoCo: the outer optimizer, nesterov (SGD with Nesterov momentum; default) or a torch.optim name",
+        metavar="NAME"))
+    """DiLoCo: "nesterov" (torch.optim.SGD with momentum outer_momentum, nesterov=True, the paper's) or the
+    name of any torch.optim optimizer (any case), made with lr=outer_lr (and momentum=outer_momentum where
+    its constructor takes a momentum)."""
+    outer_lr: float = option(0.7, keeps_shape=True, check=_check_outer_lr, flag=Flag(
+        "DiLoCo: the outer optimizer's learning rate (default 0.7)"))
+    """DiLoCo: the outer optimizer's learning rate (0.7, the paper's; outer SGD at lr 1 without momentum is
+    the plain average of the groups' parameters)."""
+    outer_momentum: float = option(0.9, keeps_shape=True, check=_check_outer_momentum, flag=Flag(
+        "DiLoCo: the outer optimizer's momentum (default 0.9)"))
+    """DiLoCo: the outer optimizer's momentum, for an outer optimizer that takes one."""
+
     partition_dim: int | dict[str, int] | None = option(None, check=_check_partition)
     """A partitioned model (`troupe.partition(model)` in the script): every Linear/Conv2d's
     partition_dim (0 batch, 1 output features, -1 one worker), or, in TOML, a table of
@@ -164,6 +220,7 @@ class ClusterConfig:
                 f"nworker_groups ({self.nworker_groups}) must be divisible by nserver_groups "
                 f"({self.nserver_groups}): each server group serves the same number of worker groups"
             )
+        self._check_diloco()
         _check_packing("workers", self.nworkers_per_group, self.nworkers_per_procs)
         _check_packing("servers", self.nservers_per_group, self.nservers_per_procs)
         if not self.server_worker_separate and self.nworker_procs != self.nserver_procs:
@@ -173,6 +230,27 @@ class ClusterConfig:
                 f"{self.nworkers_per_procs}) must equal the server processes ({self.nserver_procs} = "
                 f"{self.nservers} servers / nservers_per_procs {self.nservers_per_procs})"
             )
+
+    def _check_diloco(self) -> None:
+        if self.framework != "diloco":
+            given = [f"{name} {getattr(self, name)!r}" for name in _DILOCO_ONLY
+                     if getattr(self, name) != _FIELDS[name].default]
+            if given:
+                raise ValueError(f"{', '.join(given)}: only framework diloco has an outer optimizer "
+                                 f"(troupe run --framework diloco; cluster field framework: diloco)")
+            return
+        if self.nworker_groups < 2:
+            raise ValueError(f"framework diloco averages worker groups and needs nworker_groups >= 2, "
+                             f"got {self.nworker_groups}")
+        if self.server_worker_separate or self.nworkers_per_procs != 1:
+            raise ValueError(f"framework diloco runs one worker per process without separate servers, got "
+                             f"server_worker_separate {self.server_worker_separate}, nworkers_per_procs "
+                             f"{self.nworkers_per_procs}")
+        if (self.nserver_groups, self.nservers_per_group) != (self.nworker_groups, self.nworkers_per_group):
+            raise ValueError(f"framework diloco has no servers of its own: leave nserver_groups and "
+                             f"nservers_per_group out (they follow the workers), got {self.nserver_groups}x"
+                             f"{self.nservers_per_group} servers for {self.nworker_groups}x"
+                             f"{self.nworkers_per_group} workers")
 
     # --- derived sizes -------------------------------------------------------------
 
@@ -208,9 +286,16 @@ class ClusterConfig:
     @property
     def worker_regime(self) -> str:
         """The registered regime of this cluster's workers (`troupe.cluster.regimes`)."""
+        if self.framework == "diloco":
+            return "diloco"
         if self.server_worker_separate:
             return "ps-client"
         return "in-memory-hogwild" if self.in_memory else "co-located"
+
+    @property
+    def groups_wait(self) -> bool:
+        """Do the worker groups wait for one another (DiLoCo's outer step), so that none can be left behind?"""
+        return self.framework == "diloco"
 
     @property
     def synchronous(self) -> bool:
@@ -232,7 +317,7 @@ class ClusterConfig:
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f"unknown cluster field(s) {unknown}; known fields: {sorted(known)}")
-        return cls(**fields)
+        return cls(**with_servers(fields))
 
     @classmethod
     def from_json(cls, text: str) -> ClusterConfig:
@@ -241,6 +326,18 @@ class ClusterConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"{ENV_VAR} is not valid JSON ({e}): {text!r}") from None
         return cls.from_dict(fields)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ClusterConfig)}
+
+
+def with_servers(fields: dict) -> dict:
+    """`fields` with DiLoCo's server layout filled in where not given: each worker hosts one (unused)
+    co-located server, so the servers follow the workers (what `roles` and the bootstrap lay out)."""
+    if fields.get("framework") != "diloco":
+        return fields
+    return {"nserver_groups": fields.get("nworker_groups", 1),
+            "nservers_per_group": fields.get("nworkers_per_group", 1), **fields}
 
 
 def choices(name: str, cls: type = ClusterConfig) -> tuple[str, ...]:

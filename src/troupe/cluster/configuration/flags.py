@@ -3,7 +3,7 @@ that declares a `Flag`.
 
 The field's type gives the option's kind: a bool is ``--x/--no-x``, a ``Literal[...]`` takes
 its values as choices, an integer takes `integer` (the command line's own check, >= 1), a
-float a number. Every flag defaults to None ("not given"), so `given` returns only what the
+float a number, a str its text. Every flag defaults to None ("not given"), so `given` returns only what the
 user set; `sources.resolve` lays that over the preset or file. A field the user does not name
 travels to the ranks anyway, inside the ``TROUPE_CLUSTER`` JSON of the whole config.
 """
@@ -34,6 +34,8 @@ def add_flags(group: Any, integer: Callable[[str], int], config: type = ClusterC
             kwargs["type"] = integer
         elif f.type in ("float", "float | None"):
             kwargs["type"] = float
+        elif f.type == "str":
+            kwargs["type"] = str
         else:  # a new kind of field: say what to add here rather than guess its parsing
             raise TypeError(f"ClusterConfig.{f.name}: no command-line kind for type {f.type!r}")
         group.add_argument("--" + f.name.replace("_", "-"), **kwargs)

@@ -18,8 +18,13 @@ PRESETS: dict[str, ClusterConfig] = {
         nworker_groups=2, nworkers_per_group=2, nservers_per_group=2, server_worker_separate=True
     ),
     "hogwild": ClusterConfig(nworker_groups=3, nserver_groups=3),
+    "diloco": ClusterConfig(framework="diloco", nworker_groups=2, nserver_groups=2),
 }
-"""The reference's four frameworks, exactly as its `cluster { ... }` blocks give them."""
+"""The reference's four frameworks, exactly as its `cluster { ... }` blocks give them; and DiLoCo
+(2 worker groups of one worker; ``troupe run -n 4 --nworker-groups 2`` makes groups of 2)."""
+
+FOLLOW_GROUPS = frozenset({"diloco"})
+"""Presets whose groups `troupe run --nworker-groups G -n N` sets without leaving -n: N / G workers each."""
 
 
 def preset(name: str, nprocs: int | None = None, **overrides) -> ClusterConfig:
@@ -27,12 +32,16 @@ def preset(name: str, nprocs: int | None = None, **overrides) -> ClusterConfig:
 
     Rescaling keeps the framework's shape: Sandblaster and Downpour keep their server
     count and give the remaining processes to workers; AllReduce and Hogwild use one
-    worker (and one co-located server) per process.
+    worker (and one co-located server) per process; DiLoCo keeps its groups (or takes
+    ``nworker_groups`` from `overrides`) and gives each nprocs / groups workers.
     """
     try:
         cfg = PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown framework {name!r}; choose one of {sorted(PRESETS)}") from None
+    if name in FOLLOW_GROUPS and "nworker_groups" in overrides:  # the groups first, then the rescaling to nprocs
+        groups = overrides.pop("nworker_groups")
+        cfg = dataclasses.replace(cfg, nworker_groups=groups, nserver_groups=groups)
     if nprocs is not None and nprocs != cfg.nprocs:
         cfg = _rescale(name, cfg, nprocs)
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
@@ -43,6 +52,13 @@ def _rescale(name: str, cfg: ClusterConfig, nprocs: int) -> ClusterConfig:
         return dataclasses.replace(cfg, nworkers_per_group=nprocs, nservers_per_group=nprocs)
     if name == "hogwild":
         return dataclasses.replace(cfg, nworker_groups=nprocs, nserver_groups=nprocs)
+    if name in FOLLOW_GROUPS:
+        groups = cfg.nworker_groups
+        if nprocs % groups:
+            raise ValueError(f"framework {name!r}: -n {nprocs} processes do not divide into {groups} worker groups "
+                             f"(--nworker-groups); give -n a multiple of {groups}")
+        k = nprocs // groups
+        return dataclasses.replace(cfg, nworkers_per_group=k, nservers_per_group=k)
     nworkers = nprocs - cfg.nservers
     if nworkers < cfg.nworker_groups or nworkers % cfg.nworker_groups:
         fits = [cfg.nservers + k * cfg.nworker_groups for k in range(1, 4)]

@@ -75,7 +75,8 @@ def roles(config: ClusterConfig) -> list[Role]:
 def expendable_ranks(cluster: ClusterConfig) -> set[int]:
     """Ranks the job goes on without when they die or are cut off: with asynchronous worker
     groups, every worker but rank 0 (which hosts the job's rendezvous). With co-located servers
-    the vanished worker's group, server and master copies go with it."""
-    if cluster.nworker_groups <= 1:
+    the vanished worker's group, server and master copies go with it. Groups that wait for one
+    another (DiLoCo's outer step) cannot go on without any of them."""
+    if cluster.nworker_groups <= 1 or cluster.groups_wait:
         return set()
     return {r.rank for r in roles(cluster) if r.worker and r.rank != 0}

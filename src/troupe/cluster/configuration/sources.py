@@ -16,7 +16,7 @@ import warnings
 
 from troupe.singa import jobfile
 from troupe.cluster.configuration.config import ENV_VAR, ClusterConfig, keeps_shape
-from troupe.cluster.configuration.presets import PRESETS, preset
+from troupe.cluster.configuration.presets import FOLLOW_GROUPS, PRESETS, preset
 from troupe.cluster.configuration.roles import roles
 from troupe.runtime import settings
 
@@ -113,7 +113,12 @@ def resolve(
         return None
     if framework is not None and path is not None:
         raise ValueError("give either --framework or --cluster, not both")
-    if framework is not None:
+    if framework in FOLLOW_GROUPS and "nworker_groups" in fields:
+        # --nworker-groups G -n N: G groups of N / G workers, the preset's shape otherwise.
+        groups = fields.pop("nworker_groups")
+        reshaped = [name for name in fields if not keeps_shape(name)]
+        cfg = preset(framework, None if reshaped else nprocs, nworker_groups=groups)
+    elif framework is not None:
         # Flags that do not change the shape (sync_freq, ...) keep the preset rescalable to -n.
         reshaped = [name for name in fields if not keeps_shape(name)]
         cfg = preset(framework, None if reshaped else nprocs)
@@ -122,7 +127,10 @@ def resolve(
     else:
         cfg = ClusterConfig()
     if fields:
-        cfg = ClusterConfig.from_dict(translate({**dataclasses.asdict(cfg), **fields}))
+        base = dataclasses.asdict(cfg)
+        if cfg.framework == "diloco":  # its servers follow the workers (with_servers), never the other way
+            del base["nserver_groups"], base["nservers_per_group"]
+        cfg = ClusterConfig.from_dict(translate({**base, **fields}))
     if nprocs is not None and nprocs != cfg.nprocs:
         raise ValueError(
             f"-n {nprocs} does not fit the cluster, which needs {cfg.nprocs} processes "

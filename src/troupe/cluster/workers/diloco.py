@@ -1,0 +1,177 @@
+"""DiLoCo's worker (Douillard et al. 2023, arXiv 2311.08105, Algorithm 1): synchronous inside a
+group, an outer optimizer step over the groups every `sync_freq` inner steps.
+
+Inside a group the workers are SINGA's synchronous workers: the plain mean all-reduce of the
+gradients over the group's communicator, then the wrapped (inner) optimizer's step on every
+worker, so the group's workers hold the same parameters. Every H = `sync_freq` steps of the
+DistOpt's step counter, each worker takes the outer step with the workers holding the same place
+in the other groups (its *place* communicator; with one worker per group, every worker)::
+
+    delta = theta_outer - theta                 # this group's pseudo-gradient
+    delta = sum over the groups of delta / G    # one all-reduce over the place communicator
+    outer_optimizer.step()  with grad delta     # steps theta_outer
+    theta = theta_outer                         # every group adopts it
+
+`theta_outer` (the parameters after the last outer step) and the outer optimizer live on every
+worker: they see the same all-reduced gradient, so their state is the same everywhere and
+every group holds the same parameters, bit for bit, after each outer step. The inner
+optimizer's state is never averaged. Distributed Hogwild's master copies
+(`troupe.cluster.serving.mastercopies`) are the asynchronous special case of outer SGD at lr 1
+without momentum; DiLoCo's groups wait for each other at the outer step, so a synchronous
+all-reduce serves it and no master copy, thread or channel is needed.
+
+`OuterStep` is the pure state (no communication), unit-tested without processes; `DiLoCo`
+is the UpdateStrategy around the inner `AllReduce`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from troupe.cluster.configuration.config import OUTER_DEFAULT, ClusterConfig, outer_optimizer_class
+from troupe.runtime.comm import Communicator
+from troupe.strategies.allreduce import AllReduce
+from troupe.strategies.base import StepStats
+
+DILOCO_STATE = "DiLoCo worker (between outer steps each worker group's parameters and inner optimizer state are its own)"
+"""Why a DiLoCo worker's checkpoint cannot move to another number of ranks (`per_rank_state`)."""
+
+
+def outer_optimizer(cluster: ClusterConfig, params: Sequence[Tensor]) -> torch.optim.Optimizer:
+    """The cluster's outer optimizer over `params`: SGD with Nesterov momentum by default, or the named torch.optim one."""
+    name = outer_optimizer_class(cluster.outer_optimizer)
+    cls = getattr(torch.optim, name)
+    kwargs: dict[str, Any] = {"lr": cluster.outer_lr}
+    if cluster.outer_optimizer == OUTER_DEFAULT:
+        kwargs.update(momentum=cluster.outer_momentum, nesterov=True)
+    elif "momentum" in inspect.signature(cls).parameters:
+        kwargs["momentum"] = cluster.outer_momentum
+    elif cluster.outer_momentum != ClusterConfig().outer_momentum:
+        warnings.warn(f"outer_momentum {cluster.outer_momentum} has no effect: torch.optim.{name} takes no momentum")
+    return cls(params, **kwargs)
+
+
+class OuterStep:
+    """The outer parameters and their optimizer, pure state: pseudo-gradients in, parameters to adopt out."""
+
+    def __init__(self, cluster: ClusterConfig, params: Sequence[Tensor]):
+        # Their own tensors, shaped as the parameters, so that an outer optimizer that looks at
+        # shapes sees the model's.
+        self.outer = [p.detach().clone() for p in params]
+        self.optimizer = outer_optimizer(cluster, self.outer)
+        self.steps = 0
+        """Outer steps taken."""
+
+    @torch.no_grad()
+    def reset(self, params: Sequence[Tensor]) -> None:
+        """theta_outer = `params` (the job's initial values, the same on every worker)."""
+        for o, p in zip(self.outer, params):
+            o.copy_(p)
+
+    @torch.no_grad()
+    def pseudo_gradient(self, params: Sequence[Tensor]) -> list[Tensor]:
+        """theta_outer - theta for each parameter (new tensors)."""
+        return [o - p.detach() for o, p in zip(self.outer, params)]
+
+    @torch.no_grad()
+    def step(self, mean_delta: Sequence[Tensor], params: Sequence[Tensor]) -> None:
+        """Step theta_outer with the groups' mean pseudo-gradient, then copy it into `params`."""
+        for o, d in zip(self.outer, mean_delta):
+            o.grad = d
+        try:
+            self.optimizer.step()
+        finally:
+            for o in self.outer:
+                o.grad = None
+        for o, p in zip(self.outer, params):
+            p.copy_(o)
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"outer": [o.clone() for o in self.outer], "optimizer": self.optimizer.state_dict(),
+                "steps": self.steps}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["outer"]) != len(self.outer):
+            raise ValueError(f"the checkpoint's DiLoCo state holds {len(state['outer'])} outer parameters, "
+                             f"this worker {len(self.outer)}")
+        for o, saved in zip(self.outer, state["outer"]):
+            o.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])
+
+
+class DiLoCo:
+    """A DiLoCo worker: the group's plain all-reduce step, and every sync_freq steps the outer step."""
+
+    name = "diloco"
+
+    def __init__(self, cluster: ClusterConfig, inner: AllReduce, place: Communicator, params: Sequence[Tensor],
+                 step_count: Callable[[], int]):
+        self.cluster, self.inner, self.place = cluster, inner, place
+        self.reducer = inner.reducer
+        self.params = list(params)
+        self.step_count = step_count
+        self.outer = OuterStep(cluster, self.params)
+
+    def start(self) -> None:
+        """Every worker now holds rank 0's parameters: they are theta_outer."""
+        self.outer.reset(self.params)
+
+    def _outer_now(self) -> bool:
+        """Does the step being taken end an outer period? (DistOpt counts it after `step`.)"""
+        return (self.step_count() + 1) % self.cluster.sync_freq == 0
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    def reduce_hook(self):
+        return self.inner.reduce_hook()
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    def all_finite(self) -> bool:
+        """The group's verdict; at an outer step, the groups' verdicts combined, so that all of them
+        skip it together (one group skipping it alone would leave the others waiting in it)."""
+        ok = self.inner.all_finite()
+        if self._outer_now():
+            flag = torch.tensor([1.0 if ok else 0.0])
+            self.place.all_reduce(flag, "min")
+            ok = bool(flag.item() == 1.0)
+        return ok
+
+    def step(self) -> StepStats:
+        stats = self.inner.step()
+        if self._outer_now():
+            self._outer_step()
+            stats = {**stats, "outer_step": self.outer.steps}
+        return stats
+
+    def _outer_step(self) -> None:
+        deltas = self.outer.pseudo_gradient(self.params)
+        # A sum then one division, the same on every worker: the groups end bit for bit equal.
+        self.place.fused_all_reduce(deltas, "sum")
+        for d in deltas:
+            d.div_(self.cluster.nworker_groups)
+        self.outer.step(deltas, self.params)
+
+    def per_rank_state(self) -> list[str]:
+        return [DILOCO_STATE]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"diloco": self.outer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "diloco" in state:
+            self.outer.load_state_dict(state["diloco"])
+
+    def close(self) -> None:
+        pass

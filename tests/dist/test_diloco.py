@@ -1,0 +1,127 @@
+"""DiLoCo (framework diloco) in one real world of 2 worker groups x 2 workers, against a single
+process that simulates the groups with plain torch.optim: SGD and AdamW inner optimizers, the
+outer Nesterov SGD; the groups bit-identical after each outer step; and a resume from
+DistOpt.state_dict() in the middle of an outer period equal to the uninterrupted run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tests.dist.world import run_world
+from troupe.cluster.configuration.config import ClusterConfig
+
+GROUPS, PER_GROUP = 2, 2
+H = 3
+STEPS = 8
+"""Outer steps after steps 3 and 6; steps 7-8 end mid-period."""
+RESUME_AT = 4
+"""Mid-period: after the first outer step, before the second."""
+BATCH = 4
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+
+INNER = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1),
+}
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def batch(step: int, worker: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker `worker`'s batch of step `step` (the same here and in the reference)."""
+    g = torch.Generator().manual_seed(1000 * step + worker)
+    return torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(x) - y) ** 2).mean()
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def train(rank: int, world_size: int):
+    import troupe
+
+    out = {}
+    for name, make in INNER.items():
+        model = make_model()
+        opt = troupe.DistOpt(make(model.parameters()))
+        snapshots, snapshot = [], None
+
+        def run(first: int, last: int) -> None:
+            nonlocal snapshot
+            for t in range(first, last):
+                if t == RESUME_AT and snapshot is None:
+                    snapshot = copy.deepcopy((model.state_dict(), opt.state_dict()))
+                x, y = batch(t, rank)
+                loss_of(model, x, y).backward()
+                opt.step()
+                opt.zero_grad()
+                if (t + 1) % H == 0 and len(snapshots) < STEPS // H:
+                    snapshots.append(flat(model))
+
+        run(0, STEPS)
+        uninterrupted = flat(model)
+        model.load_state_dict(snapshot[0])
+        opt.load_state_dict(snapshot[1])
+        run(RESUME_AT, STEPS)
+        out[name] = {"outer": snapshots, "final": uninterrupted, "resumed": flat(model),
+                     "strategy": opt.strategy.name}
+    return out
+
+
+def reference(name: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """DiLoCo's Algorithm 1 in one process: each group's parameters after every outer step, and at the end."""
+    models = [make_model() for _ in range(GROUPS)]
+    inner = [INNER[name](m.parameters()) for m in models]
+    outer_params = [p.detach().clone() for p in models[0].parameters()]
+    outer = torch.optim.SGD(outer_params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+    after_outer = []
+    for t in range(STEPS):
+        for g, (model, opt) in enumerate(zip(models, inner)):
+            # the group's gradient: the mean of its workers' mean losses
+            loss = sum(loss_of(model, *batch(t, g * PER_GROUP + j)) for j in range(PER_GROUP)) / PER_GROUP
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        if (t + 1) % H == 0:
+            with torch.no_grad():
+                for i, o in enumerate(outer_params):
+                    deltas = [o - list(m.parameters())[i] for m in models]
+                    o.grad = sum(deltas) / GROUPS
+                outer.step()
+                for m in models:
+                    for p, o in zip(m.parameters(), outer_params):
+                        p.copy_(o)
+            after_outer.append(flat(models[0]))
+    return after_outer, [flat(m) for m in models]
+
+
+@pytest.mark.timeout(120)
+def test_diloco_groups_match_a_single_process_simulation_and_resume_mid_period():
+    cluster = ClusterConfig(framework="diloco", nworker_groups=GROUPS, nworkers_per_group=PER_GROUP,
+                            nserver_groups=GROUPS, nservers_per_group=PER_GROUP, sync_freq=H,
+                            outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    ranks = run_world(train, GROUPS * PER_GROUP, timeout=90, env={"TROUPE_CLUSTER": cluster.to_json()})
+    for name in INNER:
+        after_outer, finals = reference(name)
+        got = [r[name] for r in ranks]
+        assert got[0]["strategy"] == "diloco"
+        for k, want in enumerate(after_outer):
+            for rank, r in enumerate(got):  # every worker of every group: the same bits after an outer step
+                assert torch.equal(r["outer"][k], got[0]["outer"][k]), (name, k, rank)
+            torch.testing.assert_close(got[0]["outer"][k], want, rtol=0, atol=1e-5)
+        for rank, r in enumerate(got):
+            # mid-period the groups differ (own inner steps), the workers of one group do not
+            torch.testing.assert_close(r["final"], finals[rank // PER_GROUP], rtol=0, atol=1e-5)
+            assert torch.equal(r["resumed"], r["final"]), (name, rank)
+        assert not torch.allclose(got[0]["final"], got[PER_GROUP]["final"])

@@ -1,0 +1,115 @@
+"""DiLoCo without processes: its cluster fields and their errors, its layout from -n and --nworker-groups,
+and the outer step's arithmetic (`OuterStep`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from troupe.cli import build_parser
+from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.configuration.flags import given
+from troupe.cluster.configuration.roles import expendable_ranks, roles
+from troupe.cluster.configuration.sources import parse_cluster_text, resolve
+from troupe.cluster.workers.diloco import OuterStep, outer_optimizer
+
+
+def diloco(**fields) -> ClusterConfig:
+    return ClusterConfig.from_dict({"framework": "diloco", "nworker_groups": 2, **fields})
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"sync_freq": 0}, "sync_freq must be an integer >= 1, got 0"),
+    ({"outer_optimizer": "lion"}, r"outer_optimizer must be 'nesterov' or a torch.optim optimizer \(.*AdamW.*\), "
+                                  r"got 'lion'"),
+    ({"nworker_groups": 1}, "framework diloco averages worker groups and needs nworker_groups >= 2, got 1"),
+    ({"outer_lr": 0}, "outer_lr must be a number > 0, got 0"),
+    ({"outer_lr": -0.5}, "outer_lr must be a number > 0, got -0.5"),
+    ({"outer_momentum": 1.0}, r"outer_momentum must be a number in \[0, 1\), got 1.0"),
+    ({"server_worker_separate": True}, "framework diloco runs one worker per process without separate servers"),
+    ({"nserver_groups": 1}, "framework diloco has no servers of its own"),
+])
+def test_bad_diloco_fields_are_one_line_naming_the_value(fields, message):
+    with pytest.raises(ValueError, match=message) as e:
+        diloco(**fields)
+    assert "\n" not in str(e.value)
+
+
+def test_outer_fields_need_framework_diloco():
+    with pytest.raises(ValueError, match="outer_lr 0.5: only framework diloco has an outer optimizer"):
+        ClusterConfig(nworker_groups=3, nserver_groups=3, outer_lr=0.5)
+    with pytest.raises(ValueError, match="outer_lr 0.5: only framework diloco"):
+        resolve("hogwild", None, None, outer_lr=0.5)
+
+
+def test_the_servers_follow_the_workers_and_no_diloco_worker_is_expendable():
+    c = diloco(nworkers_per_group=2, sync_freq=50)
+    assert (c.nserver_groups, c.nservers_per_group, c.nprocs, c.worker_regime) == (2, 2, 4, "diloco")
+    assert [r.worker for r in roles(c)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert expendable_ranks(c) == set()  # a group lost would leave the others waiting at the outer step
+    assert (c.outer_optimizer, c.outer_lr, c.outer_momentum) == ("nesterov", 0.7, 0.9)
+
+
+def test_troupe_run_flags_lay_out_the_groups_from_n():
+    args = build_parser().parse_args(["run", "-n", "4", "--framework", "diloco", "--nworker-groups", "2",
+                                      "--sync-freq", "20", "--outer-optimizer", "adamw", "--outer-lr", "0.5",
+                                      "x.py"])
+    c = resolve(args.framework, args.cluster, args.nproc, **given(args))
+    assert (c.framework, c.nworker_groups, c.nworkers_per_group, c.sync_freq) == ("diloco", 2, 2, 20)
+    assert (c.outer_optimizer, c.outer_lr, c.nprocs) == ("adamw", 0.5, 4)
+    assert resolve("diloco", None, 6).nworker_groups == 2 and resolve("diloco", None, 6).nworkers_per_group == 3
+    assert resolve("diloco", None, None, nworker_groups=4).nprocs == 4
+    with pytest.raises(ValueError, match=r"-n 5 processes do not divide into 2 worker groups"):
+        resolve("diloco", None, 5, nworker_groups=2)
+
+
+def test_the_cluster_block_and_toml_name_the_framework():
+    block = parse_cluster_text("cluster {\n  framework: diloco\n  nworker_groups: 4\n  sync_freq: 50\n"
+                               "  outer_optimizer: \"SGD\"\n  outer_lr: 1\n  outer_momentum: 0\n}\n")
+    assert (block.framework, block.nworker_groups, block.nserver_groups, block.sync_freq) == ("diloco", 4, 4, 50)
+    assert (block.outer_optimizer, block.outer_lr, block.outer_momentum) == ("SGD", 1.0, 0.0)
+    toml = parse_cluster_text('[cluster]\nframework = "diloco"\nnworker_groups = 2\nnworkers_per_group = 2\n')
+    assert (toml.nprocs, toml.nservers_per_group) == (4, 2)
+    assert ClusterConfig.from_json(toml.to_json()) == toml
+
+
+def test_the_outer_optimizer_is_nesterov_sgd_or_any_torch_optim_name():
+    p = [torch.zeros(3, requires_grad=True)]
+    default = outer_optimizer(diloco(), p)
+    assert type(default) is torch.optim.SGD
+    assert default.defaults["nesterov"] and default.defaults["momentum"] == 0.9 and default.defaults["lr"] == 0.7
+    adamw = outer_optimizer(diloco(outer_optimizer="adamw", outer_lr=0.01), p)
+    assert type(adamw) is torch.optim.AdamW and adamw.defaults["lr"] == 0.01
+    plain = outer_optimizer(diloco(outer_optimizer="sgd", outer_momentum=0.5), p)
+    assert not plain.defaults["nesterov"] and plain.defaults["momentum"] == 0.5
+    with pytest.warns(UserWarning, match="outer_momentum 0.5 has no effect: torch.optim.Adam takes no momentum"):
+        outer_optimizer(diloco(outer_optimizer="Adam", outer_momentum=0.5), p)
+
+
+def test_outer_sgd_at_lr_1_without_momentum_is_the_groups_average():
+    """Distributed Hogwild's master-copy rule (group_merge mean) as DiLoCo's special case."""
+    start = torch.tensor([1.0, 2.0, 3.0])
+    groups = [torch.tensor([0.0, 2.0, 5.0]), torch.tensor([2.0, 4.0, 1.0])]
+    step = OuterStep(diloco(outer_optimizer="sgd", outer_lr=1, outer_momentum=0), [start])
+    mine = [groups[0].clone()]
+    deltas = [step.pseudo_gradient([g])[0] for g in groups]
+    step.step([(deltas[0] + deltas[1]) / 2], mine)
+    assert torch.equal(mine[0], (groups[0] + groups[1]) / 2) and torch.equal(step.outer[0], mine[0])
+
+
+def test_the_nesterov_outer_step_by_hand_and_its_state_round_trips():
+    theta0 = torch.tensor([1.0, -1.0])
+    step = OuterStep(diloco(), [theta0])
+    params = [theta0.clone()]
+    lr, mu, buf = 0.7, 0.9, torch.zeros(2)
+    expected = theta0.clone()
+    for delta in (torch.tensor([0.5, 0.25]), torch.tensor([-0.125, 1.0])):
+        step.step([delta.clone()], params)
+        buf = mu * buf + delta if step.steps > 1 else delta.clone()
+        expected = expected - lr * (delta + mu * buf)  # torch's Nesterov SGD
+        torch.testing.assert_close(params[0], expected)
+    saved = step.state_dict()
+    again = OuterStep(diloco(), [torch.zeros(2)])
+    again.load_state_dict(saved)
+    assert again.steps == 2 and torch.equal(again.outer[0], step.outer[0])
+    torch.testing.assert_close(again.optimizer.state_dict()["state"][0]["momentum_buffer"], buf)
