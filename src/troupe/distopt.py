@@ -89,6 +89,9 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
             raise ValueError("give ticket= or its SINGA alias nccl_id=, not both")
         self._option_args = {k: v for k, v in {"powersgd_rank": powersgd_rank, "powersgd_start": powersgd_start}.items()
                              if v is not None}
+        for name, minimum in (("powersgd_rank", 1), ("powersgd_start", 0)):  # checked now, whatever the option
+            if name in self._option_args:
+                check_int(name, self._option_args[name], minimum=minimum)
         """Options given here that SINGA's per-call methods use when the call does not give them."""
         cluster = cluster_from_env()
         regime = registry.resolve(dist_option, cluster)  # the cluster's worker regime, if the job has a cluster

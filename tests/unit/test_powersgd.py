@@ -158,6 +158,8 @@ def test_distopt_rejects_bad_powersgd_arguments_and_warns_when_nothing_would_com
         make(powersgd_rank=2.0)
     with pytest.raises(ValueError, match="powersgd_start must be an integer >= 0, got -1"):
         make(powersgd_start=-1)
+    with pytest.raises(ValueError, match="powersgd_rank must be an integer >= 1, got 0"):
+        troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), powersgd_rank=0)  # checked whatever the option
     with pytest.warns(UserWarning, match=r"powersgd_rank=1 compresses no gradient \(the largest matrix, shape \(3, 4\)"):
         sgd = make(powersgd_rank=1)
     assert sgd.strategy.describe() == "powerSGD(rank=1, start=0)"
