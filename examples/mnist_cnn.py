@@ -8,6 +8,8 @@ The same script runs under every launcher, unedited:
     python examples/mnist_multiprocess.py 2        # the Ticket + multiprocessing pattern
     python examples/mnist_cnn.py                   # one process
 
+`--dist-option powerSGD --powersgd-rank 2` sends each weight matrix's gradient as rank-2 factors
+(PowerSGD, as torch's powerSGD_hook; docs/compression.md).
 `--graph` compiles the whole train_one_batch (SINGA's graph mode: forward, backward with the
 bucketed all-reduce inside its graph, optimizer update; see docs/graph.md).
 `--loop torch` trains with the PyTorch loop instead of SINGA's train_one_batch: gradient
@@ -73,6 +75,10 @@ def parse_args(argv=None):
     p.add_argument("--data", default=None, help="directory with the MNIST IDX files (default: offline copy)")
     p.add_argument("--dist-option", default="plain", help=f"one of {sorted(troupe.DIST_OPTIONS)}")
     p.add_argument("--spars", type=float, default=None)
+    p.add_argument("--powersgd-rank", type=int, default=None,
+                   help="--dist-option powerSGD: rank of each matrix gradient's factors (default 1)")
+    p.add_argument("--powersgd-start", type=int, default=None,
+                   help="--dist-option powerSGD: plain all-reduce steps before compression starts (default 0)")
     p.add_argument("--max-steps", type=int, default=None, help="stop each epoch after this many steps")
     p.add_argument("--train-size", type=int, default=None, help="use only the first N training samples")
     p.add_argument("--seed", type=int, default=0)
@@ -127,7 +133,8 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
             print(f"partition ({args.partition or 'cluster'}): {dims}", flush=True)
     sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-5)
     sgd = troupe.DistOpt(sgd, ticket=ticket, local_rank=local_rank, world_size=world_size,
-                         dist_option=args.dist_option, spars=args.spars)
+                         dist_option=args.dist_option, spars=args.spars, powersgd_rank=args.powersgd_rank,
+                         powersgd_start=args.powersgd_start)
     model.set_optimizer(sgd)
     torch_loop = TorchLoop(model, sgd, args) if args.loop == "torch" else None
     dev = sgd.device

@@ -123,6 +123,8 @@ def _add_bench_parser(sub) -> None:
     run.add_argument("--local", action="store_true", default=None, help="also the model with no communication")
     run.add_argument("--flat", action="store_true", default=None, help="also backward + one flat all-reduce (ddp)")
     run.add_argument("--dist-options", nargs="+", default=None, help="dist_options to compare (compression)")
+    run.add_argument("--powersgd-ranks", type=_positive, nargs="+", default=None,
+                     help="PowerSGD ranks to compare with torch's powerSGD_hook (powersgd; default 1 2 4)")
     run.add_argument("--micro", type=_positive, default=None, help="micro-batches per step (accumulate)")
     run.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ max_norm (accumulate)")
     run.add_argument("--seed", type=int, default=None)

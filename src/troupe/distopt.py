@@ -50,6 +50,9 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
     with its backward: graphs compiled while this DistOpt lives are split at bucket boundaries,
     as dynamo does for DDP (`troupe.sync.compiled`). `compile_step` and
     ``Model.compile(use_graph=True)`` compile the whole step instead (`troupe.graphstep`).
+
+    `powersgd_rank` and `powersgd_start` configure ``dist_option="powerSGD"`` (`troupe.strategies.powersgd`):
+    the factors' rank (default 1) and the plain steps before compression starts (default 0).
     """
 
     def __init__(
@@ -70,6 +73,8 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         nan_policy: NanPolicy = "raise",
         dist_option: str = "plain",
         spars: float | None = None,
+        powersgd_rank: int | None = None,
+        powersgd_start: int | None = None,
         split_compiled: bool = True,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DistOpt):
@@ -82,6 +87,12 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
             raise TypeError(f"compression must be a troupe.CompressionConfig, got {type(compression).__name__}")
         if ticket is not None and nccl_id is not None:
             raise ValueError("give ticket= or its SINGA alias nccl_id=, not both")
+        self._option_args = {k: v for k, v in {"powersgd_rank": powersgd_rank, "powersgd_start": powersgd_start}.items()
+                             if v is not None}
+        for name, minimum in (("powersgd_rank", 1), ("powersgd_start", 0)):  # checked now, whatever the option
+            if name in self._option_args:
+                check_int(name, self._option_args[name], minimum=minimum)
+        """Options given here that SINGA's per-call methods use when the call does not give them."""
         cluster = cluster_from_env()
         regime = registry.resolve(dist_option, cluster)  # the cluster's worker regime, if the job has a cluster
         self.world = world_mod.init(ticket if ticket is not None else nccl_id, local_rank, world_size, rank=rank,
@@ -98,7 +109,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         setup = registry.Setup(world=self.world, optimizer=optimizer, bucket_size=bucket_size,
                                first_bucket_size=first_bucket_size, compression=compression or CompressionConfig(),
                                nan_policy=nan_policy, step_count=lambda: self.step_count, name_of=self.param_name,
-                               cluster=cluster, args={"spars": spars})
+                               cluster=cluster, args={"spars": spars, **self._option_args})
         # A cluster's regime takes this rank's role here: a server rank serves and never returns.
         self._choice: OptionSwitch | Fixed = regime.choose(setup)
         self.info = self._choice.info or self.world.info

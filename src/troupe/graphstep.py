@@ -126,6 +126,9 @@ class UpdateCall:
     def backward_and_sparse_update(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
         raise ValueError("graph mode does not run backward_and_sparse_update; compile with use_graph=False")
 
+    def backward_and_powerSGD_update(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        raise ValueError("graph mode does not run backward_and_powerSGD_update; compile with use_graph=False")
+
 
 class GraphStep:
     """One training step compiled whole: forward, backward with the bucketed all-reduce in its graph, update.

@@ -147,5 +147,5 @@ def options_from(args: argparse.Namespace) -> Options:
     return Options(reps=args.reps, steps=args.steps, burnin=args.burnin, nproc=args.nproc, threads=args.threads,
                    workloads=tup(args.workloads), data=args.data, batch_size=args.batch_size, sizes=tup(args.sizes),
                    bucket_size=args.bucket_size, sweep=args.sweep, local=args.local, flat=args.flat,
-                   dist_options=tup(args.dist_options), micro=args.micro, clip=args.clip, seed=args.seed,
+                   dist_options=tup(args.dist_options), powersgd_ranks=tup(args.powersgd_ranks), micro=args.micro, clip=args.clip, seed=args.seed,
                    timeout=args.timeout)

@@ -8,7 +8,8 @@ first ``micro - 1`` run backward under ``no_sync()``, the last one reduces, then
 ``clip_grad_norm_`` (when `clip` is set) and the optimizer step: the same sequence for
 DDP (its own ``no_sync``) and troupe (``DistOpt.no_sync``).
 
-* ``ddp``:    PyTorch DistributedDataParallel (buffers not re-broadcast every forward, as troupe);
+* ``ddp``:    PyTorch DistributedDataParallel (buffers not re-broadcast every forward, as troupe), optionally
+              with torch's ``powerSGD_hook``;
 * ``troupe``: troupe.DistOpt with a `bucket_size`, SINGA style ``sgd(loss)`` or a dist_option
               through ``sgd.update(loss, option, spars)``; PyTorch style when accumulating;
 * ``flat``:   backward, then ONE all-reduce of every gradient in one flat buffer, then step;
@@ -59,14 +60,21 @@ def _clip(model: nn.Module, clip: float | None) -> None:
 
 
 def ddp(workload: Workload, batches: list[Batch], *, seed: int = 0, bucket_cap_mb: float = 25.0, micro: int = 1,
-        clip: float | None = None, name: str = "DDP") -> Contestant:
-    """PyTorch DDP; `micro` > 1 accumulates under DDP's own ``no_sync``."""
+        clip: float | None = None, name: str = "DDP", powersgd_rank: int | None = None,
+        powersgd_start: int = 2) -> Contestant:
+    """PyTorch DDP; `micro` > 1 accumulates under DDP's own ``no_sync``; a `powersgd_rank` registers torch's
+    ``powerSGD_hook`` (compressing from step `powersgd_start`, at least 2 under DDP)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # troupe syncs buffers once at start, not every forward: make DDP do the same.
     no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
                       inspect.signature(DDP.__init__).parameters else {"broadcast_buffers": False})
     model = DDP(workload.model(seed), bucket_cap_mb=bucket_cap_mb, **no_buffer_sync)
+    if powersgd_rank is not None:
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+        model.register_comm_hook(PowerSGDState(None, matrix_approximation_rank=powersgd_rank,
+                                               start_powerSGD_iter=powersgd_start), powerSGD_hook)
     opt = make_sgd(model.parameters())
 
     def finish() -> None:
@@ -75,14 +83,19 @@ def ddp(workload: Workload, batches: list[Batch], *, seed: int = 0, bucket_cap_m
         opt.zero_grad(set_to_none=True)
 
     step = _train_step(workload, model, batches, lambda loss: loss.backward(), finish, micro, model.no_sync)
-    return Contestant(name, step, {"buckets": f"cap {bucket_cap_mb:g} MB"})
+    params: dict[str, Any] = {"buckets": f"cap {bucket_cap_mb:g} MB"}
+    if powersgd_rank is not None:
+        params["powersgd_rank"] = powersgd_rank
+    return Contestant(name, step, params)
 
 
 def troupe_opt(workload: Workload, batches: list[Batch], *, seed: int = 0, bucket_size: int | str | None = None,
                option: str = "plain", spars: float | None = None, micro: int = 1, clip: float | None = None,
-               chunk_size: int | None = None, name: str | None = None, loop: str = "singa") -> Contestant:
+               chunk_size: int | None = None, name: str | None = None, loop: str = "singa",
+               powersgd_rank: int | None = None, powersgd_start: int | None = None) -> Contestant:
     """troupe.DistOpt: SINGA style (``sgd(loss)`` / ``sgd.update``), or PyTorch style (``loss.backward();
-    sgd.synchronize(); sgd.step(); sgd.zero_grad()``) with ``loop="torch"`` and always when accumulating."""
+    sgd.synchronize(); sgd.step(); sgd.zero_grad()``, under the DistOpt's `option`) with ``loop="torch"`` and
+    always when accumulating."""
     import troupe
     from troupe.runtime import world
 
@@ -94,14 +107,15 @@ def troupe_opt(workload: Workload, batches: list[Batch], *, seed: int = 0, bucke
         kwargs = {"bucket_size": size, "first_bucket_size": size} if bucket_size == "all" else {"bucket_size": size}
     if chunk_size is not None:
         kwargs["compression"] = troupe.CompressionConfig(chunk_size=chunk_size)
-    sgd = troupe.DistOpt(make_sgd(model.parameters()), **kwargs)
+    sgd = troupe.DistOpt(make_sgd(model.parameters()), dist_option=option, powersgd_rank=powersgd_rank,
+                         powersgd_start=powersgd_start, **kwargs)
     sgd.sync_parameters(model)
     comm = world.init().comm
     if micro == 1 and clip is None and loop == "singa":
         inner = _train_step(workload, model, batches, lambda loss: sgd.update(loss, option, spars), lambda: None,
                             1, None)
     else:
-        if option != "plain":
+        if option != "plain" and (micro > 1 or clip is not None):
             raise ValueError(f"accumulation and clipping use the plain update, not dist_option {option!r}")
 
         def finish() -> None:
@@ -126,6 +140,8 @@ def troupe_opt(workload: Workload, batches: list[Batch], *, seed: int = 0, bucke
         params["bucket_size"] = bucket_label(bucket_size)
     if spars is not None:
         params["spars"] = spars
+    if powersgd_rank is not None:
+        params["powersgd_rank"] = powersgd_rank
     return Contestant(label, step, params)
 
 

@@ -86,6 +86,8 @@ class Options:
     flat: bool | None = None
     """Also time backward + one flat all-reduce + step."""
     dist_options: tuple[str, ...] | None = None
+    powersgd_ranks: tuple[int, ...] | None = None
+    """PowerSGD ranks, one pair of contestants each (powersgd)."""
     micro: int | None = None
     """Micro-batches per step (accumulate)."""
     clip: float | None = None
@@ -99,6 +101,9 @@ class Options:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}")
+        for value in self.powersgd_ranks or ():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--powersgd-ranks must be ints >= 1, got {value!r}")
         if self.burnin is not None and self.burnin < 0:
             raise ValueError(f"--burnin must be >= 0, got {self.burnin}")
         for name in ("clip", "timeout"):

@@ -9,8 +9,8 @@ from typing import Any
 
 from troupe.bench.options import Options
 from troupe.bench.records import Record
-from troupe.bench.suites import (accumulate, bytes_per_step, collectives, compression, ddp, fault_detection, graph, ps,
-                                 throughput, time_to_accuracy)
+from troupe.bench.suites import (accumulate, bytes_per_step, collectives, compression, ddp, fault_detection, graph,
+                                 powersgd, ps, throughput, time_to_accuracy)
 
 COMMON = frozenset({"reps", "steps", "burnin", "nproc", "threads", "seed", "timeout"})
 """Options every engine benchmark takes."""
@@ -71,6 +71,13 @@ BENCHMARKS: dict[str, Benchmark] = {
         defaults={**_ENGINE, "steps": 12, "burnin": 4, "workloads": ("cnn",), "data": "mnist",
                   "dist_options": ("plain", "fp16", "bf16", "partialUpdate", "sparseTopK", "sparseThreshold")},
         uses=(TRAINING - {"local"}) | {"dist_options"}),
+    "powersgd": Benchmark(
+        name="powersgd", suite=powersgd,
+        help="troupe's dist_option powerSGD vs torch's powerSGD_hook under DDP (example CNN), step by step, "
+             "per PowerSGD rank",
+        defaults={**_ENGINE, "steps": 20, "burnin": 5, "workloads": ("cnn",), "data": "mnist",
+                  "powersgd_ranks": (1, 2, 4)},
+        uses=(TRAINING - {"local"}) | {"powersgd_ranks", "bucket_size"}),
     "graph": Benchmark(
         name="graph", suite=graph,
         help="graph mode (whole step compiled, all-reduce in the graph) vs eager troupe, torch.compile(model), "

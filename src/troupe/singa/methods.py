@@ -65,11 +65,19 @@ class SingaMethods:
         """
         self._singa_step(loss, "sparseTopK" if topK else "sparseThreshold", spars=spars, topK=topK, corr=corr)
 
+    def backward_and_powerSGD_update(self, loss: Tensor, powersgd_rank: int | None = None,
+                                     powersgd_start: int | None = None) -> None:
+        """troupe's addition (SINGA has no PowerSGD): matrix gradients travel as rank-`powersgd_rank`
+        factors after `powersgd_start` plain steps; both default to the DistOpt's own (its constructor's
+        arguments), see `troupe.strategies.powersgd`."""
+        given = {"powersgd_rank": powersgd_rank, "powersgd_start": powersgd_start}
+        self._singa_step(loss, "powerSGD", **{**self._option_args, **{k: v for k, v in given.items() if v is not None}})
+
     def update(self, loss: Tensor, dist_option: str = "plain", spars: float | None = None) -> None:
         """Run the update that `dist_option` names (SINGA's names, see `DIST_OPTIONS`); `spars` reaches
-        the options that take it."""
+        the options that take it, and the DistOpt's own option arguments (``powersgd_rank``) theirs."""
         regime = registry.lookup(dist_option)
-        getattr(self, regime.method)(loss, **regime.method_args(spars=spars))
+        getattr(self, regime.method)(loss, **regime.method_args(spars=spars, **self._option_args))
 
     def _singa_step(self, loss: Tensor, option: str, **args: Any) -> None:
         """One of SINGA's methods: zero the gradients, backward under `option`'s strategy, step (DistOpt's)."""

@@ -30,8 +30,8 @@ from troupe.sync.reducer import GradReducer
 class AllReduce:
     """Mean all-reduce of the gradients, then the wrapped optimizer's step on every rank.
 
-    With a `compressor`, buckets travel compressed (after `warmup_steps` dense steps);
-    `residuals` is the error-feedback memory the compressor writes into (for stats and
+    With a `compressor` (or a `compressed_hook` that compresses in its own way, as PowerSGD's),
+    buckets travel compressed (after `warmup_steps` dense steps); `residuals` is the error-feedback memory the compressor writes into (for stats and
     checkpoints).
     """
 
@@ -39,12 +39,14 @@ class AllReduce:
                  optimizer: torch.optim.Optimizer, params: Sequence[Tensor],
                  compressor: Compressor | None = None, min_compress_size: int = 0, warmup_steps: int = 0,
                  residuals: dict[str, Tensor] | None = None, step_count: Callable[[], int] = lambda: 0,
-                 signature: str | None = None):
+                 signature: str | None = None, compressed_hook: ReduceHook | None = None):
         self.name = name
         self.comm, self.reducer, self.optimizer = comm, reducer, optimizer
         self.params = list(params)
         self.dense: ReduceHook = MeanAllReduce(comm)
-        self.compressed = None if compressor is None else CompressedReduce(comm, compressor, min_compress_size)
+        self.compressed = compressed_hook
+        if compressor is not None:
+            self.compressed = CompressedReduce(comm, compressor, min_compress_size)
         self.warmup_steps = warmup_steps
         self.residuals = residuals if residuals is not None else {}
         self.step_count = step_count

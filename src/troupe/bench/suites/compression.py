@@ -1,6 +1,6 @@
 """compression: bytes and step time of each dist_option, side by side.
 
-One DistOpt (and model copy) per dist_option, all taking turns step by step on the same
+One DistOpt (and model copy) per dist_option (``powerSGD:R``: PowerSGD at rank R), all taking turns step by step on the same
 batches (default: the example's CNN on real MNIST, where the gradients' sparsity is
 real). Wire bytes per step and rank come from the default Communicator's counters (ring
 model); step time as in every engine benchmark. Ratios are to "plain" (dense fp32).
@@ -36,14 +36,22 @@ def run(rank: int, world_size: int, options: Options) -> list[Record]:
         data = options.data if options.data in workload.datasets else workload.datasets[0]
         count = min(options.burnin + options.reps * options.steps, 64)
         batches = workload.batches(rank, world_size, batch_size, count, data=data, seed=options.seed)
-        made = [kinds.troupe_opt(workload, batches, seed=options.seed, option=o, spars=SPARS.get(o),
-                                 chunk_size=CHUNK_SIZE, name=o) for o in options.dist_options]
+        made = [contestant(workload, batches, options.seed, o) for o in options.dist_options]
         params = {"batch_size": batch_size, "data": data, "steps": options.steps, "burnin": options.burnin,
                   "chunk_size": CHUNK_SIZE}
         measured = run_ab(made, schedule(options), world.init().comm)
         records += to_records(measured, made, benchmark="compression", workload=name, params=params,
                               world_size=world_size)
     return records
+
+
+def contestant(workload: workloads.Workload, batches: list, seed: int, label: str):
+    """The DistOpt of one ``--dist-options`` entry: a dist_option name, or ``powerSGD:R`` for PowerSGD at rank R."""
+    option, _, rank = label.partition(":")
+    if rank and (option != "powerSGD" or not rank.isdigit() or int(rank) < 1):
+        raise ValueError(f"--dist-options: only powerSGD takes a rank (powerSGD:2), got {label!r}")
+    return kinds.troupe_opt(workload, batches, seed=seed, option=option, spars=SPARS.get(option),
+                            chunk_size=CHUNK_SIZE, name=label, powersgd_rank=int(rank) if rank else None)
 
 
 def table(records: list[Record]) -> str:
@@ -56,10 +64,11 @@ def table(records: list[Record]) -> str:
             sent = list(render.by_rep(rs, name, "wire_bytes").values())
             times = list(render.by_rep(rs, name, "step_time").values())
             t = summarize(times)
-            rows.append([name, render.param_of(rs, name, "spars", ""), f"{summarize(sent).median:,.0f}",
+            knob = render.param_of(rs, name, "spars", "") or render.param_of(rs, name, "powersgd_rank", "")
+            rows.append([name, knob, f"{summarize(sent).median:,.0f}",
                          f"{ratio_of_medians(sent, plain_bytes):.4f}", render.ms(t.median),
                          render.spread(times, render.ms), f"{ratio_of_medians(times, plain_time):.3f}"])
-        header = ["dist_option", "spars", "wire bytes/step/rank", "bytes / plain", "step ms (median)",
+        header = ["dist_option", "spars / rank", "wire bytes/step/rank", "bytes / plain", "step ms (median)",
                   "spread (min-max)", "step time / plain (of medians)"]
         parts.append(render.run_line(rs) + "\n\n" + render.markdown(header, rows))
     return "\n\n".join(parts)

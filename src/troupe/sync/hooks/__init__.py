@@ -11,6 +11,7 @@ One module per family, as torch's ``ddp_comm_hooks``:
 
 * `allreduce`: `MeanAllReduce`, the plain dense mean (the reducer's default);
 * `compressed`: `CompressedReduce`, each bucket through a Compressor (fp16/bf16, top-K, threshold);
+* `powersgd`: `PowerSGDReduce`, each bucket's matrices as PowerSGD factors in two rounds;
 * `scatter`: `BucketScatter`, reduce-scatter onto the owners of parameter slices (the AllReduce
   cluster framework's co-located servers);
 * `send`: `SendBuckets`, each bucket handed to a parameter-server client, nothing reduced here.
