@@ -75,7 +75,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "tests/dist/test_observability.py::test_tensorboard_alone_writes_every_steps_scalars_per_rank",
         "tests/dist/test_benchmarks_smoke.py::test_ddp_vs_troupe_prints_its_table",
         "tests/dist/test_network_faults.py",
-        "tests/dist/test_graph_mode.py",
+        "tests/dist/test_bucket_view.py",
+    "tests/dist/test_graph_mode.py",
         "tests/dist/test_install.py",
     ),
 }
@@ -88,6 +89,7 @@ def _families(nodeid: str) -> list[str]:
 
 
 SHARED_WORLDS = (
+    "tests/dist/test_bucket_view.py",
     "tests/dist/test_graph_mode.py",
     "tests/dist/test_install.py",
     "tests/dist/test_native_loop.py",

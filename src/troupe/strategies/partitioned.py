@@ -68,19 +68,56 @@ class HolderGroups:
         made = {h: job.new_group(list(h)) if len(h) > 1 else None for h in every}
         self.groups: list[tuple[Communicator | None, list[Tensor]]] = [(made[h], partitioned[h]) for h in mine]
         self.params = [p for _, ps in self.groups for p in ps]
+        # Each group's gradients live in one flat buffer, as the buckets' do (`troupe.sync.bucket`):
+        # ``p.grad`` becomes a view of it, so the next backward accumulates where the reduction reads.
+        self.flats = [_flat_slots(params) for _, params in self.groups]
 
     def reduce(self) -> None:
         """Sum each partitioned gradient over its holders and divide by the world size (in place)."""
-        for comm, params in self.groups:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = pack(grads)
+        for (comm, params), flat_slots in zip(self.groups, self.flats):
+            if flat_slots is None:
+                self._reduce_copied(comm, params)
+                continue
+            flat, slots = flat_slots
+            for p, slot in zip(params, slots):
+                _take(p, slot)
             if comm is not None:
                 comm.all_reduce(flat, "sum")
             flat.div_(self.world_size)
-            unpack_into(flat, grads)
-            for p, g in zip(params, grads):
-                if p.grad is None:
-                    p.grad = g
+
+    def _reduce_copied(self, comm: Communicator | None, params: list[Tensor]) -> None:
+        """A group of mixed dtypes or devices has no one flat buffer: pack, reduce, copy back."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = pack(grads)
+        if comm is not None:
+            comm.all_reduce(flat, "sum")
+        flat.div_(self.world_size)
+        unpack_into(flat, grads)
+        for p, g in zip(params, grads):
+            if p.grad is None:
+                p.grad = g
+
+
+def _flat_slots(params: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]] | None:
+    """One new flat buffer and its views shaped as `params` (None where they differ in dtype or device)."""
+    if len({(p.dtype, p.device) for p in params}) != 1:
+        return None
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return flat, views
+
+
+def _take(param: Tensor, slot: Tensor) -> None:
+    """Point ``param.grad`` at `slot`, copying the gradient in unless it lives there already (None: zeros)."""
+    grad = param.grad
+    if grad is None:
+        slot.zero_()
+    elif grad.data_ptr() != slot.data_ptr():
+        slot.copy_(grad)
+    param.grad = slot
 
 
 class Partitioned:

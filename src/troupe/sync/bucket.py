@@ -6,6 +6,14 @@ the flags across ranks tells every rank, in the same collective and without anot
 message, which parameters got no gradient on any rank this step (they keep ``grad =
 None``, as in a single process), how many ranks still had data (see `DistOpt.join`), and
 whether every rank described its step alike (`troupe.sync.agree`).
+
+Gradients live in the buckets (DDP's ``gradient_as_bucket_view``): once a parameter's
+gradient has been taken in, ``p.grad`` is a view of its slot, so the next backward (after
+``zero_grad(set_to_none=False)``, under ``no_sync``, or without zeroing) accumulates
+straight into what is reduced and nothing is copied in or out. After
+``zero_grad(set_to_none=True)`` autograd hands over a fresh tensor; it is copied into the
+slot once and ``p.grad`` is pointed back at the slot (as DDP does), so no bucket memory is
+ever allocated again and only one copy of each gradient outlives the hook.
 """
 
 from __future__ import annotations
@@ -138,21 +146,50 @@ class Bucket:
         return (b.dtype == o.dtype and b.device == o.device
                 and o.data_ptr() == b.data_ptr() + b.numel() * b.element_size())
 
+    def holds(self, k: int, grad: Tensor) -> bool:
+        """Does `grad` already live in slot `k` (backward accumulated into the view)?"""
+        view = self._views[k]
+        return grad.data_ptr() == view.data_ptr() and grad.dtype == view.dtype and grad.device == view.device
+
     def add_grad(self, param: Tensor, grad: Tensor, scale: float | None = None) -> bool:
-        """Copy one gradient in (times `scale`, if given); True when every parameter has arrived."""
+        """Take one gradient into its slot (times `scale`, if given); True when every parameter has arrived.
+
+        A gradient that already lives in its slot is only scaled, in place: nothing is copied.
+        """
         k = self.slot[id(param)]
         if self.used[k]:
             raise RuntimeError(
                 "a parameter received a second gradient in one step; call backward once per "
                 "backward_and_update (or use retain_graph only outside DistOpt)"
             )
-        if scale is None:
-            self.view(k).copy_(grad)
+        view = self._views[k]
+        if self.holds(k, grad):
+            if scale is not None:
+                view.mul_(scale)
+        elif scale is None:
+            view.copy_(grad)
         else:
-            torch.mul(grad.view_as(self.params[k]), scale, out=self.view(k))
+            torch.mul(grad.view_as(view), scale, out=view)
         self.used[k] = True
         self.pending -= 1
         return self.pending == 0
+
+    def point(self, param: Tensor) -> None:
+        """Make ``param.grad`` the view of its slot (autograd's own tensor, if any, is freed)."""
+        param.grad = self._views[self.slot[id(param)]]
+
+    def keep_local(self, param: Tensor) -> None:
+        """Move a gradient that stays on this rank for now (no_sync) into its slot, so the next
+        micro-batches accumulate in the bucket and the reducing backward has nothing to copy.
+
+        A gradient with a graph of its own (``create_graph=True``) or a sparse one stays where it is.
+        """
+        grad = param.grad
+        k = self.slot[id(param)]
+        if grad is None or grad.requires_grad or grad.is_sparse or self.holds(k, grad):
+            return
+        self._views[k].copy_(grad)
+        self.point(param)
 
     def seal(self) -> None:
         """Zero the slots of parameters that got no gradient and write the used flags."""

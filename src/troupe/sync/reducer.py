@@ -1,7 +1,8 @@
 """GradReducer: reduces gradients while `loss.backward()` runs.
 
-Each parameter's post-accumulate-grad hook copies its gradient into its bucket; when a
-bucket is complete, and every bucket before it has been launched, its reduce hook starts
+Each parameter's post-accumulate-grad hook takes its gradient into its bucket (nothing to
+copy when ``p.grad`` is already the bucket's view, see `troupe.sync.bucket`) and points
+``p.grad`` at the bucket; when a bucket is complete, and every bucket before it has been launched, its reduce hook starts
 asynchronously. Launching strictly in bucket order keeps every rank's sequence of
 collectives identical even when ranks produce gradients in different orders or skip
 parameters. The first hook of a backward opens a step and queues a callback that runs
@@ -9,7 +10,7 @@ when autograd finishes: it launches what is left (with zeros for missing gradien
 waits for every handle and hands the averaged gradients back as views of the buckets,
 so ``loss.backward()`` returns with ``p.grad`` already the mean over ranks (as DDP's).
 
-`paused()` (DistOpt.no_sync) lets gradients accumulate locally; `reduce_now()` reduces
+`paused()` (DistOpt.no_sync) lets gradients accumulate locally, in the buckets; `reduce_now()` reduces
 whatever ``p.grad`` holds without a backward (accumulation finished under no_sync,
 gradients written by hand).
 """
@@ -104,12 +105,12 @@ class GradReducer:
 
     def _on_grad(self, param: Tensor) -> None:
         if not self.enabled:
-            return
+            return self._keep_local(param)
         if not self._callback_queued:  # the first gradient of this backward
             if not self.in_step:
                 hook = self._override or self.hook_for_step()
                 if hook is None:  # this step's strategy keeps gradients local
-                    return
+                    return self._keep_local(param)
                 self._open(hook)
             rec = self.comm.recorder
             if rec is not None:
@@ -123,12 +124,18 @@ class GradReducer:
             except self.defer as e:
                 self._fail(e)
 
+    def _keep_local(self, param: Tensor) -> None:
+        # Graph mode's compiled autograd traces this hook with the reducer paused: leave its gradients alone.
+        if not torch.compiler.is_compiling():
+            self._bucket_of[id(param)].keep_local(param)
+
     def _add(self, param: Tensor) -> None:
         bucket = self._bucket_of[id(param)]
         if bucket.add_grad(param, param.grad, self._scale):
             self._ready[bucket.index] = True
-        # The averaged gradient comes back as a view of the bucket; free autograd's copy now.
-        param.grad = None
+        # From now on p.grad is the bucket's view (autograd's copy, if any, is freed): the next
+        # backward accumulates into the bucket, and the reduced mean lands in p.grad in place.
+        bucket.point(param)
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self._ready[self._next]:
