@@ -12,6 +12,15 @@ UNITS = {"step_time": "s", "cpu_time": "s", "wire_bytes": "B", "exposed_time": "
 """The unit of each metric the engine produces."""
 
 
+def batches_for(workload: Any, options: Options, rank: int, world_size: int) -> tuple[int, str, list]:
+    """(batch size, data set, this rank's batches) for `workload`: what every contestant of a suite
+    trains on (the options' batch size and data set where the workload takes them, else its own)."""
+    batch_size = options.batch_size or workload.batch_size
+    data = options.data if options.data in workload.datasets else workload.datasets[0]
+    count = min(options.burnin + options.reps * options.steps, 64)
+    return batch_size, data, workload.batches(rank, world_size, batch_size, count, data=data, seed=options.seed)
+
+
 def schedule(options: Options) -> Schedule:
     return Schedule(reps=options.reps, steps=options.steps, burnin=options.burnin)
 

@@ -14,7 +14,7 @@ from troupe.observe.turns import run_ab
 from troupe.bench.options import Options
 from troupe.bench.records import Record
 from troupe.bench.stats import ratio_of_medians, summarize
-from troupe.bench.suites.common import schedule, to_records
+from troupe.bench.suites.common import batches_for, schedule, to_records
 
 SPARS = {"sparseTopK": 0.01, "sparseThreshold": 1e-3}
 """spars per option (top-K: the fraction kept; threshold: the magnitude kept)."""
@@ -32,10 +32,7 @@ def run(rank: int, world_size: int, options: Options) -> list[Record]:
     records = []
     for name in options.workloads:
         workload = workloads.get(name)
-        batch_size = options.batch_size or workload.batch_size
-        data = options.data if options.data in workload.datasets else workload.datasets[0]
-        count = min(options.burnin + options.reps * options.steps, 64)
-        batches = workload.batches(rank, world_size, batch_size, count, data=data, seed=options.seed)
+        batch_size, data, batches = batches_for(workload, options, rank, world_size)
         made = [contestant(workload, batches, options.seed, o) for o in options.dist_options]
         params = {"batch_size": batch_size, "data": data, "steps": options.steps, "burnin": options.burnin,
                   "chunk_size": CHUNK_SIZE}

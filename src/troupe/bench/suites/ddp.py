@@ -15,7 +15,7 @@ from troupe.bench import render, workloads
 from troupe.observe.turns import Contestant, run_ab
 from troupe.bench.options import Options
 from troupe.bench.records import Record
-from troupe.bench.suites.common import schedule, to_records
+from troupe.bench.suites.common import batches_for, schedule, to_records
 
 STEPS = {"cnn": 30, "resnet18": 6}
 """Measured steps per repetition when --steps is not given (a ResNet-18 step is ~15x the CNN's)."""
@@ -32,10 +32,7 @@ def per_workload(options: Options, name: str) -> Options:
 
 def build(workload: workloads.Workload, options: Options, rank: int, world_size: int) -> tuple[list[Contestant], dict]:
     """The contestants of one workload (every rank builds them in the same order: each broadcasts)."""
-    batch_size = options.batch_size or workload.batch_size
-    data = options.data if options.data in workload.datasets else workload.datasets[0]
-    count = min(options.burnin + options.reps * options.steps, 64)
-    batches = workload.batches(rank, world_size, batch_size, count, data=data, seed=options.seed)
+    batch_size, data, batches = batches_for(workload, options, rank, world_size)
     made = [kinds.ddp(workload, batches, seed=options.seed)]
     made += [kinds.troupe_opt(workload, batches, seed=options.seed, bucket_size=b) for b in options.sweep]
     made.append(kinds.troupe_opt(workload, batches, seed=options.seed, bucket_size=options.sweep[0], loop="torch"))

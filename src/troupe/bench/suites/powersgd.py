@@ -17,7 +17,7 @@ from troupe.bench import render, workloads
 from troupe.bench.options import Options
 from troupe.bench.records import Record
 from troupe.bench.stats import paired_ratios, ratio_of_medians, summarize
-from troupe.bench.suites.common import schedule, to_records
+from troupe.bench.suites.common import batches_for, schedule, to_records
 from troupe.observe.turns import run_ab
 
 START = 2
@@ -34,10 +34,7 @@ def run(rank: int, world_size: int, options: Options) -> list[Record]:
     records = []
     for name in options.workloads:
         workload = workloads.get(name)
-        batch_size = options.batch_size or workload.batch_size
-        data = options.data if options.data in workload.datasets else workload.datasets[0]
-        count = min(options.burnin + options.reps * options.steps, 64)
-        batches = workload.batches(rank, world_size, batch_size, count, data=data, seed=options.seed)
+        batch_size, data, batches = batches_for(workload, options, rank, world_size)
         seed, bucket = options.seed, options.bucket_size
         made = [kinds.ddp(workload, batches, seed=seed, name="DDP"),
                 kinds.troupe_opt(workload, batches, seed=seed, bucket_size=bucket, loop="torch", name="troupe plain")]
