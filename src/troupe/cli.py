@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="--elastic: steps need at least K groups present (default 2)")
     elastic.add_argument("--restarts-per-rank", type=int, default=10,
                          help="--elastic: restarts each rank may use before the job stops (default 10)")
+    elastic.add_argument("--spares", type=int, default=None,
+                         help="--elastic: processes kept started (torch imported) to take a restarted rank's place "
+                              "(default 1, started once the job has formed; 0: none)")
     elastic.add_argument("--evict-after", type=float, default=None,
                          help="--elastic: seconds without a heartbeat before a worker is left out (default 5)")
     elastic.add_argument("--elastic-timeout", type=float, default=None,
@@ -279,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         _check_elastic(args)
     else:
         for flag, value in (("--min-groups", args.min_groups), ("--evict-after", args.evict_after),
-                            ("--elastic-timeout", args.elastic_timeout)):
+                            ("--elastic-timeout", args.elastic_timeout), ("--spares", args.spares)):
             if value is not None:
                 raise ValueError(f"{flag} needs --elastic")
     extra_env.update(_cluster_env(args))
@@ -313,6 +316,9 @@ def _check_elastic(args: argparse.Namespace) -> None:
         raise ValueError(f"--elastic needs at least 2 processes (worker groups), got -n {args.nproc}")
     if args.restarts_per_rank < 0:
         raise ValueError(f"--restarts-per-rank must be >= 0, got {args.restarts_per_rank}")
+    if args.spares is not None and args.spares < 0:
+        raise ValueError(f"--spares must be >= 0, got {args.spares}")
+    args.spares = 1 if args.spares is None else args.spares
 
 
 def _rank_output(args: argparse.Namespace) -> RankOutput | None:
@@ -356,24 +362,34 @@ def _run_once(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
         drain()
 
 
-def _starter(args: argparse.Namespace, extra_env: dict[str, str], ticket: Ticket):
+def _starter(args: argparse.Namespace, extra_env: dict[str, str], ticket: Ticket) -> _Starter:
     """`start(rank, **env)`: start one rank of this node with the job's environment."""
-    world_size = args.nproc * args.nnodes
-    # torch's env:// contract too, so a plain torch.distributed (DDP) script runs unchanged: its
-    # rendezvous on the next port after troupe's (every node computes the same one).
-    master_port = ticket.port + 1 if args.master else free_port(ticket.addr)
+    return _Starter(args, extra_env, ticket)
 
-    def start(rank: int, **more: str) -> subprocess.Popen:
-        env = {**os.environ, **extra_env, **more}
+
+class _Starter:
+    """Starts this node's ranks with the job's environment (and, under --elastic, warm spares)."""
+
+    def __init__(self, args: argparse.Namespace, extra_env: dict[str, str], ticket: Ticket):
+        self.args, self.extra_env, self.ticket = args, extra_env, ticket
+        # torch's env:// contract too, so a plain torch.distributed (DDP) script runs unchanged: its
+        # rendezvous on the next port after troupe's (every node computes the same one).
+        self.master_port = ticket.port + 1 if args.master else free_port(ticket.addr)
+        self.output = getattr(args, "output", None)
+
+    def env(self, rank: int | None, **more: str) -> dict[str, str]:
+        """The environment of rank `rank` (None: what every rank shares, a spare's)."""
+        args = self.args
+        env = {**os.environ, **self.extra_env, **more}
         env.update(
-            TROUPE_TICKET=ticket.encode(),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank - args.node_rank * args.nproc),
-            WORLD_SIZE=str(world_size),
+            TROUPE_TICKET=self.ticket.encode(),
+            WORLD_SIZE=str(args.nproc * args.nnodes),
             LOCAL_WORLD_SIZE=str(args.nproc),
-            MASTER_ADDR=ticket.addr,
-            MASTER_PORT=str(master_port),
+            MASTER_ADDR=self.ticket.addr,
+            MASTER_PORT=str(self.master_port),
         )
+        if rank is not None:
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank - args.node_rank * args.nproc))
         if args.backend:
             env["TROUPE_BACKEND"] = args.backend
         if args.timeout:
@@ -383,17 +399,36 @@ def _starter(args: argparse.Namespace, extra_env: dict[str, str], ticket: Ticket
         # c10d logs a lost store connection as a warning with pages of C++ frames on every survivor of
         # a stopped job; troupe's watchdog says who died in one line (set the variable to see them).
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        cmd = [sys.executable, "-m", "troupe.cluster.bootstrap"] if rank in getattr(args, "servers", ()) \
-            else [sys.executable, args.script, *args.args]
-        output = getattr(args, "output", None)
-        if output is not None and sys.stdout.isatty():
+        if self.output is not None and sys.stdout.isatty():
             env.setdefault("PYTHONUNBUFFERED", "1")  # a pipe would hold the lines a terminal shows at once
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, **(output.pipes() if output else {}))
-        if output is not None:
-            output.attach(rank, proc)
-        return proc
+        return env
 
-    return start
+    def __call__(self, rank: int, **more: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "troupe.cluster.bootstrap"] if rank in getattr(self.args, "servers", ()) \
+            else [sys.executable, self.args.script, *self.args.args]
+        return self._attach(rank, self._popen(cmd, self.env(rank, **more)))
+
+    def spare(self) -> subprocess.Popen:
+        """A process that imports torch now and runs the script as the rank it is handed later."""
+        cmd = [sys.executable, "-m", "troupe.runtime.spare", self.args.script, *self.args.args]
+        return self._popen(cmd, self.env(None), stdin=subprocess.PIPE)
+
+    def from_spare(self, spares, rank: int, **more: str) -> subprocess.Popen:
+        """Rank `rank` started in a waiting spare (then a new spare starts), else afresh."""
+        proc = spares.take(self.env(rank, **more))
+        if proc is None:
+            return self(rank, **more)
+        spares.fill()
+        return self._attach(rank, proc)
+
+    def _popen(self, cmd: list[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
+        pipes = self.output.pipes() if self.output is not None else {}
+        return subprocess.Popen(cmd, env=env, start_new_session=True, **pipes, **kwargs)
+
+    def _attach(self, rank: int, proc: subprocess.Popen) -> subprocess.Popen:
+        if self.output is not None:
+            self.output.attach(rank, proc)
+        return proc
 
 
 def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
@@ -401,6 +436,7 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     from troupe.runtime.lighthouse import Lighthouse
     from troupe.runtime.quorum import ENV_VAR, ElasticOptions
     from troupe.runtime.restarts import supervise
+    from troupe.runtime.spare import Spares
 
     ticket = _ticket(args)
     given = {"timeout": args.elastic_timeout, "evict_after": args.evict_after}
@@ -410,18 +446,32 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     lighthouse = Lighthouse(ticket, options, say=say).start()
     start = _starter(args, {**extra_env, ENV_VAR: options.encode()}, ticket)
     output = getattr(args, "output", None)
+    spares = None
+
+    def spawn(rank: int, incarnation: int) -> subprocess.Popen:
+        if incarnation == 0 or spares is None:  # the job's start: every rank afresh
+            return start(rank, TROUPE_INCARNATION=str(incarnation))
+        return start.from_spare(spares, rank, TROUPE_INCARNATION=str(incarnation))
+
+    def start_spares() -> None:
+        nonlocal spares
+        # Once the first quorum has formed, not before: a spare's imports would slow the ranks' start.
+        if spares is None and args.spares and lighthouse.formed_once:
+            spares = Spares(args.spares, start.spare)
 
     def terminated(*_sig):
         raise KeyboardInterrupt  # the supervisor stops every worker, then we exit 143
 
     old = signal.signal(signal.SIGTERM, terminated)
     try:
-        return supervise(lambda rank, n: start(rank, TROUPE_INCARNATION=str(n)), list(range(args.nproc)), lighthouse,
-                         restarts_per_rank=args.restarts_per_rank, say=say, stop_all=_stop_all)
+        return supervise(spawn, list(range(args.nproc)), lighthouse, restarts_per_rank=args.restarts_per_rank,
+                         say=say, stop_all=_stop_all, every_poll=start_spares)
     except KeyboardInterrupt:
         return 130
     finally:
         signal.signal(signal.SIGTERM, old)
+        if spares is not None:
+            spares.stop()
         lighthouse.stop()
         if output is not None:
             output.drain()

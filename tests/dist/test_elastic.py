@@ -97,6 +97,8 @@ def test_killed_and_raising_workers_restart_alone_and_heal(tmp_path):
     assert survivor[lost_step + 1][2] == [0, 2]           # the others train on without it
     assert [1, 2] in [m for _, _, m in survivor]           # and later without rank 0, the first rank
     assert survivor[-1][2] == [0, 1, 2]                   # and it is back
+    # Both restarts ran in a spare the launcher had started in advance (Python up, torch imported).
+    assert runs[0]["warm"] and runs[1]["warm"] and not runs[2]["warm"], "a restart did not run in a warm spare"
     # The joiner's state equals a healthy group's before its first step back: the heal overwrote the
     # restart's own (other) initial values, and from there it stepped with the others.
     healed = torch.load(tmp_path / "rank1.pt")["healed"]
@@ -149,6 +151,7 @@ def test_restart_budget_that_runs_out_ends_the_job_naming_the_rank(tmp_path):
     (["--min-groups", "1"], "min_groups must be >= 2"),
     (["--max-restarts", "2", "--checkpoint-dir", "ck"], "--elastic restarts a dead rank alone; --max-restarts"),
     (["--framework", "downpour"], "--elastic does not run parameter-server clusters yet"),
+    (["--spares", "-1"], "--spares must be >= 0, got -1"),
 ])
 def test_bad_elastic_flags_say_one_line(tmp_path, flags, message):
     cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(GROUPS), "--elastic", *flags, str(SCRIPT),

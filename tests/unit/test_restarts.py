@@ -81,3 +81,45 @@ def test_the_back_off_doubles_for_restarts_in_quick_succession(monkeypatch):
     code, _, lines, _ = supervise({0: [Proc(0, alive=1000)], 1: [Proc(1), Proc(1), Proc(1), Proc(0)]}, budget=5)
     delays = [float(line.split(" in ")[1].split("s")[0]) for line in lines if "restarting it alone" in line]
     assert code == 0 and delays == [0.0, 0.5, 1.0]
+
+
+class Spare:
+    """A waiting spare: its stdin is a buffer; `dead` makes it a spare that died waiting."""
+
+    def __init__(self, dead: bool = False):
+        self.dead, self.sent, self.closed, self.waited = dead, b"", False, False
+        self.stdin = self
+
+    def poll(self):
+        return 1 if self.dead else None
+
+    def write(self, data: bytes) -> None:
+        if self.dead:
+            raise BrokenPipeError
+        self.sent += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def wait(self, timeout=None):
+        self.waited = True
+        return 0
+
+
+def test_spares_hand_a_rank_to_a_waiting_process_and_replace_it():
+    from troupe.runtime.spare import Spares
+
+    made = []
+    spares = Spares(1, lambda: made.append(Spare()) or made[-1])
+    assert len(made) == 1, "a spare is started at once"
+    proc = spares.take({"RANK": "2"})
+    assert proc is made[0] and proc.sent == b'{"RANK": "2"}\n' and proc.closed, "its rank is one line, then EOF"
+    assert spares.take({"RANK": "1"}) is None, "taken spares are not handed out twice"
+    spares.fill()
+    assert len(made) == 2 and spares.waiting() == [made[1]]
+    made[1].dead = True  # died while it waited: skipped and replaced
+    assert spares.take({"RANK": "0"}) is None
+    spares.fill()
+    assert spares.waiting() == [made[2]]
+    spares.stop()
+    assert made[2].closed and made[2].waited and spares.waiting() == []

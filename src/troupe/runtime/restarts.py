@@ -43,17 +43,19 @@ def why(code: int) -> str:
 
 
 def supervise(spawn: Callable[[int, int], subprocess.Popen], ranks: list[int], lighthouse, *,
-              restarts_per_rank: int, say: Callable[[str], None], stop_all: Callable[[list], None]) -> int:
-    """Run `ranks` (each `spawn(rank, incarnation)`) until all finish; restart the dead ones alone."""
+              restarts_per_rank: int, say: Callable[[str], None], stop_all: Callable[[list], None],
+              every_poll: Callable[[], None] = lambda: None) -> int:
+    """Run `ranks` (each `spawn(rank, incarnation)`) until all finish; restart the dead ones alone.
+    `every_poll()` runs at each look at the processes (the launcher starts its spares there)."""
     state = {r: _Rank(spawn(r, 0)) for r in ranks}
     try:
-        return _watch(state, spawn, lighthouse, restarts_per_rank, say, stop_all)
+        return _watch(state, spawn, lighthouse, restarts_per_rank, say, stop_all, every_poll)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (troupe run raises it): never leave a worker behind
         stop_all([s.proc for s in state.values()])
         raise
 
 
-def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, say, stop_all) -> int:
+def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, say, stop_all, every_poll) -> int:
     closing = False
     while True:
         now = time.monotonic()
@@ -101,4 +103,5 @@ def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, s
             down = sorted(r for r, s in state.items() if s.due is not None)
             say(f"troupe run: rank(s) {down} were down when the others finished; not restarted")
             return 0
+        every_poll()
         time.sleep(POLL_SECONDS)
