@@ -183,9 +183,13 @@ def render_table(profile: ModelProfile, world: int, link: Link, cands: Sequence[
 
 
 def describe_pick(c: Candidate) -> str:
-    dims = " ".join(f"{name}:{d}" for name, d in c.plan.items()) or "-"
-    return (f"{c.name} (workers_per_group={c.workers_per_group}, dims {dims}, option {c.option}): "
-            f"{c.seconds * 1e3:.2f} ms/step predicted")
+    """One line: the candidate, how to ask troupe for it, and its predicted step."""
+    if c.worker_groups is not None:  # DiLoCo: a cluster framework, set on `troupe run`
+        how = f"--framework diloco --nworker-groups {c.worker_groups} --sync-freq {c.option.partition(':')[2]}"
+    else:
+        dims = " ".join(f"{name}:{d}" for name, d in c.plan.items()) or "-"
+        how = f"workers_per_group={c.workers_per_group}, dims {dims}, option {c.option}"
+    return f"{c.name} ({how}): {c.seconds * 1e3:.2f} ms/step predicted"
 
 
 def print_json(profile: ModelProfile, world: int, link: Link, cands: Sequence[Candidate], chosen: Candidate) -> None:

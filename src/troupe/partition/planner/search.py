@@ -108,6 +108,8 @@ class Candidate:
     cost: Cost
     param_bytes: float
     """On the worker holding the most (see `cost.param_bytes`)."""
+    worker_groups: int | None = None
+    """DiLoCo's worker groups G (None for the synchronous regimes)."""
 
     @property
     def seconds(self) -> float:
@@ -138,7 +140,7 @@ class Candidate:
                 "option": self.option, "sync_sgd": self.sync_sgd, "predicted_ms": self.seconds * 1e3,
                 "compute_ms": self.cost.compute * 1e3, "intra_ms": self.cost.intra * 1e3,
                 "reduce_ms": self.cost.reduce * 1e3, "mb_per_step": self.cost.bytes / 1e6,
-                "param_mb": self.param_bytes / 1e6}
+                "param_mb": self.param_bytes / 1e6, "worker_groups": self.worker_groups}
 
 
 def divisors(n: int) -> list[int]:
@@ -180,7 +182,7 @@ def diloco_candidates(profile: ModelProfile, base: Setup, sync_freqs: Sequence[i
     outer = OUTER_SLOTS * params * profile.bytes_per_element
     memory = param_bytes(profile, zeros, replace(base, workers_per_group=1)) + outer
     return [Candidate(f"DiLoCo {g} groups x {base.world_size // g}", 1, zeros, profile.names, f"{DILOCO}:{h}",
-                      diloco_cost(profile, base, g, h), memory)
+                      diloco_cost(profile, base, g, h), memory, worker_groups=g)
             for g in divisors(base.world_size) if g > 1 for h in sync_freqs]
 
 
