@@ -179,8 +179,17 @@ def _add_plan_parser(sub) -> None:
                                                     "(default: its one nn.Module class)")
     plan.add_argument("--workers-per-group", nargs="+", default=None, metavar="K",
                       help="group sizes to consider (default: every divisor of -n)")
-    plan.add_argument("--options", nargs="+", default=["plain", "fp16", "sparseTopK", "partialUpdate"],
-                      help="dist_options to price (plain, fp16, bf16, sparseTopK, partialUpdate)")
+    plan.add_argument("--options", nargs="+",
+                      default=["plain", "fp16", "sparseTopK", "partialUpdate", "powerSGD", "diloco"],
+                      help="dist_options to price (plain, fp16, bf16, sparseTopK, partialUpdate, powerSGD) "
+                           "and the diloco framework (default: all but bf16)")
+    plan.add_argument("--powersgd-ranks", nargs="+", default=["1", "2", "4"], metavar="R",
+                      help="powerSGD ranks to price (default 1 2 4)")
+    plan.add_argument("--sync-freqs", nargs="+", default=["20", "50", "100"], metavar="H",
+                      help="DiLoCo inner steps per outer step to price (default 20 50 100)")
+    plan.add_argument("--pick-from", choices=["exact", "approx", "any"], default="exact",
+                      help="what the pick may choose: exact = the same update as synchronous SGD (plain; "
+                           "default), approx = also compressed gradients, any = also DiLoCo")
     plan.add_argument("--spars", type=float, default=0.05, help="sparseTopK's fraction sent (default 0.05)")
     plan.add_argument("--overlap", type=float, default=0.0,
                       help="fraction of the data-parallel reduction hidden by backward (default 0)")

@@ -3,8 +3,9 @@
     profile.py  what each layer costs on this machine (measured once, or built by hand)
     link.py     the link's alpha (seconds per message) and beta (seconds per byte)
     instep.py   the link as a step in this job sees it (sync, reductions, exchanges), measured
-    cost.py     predicted step time, bytes per step and parameter memory of a plan
-    search.py   the exact dynamic programme over the layer chain, the candidate list, the pick
+    cost.py     predicted step time, bytes per step and parameter memory of a plan (and of DiLoCo)
+    search.py   the exact dynamic programme over the layer chain, the candidate list (plans, options,
+                powerSGD ranks, DiLoCo's H), each marked against synchronous SGD, the pick
     auto.py     ``troupe.partition(model, "auto", ...)``: rank 0 plans, every rank gets the plan
     command.py  ``troupe plan SCRIPT.py -n W --link 1gbit``
 
@@ -21,7 +22,16 @@ from __future__ import annotations
 
 from troupe.partition.planner.auto import auto_plan
 from troupe.partition.planner.instep import InStep, calibrate
-from troupe.partition.planner.cost import OPTIONS, Cost, Setup, layer_cost, param_bytes, plan_cost, transition_cost
+from troupe.partition.planner.cost import (
+    OPTIONS,
+    Cost,
+    Setup,
+    diloco_cost,
+    layer_cost,
+    param_bytes,
+    plan_cost,
+    transition_cost,
+)
 from troupe.partition.planner.link import Link, link_from_text, measure_link, parse_link
 from troupe.partition.planner.profile import LayerProfile, ModelProfile, profile_model, proportional_times
 from troupe.partition.planner.search import Candidate, best_chain, best_dims, candidates, pick, plan_for
@@ -40,6 +50,7 @@ __all__ = [
     "best_dims",
     "calibrate",
     "candidates",
+    "diloco_cost",
     "layer_cost",
     "link_from_text",
     "measure_link",

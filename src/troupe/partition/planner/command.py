@@ -19,10 +19,9 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from troupe.partition.planner.cost import OPTIONS
 from troupe.partition.planner.link import Link, link_from_text
 from troupe.partition.planner.profile import ModelProfile, profile_model
-from troupe.partition.planner.search import EXACT_OPTIONS, Candidate, candidates, divisors, pick
+from troupe.partition.planner.search import EXACT_OPTIONS, PICK_FROM, REGIMES, Candidate, candidates, divisors, pick
 
 
 def main(args: argparse.Namespace) -> int:
@@ -59,9 +58,11 @@ def _plan(args: argparse.Namespace) -> int:
     world = positive(args.nproc, "-n")
     ks = _group_sizes(world, args.workers_per_group)
     batch = positive(args.batch, "--batch")
-    bad = [o for o in args.options if o not in OPTIONS]
+    bad = [o for o in args.options if o not in REGIMES]
     if bad:
-        raise ValueError(f"--options: unknown option(s) {bad} (known: {list(OPTIONS)})")
+        raise ValueError(f"--options: unknown option(s) {bad} (known: {list(REGIMES)})")
+    ranks = [positive(r, "--powersgd-ranks") for r in args.powersgd_ranks]
+    sync_freqs = [positive(h, "--sync-freqs") for h in args.sync_freqs]
     link = link_from_text(args.link)  # before the script: a typo should not wait for profiling
     module = load_script(args.script)
     model = find_model(module, args.model)
@@ -69,9 +70,10 @@ def _plan(args: argparse.Namespace) -> int:
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     sample = torch.randn((batch, *shape), dtype=dtype)
     profile = profile_model(model, sample, ks, reps=positive(args.reps, "--reps"), threads=args.threads)
-    cands = candidates(profile, world, link, workers_per_group=ks, options=args.options, spars=args.spars,
-                       overlap=args.overlap, optimizer_slots=args.optimizer_slots)
-    chosen = pick(cands)
+    cands = candidates(profile, world, link, workers_per_group=ks, options=args.options, powersgd_ranks=ranks,
+                       sync_freqs=sync_freqs, spars=args.spars, overlap=args.overlap,
+                       optimizer_slots=args.optimizer_slots)
+    chosen = pick(cands, PICK_FROM[args.pick_from])
     if args.json:
         print_json(profile, world, link, cands, chosen)
     else:
@@ -164,22 +166,30 @@ def render_table(profile: ModelProfile, world: int, link: Link, cands: Sequence[
     lines = _header(profile, world, link)
     width = max(len("candidate"), *(len(c.name) for c in cands))
     dwidth = max(len("dims"), *(len(c.dims_text()) for c in cands))
-    lines.append(f"{'candidate':<{width}}  {'k':>2}  {'dims':<{dwidth}}  {'option':<13}  {'ms/step':>9}  "
-                 f"{'MB/step/worker':>14}  {'param MB/worker':>15}")
+    lines.append(f"{'candidate':<{width}}  {'k':>2}  {'dims':<{dwidth}}  {'option':<13}  {'sync SGD':<8}  "
+                 f"{'ms/step':>9}  {'MB/step/worker':>14}  {'param MB/worker':>15}")
     for c in cands:
         lines.append(f"{c.name:<{width}}  {c.workers_per_group:>2}  {c.dims_text():<{dwidth}}  {c.option:<13}  "
-                     f"{c.seconds * 1e3:>9.2f}  {c.cost.bytes / 1e6:>14.3f}  {c.param_bytes / 1e6:>15.3f}")
+                     f"{c.sync_sgd:<8}  {c.seconds * 1e3:>9.2f}  {c.cost.bytes / 1e6:>14.3f}  "
+                     f"{c.param_bytes / 1e6:>15.3f}")
+    lines.append("sync SGD: exact = the update of synchronous SGD; approx = synchronous SGD on compressed "
+                 "gradients; no = not equivalent to synchronous SGD (local steps, then an outer optimizer)")
     lines.append(f"picked: {describe_pick(chosen)}")
     fastest = min(cands, key=lambda c: c.seconds)
-    if fastest.option not in EXACT_OPTIONS:
-        lines.append(f"faster with an option that changes the update ({fastest.option}): {describe_pick(fastest)}")
+    if fastest.regime not in EXACT_OPTIONS and fastest is not chosen:
+        lines.append(f"faster with an option that changes the update ({fastest.option}, sync SGD "
+                     f"{fastest.sync_sgd}): {describe_pick(fastest)}")
     return "\n".join(lines)
 
 
 def describe_pick(c: Candidate) -> str:
-    dims = " ".join(f"{name}:{d}" for name, d in c.plan.items()) or "-"
-    return (f"{c.name} (workers_per_group={c.workers_per_group}, dims {dims}, option {c.option}): "
-            f"{c.seconds * 1e3:.2f} ms/step predicted")
+    """One line: the candidate, how to ask troupe for it, and its predicted step."""
+    if c.worker_groups is not None:  # DiLoCo: a cluster framework, set on `troupe run`
+        how = f"--framework diloco --nworker-groups {c.worker_groups} --sync-freq {c.option.partition(':')[2]}"
+    else:
+        dims = " ".join(f"{name}:{d}" for name, d in c.plan.items()) or "-"
+        how = f"workers_per_group={c.workers_per_group}, dims {dims}, option {c.option}"
+    return f"{c.name} ({how}): {c.seconds * 1e3:.2f} ms/step predicted"
 
 
 def print_json(profile: ModelProfile, world: int, link: Link, cands: Sequence[Candidate], chosen: Candidate) -> None:

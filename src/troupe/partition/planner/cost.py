@@ -29,6 +29,14 @@ for its serialised exchanges, receives. The communication-saving options replace
 data-parallel reduction of dim-0 (and replicated) parameters only: partitioned slices
 are always reduced in fp32 over their holders, which is what the runtime does.
 
+powerSGD (rank r) sends, per matrix n x m (first dim x the rest) that shrinks at least 2x,
+P (n*r) in a first all-reduce with the tensors that travel whole, then Q (m*r) in a second:
+two rounds per bucket. Its matrix products (M Q, M^T P, P Q^T: 6*r*n*m flops) are charged
+as compute, scaled from the layer's own forward+backward time ((4 + 2g)*b*positions*n*m
+flops), see `lowrank_seconds`. DiLoCo (`diloco_cost`) is a framework, not an option: a
+data-parallel step inside each of G worker groups, plus one all-reduce of the whole model
+among the groups every H steps, charged as 1/H of it per step.
+
 One deviation, in alpha only: the runtime fuses small gradients into shared buckets and
 all of a worker's partitioned slices into one message; here each layer pays its own
 alpha(s), so the cost stays a sum over layers and the search over the chain is exact.
@@ -51,8 +59,14 @@ DEFAULT_CHUNK_SIZE = 2**17
 """Partial update's elements per step: troupe.strategies.compressed.DEFAULT_CHUNK_SIZE, written
 again because importing strategies (which imports partition) would close an import cycle."""
 
-OPTIONS = ("plain", "fp16", "bf16", "sparseTopK", "partialUpdate")
+OPTIONS = ("plain", "fp16", "bf16", "sparseTopK", "partialUpdate", "powerSGD")
 """The dist_options the model prices (SINGA's names)."""
+
+MIN_COMPRESSION_RATE = 2.0
+"""powerSGD compresses an n x m matrix only if (n + m) * r * 2 < n * m: torch's (and troupe's) default."""
+
+OUTER_SLOTS = 2
+"""DiLoCo keeps the outer parameters and the outer (Nesterov) momentum: two parameter-sized copies."""
 
 INDEX_BYTES = 4
 """Top-K sends an int32 index with every value."""
@@ -102,6 +116,8 @@ class Setup:
     """sparseTopK: fraction of each gradient sent."""
     chunk_size: int = DEFAULT_CHUNK_SIZE
     """partialUpdate: parameter elements averaged per step."""
+    powersgd_rank: int = 1
+    """powerSGD: columns of the factors P and Q."""
     bucket_size: int = DEFAULT_BUCKET_SIZE
     """Elements per data-parallel bucket (each bucket is one message)."""
     overlap: float = 0.0
@@ -135,6 +151,7 @@ class Setup:
         if not 0 <= self.overlap <= 1:
             raise ValueError(f"overlap must be in [0, 1], got {self.overlap!r}")
         check_int("chunk_size", self.chunk_size)
+        check_int("powersgd_rank", self.powersgd_rank)
         check_int("bucket_size", self.bucket_size)
         check_int("optimizer_slots", self.optimizer_slots, minimum=0)
         if not math.isfinite(self.sync) or self.sync < 0:
@@ -177,13 +194,48 @@ def _buckets(params: float, setup: Setup) -> float:
     return max(1, math.ceil(params / setup.bucket_size))
 
 
-def dp_reduction(params: int, setup: Setup, s: int) -> Cost:
-    """Data-parallel reduction (over all W ranks) of `params` replicated parameters, per the option."""
+def _matrix(shape: Sequence[int]) -> tuple[int, int] | None:
+    """A tensor of two or more dims as powerSGD views it (first dim x the rest); None for a vector."""
+    return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else None
+
+
+def compresses(shape: Sequence[int], rank: int) -> int:
+    """The rank powerSGD sends `shape` at, or 0 when it travels whole (a vector, or factors not 2x smaller)."""
+    matrix = _matrix(shape)
+    if matrix is None:
+        return 0
+    n, m = matrix
+    r = min(rank, n, m)  # torch clamps the rank to the smaller side (which then never compresses)
+    return r if (n + m) * r * MIN_COMPRESSION_RATE < n * m else 0
+
+
+def lowrank_elements(shapes: Sequence[Sequence[int]], rank: int) -> tuple[int, int]:
+    """powerSGD's elements per step: (round one: P factors + tensors sent whole, round two: Q factors)."""
+    first = second = 0
+    for shape in shapes:
+        r = compresses(shape, rank)
+        if r:
+            n, m = _matrix(shape)
+            first, second = first + n * r, second + m * r
+        else:
+            first += math.prod(shape)
+    return first, second
+
+
+def dp_reduction(params: int, setup: Setup, s: int, shapes: Sequence[Sequence[int]] | None = None) -> Cost:
+    """Data-parallel reduction (over all W ranks) of `params` replicated parameters, per the option
+    (powerSGD needs the parameters' `shapes`)."""
     n, link = setup.world_size, setup.link
     if n == 1 or params == 0 or setup.option == "partialUpdate":  # partial update: see `partial_update`
         return ZERO
     messages = _buckets(params, setup)
-    if setup.option in ("fp16", "bf16"):
+    if setup.option == "powerSGD":
+        if shapes is None:
+            raise ValueError(f"option 'powerSGD' needs the shapes of the {params} parameters it reduces "
+                             "(profile_model records them)")
+        first, second = lowrank_elements(shapes, setup.powersgd_rank)
+        cost = all_reduce(link, n, first * s, messages) + all_reduce(link, n, second * s, messages)
+    elif setup.option in ("fp16", "bf16"):
         cost = all_reduce(link, n, params * 2, messages)
     elif setup.option == "sparseTopK":
         payload = math.ceil(setup.spars * params) * (INDEX_BYTES + s)
@@ -231,12 +283,30 @@ def layer_cost(layer: LayerProfile, dim: int, setup: Setup, batch: int, s: int =
         raise ValueError(f"{layer.name}: partition_dim {dim} is not possible with workers_per_group {k} "
                          f"(possible: {layer.dims(k)})")
     if dim == 0:
-        return Cost(compute=layer.compute(b)).times(layer.calls) + dp_reduction(layer.params, setup, s)
+        return (Cost(compute=layer.compute(b)).times(layer.calls) + dp_reduction(layer.params, setup, s, layer.shapes)
+                + Cost(compute=lowrank_seconds(layer, setup, b)))
     if dim == 1:
         work = Cost(compute=layer.compute(k * b, k)) + _dim1_exchanges(layer, setup, b, s)
         return work.times(layer.calls) + _slice_reduction(layer.params / k, setup, s)
     work = Cost(compute=layer.compute(k * b)) + _root_exchanges(layer, setup, b, s)
     return work.times(layer.calls) + _slice_reduction(layer.params, setup, s)
+
+
+def lowrank_seconds(layer: LayerProfile, setup: Setup, batch: int) -> float:
+    """powerSGD's matrix products for a dim-0 layer, scaled from the layer's measured time.
+
+    One call's forward+backward on b samples is (4 + 2g)*b*q*n*m flops for a weight n x m
+    applied at q = A_out / out_size positions (forward, weight gradient, input gradient when
+    g = 1); powerSGD's M Q, M^T P and P Q^T are 6*r*n*m. Orthogonalising P (about n*r^2) and
+    the error feedback (elementwise) are left out: small beside the products.
+    """
+    if setup.option != "powerSGD" or setup.world_size == 1 or not layer.shapes:
+        return 0.0
+    weight = sum(math.prod(shape) for shape in layer.shapes if _matrix(shape))  # n*m
+    positions = layer.out_elems / layer.out_size
+    per_flop = layer.compute(batch) / ((6 if layer.input_grad else 4) * batch * positions * weight)
+    return sum(6 * r * math.prod(shape) * per_flop
+               for shape in layer.shapes if (r := compresses(shape, setup.powersgd_rank)))
 
 
 def _slice_reduction(params: float, setup: Setup, s: int) -> Cost:
@@ -259,7 +329,8 @@ def transition_cost(prev_dim: int | None, dim: int, layer: LayerProfile, setup: 
 def replicated_cost(profile: ModelProfile, setup: Setup) -> Cost:
     """Everything outside the partitionable layers: computed on b samples, reduced over W."""
     s = profile.bytes_per_element
-    return Cost(compute=profile.replicated_seconds) + dp_reduction(profile.replicated_params, setup, s)
+    reduction = dp_reduction(profile.replicated_params, setup, s, profile.replicated_shapes)
+    return Cost(compute=profile.replicated_seconds) + reduction
 
 
 def dim0_params(profile: ModelProfile, dims: Sequence[int]) -> int:
@@ -296,3 +367,22 @@ def param_bytes(profile: ModelProfile, dims: Sequence[int], setup: Setup) -> flo
     held = profile.replicated_params + sum(layer.params / k if d == 1 else layer.params
                                            for layer, d in zip(profile.layers, dims))
     return held * profile.bytes_per_element * (1 + setup.optimizer_slots)
+
+
+def diloco_cost(profile: ModelProfile, setup: Setup, groups: int, sync_freq: int) -> Cost:
+    """DiLoCo with `groups` worker groups of W/G data-parallel workers (plain all-reduce inside) and
+    one outer all-reduce of every parameter among the groups each `sync_freq` steps, per step.
+
+    The outer all-reduce runs after the step (not overlapped) in one fused message; the outer
+    optimizer's own arithmetic is left out (one elementwise pass per H steps).
+    """
+    check_int("sync_freq", sync_freq)
+    if groups < 2 or setup.world_size % groups:
+        raise ValueError(f"DiLoCo needs 2 or more worker groups dividing the world size ({setup.world_size}), "
+                         f"got {groups}")
+    inner = Setup(world_size=setup.world_size // groups, link=setup.link, bucket_size=setup.bucket_size,
+                  overlap=setup.overlap, sync=setup.sync, fused_reductions=setup.fused_reductions)
+    step = plan_cost(profile, tuple(0 for _ in profile.layers), inner)
+    params = profile.replicated_params + sum(layer.params for layer in profile.layers)
+    outer = all_reduce(setup.link, groups, params * profile.bytes_per_element)
+    return step + Cost(reduce=outer.reduce / sync_freq, bytes=outer.bytes / sync_freq)

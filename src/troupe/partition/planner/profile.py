@@ -46,6 +46,12 @@ class LayerProfile:
     """Does backward need the gradient of this layer's input (False for the model's first layer)?"""
     calls: int = 1
     """Times one forward calls the layer (each call pays its compute and exchanges)."""
+    shapes: tuple[tuple[int, ...], ...] | None = None
+    """Its parameters' shapes, for options that treat each tensor by its shape (powerSGD compresses
+    matrices, sends vectors whole); None when not known (hand-built profiles)."""
+
+    def __post_init__(self) -> None:
+        _check_shapes(self.name, self.shapes, self.params)
 
     def compute(self, samples: int, parts: int = 1) -> float:
         """Forward+backward seconds of one call on `samples` rows with 1/`parts` of the outputs."""
@@ -77,6 +83,8 @@ class ModelProfile:
     """Parameters outside the partitionable layers (norms, embeddings): always data parallel."""
     replicated_seconds: float = 0.0
     """Forward+backward seconds of everything but the partitionable layers, on b samples."""
+    replicated_shapes: tuple[tuple[int, ...], ...] | None = None
+    """Shapes of the replicated parameters (see `LayerProfile.shapes`); None when not known."""
     unused: tuple[str, ...] = ()
     """Partitionable layers forward never called (they cost nothing; planned as dim 0)."""
     bytes_per_element: int = 4
@@ -87,10 +95,22 @@ class ModelProfile:
         names = [layer.name for layer in self.layers]
         if len(set(names)) != len(names):
             raise ValueError(f"layer names repeat: {names}")
+        _check_shapes("replicated parameters", self.replicated_shapes, self.replicated_params)
+
+    @property
+    def shapes_known(self) -> bool:
+        """Are every parameter's shapes recorded (as `profile_model` does)?"""
+        return self.replicated_shapes is not None and all(layer.shapes is not None for layer in self.layers)
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(layer.name for layer in self.layers)
+
+
+def _check_shapes(what: str, shapes: Sequence[Sequence[int]] | None, params: int) -> None:
+    if shapes is not None and sum(math.prod(shape) for shape in shapes) != params:
+        raise ValueError(f"{what}: shapes {list(shapes)} hold {sum(math.prod(s) for s in shapes)} elements, "
+                         f"not the {params} parameters given")
 
 
 def proportional_times(seconds_per_sample: float, batch: int, ks: Sequence[int]) -> dict[tuple[int, int], float]:
@@ -226,7 +246,8 @@ def _layer_profile(name: str, seen: _Seen, batch: int, ks: Sequence[int], timer:
     return LayerProfile(
         name=name, kind=type(module).__name__, params=sum(p.numel() for p in module.parameters()),
         in_elems=math.prod(seen.in_shape[1:]), out_elems=math.prod(seen.out_shape[1:]), out_size=size,
-        times=times, splittable=splittable, input_grad=seen.input_grad, calls=seen.calls)
+        times=times, splittable=splittable, input_grad=seen.input_grad, calls=seen.calls,
+        shapes=tuple(tuple(p.shape) for p in module.parameters()))
 
 
 def profile_model(
@@ -269,11 +290,17 @@ def _profile(model: nn.Module, sample: Tensor, batch: int, ks: list[int], timer:
     own = sum(layer.compute(batch) * layer.calls for layer in layers)
     unused = tuple(n for n, m in model.named_modules() if n and is_partitionable(m) and n not in seen)
     params = list(model.parameters())
+    owned = {id(p) for s in seen.values() for p in s.module.parameters()}
+    replicated = sum(p.numel() for p in params) - sum(layer.params for layer in layers)
+    shapes = tuple(tuple(p.shape) for p in params if id(p) not in owned)
+    if sum(math.prod(shape) for shape in shapes) != replicated:  # weights shared between layers: counts disagree
+        shapes = None
     return ModelProfile(
         batch=batch, layers=layers,
         # unused layers stay dim 0: their parameters join the data-parallel reduction
-        replicated_params=sum(p.numel() for p in params) - sum(layer.params for layer in layers),
+        replicated_params=replicated,
         replicated_seconds=max(total - own, 0.0),
+        replicated_shapes=shapes,
         unused=unused,
         bytes_per_element=params[0].element_size() if params else 4,
         model=type(model).__name__)

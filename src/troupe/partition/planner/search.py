@@ -4,8 +4,9 @@
 dim as the state, so any transition cost (zero in today's runtime, see
 `cost.transition_cost`) is priced exactly. `candidates` runs it for every factorisation
 W = G x k, adds the hand plans worth comparing (pure data parallel, Krizhevsky's "one weird
-trick", all dim 1) and the communication-saving options, and prices them all with
-`cost.plan_cost`. It measures nothing: profiles and links come in.
+trick", all dim 1), the communication-saving options (powerSGD at several ranks) and DiLoCo
+over worker groups at several H, and prices them all with `cost.plan_cost` / `cost.diloco_cost`.
+Each candidate says how its update relates to synchronous SGD (`Candidate.sync_sgd`). It measures nothing: profiles and links come in.
 """
 
 from __future__ import annotations
@@ -13,16 +14,43 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from troupe.partition.planner.cost import Cost, Setup, dim0_params, layer_cost, param_bytes, plan_cost, transition_cost
+from troupe.partition.planner.cost import (
+    OPTIONS,
+    OUTER_SLOTS,
+    Cost,
+    Setup,
+    diloco_cost,
+    dim0_params,
+    layer_cost,
+    param_bytes,
+    plan_cost,
+    transition_cost,
+)
 from troupe.partition.planner.link import Link
 from troupe.partition.planner.profile import ModelProfile
 from troupe.util import check_int
 
-LISTED_OPTIONS = ("plain", "fp16", "sparseTopK", "partialUpdate")
-"""Options `candidates` lists by default (bf16 costs what fp16 does)."""
+DILOCO = "diloco"
+"""DiLoCo: a cluster framework, listed beside the dist_options (its candidates' option is 'diloco:H')."""
+
+REGIMES = (*OPTIONS, DILOCO)
+"""What `candidates` can list: every option the cost model prices, and DiLoCo."""
+
+LISTED_OPTIONS = ("plain", "fp16", "sparseTopK", "partialUpdate", "powerSGD", DILOCO)
+"""Regimes `candidates` lists by default (bf16 costs what fp16 does)."""
+
+POWERSGD_RANKS = (1, 2, 4)
+"""powerSGD ranks listed by default."""
+
+SYNC_FREQS = (20, 50, 100)
+"""DiLoCo's H (inner steps per outer step) listed by default."""
 
 EXACT_OPTIONS = ("plain",)
 """Options `pick` chooses among by default: the others change what the update computes."""
+
+PICK_FROM = {"exact": EXACT_OPTIONS, "approx": OPTIONS, "any": None}
+"""`troupe plan --pick-from`: the same update as synchronous SGD; also synchronous SGD on compressed
+gradients; also regimes that are not synchronous SGD at all (DiLoCo)."""
 
 DATA_PARALLEL = "data parallel"
 
@@ -80,10 +108,25 @@ class Candidate:
     cost: Cost
     param_bytes: float
     """On the worker holding the most (see `cost.param_bytes`)."""
+    worker_groups: int | None = None
+    """DiLoCo's worker groups G (None for the synchronous regimes)."""
 
     @property
     def seconds(self) -> float:
         return self.cost.seconds
+
+    @property
+    def regime(self) -> str:
+        """The option or framework without its setting ('powerSGD:2' -> 'powerSGD')."""
+        return self.option.partition(":")[0]
+
+    @property
+    def sync_sgd(self) -> str:
+        """'exact': the update of synchronous SGD; 'approx': synchronous SGD on compressed gradients;
+        'no': not equivalent to synchronous SGD (DiLoCo's local steps and outer optimizer)."""
+        if self.regime in EXACT_OPTIONS:
+            return "exact"
+        return "no" if self.regime == DILOCO else "approx"
 
     @property
     def plan(self) -> dict[str, int]:
@@ -94,10 +137,10 @@ class Candidate:
 
     def to_json(self) -> dict:
         return {"candidate": self.name, "workers_per_group": self.workers_per_group, "dims": self.plan,
-                "option": self.option, "predicted_ms": self.seconds * 1e3,
+                "option": self.option, "sync_sgd": self.sync_sgd, "predicted_ms": self.seconds * 1e3,
                 "compute_ms": self.cost.compute * 1e3, "intra_ms": self.cost.intra * 1e3,
                 "reduce_ms": self.cost.reduce * 1e3, "mb_per_step": self.cost.bytes / 1e6,
-                "param_mb": self.param_bytes / 1e6}
+                "param_mb": self.param_bytes / 1e6, "worker_groups": self.worker_groups}
 
 
 def divisors(n: int) -> list[int]:
@@ -116,8 +159,31 @@ def hand_plans(profile: ModelProfile, k: int) -> dict[str, tuple[int, ...]]:
 
 
 def _price(profile: ModelProfile, name: str, dims: tuple[int, ...], setup: Setup) -> Candidate:
-    return Candidate(name, setup.workers_per_group, dims, profile.names, setup.option,
+    label = f"powerSGD:{setup.powersgd_rank}" if setup.option == "powerSGD" else setup.option
+    return Candidate(name, setup.workers_per_group, dims, profile.names, label,
                      plan_cost(profile, dims, setup), param_bytes(profile, dims, setup))
+
+
+def _variants(setup: Setup, options: Sequence[str], ranks: Sequence[int]) -> list[Setup]:
+    """`setup` with each option of `options` (powerSGD once per rank; DiLoCo is not an option)."""
+    out = []
+    for option in options:
+        if option == "powerSGD":
+            out += [replace(setup, option=option, powersgd_rank=r) for r in ranks]
+        elif option != DILOCO:
+            out.append(replace(setup, option=option))
+    return out
+
+
+def diloco_candidates(profile: ModelProfile, base: Setup, sync_freqs: Sequence[int]) -> list[Candidate]:
+    """DiLoCo for every G >= 2 worker groups dividing W (data parallel inside each) and H in `sync_freqs`."""
+    zeros = tuple(0 for _ in profile.layers)
+    params = profile.replicated_params + sum(layer.params for layer in profile.layers)
+    outer = OUTER_SLOTS * params * profile.bytes_per_element
+    memory = param_bytes(profile, zeros, replace(base, workers_per_group=1)) + outer
+    return [Candidate(f"DiLoCo {g} groups x {base.world_size // g}", 1, zeros, profile.names, f"{DILOCO}:{h}",
+                      diloco_cost(profile, base, g, h), memory, worker_groups=g)
+            for g in divisors(base.world_size) if g > 1 for h in sync_freqs]
 
 
 def _plans(profile: ModelProfile, base: Setup, ks: Iterable[int]) -> list[tuple[str, Setup, tuple[int, ...]]]:
@@ -140,6 +206,8 @@ def candidates(
     *,
     workers_per_group: Sequence[int] | None = None,
     options: Sequence[str] = LISTED_OPTIONS,
+    powersgd_ranks: Sequence[int] = POWERSGD_RANKS,
+    sync_freqs: Sequence[int] = SYNC_FREQS,
     **setup_args: object,
 ) -> list[Candidate]:
     """Every plan worth listing, priced, fastest first.
@@ -148,7 +216,9 @@ def candidates(
     (plain option), the hand plans, and pure data parallel; then each option of `options`
     on pure data parallel and on each k's best plan (an option reduces only the dim-0
     parameters, so it composes with any plan that has some). A plan with every dim 0 is
-    data parallel whatever k is: equal plans are listed once, their names joined.
+    data parallel whatever k is: equal plans are listed once, their names joined. powerSGD is
+    listed once per rank of `powersgd_ranks` when the profile knows its parameters' shapes;
+    "diloco" adds `diloco_candidates` (every G >= 2 dividing W, every H of `sync_freqs`).
 
     `setup_args` go to `cost.Setup` (spars, chunk_size, bucket_size, overlap, optimizer_slots).
     """
@@ -157,16 +227,24 @@ def candidates(
     base = Setup(world_size=world_size, link=link, **setup_args)
     for k in ks:
         replace(base, workers_per_group=k)  # validates: k divides W
+    unknown = [o for o in options if o not in REGIMES]
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} (known: {list(REGIMES)})")
     if "plain" not in options:
         options = ("plain", *options)
+    if not profile.shapes_known:  # hand-built profiles: powerSGD cannot tell matrices from vectors
+        options = tuple(o for o in options if o != "powerSGD")
     found: dict[tuple, Candidate] = {}
     for name, setup, dims in _plans(profile, base, ks):
         variants = options if name == DATA_PARALLEL or name.startswith("best") else ("plain",)
-        for option in variants:
-            if option != "plain" and dim0_params(profile, dims) == 0:
+        for variant in _variants(setup, variants, powersgd_ranks):
+            if variant.option != "plain" and dim0_params(profile, dims) == 0:
                 continue  # nothing for the option to reduce
-            _add(found, _price(profile, name, dims, replace(setup, option=option)))
-    return sorted(found.values(), key=lambda c: c.seconds)
+            _add(found, _price(profile, name, dims, variant))
+    listed = list(found.values())
+    if DILOCO in options:
+        listed += diloco_candidates(profile, base, sync_freqs)
+    return sorted(listed, key=lambda c: c.seconds)
 
 
 def _add(found: dict[tuple, Candidate], cand: Candidate) -> None:
@@ -181,8 +259,8 @@ def _add(found: dict[tuple, Candidate], cand: Candidate) -> None:
 
 
 def pick(cands: Sequence[Candidate], options: Sequence[str] | None = EXACT_OPTIONS) -> Candidate:
-    """The fastest candidate whose option is in `options` (None: any option)."""
-    eligible = [c for c in cands if options is None or c.option in options]
+    """The fastest candidate whose option (its `regime`) is in `options` (None: any option)."""
+    eligible = [c for c in cands if options is None or c.regime in options]
     if not eligible:
         raise ValueError(f"no candidate with an option in {options} (candidates' options: "
                          f"{sorted({c.option for c in cands})})")
