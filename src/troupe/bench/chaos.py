@@ -83,7 +83,7 @@ class Driver:
         self.killed_pids: set[int] = set()
         self.log_seen = 0
         cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(args.groups), "--elastic", "--min-groups",
-               str(args.min_groups), "--restarts-per-rank", "1000", "--log-dir", str(self.out / "logs"),
+               str(args.min_groups), "--restarts-per-rank", "1000", "--spares", str(args.spares), "--log-dir", str(self.out / "logs"),
                "--ranks", "0", __file__, "job", str(self.out), "--batch-size", str(args.batch_size),
                "--lr", str(args.lr), "--seed", str(args.seed)]
         env = {**os.environ, "TROUPE_CHAOS_T0": repr(self.t0), "OMP_NUM_THREADS": "1"}
@@ -228,6 +228,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spares", type=int, default=1, help="troupe run --spares: warm processes for restarts")
 
 
 def main(argv: list[str] | None = None) -> None:
