@@ -13,6 +13,7 @@ from torch import nn
 
 from tests.dist.world import run_world
 from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.workers.pseudograd import decode, encode, wire_size
 
 GROUPS, PER_GROUP = 2, 2
 H = 3
@@ -76,7 +77,40 @@ def train(rank: int, world_size: int):
         run(RESUME_AT, STEPS)
         out[name] = {"outer": snapshots, "final": uninterrupted, "resumed": flat(model),
                      "strategy": opt.strategy.name}
+    out["wire"] = quantised_means(opt.strategy.place, rank // PER_GROUP)
     return out
+
+
+DTYPES = ("fp32", "bf16", "int8", "int4")
+DELTA_SIZES = (3000, 7)
+
+
+def group_deltas(group: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(50 + group)
+    return [torch.randn(n, generator=g) * (group + 1) for n in DELTA_SIZES]
+
+
+def quantised_means(place, group: int) -> dict[str, tuple[list[torch.Tensor], int]]:
+    """Each pseudo_grad_dtype's mean of the groups' deltas over the place communicator, and its wire bytes."""
+    from troupe.cluster.workers.pseudograd import mean_over_groups
+
+    out = {}
+    for dtype in DTYPES:
+        before = place.bytes_sent()
+        deltas = group_deltas(group)
+        mean_over_groups(place, deltas, dtype)
+        out[dtype] = (deltas, place.bytes_sent() - before)
+    return out
+
+
+def quantised_reference(dtype: str) -> torch.Tensor:
+    """The groups' decoded deltas added in group order, over the number of groups."""
+
+    flats = [torch.cat(group_deltas(g)) for g in range(GROUPS)]
+    total = torch.zeros_like(flats[0])
+    for f in flats:
+        total += decode(encode(f, dtype), f.numel(), dtype)
+    return total / GROUPS
 
 
 def reference(name: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -125,3 +159,15 @@ def test_diloco_groups_match_a_single_process_simulation_and_resume_mid_period()
             torch.testing.assert_close(r["final"], finals[rank // PER_GROUP], rtol=0, atol=1e-5)
             assert torch.equal(r["resumed"], r["final"]), (name, rank)
         assert not torch.allclose(got[0]["final"], got[PER_GROUP]["final"])
+    exact = sum(torch.cat(group_deltas(g)) for g in range(GROUPS)) / GROUPS
+    fp32_bytes = ranks[0]["wire"]["fp32"][1]
+    assert fp32_bytes == 2 * (GROUPS - 1) / GROUPS * 4 * sum(DELTA_SIZES)
+    for dtype, bound in {"fp32": 1e-6, "bf16": 0.1, "int8": 0.1, "int4": 0.8}.items():
+        want = quantised_reference(dtype)
+        for rank, r in enumerate(ranks):  # every worker of every group: the same mean, bit for bit
+            mean, sent = torch.cat(r["wire"][dtype][0]), r["wire"][dtype][1]
+            torch.testing.assert_close(mean, want, rtol=0, atol=1e-6 if dtype == "fp32" else 0)
+            assert torch.equal(mean, torch.cat(ranks[0]["wire"][dtype][0])), (dtype, rank)
+            if dtype != "fp32":  # an all-gather of the encoded bytes: 1/2, ~1/4, ~1/8 of fp32's with 2 groups
+                assert sent == (GROUPS - 1) * wire_size(sum(DELTA_SIZES), dtype), (dtype, sent, fp32_bytes)
+        assert (want - exact).abs().max() < bound, dtype

@@ -12,6 +12,7 @@ from troupe.cluster.configuration.flags import given
 from troupe.cluster.configuration.roles import expendable_ranks, roles
 from troupe.cluster.configuration.sources import parse_cluster_text, resolve
 from troupe.cluster.workers.diloco import OuterStep, outer_optimizer
+from troupe.cluster.workers.pseudograd import CHUNK, decode, encode, wire_size
 
 
 def diloco(**fields) -> ClusterConfig:
@@ -113,3 +114,37 @@ def test_the_nesterov_outer_step_by_hand_and_its_state_round_trips():
     again.load_state_dict(saved)
     assert again.steps == 2 and torch.equal(again.outer[0], step.outer[0])
     torch.testing.assert_close(again.optimizer.state_dict()["state"][0]["momentum_buffer"], buf)
+
+
+@pytest.mark.parametrize("dtype, levels", [("int8", 127), ("int4", 7)])
+def test_integer_pseudo_gradients_round_trip_within_half_a_step_of_their_chunks_absmax(dtype, levels):
+    torch.manual_seed(0)
+    n = 3 * CHUNK + 17  # a partial last chunk
+    x = torch.randn(n) * torch.linspace(1e-3, 10, n)  # chunks of very different scales
+    payload = encode(x, dtype)
+    assert payload.dtype == torch.uint8 and payload.numel() == wire_size(n, dtype)
+    y = decode(payload, n, dtype)
+    padded = torch.nn.functional.pad(x, (0, -n % CHUNK)).view(-1, CHUNK)
+    bound = (padded.abs().amax(dim=1, keepdim=True) / levels).expand(-1, CHUNK).reshape(-1)[:n]
+    assert ((y - x).abs() <= bound / 2 * (1 + 1e-6)).all()
+    assert torch.equal(decode(encode(torch.zeros(5), dtype), 5, dtype), torch.zeros(5))
+
+
+def test_fp32_and_bf16_pseudo_gradients_round_trip_exactly_and_to_bf16():
+    x = torch.randn(1000)
+    assert torch.equal(decode(encode(x, "fp32"), 1000, "fp32"), x)
+    assert torch.equal(decode(encode(x, "bf16"), 1000, "bf16"), x.to(torch.bfloat16).float())
+    assert [wire_size(4096, d) for d in ("fp32", "bf16", "int8", "int4")] == [16384, 8192, 4096 + 16, 2048 + 16]
+
+
+def test_pseudo_grad_dtype_is_a_flag_a_field_and_one_clear_line_when_unknown():
+    args = build_parser().parse_args(["run", "-n", "4", "--framework", "diloco", "--nworker-groups", "2",
+                                      "--pseudo-grad-dtype", "int4", "x.py"])
+    assert resolve(args.framework, args.cluster, args.nproc, **given(args)).pseudo_grad_dtype == "int4"
+    block = parse_cluster_text("cluster {\n  framework: diloco\n  nworker_groups: 2\n  pseudo_grad_dtype: bf16\n}\n")
+    assert block.pseudo_grad_dtype == "bf16" and diloco().pseudo_grad_dtype == "fp32"
+    with pytest.raises(ValueError, match="pseudo_grad_dtype must be one of fp32, bf16, int8, int4, got 'fp8'") as e:
+        diloco(pseudo_grad_dtype="fp8")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="pseudo_grad_dtype 'int8': only framework diloco"):
+        ClusterConfig(nworker_groups=3, nserver_groups=3, pseudo_grad_dtype="int8")

@@ -106,7 +106,7 @@ def outer_optimizer_class(name: object) -> str:
 _SIZE = Flag()
 """A size or count flag: an integer >= 1, no help text."""
 
-_DILOCO_ONLY = ("outer_optimizer", "outer_lr", "outer_momentum")
+_DILOCO_ONLY = ("outer_optimizer", "outer_lr", "outer_momentum", "pseudo_grad_dtype")
 """The fields that only DiLoCo reads."""
 
 
@@ -205,6 +205,12 @@ class ClusterConfig:
     outer_momentum: float = option(0.9, keeps_shape=True, check=_check_outer_momentum, flag=Flag(
         "DiLoCo: the outer optimizer's momentum (default 0.9)"))
     """DiLoCo: the outer optimizer's momentum, for an outer optimizer that takes one."""
+    pseudo_grad_dtype: Literal["fp32", "bf16", "int8", "int4"] = option("fp32", keeps_shape=True, flag=Flag(
+        "DiLoCo: the dtype the pseudo-gradients travel in (default fp32)"))
+    """DiLoCo: the dtype the pseudo-gradients travel in. fp32: one all-reduce. bf16, int8, int4 (absmax
+    scaling per chunk of 1024 elements, int4 two codes a byte): all-gathered, then decoded and summed in
+    fp32 in group order, so that every group gets the same mean bit for bit
+    (`troupe.cluster.workers.pseudograd`)."""
 
     partition_dim: int | dict[str, int] | None = option(None, check=_check_partition)
     """A partitioned model (`troupe.partition(model)` in the script): every Linear/Conv2d's

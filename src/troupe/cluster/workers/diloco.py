@@ -8,7 +8,7 @@ DistOpt's step counter, each worker takes the outer step with the workers holdin
 in the other groups (its *place* communicator; with one worker per group, every worker)::
 
     delta = theta_outer - theta                 # this group's pseudo-gradient
-    delta = sum over the groups of delta / G    # one all-reduce over the place communicator
+    delta = sum over the groups of delta / G    # over the place communicator, in pseudo_grad_dtype
     outer_optimizer.step()  with grad delta     # steps theta_outer
     theta = theta_outer                         # every group adopts it
 
@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from troupe.cluster.configuration.config import OUTER_DEFAULT, ClusterConfig, outer_optimizer_class
+from troupe.cluster.workers.pseudograd import mean_over_groups
 from troupe.runtime.comm import Communicator
 from troupe.strategies.allreduce import AllReduce
 from troupe.strategies.base import StepStats
@@ -157,10 +158,7 @@ class DiLoCo:
 
     def _outer_step(self) -> None:
         deltas = self.outer.pseudo_gradient(self.params)
-        # A sum then one division, the same on every worker: the groups end bit for bit equal.
-        self.place.fused_all_reduce(deltas, "sum")
-        for d in deltas:
-            d.div_(self.cluster.nworker_groups)
+        mean_over_groups(self.place, deltas, self.cluster.pseudo_grad_dtype)
         self.outer.step(deltas, self.params)
 
     def per_rank_state(self) -> list[str]:
