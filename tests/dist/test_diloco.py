@@ -6,6 +6,7 @@ DistOpt.state_dict() in the middle of an outer period equal to the uninterrupted
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 
 from tests.dist.world import run_world
 from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.workers.diloco import fragment_bounds
 from troupe.cluster.workers.pseudograd import decode, encode, wire_size
 
 GROUPS, PER_GROUP = 2, 2
@@ -22,6 +24,8 @@ STEPS = 8
 RESUME_AT = 4
 """Mid-period: after the first outer step, before the second."""
 BATCH = 4
+FRAGMENTS = 3
+"""Streaming DiLoCo: the model's 4 tensors in 3 fragments, syncing after steps 3k, 3k+1, 3k+2."""
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 
 INNER = {
@@ -49,7 +53,7 @@ def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def train(rank: int, world_size: int):
+def train(rank: int, world_size: int, streaming_cluster: str):
     import troupe
 
     out = {}
@@ -78,7 +82,28 @@ def train(rank: int, world_size: int):
         out[name] = {"outer": snapshots, "final": uninterrupted, "resumed": flat(model),
                      "strategy": opt.strategy.name}
     out["wire"] = quantised_means(opt.strategy.place, rank // PER_GROUP)
+    out["streaming"] = streaming(streaming_cluster)
     return out
+
+
+def streaming(cluster: str) -> list[torch.Tensor]:
+    """Streaming DiLoCo (fragments) with the SGD inner optimizer: the parameters after every step.
+
+    A second DistOpt in the same world: it reads the cluster when it is made."""
+    import os
+
+    import troupe
+
+    os.environ["TROUPE_CLUSTER"] = cluster
+    model = make_model()
+    opt = troupe.DistOpt(INNER["sgd"](model.parameters()))
+    every_step = []
+    for t in range(STEPS):
+        loss_of(model, *batch(t, opt.global_rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        every_step.append(flat(model))
+    return every_step
 
 
 DTYPES = ("fp32", "bf16", "int8", "int4")
@@ -113,13 +138,19 @@ def quantised_reference(dtype: str) -> torch.Tensor:
     return total / GROUPS
 
 
-def reference(name: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """DiLoCo's Algorithm 1 in one process: each group's parameters after every outer step, and at the end."""
+def reference(name: str, fragments: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]]]:
+    """(Streaming) DiLoCo in one process: the first group's parameters after every outer step, each
+    group's at the end, and every group's after every inner step (and the outer steps it ends with).
+
+    Fragment j of `fragments` (`fragment_bounds`) takes its own outer step, with its own outer optimizer,
+    after each inner step t with (t + 1) % H == floor(j * H / fragments)."""
     models = [make_model() for _ in range(GROUPS)]
     inner = [INNER[name](m.parameters()) for m in models]
+    bounds = fragment_bounds([p.numel() for p in models[0].parameters()], fragments)
     outer_params = [p.detach().clone() for p in models[0].parameters()]
-    outer = torch.optim.SGD(outer_params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-    after_outer = []
+    outers = [torch.optim.SGD(outer_params[a:b], lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+              for a, b in bounds]
+    after_outer, every_step = [], []
     for t in range(STEPS):
         for g, (model, opt) in enumerate(zip(models, inner)):
             # the group's gradient: the mean of its workers' mean losses
@@ -127,17 +158,21 @@ def reference(name: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             loss.backward()
             opt.step()
             opt.zero_grad()
-        if (t + 1) % H == 0:
+        for j, (a, b) in enumerate(bounds):
+            if (t + 1) % H != j * H // fragments:
+                continue
             with torch.no_grad():
-                for i, o in enumerate(outer_params):
-                    deltas = [o - list(m.parameters())[i] for m in models]
-                    o.grad = sum(deltas) / GROUPS
-                outer.step()
+                for i in range(a, b):
+                    deltas = [outer_params[i] - list(m.parameters())[i] for m in models]
+                    outer_params[i].grad = sum(deltas) / GROUPS
+                outers[j].step()
                 for m in models:
-                    for p, o in zip(m.parameters(), outer_params):
+                    for p, o in zip(list(m.parameters())[a:b], outer_params[a:b]):
                         p.copy_(o)
-            after_outer.append(flat(models[0]))
-    return after_outer, [flat(m) for m in models]
+            if j == 0:
+                after_outer.append(flat(models[0]))
+        every_step.append([flat(m) for m in models])
+    return after_outer, [flat(m) for m in models], every_step
 
 
 @pytest.mark.timeout(120)
@@ -145,9 +180,11 @@ def test_diloco_groups_match_a_single_process_simulation_and_resume_mid_period()
     cluster = ClusterConfig(framework="diloco", nworker_groups=GROUPS, nworkers_per_group=PER_GROUP,
                             nserver_groups=GROUPS, nservers_per_group=PER_GROUP, sync_freq=H,
                             outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
-    ranks = run_world(train, GROUPS * PER_GROUP, timeout=90, env={"TROUPE_CLUSTER": cluster.to_json()})
+    streaming_cluster = dataclasses.replace(cluster, fragments=FRAGMENTS)
+    ranks = run_world(train, GROUPS * PER_GROUP, streaming_cluster.to_json(), timeout=90,
+                      env={"TROUPE_CLUSTER": cluster.to_json()})
     for name in INNER:
-        after_outer, finals = reference(name)
+        after_outer, finals, _ = reference(name)
         got = [r[name] for r in ranks]
         assert got[0]["strategy"] == "diloco"
         for k, want in enumerate(after_outer):
@@ -171,3 +208,23 @@ def test_diloco_groups_match_a_single_process_simulation_and_resume_mid_period()
             if dtype != "fp32":  # an all-gather of the encoded bytes: 1/2, ~1/4, ~1/8 of fp32's with 2 groups
                 assert sent == (GROUPS - 1) * wire_size(sum(DELTA_SIZES), dtype), (dtype, sent, fp32_bytes)
         assert (want - exact).abs().max() < bound, dtype
+    check_streaming(ranks)
+
+
+def check_streaming(ranks: list[dict]) -> None:
+    """Streaming DiLoCo equals its simulation after every step, and a fragment is the same bits in every
+    group after its outer step."""
+    _, _, want = reference("sgd", FRAGMENTS)
+    sizes = [p.numel() for p in make_model().parameters()]
+    before = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    bounds = fragment_bounds(sizes, FRAGMENTS)
+    assert bounds == [(0, 1), (1, 2), (2, 4)]  # 30 | 5 | 15 + 3 elements
+    for t in range(STEPS):
+        for rank, r in enumerate(ranks):
+            torch.testing.assert_close(r["streaming"][t], want[t][rank // PER_GROUP], rtol=0, atol=1e-5)
+        j = [j for j in range(FRAGMENTS) if (t + 1) % H == j * H // FRAGMENTS]
+        assert len(j) == 1, t  # H = FRAGMENTS: one fragment syncs after every step
+        a, b = before[bounds[j[0]][0]], before[bounds[j[0]][1]]
+        for rank, r in enumerate(ranks):
+            assert torch.equal(r["streaming"][t][a:b], ranks[0]["streaming"][t][a:b]), (t, rank)
+        assert not torch.equal(ranks[0]["streaming"][t], ranks[PER_GROUP]["streaming"][t])  # the others differ

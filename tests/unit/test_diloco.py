@@ -11,7 +11,7 @@ from troupe.cluster.configuration.config import ClusterConfig
 from troupe.cluster.configuration.flags import given
 from troupe.cluster.configuration.roles import expendable_ranks, roles
 from troupe.cluster.configuration.sources import parse_cluster_text, resolve
-from troupe.cluster.workers.diloco import OuterStep, outer_optimizer
+from troupe.cluster.workers.diloco import OuterStep, fragment_bounds, outer_optimizer, sync_offset
 from troupe.cluster.workers.pseudograd import CHUNK, decode, encode, wire_size
 
 
@@ -148,3 +148,33 @@ def test_pseudo_grad_dtype_is_a_flag_a_field_and_one_clear_line_when_unknown():
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="pseudo_grad_dtype 'int8': only framework diloco"):
         ClusterConfig(nworker_groups=3, nserver_groups=3, pseudo_grad_dtype="int8")
+
+
+def test_fragments_are_contiguous_runs_of_tensors_balanced_by_elements():
+    assert fragment_bounds([30, 5, 15, 3], 1) == [(0, 4)]
+    assert fragment_bounds([30, 5, 15, 3], 3) == [(0, 1), (1, 2), (2, 4)]
+    assert fragment_bounds([10] * 8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert fragment_bounds([1000, 1, 1, 1], 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]  # none empty
+    for k, message in ((5, "got 5"), (0, "got 0")):
+        with pytest.raises(ValueError, match=f"fragments must be an integer from 1 to the model's 4 parameter "
+                                             f"tensors, {message}"):
+            fragment_bounds([30, 5, 15, 3], k)
+
+
+@pytest.mark.parametrize("h, k", [(12, 4), (10, 3), (3, 3), (2, 3), (50, 1)])
+def test_each_fragment_syncs_once_per_period_at_offsets_spread_over_it(h, k):
+    offsets = [sync_offset(j, k, h) for j in range(k)]
+    assert offsets[0] == 0 and all(0 <= o < h for o in offsets)  # fragment 0 syncs with plain DiLoCo
+    assert offsets == sorted(offsets) and offsets[-1] - offsets[0] <= h - h // k
+    if k <= h:
+        assert len(set(offsets)) == k  # no two fragments share a step
+
+
+def test_fragments_is_a_flag_and_a_field_and_at_least_1():
+    args = build_parser().parse_args(["run", "-n", "2", "--framework", "diloco", "--fragments", "4", "x.py"])
+    assert resolve(args.framework, args.cluster, args.nproc, **given(args)).fragments == 4
+    assert parse_cluster_text("cluster {\n  framework: diloco\n  nworker_groups: 2\n  fragments: 3\n}\n").fragments == 3
+    with pytest.raises(ValueError, match="fragments must be an integer >= 1, got 0"):
+        diloco(fragments=0)
+    with pytest.raises(ValueError, match="fragments 2: only framework diloco"):
+        ClusterConfig(nworker_groups=3, nserver_groups=3, fragments=2)

@@ -106,7 +106,8 @@ def outer_optimizer_class(name: object) -> str:
 _SIZE = Flag()
 """A size or count flag: an integer >= 1, no help text."""
 
-_DILOCO_ONLY = ("outer_optimizer", "outer_lr", "outer_momentum", "pseudo_grad_dtype")
+_DILOCO_ONLY = ("outer_optimizer", "outer_lr", "outer_momentum", "pseudo_grad_dtype",
+                "fragments")
 """The fields that only DiLoCo reads."""
 
 
@@ -211,6 +212,12 @@ class ClusterConfig:
     scaling per chunk of 1024 elements, int4 two codes a byte): all-gathered, then decoded and summed in
     fp32 in group order, so that every group gets the same mean bit for bit
     (`troupe.cluster.workers.pseudograd`)."""
+    fragments: int = option(1, keeps_shape=True, flag=Flag(
+        "Streaming DiLoCo: cut the model into K fragments that sync at staggered steps (default 1)", metavar="K"))
+    """Streaming DiLoCo (arXiv 2501.18512): the parameters, in `parameters()` order, cut into K contiguous
+    fragments balanced by element count (K at most the number of parameter tensors); fragment j takes its
+    own outer step (its own slice of the outer optimizer) after every inner step that brings the step
+    count to a multiple of sync_freq plus floor(j * sync_freq / K). 1: DiLoCo, everything at once."""
 
     partition_dim: int | dict[str, int] | None = option(None, check=_check_partition)
     """A partitioned model (`troupe.partition(model)` in the script): every Linear/Conv2d's

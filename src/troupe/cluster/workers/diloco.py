@@ -58,6 +58,30 @@ def outer_optimizer(cluster: ClusterConfig, params: Sequence[Tensor]) -> torch.o
     return cls(params, **kwargs)
 
 
+def fragment_bounds(sizes: Sequence[int], k: int) -> list[tuple[int, int]]:
+    """Streaming DiLoCo's fragments: `k` contiguous runs [a, b) of the parameter tensors (of `sizes`
+    elements), none empty, each cut placed where the elements before it come closest to j/k of all."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(sizes):
+        raise ValueError(f"fragments must be an integer from 1 to the model's {len(sizes)} parameter tensors, "
+                         f"got {k!r}")
+    before = [0]
+    for n in sizes:
+        before.append(before[-1] + n)
+    cuts = [0]
+    for j in range(1, k):
+        # leave at least one tensor for each fragment still to come
+        room = range(cuts[-1] + 1, len(sizes) - (k - j) + 1)
+        cuts.append(min(room, key=lambda c: abs(before[c] - j * before[-1] / k)))
+    cuts.append(len(sizes))
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def sync_offset(fragment: int, k: int, h: int) -> int:
+    """Fragment `fragment` of `k` syncs after each inner step that makes the step count = this (mod `h`):
+    floor(fragment * h / k), so the k exchanges spread evenly over the period and each comes once in it."""
+    return fragment * h // k
+
+
 class OuterStep:
     """The outer parameters and their optimizer, pure state: pseudo-gradients in, parameters to adopt out."""
 
@@ -120,15 +144,19 @@ class DiLoCo:
         self.reducer = inner.reducer
         self.params = list(params)
         self.step_count = step_count
-        self.outer = OuterStep(cluster, self.params)
+        self.bounds = fragment_bounds([p.numel() for p in self.params], cluster.fragments)
+        self.outers = [OuterStep(cluster, self.params[a:b]) for a, b in self.bounds]
+        """One outer step per fragment: its own theta_outer and outer optimizer state."""
 
     def start(self) -> None:
         """Every worker now holds rank 0's parameters: they are theta_outer."""
-        self.outer.reset(self.params)
+        for outer, (a, b) in zip(self.outers, self.bounds):
+            outer.reset(self.params[a:b])
 
-    def _outer_now(self) -> bool:
-        """Does the step being taken end an outer period? (DistOpt counts it after `step`.)"""
-        return (self.step_count() + 1) % self.cluster.sync_freq == 0
+    def _syncing(self) -> list[int]:
+        """The fragments whose outer step follows the step being taken (DistOpt counts it after `step`)."""
+        now = (self.step_count() + 1) % self.cluster.sync_freq
+        return [j for j in range(len(self.bounds)) if sync_offset(j, len(self.bounds), self.cluster.sync_freq) == now]
 
     def describe(self) -> str:
         return self.inner.describe()
@@ -143,7 +171,7 @@ class DiLoCo:
         """The group's verdict; at an outer step, the groups' verdicts combined, so that all of them
         skip it together (one group skipping it alone would leave the others waiting in it)."""
         ok = self.inner.all_finite()
-        if self._outer_now():
+        if self._syncing():
             flag = torch.tensor([1.0 if ok else 0.0])
             self.place.all_reduce(flag, "min")
             ok = bool(flag.item() == 1.0)
@@ -151,25 +179,36 @@ class DiLoCo:
 
     def step(self) -> StepStats:
         stats = self.inner.step()
-        if self._outer_now():
-            self._outer_step()
-            stats = {**stats, "outer_step": self.outer.steps}
+        syncing = self._syncing()
+        for j in syncing:  # the same fragments in the same order on every worker
+            self._outer_step(j)
+        if syncing:
+            stats = {**stats, "outer_step": self.outers[syncing[-1]].steps, "fragments_synced": syncing}
         return stats
 
-    def _outer_step(self) -> None:
-        deltas = self.outer.pseudo_gradient(self.params)
+    def _outer_step(self, fragment: int) -> None:
+        a, b = self.bounds[fragment]
+        outer, params = self.outers[fragment], self.params[a:b]
+        deltas = outer.pseudo_gradient(params)
         mean_over_groups(self.place, deltas, self.cluster.pseudo_grad_dtype)
-        self.outer.step(deltas, self.params)
+        outer.step(deltas, params)
 
     def per_rank_state(self) -> list[str]:
         return [DILOCO_STATE]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"diloco": self.outer.state_dict()}
+        states = [outer.state_dict() for outer in self.outers]
+        return {"diloco": states[0] if len(states) == 1 else states}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "diloco" in state:
-            self.outer.load_state_dict(state["diloco"])
+        if "diloco" not in state:
+            return
+        saved = state["diloco"] if isinstance(state["diloco"], list) else [state["diloco"]]
+        if len(saved) != len(self.outers):
+            raise ValueError(f"the checkpoint's DiLoCo state holds {len(saved)} fragments, this worker "
+                             f"{len(self.outers)} (cluster field fragments)")
+        for outer, one in zip(self.outers, saved):
+            outer.load_state_dict(one)
 
     def close(self) -> None:
         pass
