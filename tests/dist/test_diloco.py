@@ -26,6 +26,8 @@ RESUME_AT = 4
 BATCH = 4
 FRAGMENTS = 3
 """Streaming DiLoCo: the model's 4 tensors in 3 fragments, syncing after steps 3k, 3k+1, 3k+2."""
+OVERLAP = ({"delay": 0, "merge_alpha": 0.0}, {"delay": 1, "merge_alpha": 0.5})
+"""Streaming DiLoCo blocking, then each exchange overlapped with the next inner step and merged half-half."""
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 
 INNER = {
@@ -53,7 +55,7 @@ def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def train(rank: int, world_size: int, streaming_cluster: str):
+def train(rank: int, world_size: int, streaming_clusters: list[str]):
     import troupe
 
     out = {}
@@ -82,7 +84,7 @@ def train(rank: int, world_size: int, streaming_cluster: str):
         out[name] = {"outer": snapshots, "final": uninterrupted, "resumed": flat(model),
                      "strategy": opt.strategy.name}
     out["wire"] = quantised_means(opt.strategy.place, rank // PER_GROUP)
-    out["streaming"] = streaming(streaming_cluster)
+    out["streaming"] = [streaming(c) for c in streaming_clusters]
     return out
 
 
@@ -138,19 +140,35 @@ def quantised_reference(dtype: str) -> torch.Tensor:
     return total / GROUPS
 
 
-def reference(name: str, fragments: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]]]:
-    """(Streaming) DiLoCo in one process: the first group's parameters after every outer step, each
-    group's at the end, and every group's after every inner step (and the outer steps it ends with).
+def reference(name: str, fragments: int = 1, delay: int = 0, alpha: float = 0.0
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]]]:
+    """(Streaming) DiLoCo in one process: the first group's parameters after every outer step of
+    fragment 0, each group's at the end, and every group's after every inner step (and the outer
+    steps it ends with).
 
-    Fragment j of `fragments` (`fragment_bounds`) takes its own outer step, with its own outer optimizer,
-    after each inner step t with (t + 1) % H == floor(j * H / fragments)."""
+    Fragment j of `fragments` (`fragment_bounds`) takes Δ and its mean after each inner step t with
+    (t + 1) % H == floor(j * H / fragments); `delay` inner steps later its own outer optimizer steps
+    with that mean, and each group's fragment becomes alpha * its own + (1 - alpha) * θ_outer."""
     models = [make_model() for _ in range(GROUPS)]
     inner = [INNER[name](m.parameters()) for m in models]
     bounds = fragment_bounds([p.numel() for p in models[0].parameters()], fragments)
     outer_params = [p.detach().clone() for p in models[0].parameters()]
     outers = [torch.optim.SGD(outer_params[a:b], lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
               for a, b in bounds]
-    after_outer, every_step = [], []
+    after_outer, every_step, in_flight = [], [], []
+
+    @torch.no_grad()
+    def merge(j: int, means: list[torch.Tensor]) -> None:
+        a, b = bounds[j]
+        for o, mean in zip(outer_params[a:b], means):
+            o.grad = mean
+        outers[j].step()
+        for m in models:
+            for p, o in zip(list(m.parameters())[a:b], outer_params[a:b]):
+                p.copy_(alpha * p + (1 - alpha) * o if alpha else o)
+        if j == 0:
+            after_outer.append(flat(models[0]))
+
     for t in range(STEPS):
         for g, (model, opt) in enumerate(zip(models, inner)):
             # the group's gradient: the mean of its workers' mean losses
@@ -158,19 +176,16 @@ def reference(name: str, fragments: int = 1) -> tuple[list[torch.Tensor], list[t
             loss.backward()
             opt.step()
             opt.zero_grad()
+        while in_flight and in_flight[0][0] == t + 1:
+            merge(*in_flight.pop(0)[1:])
         for j, (a, b) in enumerate(bounds):
-            if (t + 1) % H != j * H // fragments:
-                continue
-            with torch.no_grad():
-                for i in range(a, b):
-                    deltas = [outer_params[i] - list(m.parameters())[i] for m in models]
-                    outer_params[i].grad = sum(deltas) / GROUPS
-                outers[j].step()
-                for m in models:
-                    for p, o in zip(list(m.parameters())[a:b], outer_params[a:b]):
-                        p.copy_(o)
-            if j == 0:
-                after_outer.append(flat(models[0]))
+            if (t + 1) % H == j * H // fragments:
+                with torch.no_grad():
+                    means = [sum(outer_params[i] - list(m.parameters())[i] for m in models) / GROUPS
+                             for i in range(a, b)]
+                in_flight.append((t + 1 + delay, j, means))
+                if delay == 0:
+                    merge(*in_flight.pop()[1:])
         every_step.append([flat(m) for m in models])
     return after_outer, [flat(m) for m in models], every_step
 
@@ -180,8 +195,9 @@ def test_diloco_groups_match_a_single_process_simulation_and_resume_mid_period()
     cluster = ClusterConfig(framework="diloco", nworker_groups=GROUPS, nworkers_per_group=PER_GROUP,
                             nserver_groups=GROUPS, nservers_per_group=PER_GROUP, sync_freq=H,
                             outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
-    streaming_cluster = dataclasses.replace(cluster, fragments=FRAGMENTS)
-    ranks = run_world(train, GROUPS * PER_GROUP, streaming_cluster.to_json(), timeout=90,
+    streaming_clusters = [dataclasses.replace(cluster, fragments=FRAGMENTS, **overlap).to_json()
+                          for overlap in OVERLAP]
+    ranks = run_world(train, GROUPS * PER_GROUP, streaming_clusters, timeout=90,
                       env={"TROUPE_CLUSTER": cluster.to_json()})
     for name in INNER:
         after_outer, finals, _ = reference(name)
@@ -212,19 +228,24 @@ def test_diloco_groups_match_a_single_process_simulation_and_resume_mid_period()
 
 
 def check_streaming(ranks: list[dict]) -> None:
-    """Streaming DiLoCo equals its simulation after every step, and a fragment is the same bits in every
-    group after its outer step."""
-    _, _, want = reference("sgd", FRAGMENTS)
+    """Streaming DiLoCo equals its simulation after every step, blocking and overlapped; blocking, a
+    fragment is the same bits in every group after its outer step."""
     sizes = [p.numel() for p in make_model().parameters()]
     before = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     bounds = fragment_bounds(sizes, FRAGMENTS)
     assert bounds == [(0, 1), (1, 2), (2, 4)]  # 30 | 5 | 15 + 3 elements
-    for t in range(STEPS):
-        for rank, r in enumerate(ranks):
-            torch.testing.assert_close(r["streaming"][t], want[t][rank // PER_GROUP], rtol=0, atol=1e-5)
-        j = [j for j in range(FRAGMENTS) if (t + 1) % H == j * H // FRAGMENTS]
-        assert len(j) == 1, t  # H = FRAGMENTS: one fragment syncs after every step
-        a, b = before[bounds[j[0]][0]], before[bounds[j[0]][1]]
-        for rank, r in enumerate(ranks):
-            assert torch.equal(r["streaming"][t][a:b], ranks[0]["streaming"][t][a:b]), (t, rank)
-        assert not torch.equal(ranks[0]["streaming"][t], ranks[PER_GROUP]["streaming"][t])  # the others differ
+    for run, overlap in enumerate(OVERLAP):
+        _, _, want = reference("sgd", FRAGMENTS, overlap["delay"], overlap["merge_alpha"])
+        got = [r["streaming"][run] for r in ranks]
+        for t in range(STEPS):
+            for rank, r in enumerate(got):
+                torch.testing.assert_close(r[t], want[t][rank // PER_GROUP], rtol=0, atol=1e-5,
+                                           msg=lambda m: f"{overlap} step {t} rank {rank}: {m}")
+            assert not torch.equal(got[0][t], got[PER_GROUP][t])  # the other fragments differ
+            if overlap["delay"]:
+                continue
+            j = [j for j in range(FRAGMENTS) if (t + 1) % H == j * H // FRAGMENTS]
+            assert len(j) == 1, t  # H = FRAGMENTS: one fragment syncs after every step
+            a, b = before[bounds[j[0]][0]], before[bounds[j[0]][1]]
+            for rank, r in enumerate(got):
+                assert torch.equal(r[t][a:b], got[0][t][a:b]), (t, rank)

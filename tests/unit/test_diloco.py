@@ -178,3 +178,26 @@ def test_fragments_is_a_flag_and_a_field_and_at_least_1():
         diloco(fragments=0)
     with pytest.raises(ValueError, match="fragments 2: only framework diloco"):
         ClusterConfig(nworker_groups=3, nserver_groups=3, fragments=2)
+
+
+def test_delay_and_merge_alpha_are_flags_and_fields_with_one_line_errors():
+    args = build_parser().parse_args(["run", "-n", "2", "--framework", "diloco", "--sync-freq", "10", "--fragments",
+                                      "2", "--delay", "3", "--merge-alpha", "0.5", "x.py"])
+    c = resolve(args.framework, args.cluster, args.nproc, **given(args))
+    assert (c.delay, c.merge_alpha, c.fragments) == (3, 0.5, 2)
+    block = parse_cluster_text("cluster {\n  framework: diloco\n  nworker_groups: 2\n  sync_freq: 5\n  delay: 2\n"
+                               "  merge_alpha: 0.25\n}\n")
+    assert (block.delay, block.merge_alpha) == (2, 0.25)
+    for fields, message in (({"delay": 5, "sync_freq": 5}, "delay 5 must be < sync_freq 5"),
+                            ({"delay": -1}, "delay must be an integer >= 0, got -1"),
+                            ({"merge_alpha": 1}, r"merge_alpha must be a number in \[0, 1\), got 1")):
+        with pytest.raises(ValueError, match=message) as e:
+            diloco(**fields)
+        assert "\n" not in str(e.value)
+
+
+def test_a_merge_with_alpha_mixes_the_groups_parameters_with_the_outer_ones():
+    step = OuterStep(diloco(outer_optimizer="sgd", outer_lr=1, outer_momentum=0), [torch.tensor([1.0, 1.0])])
+    mine = [torch.tensor([3.0, -1.0])]
+    step.step([torch.tensor([0.5, 0.5])], mine, alpha=0.25)  # theta_outer -> [0.5, 0.5]
+    torch.testing.assert_close(mine[0], 0.25 * torch.tensor([3.0, -1.0]) + 0.75 * torch.tensor([0.5, 0.5]))

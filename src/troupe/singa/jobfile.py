@@ -89,7 +89,7 @@ def _value(key: str, raw: str) -> int | float | bool | str:
     if key in ("group_merge", "send_updates", "wire_dtype", "fetch", "staleness_lr", "framework", "outer_optimizer",
                "pseudo_grad_dtype"):
         return raw.strip("\"'")
-    if key in ("wire_topk", "outer_lr", "outer_momentum"):  # a fraction or a rate
+    if key in ("wire_topk", "outer_lr", "outer_momentum", "merge_alpha"):  # a fraction or a rate
         try:
             return float(raw)
         except ValueError:

@@ -20,6 +20,26 @@ optimizer's state is never averaged. Distributed Hogwild's master copies
 without momentum; DiLoCo's groups wait for each other at the outer step, so a synchronous
 all-reduce serves it and no master copy, thread or channel is needed.
 
+The pseudo-gradients travel in `pseudo_grad_dtype` (`troupe.cluster.workers.pseudograd`).
+
+Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512): with
+`fragments` K > 1 the parameter tensors, in order, are cut into K contiguous fragments balanced
+by element count (`fragment_bounds`), each with its own `OuterStep` (its theta_outer and its
+slice of the outer optimizer state). Fragment j takes its outer step, as above but over its own
+tensors only, after each inner step that brings the step count c to c % H == floor(j * H / K)
+(`sync_offset`): once per H steps, the K exchanges spread over the period, so the peak traffic
+of one sync is about 1/K of DiLoCo's. Fragment 0 syncs with plain DiLoCo (c % H == 0); fragment
+j's first period is floor(j * H / K) steps long.
+
+With `delay` tau > 0 a fragment's exchange overlaps the next tau inner steps: at its sync step
+the worker takes delta = theta_outer - theta and starts the mean in the background (an async
+all-reduce, or all-gather for a quantised dtype); after the tau-th inner step that follows it
+waits for the mean, steps theta_outer, and merges with the paper's mixing rule,
+theta = alpha * theta + (1 - alpha) * theta_outer, alpha = `merge_alpha` (0: adopt theta_outer,
+the groups are bit for bit equal in that fragment again; the tau inner updates made meanwhile to
+the fragment are then dropped, as in torchft's implementation). tau < H, so a fragment's
+exchange lands before its next starts.
+
 `OuterStep` is the pure state (no communication), unit-tested without processes; `DiLoCo`
 is the UpdateStrategy around the inner `AllReduce`.
 """
@@ -35,7 +55,7 @@ import torch
 from torch import Tensor
 
 from troupe.cluster.configuration.config import OUTER_DEFAULT, ClusterConfig, outer_optimizer_class
-from troupe.cluster.workers.pseudograd import mean_over_groups
+from troupe.cluster.workers.pseudograd import PendingMean, start_mean
 from troupe.runtime.comm import Communicator
 from troupe.strategies.allreduce import AllReduce
 from troupe.strategies.base import StepStats
@@ -105,8 +125,9 @@ class OuterStep:
         return [o - p.detach() for o, p in zip(self.outer, params)]
 
     @torch.no_grad()
-    def step(self, mean_delta: Sequence[Tensor], params: Sequence[Tensor]) -> None:
-        """Step theta_outer with the groups' mean pseudo-gradient, then copy it into `params`."""
+    def step(self, mean_delta: Sequence[Tensor], params: Sequence[Tensor], alpha: float = 0.0) -> None:
+        """Step theta_outer with the groups' mean pseudo-gradient, then merge it into `params`:
+        params = alpha * params + (1 - alpha) * theta_outer (alpha 0: a copy, exactly)."""
         for o, d in zip(self.outer, mean_delta):
             o.grad = d
         try:
@@ -115,7 +136,10 @@ class OuterStep:
             for o in self.outer:
                 o.grad = None
         for o, p in zip(self.outer, params):
-            p.copy_(o)
+            if alpha == 0:
+                p.copy_(o)
+            else:
+                p.mul_(alpha).add_(o, alpha=1 - alpha)
         self.steps += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -147,6 +171,8 @@ class DiLoCo:
         self.bounds = fragment_bounds([p.numel() for p in self.params], cluster.fragments)
         self.outers = [OuterStep(cluster, self.params[a:b]) for a, b in self.bounds]
         """One outer step per fragment: its own theta_outer and outer optimizer state."""
+        self.in_flight: list[tuple[int, int, PendingMean]] = []
+        """(step count to merge at, fragment, exchange) in the order started: the same on every worker."""
 
     def start(self) -> None:
         """Every worker now holds rank 0's parameters: they are theta_outer."""
@@ -179,24 +205,41 @@ class DiLoCo:
 
     def step(self) -> StepStats:
         stats = self.inner.step()
-        syncing = self._syncing()
-        for j in syncing:  # the same fragments in the same order on every worker
-            self._outer_step(j)
-        if syncing:
-            stats = {**stats, "outer_step": self.outers[syncing[-1]].steps, "fragments_synced": syncing}
+        count = self.step_count() + 1
+        # Merges due first (started `delay` steps ago; later if this group skipped that step), then
+        # the exchanges this step starts: the same fragments in the same order on every worker.
+        merged = []
+        while self.in_flight and self.in_flight[0][0] <= count:
+            merged.append(self._merge(self.in_flight.pop(0)))
+        for j in self._syncing():
+            self.in_flight.append((count + self.cluster.delay, j, self._start(j)))
+            if self.cluster.delay == 0:
+                merged.append(self._merge(self.in_flight.pop()))
+        if merged:
+            stats = {**stats, "outer_step": self.outers[merged[-1]].steps, "fragments_synced": merged}
         return stats
 
-    def _outer_step(self, fragment: int) -> None:
+    def _start(self, fragment: int) -> PendingMean:
+        """Start the groups' mean of the fragment's pseudo-gradient, theta_outer - theta, taken now."""
         a, b = self.bounds[fragment]
-        outer, params = self.outers[fragment], self.params[a:b]
-        deltas = outer.pseudo_gradient(params)
-        mean_over_groups(self.place, deltas, self.cluster.pseudo_grad_dtype)
-        outer.step(deltas, params)
+        deltas = self.outers[fragment].pseudo_gradient(self.params[a:b])
+        return start_mean(self.place, deltas, self.cluster.pseudo_grad_dtype)
+
+    def _merge(self, flight: tuple[int, int, PendingMean]) -> int:
+        """Wait for a fragment's exchange, take its outer step, merge theta_outer into the parameters."""
+        _, fragment, pending = flight
+        a, b = self.bounds[fragment]
+        self.outers[fragment].step(pending.wait(), self.params[a:b], self.cluster.merge_alpha)
+        return fragment
 
     def per_rank_state(self) -> list[str]:
         return [DILOCO_STATE]
 
     def state_dict(self) -> dict[str, Any]:
+        if self.in_flight:
+            warnings.warn(f"a DiLoCo checkpoint at step {self.step_count()} leaves out the exchanges of fragments "
+                          f"{[j for _, j, _ in self.in_flight]} still in flight (delay {self.cluster.delay}): "
+                          f"a resume from it does not apply them")
         states = [outer.state_dict() for outer in self.outers]
         return {"diloco": states[0] if len(states) == 1 else states}
 
@@ -211,4 +254,7 @@ class DiLoCo:
             outer.load_state_dict(one)
 
     def close(self) -> None:
-        pass
+        """Complete the exchanges still in flight (no collective left half done), without merging them."""
+        for _, _, pending in self.in_flight:
+            pending.wait()
+        self.in_flight = []

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from troupe.runtime.comm import Communicator
+from troupe.runtime.comm import Communicator, Handle
 
 PseudoGradDtype = Literal["fp32", "bf16", "int8", "int4"]
 
@@ -85,24 +85,42 @@ def wire_size(numel: int, dtype: PseudoGradDtype) -> int:
     return nchunks * CHUNK // (1 if dtype == "int8" else 2) + 4 * nchunks
 
 
+class PendingMean:
+    """The groups' mean pseudo-gradient in flight (`start_mean`): `wait()` writes it into the deltas."""
+
+    def __init__(self, deltas: Sequence[Tensor], groups: int, dtype: PseudoGradDtype, handle: Handle, numel: int):
+        self.deltas, self.groups, self.dtype, self.handle, self.numel = list(deltas), groups, dtype, handle, numel
+
+    def wait(self) -> list[Tensor]:
+        """Complete the exchange; the deltas now hold the mean, bit for bit the same on every worker."""
+        if self.dtype == "fp32":
+            self.handle.wait()
+            # A sum then one division, the same on every worker: the groups end bit for bit equal.
+            for d in self.deltas:
+                d.div_(self.groups)
+            return self.deltas
+        total = torch.zeros(self.numel)
+        for (piece,) in self.handle.result():  # group order: the same additions everywhere
+            total += decode(piece, self.numel, self.dtype)
+        total /= self.groups
+        offset = 0
+        for d in self.deltas:
+            d.copy_(total[offset:offset + d.numel()].view_as(d))
+            offset += d.numel()
+        return self.deltas
+
+
+def start_mean(comm: Communicator, deltas: Sequence[Tensor], dtype: PseudoGradDtype) -> PendingMean:
+    """Start averaging `deltas` (this group's pseudo-gradients) over `comm`'s groups, in the background."""
+    if dtype == "fp32":
+        handle = comm.fused_all_reduce(deltas, "sum", async_op=True)
+        return PendingMean(deltas, comm.world_size, dtype, handle, 0)
+    flat = torch.cat([d.detach().reshape(-1).float() for d in deltas])
+    future = comm.all_gather_packed([encode(flat, dtype)], same_sizes=True)
+    return PendingMean(deltas, comm.world_size, dtype, future, flat.numel())
+
+
 def mean_over_groups(comm: Communicator, deltas: Sequence[Tensor], dtype: PseudoGradDtype) -> None:
     """Replace `deltas` (this group's pseudo-gradients) by their mean over `comm`'s groups, in place,
     bit for bit the same on every worker of `comm`."""
-    groups = comm.world_size
-    if dtype == "fp32":
-        # A sum then one division, the same on every worker: the groups end bit for bit equal.
-        comm.fused_all_reduce(deltas, "sum")
-        for d in deltas:
-            d.div_(groups)
-        return
-    flat = torch.cat([d.reshape(-1) for d in deltas])
-    mine = encode(flat, dtype)
-    gathered = comm.all_gather_into(torch.empty(groups * mine.numel(), dtype=torch.uint8), mine)
-    total = torch.zeros_like(flat)
-    for piece in gathered.view(groups, -1):  # group order: the same additions everywhere
-        total += decode(piece, flat.numel(), dtype)
-    total /= groups
-    offset = 0
-    for d in deltas:
-        d.copy_(total[offset:offset + d.numel()].view_as(d))
-        offset += d.numel()
+    start_mean(comm, deltas, dtype).wait()
