@@ -41,6 +41,8 @@ CONTESTANTS: dict[str, list[str]] = {
                          "--pseudo-grad-dtype", "int4"],
     "streaming H=50 K=4 int4": ["--framework", "diloco", "--nworker-groups", "4", "--sync-freq", "50",
                                 "--fragments", "4", "--pseudo-grad-dtype", "int4"],
+    "streaming H=50 K=4 tau=5 int4": ["--framework", "diloco", "--nworker-groups", "4", "--sync-freq", "50",
+                                      "--fragments", "4", "--delay", "5", "--pseudo-grad-dtype", "int4"],
 }
 """troupe run flags of each contestant (4 processes each)."""
 

@@ -158,7 +158,7 @@ class OuterStep:
 
 
 class DiLoCo:
-    """A DiLoCo worker: the group's plain all-reduce step, and every sync_freq steps the outer step."""
+    """A DiLoCo worker: the group's plain all-reduce step, and every sync_freq steps each fragment's outer step."""
 
     name = "diloco"
 
