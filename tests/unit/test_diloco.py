@@ -201,3 +201,25 @@ def test_a_merge_with_alpha_mixes_the_groups_parameters_with_the_outer_ones():
     mine = [torch.tensor([3.0, -1.0])]
     step.step([torch.tensor([0.5, 0.5])], mine, alpha=0.25)  # theta_outer -> [0.5, 0.5]
     torch.testing.assert_close(mine[0], 0.25 * torch.tensor([3.0, -1.0]) + 0.75 * torch.tensor([0.5, 0.5]))
+
+
+def test_each_fragment_keeps_its_own_outer_state_in_the_checkpoint():
+    from types import SimpleNamespace
+
+    from troupe.cluster.workers.diloco import DiLoCo
+
+    params = [torch.zeros(4), torch.zeros(2), torch.zeros(3)]
+    worker = DiLoCo(diloco(fragments=2), SimpleNamespace(reducer=None), None, params, lambda: 0)
+    assert worker.bounds == [(0, 1), (1, 3)] and [len(o.outer) for o in worker.outers] == [1, 2]
+    worker.outers[1].steps = 5
+    saved = worker.state_dict()
+    assert isinstance(saved["diloco"], list) and len(saved["diloco"]) == 2
+    again = DiLoCo(diloco(fragments=2), SimpleNamespace(reducer=None), None, params, lambda: 0)
+    again.load_state_dict(saved)
+    assert [o.steps for o in again.outers] == [0, 5]
+    one = DiLoCo(diloco(), SimpleNamespace(reducer=None), None, params, lambda: 0)
+    with pytest.raises(ValueError, match="the checkpoint's DiLoCo state holds 2 fragments, this worker 1"):
+        one.load_state_dict(saved)
+    with pytest.raises(ValueError, match="fragments must be an integer from 1 to the model's 3 parameter tensors, "
+                                         "got 4"):
+        DiLoCo(diloco(fragments=4), SimpleNamespace(reducer=None), None, params, lambda: 0)
