@@ -223,3 +223,13 @@ def test_each_fragment_keeps_its_own_outer_state_in_the_checkpoint():
     with pytest.raises(ValueError, match="fragments must be an integer from 1 to the model's 3 parameter tensors, "
                                          "got 4"):
         DiLoCo(diloco(fragments=4), SimpleNamespace(reducer=None), None, params, lambda: 0)
+
+
+def test_troupe_run_takes_delay_0_and_says_why_a_negative_one_is_refused():
+    for value, expect in (("0", 0), ("-1", "delay must be an integer >= 0, got -1")):
+        args = build_parser().parse_args(["run", "-n", "2", "--framework", "diloco", "--delay", value, "x.py"])
+        if isinstance(expect, int):
+            assert resolve(args.framework, args.cluster, args.nproc, **given(args)).delay == expect
+        else:
+            with pytest.raises(ValueError, match=expect):
+                resolve(args.framework, args.cluster, args.nproc, **given(args))
