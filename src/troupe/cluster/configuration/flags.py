@@ -3,8 +3,9 @@ that declares a `Flag`.
 
 The field's type gives the option's kind: a bool is ``--x/--no-x``, a ``Literal[...]`` takes
 its values as choices, an integer takes `integer` (the command line's own check, >= 1; a field
-with its own check takes any int and judges it), a float a number, a str its text. Every flag defaults to None ("not given"), so `given` returns only what the
-user set; `sources.resolve` lays that over the preset or file. A field the user does not name
+with its own check takes any int and judges it), a float a number, a str its text. Every flag
+defaults to None ("not given"), so `given` returns only what the user set; `sources.resolve`
+lays that over the preset or file. A field the user does not name
 travels to the ranks anyway, inside the ``TROUPE_CLUSTER`` JSON of the whole config.
 """
 
