@@ -33,6 +33,16 @@ CONTESTANTS: dict[str, list[str]] = {
     "hogwild (sync_freq 10)": ["--framework", "hogwild"],
     "diloco H=20": ["--framework", "diloco", "--nworker-groups", "4", "--sync-freq", "20"],
     "diloco H=50": ["--framework", "diloco", "--nworker-groups", "4", "--sync-freq", "50"],
+    "diloco H=50 bf16": ["--framework", "diloco", "--nworker-groups", "4", "--sync-freq", "50",
+                         "--pseudo-grad-dtype", "bf16"],
+    "diloco H=50 int8": ["--framework", "diloco", "--nworker-groups", "4", "--sync-freq", "50",
+                         "--pseudo-grad-dtype", "int8"],
+    "diloco H=50 int4": ["--framework", "diloco", "--nworker-groups", "4", "--sync-freq", "50",
+                         "--pseudo-grad-dtype", "int4"],
+    "streaming H=50 K=4 int4": ["--framework", "diloco", "--nworker-groups", "4", "--sync-freq", "50",
+                                "--fragments", "4", "--pseudo-grad-dtype", "int4"],
+    "streaming H=50 K=4 tau=5 int4": ["--framework", "diloco", "--nworker-groups", "4", "--sync-freq", "50",
+                                      "--fragments", "4", "--delay", "5", "--pseudo-grad-dtype", "int4"],
 }
 """troupe run flags of each contestant (4 processes each)."""
 

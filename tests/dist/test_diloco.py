@@ -6,6 +6,7 @@ DistOpt.state_dict() in the middle of an outer period equal to the uninterrupted
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from torch import nn
 
 from tests.dist.world import run_world
 from troupe.cluster.configuration.config import ClusterConfig
+from troupe.cluster.workers.diloco import fragment_bounds
+from troupe.cluster.workers.pseudograd import decode, encode, wire_size
 
 GROUPS, PER_GROUP = 2, 2
 H = 3
@@ -21,6 +24,15 @@ STEPS = 8
 RESUME_AT = 4
 """Mid-period: after the first outer step, before the second."""
 BATCH = 4
+FRAGMENTS = 3
+"""Streaming DiLoCo: the model's 4 tensors in 3 fragments, syncing after steps 3k, 3k+1, 3k+2."""
+OVERLAP = ({"delay": 0, "merge_alpha": 0.0}, {"delay": 1, "merge_alpha": 0.5},
+           {"delay": 0, "merge_alpha": 0.0, "pseudo_grad_dtype": "int8"})
+"""Streaming DiLoCo blocking, then each exchange overlapped with the next inner step and merged half-half,
+then blocking with int8 pseudo-gradients."""
+INT8_DRIFT = 0.02
+"""How far int8 pseudo-gradients may take the run from the fp32 simulation in 8 steps (its rounding
+is not reproduced: a code can flip where the simulation's Δ differs in its last bit); measured 2.0e-3."""
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 
 INNER = {
@@ -48,7 +60,7 @@ def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def train(rank: int, world_size: int):
+def train(rank: int, world_size: int, streaming_clusters: list[str]):
     import troupe
 
     out = {}
@@ -76,16 +88,92 @@ def train(rank: int, world_size: int):
         run(RESUME_AT, STEPS)
         out[name] = {"outer": snapshots, "final": uninterrupted, "resumed": flat(model),
                      "strategy": opt.strategy.name}
+    out["wire"] = quantised_means(opt.strategy.place, rank // PER_GROUP)
+    out["streaming"] = [streaming(c) for c in streaming_clusters]
     return out
 
 
-def reference(name: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """DiLoCo's Algorithm 1 in one process: each group's parameters after every outer step, and at the end."""
+def streaming(cluster: str) -> list[torch.Tensor]:
+    """Streaming DiLoCo (fragments) with the SGD inner optimizer: the parameters after every step.
+
+    A second DistOpt in the same world: it reads the cluster when it is made."""
+    import os
+
+    import troupe
+
+    os.environ["TROUPE_CLUSTER"] = cluster
+    model = make_model()
+    opt = troupe.DistOpt(INNER["sgd"](model.parameters()))
+    every_step = []
+    for t in range(STEPS):
+        loss_of(model, *batch(t, opt.global_rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        every_step.append(flat(model))
+    return every_step
+
+
+DTYPES = ("fp32", "bf16", "int8", "int4")
+DELTA_SIZES = (3000, 7)
+
+
+def group_deltas(group: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(50 + group)
+    return [torch.randn(n, generator=g) * (group + 1) for n in DELTA_SIZES]
+
+
+def quantised_means(place, group: int) -> dict[str, tuple[list[torch.Tensor], int]]:
+    """Each pseudo_grad_dtype's mean of the groups' deltas over the place communicator, and its wire bytes."""
+    from troupe.cluster.workers.pseudograd import mean_over_groups
+
+    out = {}
+    for dtype in DTYPES:
+        before = place.bytes_sent()
+        deltas = group_deltas(group)
+        mean_over_groups(place, deltas, dtype)
+        out[dtype] = (deltas, place.bytes_sent() - before)
+    return out
+
+
+def quantised_reference(dtype: str) -> torch.Tensor:
+    """The groups' decoded deltas added in group order, over the number of groups."""
+
+    flats = [torch.cat(group_deltas(g)) for g in range(GROUPS)]
+    total = torch.zeros_like(flats[0])
+    for f in flats:
+        total += decode(encode(f, dtype), f.numel(), dtype)
+    return total / GROUPS
+
+
+def reference(name: str, fragments: int = 1, delay: int = 0, alpha: float = 0.0
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]]]:
+    """(Streaming) DiLoCo in one process: the first group's parameters after every outer step of
+    fragment 0, each group's at the end, and every group's after every inner step (and the outer
+    steps it ends with).
+
+    Fragment j of `fragments` (`fragment_bounds`) takes Δ and its mean after each inner step t with
+    (t + 1) % H == floor(j * H / fragments); `delay` inner steps later its own outer optimizer steps
+    with that mean, and each group's fragment becomes alpha * its own + (1 - alpha) * θ_outer."""
     models = [make_model() for _ in range(GROUPS)]
     inner = [INNER[name](m.parameters()) for m in models]
+    bounds = fragment_bounds([p.numel() for p in models[0].parameters()], fragments)
     outer_params = [p.detach().clone() for p in models[0].parameters()]
-    outer = torch.optim.SGD(outer_params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-    after_outer = []
+    outers = [torch.optim.SGD(outer_params[a:b], lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+              for a, b in bounds]
+    after_outer, every_step, in_flight = [], [], []
+
+    @torch.no_grad()
+    def merge(j: int, means: list[torch.Tensor]) -> None:
+        a, b = bounds[j]
+        for o, mean in zip(outer_params[a:b], means):
+            o.grad = mean
+        outers[j].step()
+        for m in models:
+            for p, o in zip(list(m.parameters())[a:b], outer_params[a:b]):
+                p.copy_(alpha * p + (1 - alpha) * o if alpha else o)
+        if j == 0:
+            after_outer.append(flat(models[0]))
+
     for t in range(STEPS):
         for g, (model, opt) in enumerate(zip(models, inner)):
             # the group's gradient: the mean of its workers' mean losses
@@ -93,17 +181,18 @@ def reference(name: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             loss.backward()
             opt.step()
             opt.zero_grad()
-        if (t + 1) % H == 0:
-            with torch.no_grad():
-                for i, o in enumerate(outer_params):
-                    deltas = [o - list(m.parameters())[i] for m in models]
-                    o.grad = sum(deltas) / GROUPS
-                outer.step()
-                for m in models:
-                    for p, o in zip(m.parameters(), outer_params):
-                        p.copy_(o)
-            after_outer.append(flat(models[0]))
-    return after_outer, [flat(m) for m in models]
+        while in_flight and in_flight[0][0] == t + 1:
+            merge(*in_flight.pop(0)[1:])
+        for j, (a, b) in enumerate(bounds):
+            if (t + 1) % H == j * H // fragments:
+                with torch.no_grad():
+                    means = [sum(outer_params[i] - list(m.parameters())[i] for m in models) / GROUPS
+                             for i in range(a, b)]
+                in_flight.append((t + 1 + delay, j, means))
+                if delay == 0:
+                    merge(*in_flight.pop()[1:])
+        every_step.append([flat(m) for m in models])
+    return after_outer, [flat(m) for m in models], every_step
 
 
 @pytest.mark.timeout(120)
@@ -111,9 +200,12 @@ def test_diloco_groups_match_a_single_process_simulation_and_resume_mid_period()
     cluster = ClusterConfig(framework="diloco", nworker_groups=GROUPS, nworkers_per_group=PER_GROUP,
                             nserver_groups=GROUPS, nservers_per_group=PER_GROUP, sync_freq=H,
                             outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
-    ranks = run_world(train, GROUPS * PER_GROUP, timeout=90, env={"TROUPE_CLUSTER": cluster.to_json()})
+    streaming_clusters = [dataclasses.replace(cluster, fragments=FRAGMENTS, **overlap).to_json()
+                          for overlap in OVERLAP]
+    ranks = run_world(train, GROUPS * PER_GROUP, streaming_clusters, timeout=90,
+                      env={"TROUPE_CLUSTER": cluster.to_json()})
     for name in INNER:
-        after_outer, finals = reference(name)
+        after_outer, finals, _ = reference(name)
         got = [r[name] for r in ranks]
         assert got[0]["strategy"] == "diloco"
         for k, want in enumerate(after_outer):
@@ -125,3 +217,41 @@ def test_diloco_groups_match_a_single_process_simulation_and_resume_mid_period()
             torch.testing.assert_close(r["final"], finals[rank // PER_GROUP], rtol=0, atol=1e-5)
             assert torch.equal(r["resumed"], r["final"]), (name, rank)
         assert not torch.allclose(got[0]["final"], got[PER_GROUP]["final"])
+    exact = sum(torch.cat(group_deltas(g)) for g in range(GROUPS)) / GROUPS
+    fp32_bytes = ranks[0]["wire"]["fp32"][1]
+    assert fp32_bytes == 2 * (GROUPS - 1) / GROUPS * 4 * sum(DELTA_SIZES)
+    for dtype, bound in {"fp32": 1e-6, "bf16": 0.1, "int8": 0.1, "int4": 0.8}.items():
+        want = quantised_reference(dtype)
+        for rank, r in enumerate(ranks):  # every worker of every group: the same mean, bit for bit
+            mean, sent = torch.cat(r["wire"][dtype][0]), r["wire"][dtype][1]
+            torch.testing.assert_close(mean, want, rtol=0, atol=1e-6 if dtype == "fp32" else 0)
+            assert torch.equal(mean, torch.cat(ranks[0]["wire"][dtype][0])), (dtype, rank)
+            if dtype != "fp32":  # an all-gather of the encoded bytes: 1/2, ~1/4, ~1/8 of fp32's with 2 groups
+                assert sent == (GROUPS - 1) * wire_size(sum(DELTA_SIZES), dtype), (dtype, sent, fp32_bytes)
+        assert (want - exact).abs().max() < bound, dtype
+    check_streaming(ranks)
+
+
+def check_streaming(ranks: list[dict]) -> None:
+    """Streaming DiLoCo equals its simulation after every step, blocking and overlapped (int8: within
+    INT8_DRIFT); blocking, a fragment is the same bits in every group after its outer step."""
+    sizes = [p.numel() for p in make_model().parameters()]
+    before = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    bounds = fragment_bounds(sizes, FRAGMENTS)
+    assert bounds == [(0, 1), (1, 2), (2, 4)]  # 30 | 5 | 15 + 3 elements
+    for run, overlap in enumerate(OVERLAP):
+        _, _, want = reference("sgd", FRAGMENTS, overlap["delay"], overlap["merge_alpha"])
+        got = [r["streaming"][run] for r in ranks]
+        atol = INT8_DRIFT if "pseudo_grad_dtype" in overlap else 1e-5
+        for t in range(STEPS):
+            for rank, r in enumerate(got):
+                torch.testing.assert_close(r[t], want[t][rank // PER_GROUP], rtol=0, atol=atol,
+                                           msg=lambda m: f"{overlap} step {t} rank {rank}: {m}")
+            assert not torch.equal(got[0][t], got[PER_GROUP][t])  # the other fragments differ
+            if overlap["delay"]:
+                continue
+            j = [j for j in range(FRAGMENTS) if (t + 1) % H == j * H // FRAGMENTS]
+            assert len(j) == 1, t  # H = FRAGMENTS: one fragment syncs after every step
+            a, b = before[bounds[j[0]][0]], before[bounds[j[0]][1]]
+            for rank, r in enumerate(got):
+                assert torch.equal(r[t][a:b], got[0][t][a:b]), (t, rank)

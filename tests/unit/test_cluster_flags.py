@@ -15,7 +15,7 @@ from troupe.cluster.configuration.flags import add_flags, given
 FLAGS = ("nworker_groups", "nserver_groups", "nworkers_per_group", "nservers_per_group", "nworkers_per_procs",
          "nservers_per_procs", "server_worker_separate", "sync_freq", "share_memory", "fetch_freq",
          "staleness_bound", "group_merge", "fetch", "staleness_lr", "wire_dtype", "wire_topk", "outer_optimizer",
-         "outer_lr", "outer_momentum")
+         "outer_lr", "outer_momentum", "pseudo_grad_dtype", "fragments", "delay", "merge_alpha")
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -62,7 +62,7 @@ def test_fields_that_keep_a_presets_shape():
     kept = {f.name for f in dataclasses.fields(ClusterConfig) if keeps_shape(f.name)}
     assert kept == {"sync_freq", "fetch_freq", "staleness_bound", "share_memory", "group_merge", "send_updates",
                     "wire_dtype", "wire_topk", "fetch", "staleness_lr", "outer_optimizer", "outer_lr",
-                    "outer_momentum"}
+                    "outer_momentum", "pseudo_grad_dtype", "fragments", "delay", "merge_alpha"}
     assert not keeps_shape("no_such_field")
 
 

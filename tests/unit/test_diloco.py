@@ -11,7 +11,8 @@ from troupe.cluster.configuration.config import ClusterConfig
 from troupe.cluster.configuration.flags import given
 from troupe.cluster.configuration.roles import expendable_ranks, roles
 from troupe.cluster.configuration.sources import parse_cluster_text, resolve
-from troupe.cluster.workers.diloco import OuterStep, outer_optimizer
+from troupe.cluster.workers.diloco import OuterStep, fragment_bounds, outer_optimizer, sync_offset
+from troupe.cluster.workers.pseudograd import CHUNK, decode, encode, wire_size
 
 
 def diloco(**fields) -> ClusterConfig:
@@ -113,3 +114,122 @@ def test_the_nesterov_outer_step_by_hand_and_its_state_round_trips():
     again.load_state_dict(saved)
     assert again.steps == 2 and torch.equal(again.outer[0], step.outer[0])
     torch.testing.assert_close(again.optimizer.state_dict()["state"][0]["momentum_buffer"], buf)
+
+
+@pytest.mark.parametrize("dtype, levels", [("int8", 127), ("int4", 7)])
+def test_integer_pseudo_gradients_round_trip_within_half_a_step_of_their_chunks_absmax(dtype, levels):
+    torch.manual_seed(0)
+    n = 3 * CHUNK + 17  # a partial last chunk
+    x = torch.randn(n) * torch.linspace(1e-3, 10, n)  # chunks of very different scales
+    payload = encode(x, dtype)
+    assert payload.dtype == torch.uint8 and payload.numel() == wire_size(n, dtype)
+    y = decode(payload, n, dtype)
+    padded = torch.nn.functional.pad(x, (0, -n % CHUNK)).view(-1, CHUNK)
+    bound = (padded.abs().amax(dim=1, keepdim=True) / levels).expand(-1, CHUNK).reshape(-1)[:n]
+    assert ((y - x).abs() <= bound / 2 * (1 + 1e-6)).all()
+    assert torch.equal(decode(encode(torch.zeros(5), dtype), 5, dtype), torch.zeros(5))
+
+
+def test_fp32_and_bf16_pseudo_gradients_round_trip_exactly_and_to_bf16():
+    x = torch.randn(1000)
+    assert torch.equal(decode(encode(x, "fp32"), 1000, "fp32"), x)
+    assert torch.equal(decode(encode(x, "bf16"), 1000, "bf16"), x.to(torch.bfloat16).float())
+    assert [wire_size(4096, d) for d in ("fp32", "bf16", "int8", "int4")] == [16384, 8192, 4096 + 16, 2048 + 16]
+
+
+def test_pseudo_grad_dtype_is_a_flag_a_field_and_one_clear_line_when_unknown():
+    args = build_parser().parse_args(["run", "-n", "4", "--framework", "diloco", "--nworker-groups", "2",
+                                      "--pseudo-grad-dtype", "int4", "x.py"])
+    assert resolve(args.framework, args.cluster, args.nproc, **given(args)).pseudo_grad_dtype == "int4"
+    block = parse_cluster_text("cluster {\n  framework: diloco\n  nworker_groups: 2\n  pseudo_grad_dtype: bf16\n}\n")
+    assert block.pseudo_grad_dtype == "bf16" and diloco().pseudo_grad_dtype == "fp32"
+    with pytest.raises(ValueError, match="pseudo_grad_dtype must be one of fp32, bf16, int8, int4, got 'fp8'") as e:
+        diloco(pseudo_grad_dtype="fp8")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="pseudo_grad_dtype 'int8': only framework diloco"):
+        ClusterConfig(nworker_groups=3, nserver_groups=3, pseudo_grad_dtype="int8")
+
+
+def test_fragments_are_contiguous_runs_of_tensors_balanced_by_elements():
+    assert fragment_bounds([30, 5, 15, 3], 1) == [(0, 4)]
+    assert fragment_bounds([30, 5, 15, 3], 3) == [(0, 1), (1, 2), (2, 4)]
+    assert fragment_bounds([10] * 8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert fragment_bounds([1000, 1, 1, 1], 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]  # none empty
+    for k, message in ((5, "got 5"), (0, "got 0")):
+        with pytest.raises(ValueError, match=f"fragments must be an integer from 1 to the model's 4 parameter "
+                                             f"tensors, {message}"):
+            fragment_bounds([30, 5, 15, 3], k)
+
+
+@pytest.mark.parametrize("h, k", [(12, 4), (10, 3), (3, 3), (2, 3), (50, 1)])
+def test_each_fragment_syncs_once_per_period_at_offsets_spread_over_it(h, k):
+    offsets = [sync_offset(j, k, h) for j in range(k)]
+    assert offsets[0] == 0 and all(0 <= o < h for o in offsets)  # fragment 0 syncs with plain DiLoCo
+    assert offsets == sorted(offsets) and offsets[-1] - offsets[0] <= h - h // k
+    if k <= h:
+        assert len(set(offsets)) == k  # no two fragments share a step
+
+
+def test_fragments_is_a_flag_and_a_field_and_at_least_1():
+    args = build_parser().parse_args(["run", "-n", "2", "--framework", "diloco", "--fragments", "4", "x.py"])
+    assert resolve(args.framework, args.cluster, args.nproc, **given(args)).fragments == 4
+    assert parse_cluster_text("cluster {\n  framework: diloco\n  nworker_groups: 2\n  fragments: 3\n}\n").fragments == 3
+    with pytest.raises(ValueError, match="fragments must be an integer >= 1, got 0"):
+        diloco(fragments=0)
+    with pytest.raises(ValueError, match="fragments 2: only framework diloco"):
+        ClusterConfig(nworker_groups=3, nserver_groups=3, fragments=2)
+
+
+def test_delay_and_merge_alpha_are_flags_and_fields_with_one_line_errors():
+    args = build_parser().parse_args(["run", "-n", "2", "--framework", "diloco", "--sync-freq", "10", "--fragments",
+                                      "2", "--delay", "3", "--merge-alpha", "0.5", "x.py"])
+    c = resolve(args.framework, args.cluster, args.nproc, **given(args))
+    assert (c.delay, c.merge_alpha, c.fragments) == (3, 0.5, 2)
+    block = parse_cluster_text("cluster {\n  framework: diloco\n  nworker_groups: 2\n  sync_freq: 5\n  delay: 2\n"
+                               "  merge_alpha: 0.25\n}\n")
+    assert (block.delay, block.merge_alpha) == (2, 0.25)
+    for fields, message in (({"delay": 5, "sync_freq": 5}, "delay 5 must be < sync_freq 5"),
+                            ({"delay": -1}, "delay must be an integer >= 0, got -1"),
+                            ({"merge_alpha": 1}, r"merge_alpha must be a number in \[0, 1\), got 1")):
+        with pytest.raises(ValueError, match=message) as e:
+            diloco(**fields)
+        assert "\n" not in str(e.value)
+
+
+def test_a_merge_with_alpha_mixes_the_groups_parameters_with_the_outer_ones():
+    step = OuterStep(diloco(outer_optimizer="sgd", outer_lr=1, outer_momentum=0), [torch.tensor([1.0, 1.0])])
+    mine = [torch.tensor([3.0, -1.0])]
+    step.step([torch.tensor([0.5, 0.5])], mine, alpha=0.25)  # theta_outer -> [0.5, 0.5]
+    torch.testing.assert_close(mine[0], 0.25 * torch.tensor([3.0, -1.0]) + 0.75 * torch.tensor([0.5, 0.5]))
+
+
+def test_each_fragment_keeps_its_own_outer_state_in_the_checkpoint():
+    from types import SimpleNamespace
+
+    from troupe.cluster.workers.diloco import DiLoCo
+
+    params = [torch.zeros(4), torch.zeros(2), torch.zeros(3)]
+    worker = DiLoCo(diloco(fragments=2), SimpleNamespace(reducer=None), None, params, lambda: 0)
+    assert worker.bounds == [(0, 1), (1, 3)] and [len(o.outer) for o in worker.outers] == [1, 2]
+    worker.outers[1].steps = 5
+    saved = worker.state_dict()
+    assert isinstance(saved["diloco"], list) and len(saved["diloco"]) == 2
+    again = DiLoCo(diloco(fragments=2), SimpleNamespace(reducer=None), None, params, lambda: 0)
+    again.load_state_dict(saved)
+    assert [o.steps for o in again.outers] == [0, 5]
+    one = DiLoCo(diloco(), SimpleNamespace(reducer=None), None, params, lambda: 0)
+    with pytest.raises(ValueError, match="the checkpoint's DiLoCo state holds 2 fragments, this worker 1"):
+        one.load_state_dict(saved)
+    with pytest.raises(ValueError, match="fragments must be an integer from 1 to the model's 3 parameter tensors, "
+                                         "got 4"):
+        DiLoCo(diloco(fragments=4), SimpleNamespace(reducer=None), None, params, lambda: 0)
+
+
+def test_troupe_run_takes_delay_0_and_says_why_a_negative_one_is_refused():
+    for value, expect in (("0", 0), ("-1", "delay must be an integer >= 0, got -1")):
+        args = build_parser().parse_args(["run", "-n", "2", "--framework", "diloco", "--delay", value, "x.py"])
+        if isinstance(expect, int):
+            assert resolve(args.framework, args.cluster, args.nproc, **given(args)).delay == expect
+        else:
+            with pytest.raises(ValueError, match=expect):
+                resolve(args.framework, args.cluster, args.nproc, **given(args))

@@ -84,6 +84,16 @@ def _check_outer_momentum(value: object, separate: bool) -> None:
         raise ValueError(f"outer_momentum must be a number in [0, 1), got {value!r}")
 
 
+def _check_delay(value: object, separate: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"delay must be an integer >= 0, got {value!r}")
+
+
+def _check_merge_alpha(value: object, separate: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"merge_alpha must be a number in [0, 1), got {value!r}")
+
+
 OUTER_DEFAULT = "nesterov"
 """DiLoCo's outer optimizer: torch.optim.SGD with Nesterov momentum (Douillard et al. 2023)."""
 
@@ -106,7 +116,8 @@ def outer_optimizer_class(name: object) -> str:
 _SIZE = Flag()
 """A size or count flag: an integer >= 1, no help text."""
 
-_DILOCO_ONLY = ("outer_optimizer", "outer_lr", "outer_momentum")
+_DILOCO_ONLY = ("outer_optimizer", "outer_lr", "outer_momentum", "pseudo_grad_dtype",
+                "fragments", "delay", "merge_alpha")
 """The fields that only DiLoCo reads."""
 
 
@@ -205,6 +216,29 @@ class ClusterConfig:
     outer_momentum: float = option(0.9, keeps_shape=True, check=_check_outer_momentum, flag=Flag(
         "DiLoCo: the outer optimizer's momentum (default 0.9)"))
     """DiLoCo: the outer optimizer's momentum, for an outer optimizer that takes one."""
+    pseudo_grad_dtype: Literal["fp32", "bf16", "int8", "int4"] = option("fp32", keeps_shape=True, flag=Flag(
+        "DiLoCo: the dtype the pseudo-gradients travel in (default fp32)"))
+    """DiLoCo: the dtype the pseudo-gradients travel in. fp32: one all-reduce. bf16, int8, int4 (absmax
+    scaling per chunk of 1024 elements, int4 two codes a byte): all-gathered, then decoded and summed in
+    fp32 in group order, so that every group gets the same mean bit for bit
+    (`troupe.cluster.workers.pseudograd`)."""
+    fragments: int = option(1, keeps_shape=True, flag=Flag(
+        "Streaming DiLoCo: cut the model into K fragments that sync at staggered steps (default 1)", metavar="K"))
+    """Streaming DiLoCo (arXiv 2501.18512): the parameters, in `parameters()` order, cut into K contiguous
+    fragments balanced by element count (K at most the number of parameter tensors); fragment j takes its
+    own outer step (its own slice of the outer optimizer) after every inner step that brings the step
+    count to a multiple of sync_freq plus floor(j * sync_freq / K). 1: DiLoCo, everything at once."""
+    delay: int = option(0, keeps_shape=True, check=_check_delay, flag=Flag(
+        "Streaming DiLoCo: overlap each fragment's exchange with the next TAU inner steps (default 0)",
+        metavar="TAU"))
+    """Streaming DiLoCo's tau: a fragment's exchange starts at its sync step and runs in the background
+    while the next `delay` inner steps run; its outer step and merge (`merge_alpha`) come after the
+    `delay`-th of them. 0: at once, blocking. Must be < sync_freq (the exchange lands before the next)."""
+    merge_alpha: float = option(0.0, keeps_shape=True, check=_check_merge_alpha, flag=Flag(
+        "Streaming DiLoCo: the mixing factor of the delayed merge, in [0, 1) (default 0: adopt the outer values)"))
+    """Streaming DiLoCo's mixing factor alpha: at a fragment's merge its parameters become
+    alpha * theta (the group's, tau steps further on) + (1 - alpha) * theta_outer (after the outer step).
+    0: adopt theta_outer, as DiLoCo does, and the groups are bit for bit equal in that fragment."""
 
     partition_dim: int | dict[str, int] | None = option(None, check=_check_partition)
     """A partitioned model (`troupe.partition(model)` in the script): every Linear/Conv2d's
@@ -239,6 +273,9 @@ class ClusterConfig:
                 raise ValueError(f"{', '.join(given)}: only framework diloco has an outer optimizer "
                                  f"(troupe run --framework diloco; cluster field framework: diloco)")
             return
+        if self.delay >= self.sync_freq:
+            raise ValueError(f"delay {self.delay} must be < sync_freq {self.sync_freq}: a fragment's exchange "
+                             f"must land before its next one starts")
         if self.nworker_groups < 2:
             raise ValueError(f"framework diloco averages worker groups and needs nworker_groups >= 2, "
                              f"got {self.nworker_groups}")

@@ -2,9 +2,10 @@
 that declares a `Flag`.
 
 The field's type gives the option's kind: a bool is ``--x/--no-x``, a ``Literal[...]`` takes
-its values as choices, an integer takes `integer` (the command line's own check, >= 1), a
-float a number, a str its text. Every flag defaults to None ("not given"), so `given` returns only what the
-user set; `sources.resolve` lays that over the preset or file. A field the user does not name
+its values as choices, an integer takes `integer` (the command line's own check, >= 1; a field
+with its own check takes any int and judges it), a float a number, a str its text. Every flag
+defaults to None ("not given"), so `given` returns only what the user set; `sources.resolve`
+lays that over the preset or file. A field the user does not name
 travels to the ranks anyway, inside the ``TROUPE_CLUSTER`` JSON of the whole config.
 """
 
@@ -31,7 +32,8 @@ def add_flags(group: Any, integer: Callable[[str], int], config: type = ClusterC
         elif choices(f.name, config):
             kwargs["choices"] = choices(f.name, config)
         elif f.type in ("int", "int | None"):
-            kwargs["type"] = integer
+            # a field with its own check (delay: 0 is valid) judges the value itself
+            kwargs["type"] = integer if f.metadata["check"] is None else int
         elif f.type in ("float", "float | None"):
             kwargs["type"] = float
         elif f.type == "str":

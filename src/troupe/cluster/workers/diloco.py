@@ -8,7 +8,7 @@ DistOpt's step counter, each worker takes the outer step with the workers holdin
 in the other groups (its *place* communicator; with one worker per group, every worker)::
 
     delta = theta_outer - theta                 # this group's pseudo-gradient
-    delta = sum over the groups of delta / G    # one all-reduce over the place communicator
+    delta = sum over the groups of delta / G    # over the place communicator, in pseudo_grad_dtype
     outer_optimizer.step()  with grad delta     # steps theta_outer
     theta = theta_outer                         # every group adopts it
 
@@ -19,6 +19,26 @@ optimizer's state is never averaged. Distributed Hogwild's master copies
 (`troupe.cluster.serving.mastercopies`) are the asynchronous special case of outer SGD at lr 1
 without momentum; DiLoCo's groups wait for each other at the outer step, so a synchronous
 all-reduce serves it and no master copy, thread or channel is needed.
+
+The pseudo-gradients travel in `pseudo_grad_dtype` (`troupe.cluster.workers.pseudograd`).
+
+Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512): with
+`fragments` K > 1 the parameter tensors, in order, are cut into K contiguous fragments balanced
+by element count (`fragment_bounds`), each with its own `OuterStep` (its theta_outer and its
+slice of the outer optimizer state). Fragment j takes its outer step, as above but over its own
+tensors only, after each inner step that brings the step count c to c % H == floor(j * H / K)
+(`sync_offset`): once per H steps, the K exchanges spread over the period, so the peak traffic
+of one sync is about 1/K of DiLoCo's. Fragment 0 syncs with plain DiLoCo (c % H == 0); fragment
+j's first period is floor(j * H / K) steps long.
+
+With `delay` tau > 0 a fragment's exchange overlaps the next tau inner steps: at its sync step
+the worker takes delta = theta_outer - theta and starts the mean in the background (an async
+all-reduce, or all-gather for a quantised dtype); after the tau-th inner step that follows it
+waits for the mean, steps theta_outer, and merges with the paper's mixing rule,
+theta = alpha * theta + (1 - alpha) * theta_outer, alpha = `merge_alpha` (0: adopt theta_outer,
+the groups are bit for bit equal in that fragment again; the tau inner updates made meanwhile to
+the fragment are then dropped, as in torchft's implementation). tau < H, so a fragment's
+exchange lands before its next starts.
 
 `OuterStep` is the pure state (no communication), unit-tested without processes; `DiLoCo`
 is the UpdateStrategy around the inner `AllReduce`.
@@ -35,6 +55,7 @@ import torch
 from torch import Tensor
 
 from troupe.cluster.configuration.config import OUTER_DEFAULT, ClusterConfig, outer_optimizer_class
+from troupe.cluster.workers.pseudograd import PendingMean, start_mean
 from troupe.runtime.comm import Communicator
 from troupe.strategies.allreduce import AllReduce
 from troupe.strategies.base import StepStats
@@ -55,6 +76,30 @@ def outer_optimizer(cluster: ClusterConfig, params: Sequence[Tensor]) -> torch.o
     elif cluster.outer_momentum != ClusterConfig().outer_momentum:
         warnings.warn(f"outer_momentum {cluster.outer_momentum} has no effect: torch.optim.{name} takes no momentum")
     return cls(params, **kwargs)
+
+
+def fragment_bounds(sizes: Sequence[int], k: int) -> list[tuple[int, int]]:
+    """Streaming DiLoCo's fragments: `k` contiguous runs [a, b) of the parameter tensors (of `sizes`
+    elements), none empty, each cut placed where the elements before it come closest to j/k of all."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(sizes):
+        raise ValueError(f"fragments must be an integer from 1 to the model's {len(sizes)} parameter tensors, "
+                         f"got {k!r}")
+    before = [0]
+    for n in sizes:
+        before.append(before[-1] + n)
+    cuts = [0]
+    for j in range(1, k):
+        # leave at least one tensor for each fragment still to come
+        room = range(cuts[-1] + 1, len(sizes) - (k - j) + 1)
+        cuts.append(min(room, key=lambda c: abs(before[c] - j * before[-1] / k)))
+    cuts.append(len(sizes))
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def sync_offset(fragment: int, k: int, h: int) -> int:
+    """Fragment `fragment` of `k` syncs after each inner step that makes the step count = this (mod `h`):
+    floor(fragment * h / k), so the k exchanges spread evenly over the period and each comes once in it."""
+    return fragment * h // k
 
 
 class OuterStep:
@@ -80,8 +125,9 @@ class OuterStep:
         return [o - p.detach() for o, p in zip(self.outer, params)]
 
     @torch.no_grad()
-    def step(self, mean_delta: Sequence[Tensor], params: Sequence[Tensor]) -> None:
-        """Step theta_outer with the groups' mean pseudo-gradient, then copy it into `params`."""
+    def step(self, mean_delta: Sequence[Tensor], params: Sequence[Tensor], alpha: float = 0.0) -> None:
+        """Step theta_outer with the groups' mean pseudo-gradient, then merge it into `params`:
+        params = alpha * params + (1 - alpha) * theta_outer (alpha 0: a copy, exactly)."""
         for o, d in zip(self.outer, mean_delta):
             o.grad = d
         try:
@@ -90,7 +136,10 @@ class OuterStep:
             for o in self.outer:
                 o.grad = None
         for o, p in zip(self.outer, params):
-            p.copy_(o)
+            if alpha == 0:
+                p.copy_(o)
+            else:
+                p.mul_(alpha).add_(o, alpha=1 - alpha)
         self.steps += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -109,7 +158,7 @@ class OuterStep:
 
 
 class DiLoCo:
-    """A DiLoCo worker: the group's plain all-reduce step, and every sync_freq steps the outer step."""
+    """A DiLoCo worker: the group's plain all-reduce step, and every sync_freq steps each fragment's outer step."""
 
     name = "diloco"
 
@@ -119,15 +168,21 @@ class DiLoCo:
         self.reducer = inner.reducer
         self.params = list(params)
         self.step_count = step_count
-        self.outer = OuterStep(cluster, self.params)
+        self.bounds = fragment_bounds([p.numel() for p in self.params], cluster.fragments)
+        self.outers = [OuterStep(cluster, self.params[a:b]) for a, b in self.bounds]
+        """One outer step per fragment: its own theta_outer and outer optimizer state."""
+        self.in_flight: list[tuple[int, int, PendingMean]] = []
+        """(step count to merge at, fragment, exchange) in the order started: the same on every worker."""
 
     def start(self) -> None:
         """Every worker now holds rank 0's parameters: they are theta_outer."""
-        self.outer.reset(self.params)
+        for outer, (a, b) in zip(self.outers, self.bounds):
+            outer.reset(self.params[a:b])
 
-    def _outer_now(self) -> bool:
-        """Does the step being taken end an outer period? (DistOpt counts it after `step`.)"""
-        return (self.step_count() + 1) % self.cluster.sync_freq == 0
+    def _syncing(self) -> list[int]:
+        """The fragments whose outer step follows the step being taken (DistOpt counts it after `step`)."""
+        now = (self.step_count() + 1) % self.cluster.sync_freq
+        return [j for j in range(len(self.bounds)) if sync_offset(j, len(self.bounds), self.cluster.sync_freq) == now]
 
     def describe(self) -> str:
         return self.inner.describe()
@@ -142,7 +197,7 @@ class DiLoCo:
         """The group's verdict; at an outer step, the groups' verdicts combined, so that all of them
         skip it together (one group skipping it alone would leave the others waiting in it)."""
         ok = self.inner.all_finite()
-        if self._outer_now():
+        if self._syncing():
             flag = torch.tensor([1.0 if ok else 0.0])
             self.place.all_reduce(flag, "min")
             ok = bool(flag.item() == 1.0)
@@ -150,28 +205,56 @@ class DiLoCo:
 
     def step(self) -> StepStats:
         stats = self.inner.step()
-        if self._outer_now():
-            self._outer_step()
-            stats = {**stats, "outer_step": self.outer.steps}
+        count = self.step_count() + 1
+        # Merges due first (started `delay` steps ago; later if this group skipped that step), then
+        # the exchanges this step starts: the same fragments in the same order on every worker.
+        merged = []
+        while self.in_flight and self.in_flight[0][0] <= count:
+            merged.append(self._merge(self.in_flight.pop(0)))
+        for j in self._syncing():
+            self.in_flight.append((count + self.cluster.delay, j, self._start(j)))
+            if self.cluster.delay == 0:
+                merged.append(self._merge(self.in_flight.pop()))
+        if merged:
+            stats = {**stats, "outer_step": self.outers[merged[-1]].steps, "fragments_synced": merged}
         return stats
 
-    def _outer_step(self) -> None:
-        deltas = self.outer.pseudo_gradient(self.params)
-        # A sum then one division, the same on every worker: the groups end bit for bit equal.
-        self.place.fused_all_reduce(deltas, "sum")
-        for d in deltas:
-            d.div_(self.cluster.nworker_groups)
-        self.outer.step(deltas, self.params)
+    def _start(self, fragment: int) -> PendingMean:
+        """Start the groups' mean of the fragment's pseudo-gradient, theta_outer - theta, taken now."""
+        a, b = self.bounds[fragment]
+        deltas = self.outers[fragment].pseudo_gradient(self.params[a:b])
+        return start_mean(self.place, deltas, self.cluster.pseudo_grad_dtype)
+
+    def _merge(self, flight: tuple[int, int, PendingMean]) -> int:
+        """Wait for a fragment's exchange, take its outer step, merge theta_outer into the parameters."""
+        _, fragment, pending = flight
+        a, b = self.bounds[fragment]
+        self.outers[fragment].step(pending.wait(), self.params[a:b], self.cluster.merge_alpha)
+        return fragment
 
     def per_rank_state(self) -> list[str]:
         return [DILOCO_STATE]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"diloco": self.outer.state_dict()}
+        if self.in_flight:
+            warnings.warn(f"a DiLoCo checkpoint at step {self.step_count()} leaves out the exchanges of fragments "
+                          f"{[j for _, j, _ in self.in_flight]} still in flight (delay {self.cluster.delay}): "
+                          f"a resume from it does not apply them")
+        states = [outer.state_dict() for outer in self.outers]
+        return {"diloco": states[0] if len(states) == 1 else states}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "diloco" in state:
-            self.outer.load_state_dict(state["diloco"])
+        if "diloco" not in state:
+            return
+        saved = state["diloco"] if isinstance(state["diloco"], list) else [state["diloco"]]
+        if len(saved) != len(self.outers):
+            raise ValueError(f"the checkpoint's DiLoCo state holds {len(saved)} fragments, this worker "
+                             f"{len(self.outers)} (cluster field fragments)")
+        for outer, one in zip(self.outers, saved):
+            outer.load_state_dict(one)
 
     def close(self) -> None:
-        pass
+        """Complete the exchanges still in flight (no collective left half done), without merging them."""
+        for _, _, pending in self.in_flight:
+            pending.wait()
+        self.in_flight = []
