@@ -180,7 +180,8 @@ def test_a_killed_process_restarts_its_whole_group_which_heals_place_by_place(tm
     (["--framework", "downpour"], "--elastic does not run parameter-server clusters yet"),
     (["--spares", "-1"], "--spares must be >= 0, got -1"),
     (["--nworker-groups", "1"], "--elastic --nworker-groups needs at least 2 worker groups"),
-    (["-n", "4", "--nworker-groups", "3"], "-n 4 processes do not split into --nworker-groups 3 groups of equal size"),
+    (["-n", "4", "--nworker-groups", "3"],
+     "-n 4 processes do not split into --nworker-groups 3 groups of equal size"),
     (["--nworker-groups", "2", "--nserver-groups", "2"], "--elastic does not run parameter-server clusters"),
 ])
 def test_bad_elastic_flags_say_one_line(tmp_path, flags, message):

@@ -276,11 +276,10 @@ class Lighthouse:
             if stored == decision or stored.next is None or stored.next.id != self.active.id:
                 break
             self.cursor += 1  # the last voter committed that round before we knew: decide the next one
-        self._note("lost", ranks=sorted(lost), round=self.cursor, quorum=self.active.id, collapse=collapse)
+        self._note("lost", groups=sorted(lost), round=self.cursor, quorum=self.active.id, collapse=collapse)
         if collapse:
             self.say(f"troupe run: quorum {self.active.id} did not form; forming a new one from the workers asking")
-        elif not lost <= self._groups(self.finished | self.leaving):
-            self.say(f"troupe run: worker group(s) {sorted(lost - self._groups(self.finished | self.leaving))} left quorum "
-                     f"{self.active.id}; "
+        elif failed := lost - self._groups(self.finished | self.leaving):
+            self.say(f"troupe run: worker group(s) {sorted(failed)} left quorum {self.active.id}; "
                      + ("the others go on" if nxt is not None else "too few left: waiting for restarts"))
         self._adopt(stored.next, by=stored.by)
