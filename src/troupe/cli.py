@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="after a failure, restart the job from its last checkpoint up to K times")
     elastic = run.add_argument_group("elastic worker groups (a dead worker restarts alone; the others train on)")
     elastic.add_argument("--elastic", action="store_true",
-                         help="every process is a worker group of one; a dead one is restarted and rejoins")
+                         help="every process is a worker group of one (with --nworker-groups G: G groups of -n/G "
+                              "processes); a dead process restarts with its group, which rejoins")
     elastic.add_argument("--min-groups", type=int, default=None,
                          help="--elastic: steps need at least K groups present (default 2)")
     elastic.add_argument("--restarts-per-rank", type=int, default=10,
