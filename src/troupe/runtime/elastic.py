@@ -1,7 +1,9 @@
 """A worker's membership in an elastic job: the quorum it steps with, its vote, its heal.
 
-`troupe run --elastic` restarts a dead worker alone; the others train on. This module is the
-worker's side (the launcher's is runtime/lighthouse.py; the keys they share, runtime/quorum.py):
+`troupe run --elastic` restarts a dead worker's group alone (a group of one process by default,
+of `--nworker-groups`' size otherwise); the other groups train on. This module is one process's
+side (the launcher's is runtime/lighthouse.py; the keys they share, runtime/quorum.py); its group
+is in a quorum or out of it as a whole:
 
 * **join**: ask the lighthouse to be admitted (`Ready`), wait for a quorum that names this rank,
   and make the quorum's process group the default one (so every communicator of the World,
@@ -11,7 +13,8 @@ worker's side (the launcher's is runtime/lighthouse.py; the keys they share, run
   the same on every member, so a group lost mid-step is left out of that step everywhere;
 * **advance**, after the step: move to the decided quorum; a member named its `source` hands
   its state (model, optimizer, strategy, sampler, RNG) to the joiners through the launcher's
-  store, live, and steps on; a joiner loads it before its first step.
+  store, live, and steps on; a joiner loads it before its first step (place by place: the joining
+  group's process j loads what the source group's process j posted).
 
 `Fixed` is the same interface for a job whose processes never change (every other launcher).
 """
