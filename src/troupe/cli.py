@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="after a failure, restart the job from its last checkpoint up to K times")
     elastic = run.add_argument_group("elastic worker groups (a dead worker restarts alone; the others train on)")
     elastic.add_argument("--elastic", action="store_true",
-                         help="every process is a worker group of one; a dead one is restarted and rejoins")
+                         help="every process is a worker group of one (with --nworker-groups G: G groups of -n/G "
+                              "processes); a dead process restarts with its group, which rejoins")
     elastic.add_argument("--min-groups", type=int, default=None,
                          help="--elastic: steps need at least K groups present (default 2)")
     elastic.add_argument("--restarts-per-rank", type=int, default=10,
@@ -311,18 +312,29 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_elastic(args: argparse.Namespace) -> None:
-    """What this step of elastic worker groups runs: one process per group, one node, no cluster."""
+    """What this step of elastic worker groups runs: data parallelism over groups of processes (one
+    each, or `--nworker-groups` groups of equal size), one node, no cluster framework."""
     from troupe.cluster.configuration.flags import given
 
     if args.max_restarts:
         raise ValueError("--elastic restarts a dead rank alone; --max-restarts restarts the whole job: give one")
     if args.nnodes > 1:
         raise ValueError("--elastic runs on one node for now (--nnodes 1): the quorum lives in this launcher")
-    if args.framework or args.cluster or any(v is not None for v in given(args).values()) or settings.current().cluster:
-        raise ValueError("--elastic does not run parameter-server clusters yet (--framework/--cluster/--nworker-"
-                         "groups): each process is a worker group of one, under plain data parallelism")
+    cluster_flags = {k: v for k, v in given(args).items() if v is not None and k != "nworker_groups"}
+    if args.framework or args.cluster or cluster_flags or settings.current().cluster:
+        raise ValueError("--elastic does not run parameter-server clusters yet, nor partition (--framework/--cluster/"
+                         "cluster flags other than --nworker-groups): only data parallelism over worker groups")
     if args.nproc is not None and args.nproc < 2:
         raise ValueError(f"--elastic needs at least 2 processes (worker groups), got -n {args.nproc}")
+    groups = args.nworker_groups
+    if groups is not None and groups < 2:
+        raise ValueError(f"--elastic --nworker-groups needs at least 2 worker groups (one would have nobody to "
+                         f"heal from), got {groups}")
+    if groups is not None and (args.nproc or 2) % groups:
+        raise ValueError(f"--elastic: -n {args.nproc or 2} processes do not split into --nworker-groups {groups} "
+                         f"groups of equal size")
+    # The groups are the quorum's business, not a cluster's: the ranks see plain data parallelism.
+    args.elastic_groups, args.nworker_groups = groups, None
     if args.restarts_per_rank < 0:
         raise ValueError(f"--restarts-per-rank must be >= 0, got {args.restarts_per_rank}")
     if args.spares is not None and args.spares < 0:
@@ -449,7 +461,8 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
 
     ticket = _ticket(args)
     given = {"timeout": args.elastic_timeout, "evict_after": args.evict_after}
-    options = ElasticOptions(groups=args.nproc, min_groups=args.min_groups or 2,
+    groups = args.elastic_groups or args.nproc
+    options = ElasticOptions(groups=groups, group_size=args.nproc // groups, min_groups=args.min_groups or 2,
                              **{k: v for k, v in given.items() if v is not None})
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     lighthouse = Lighthouse(ticket, options, say=say).start()
@@ -474,7 +487,8 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     old = signal.signal(signal.SIGTERM, terminated)
     try:
         return supervise(spawn, list(range(args.nproc)), lighthouse, restarts_per_rank=args.restarts_per_rank,
-                         say=say, stop_all=_stop_all, every_poll=start_spares)
+                         say=say, stop_all=_stop_all, every_poll=start_spares, group_size=options.group_size,
+                         kill=_kill_now)
     except KeyboardInterrupt:
         return 130
     finally:
@@ -484,6 +498,12 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
         lighthouse.stop()
         if output is not None:
             output.drain()
+
+
+def _kill_now(proc: subprocess.Popen) -> None:
+    """SIGKILL a rank's session (a worker group's partner of a dead rank: its replica is incomplete)."""
+    _signal_group(proc, signal.SIGKILL)
+    proc.wait()
 
 
 def _stop_all(procs: list[subprocess.Popen]) -> None:

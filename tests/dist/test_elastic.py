@@ -32,9 +32,9 @@ GROUPS = 3
 
 
 def troupe_run(out: Path, mode: str, *flags: str, timeout: float = 150, wait=None,
-               extra: list[str] = ()) -> subprocess.CompletedProcess:
+               extra: list[str] = (), n: int = GROUPS) -> subprocess.CompletedProcess:
     """Run the job; `wait(proc, stderr_path)` runs while it does (stderr goes to a file it can read)."""
-    cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(GROUPS), "--elastic", *flags, str(SCRIPT), str(out),
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(n), "--elastic", *flags, str(SCRIPT), str(out),
            mode, *extra]
     err = out / "stderr.txt"
     with open(err, "w") as stderr:
@@ -50,25 +50,27 @@ def troupe_run(out: Path, mode: str, *flags: str, timeout: float = 150, wait=Non
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, err.read_text())
 
 
-def reports(out: Path) -> list[dict]:
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(GROUPS)]
+def reports(out: Path, n: int = GROUPS) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
 
 
-def replay(logs: list[list]) -> list[torch.Tensor]:
-    """The steps the job committed, in one process: each the mean of the present groups' gradients."""
+def replay(logs: list[list], group_size: int = 1) -> list[torch.Tensor]:
+    """The steps the job committed, in one process: each the mean of the gradients of every process
+    of the present groups (rank r = g * group_size + place reads its own shard of all processes')."""
     steps: dict[tuple[int, int], list[int]] = {}
     for log in logs:
         for epoch, b, members in log:
             if members is not None:
                 assert steps.setdefault((epoch, b), members) == members, f"groups disagree on step {(epoch, b)}"
     x, y = job.data()
-    samplers = [DistributedSampler(len(x), rank=g, world_size=GROUPS, seed=7, tail="drop") for g in range(GROUPS)]
+    n = len(logs)
+    samplers = [DistributedSampler(len(x), rank=r, world_size=n, seed=7, tail="drop") for r in range(n)]
     model, sgd = job.model_and_optimizer()
     for (epoch, b), members in sorted(steps.items()):
         sgd.zero_grad()
-        for g in members:
-            idx = samplers[g].indices(epoch)[b * job.BATCH:(b + 1) * job.BATCH]
-            (F.cross_entropy(model(x[idx]), y[idx]) / len(members)).backward()
+        for r in (g * group_size + place for g in members for place in range(group_size)):
+            idx = samplers[r].indices(epoch)[b * job.BATCH:(b + 1) * job.BATCH]
+            (F.cross_entropy(model(x[idx]), y[idx]) / (len(members) * group_size)).backward()
         sgd.step()
     return [p.detach() for p in model.parameters()]
 
@@ -146,12 +148,41 @@ def test_restart_budget_that_runs_out_ends_the_job_naming_the_rank(tmp_path):
         in proc.stderr
 
 
+@pytest.mark.timeout(240)
+def test_a_killed_process_restarts_its_whole_group_which_heals_place_by_place(tmp_path):
+    """2 groups of 2 processes, --min-groups 2: rank 3 dies, its partner rank 2 is stopped, group 0 waits
+    (one group is too few) and both groups train on once group 1 is back and healed."""
+    proc = troupe_run(tmp_path, "group-kill", "--nworker-groups", "2", "--min-groups", "2", n=4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 3 exited with signal 9 (SIGKILL); stopped its worker group 1's other ranks [2]" in proc.stderr
+    assert "too few left: waiting for restarts" in proc.stderr
+    runs = reports(tmp_path, n=4)
+    assert [r["incarnation"] for r in runs] == [0, 0, 1, 1], "group 0 was restarted, or group 1 not as a whole"
+    assert len({r["sha256"] for r in runs}) == 1, "the processes ended with different parameters"
+    assert [r["heals"] for r in runs[2:]] == [1, 1] and runs[2]["resumed_at"] == runs[3]["resumed_at"] > 0
+    survivor = runs[0]["log"]
+    lost_step = next(i for i, (_, _, m) in enumerate(survivor) if m is None)
+    assert survivor[lost_step][:2] == [0, job.FAULT_AT]  # the step rank 3 died in is left out on group 0 too
+    assert survivor[-1][2] == [0, 1]
+    params = torch.load(tmp_path / "rank0.pt")["params"]
+    for got, want in zip(params, replay([r["log"] for r in runs], group_size=2)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # Each joiner's state equals its counterpart's (place by place) before its first step back.
+    for r in (2, 3):
+        healed = torch.load(tmp_path / f"rank{r}.pt")["healed"]
+        assert healed["steps"] == runs[r]["resumed_at"] and healed["momentum"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--min-groups", "4"], "min_groups (4) is larger than the job's 3 worker groups"),
     (["--min-groups", "1"], "min_groups must be >= 2"),
     (["--max-restarts", "2", "--checkpoint-dir", "ck"], "--elastic restarts a dead rank alone; --max-restarts"),
     (["--framework", "downpour"], "--elastic does not run parameter-server clusters yet"),
     (["--spares", "-1"], "--spares must be >= 0, got -1"),
+    (["--nworker-groups", "1"], "--elastic --nworker-groups needs at least 2 worker groups"),
+    (["-n", "4", "--nworker-groups", "3"],
+     "-n 4 processes do not split into --nworker-groups 3 groups of equal size"),
+    (["--nworker-groups", "2", "--nserver-groups", "2"], "--elastic does not run parameter-server clusters"),
 ])
 def test_bad_elastic_flags_say_one_line(tmp_path, flags, message):
     cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(GROUPS), "--elastic", *flags, str(SCRIPT),

@@ -172,6 +172,7 @@ def test_when_the_members_have_finished_a_waiting_worker_is_told_to_leave(house)
     (dict(groups=3, min_groups=1), "min_groups must be >= 2"),
     (dict(groups=3, timeout=0), "elastic timeout must be > 0 seconds"),
     (dict(groups=3, heartbeat=3.0, evict_after=5.0), "must be at least two heartbeats"),
+    (dict(groups=3, group_size=0), "elastic group_size must be >= 1, got 0"),
 ])
 def test_bad_elastic_options(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -184,6 +185,9 @@ def test_records_round_trip():
     d = Decision(False, q, by="lighthouse")
     assert Decision.decode(d.encode()) == d and Decision.decode(Decision(True, None).encode()).next is None
     assert ElasticOptions.decode(ElasticOptions(groups=5).encode()) == ElasticOptions(groups=5)
+    pairs = Quorum(5, (1, 3), (3,), 1, base=4, tokens=("a|b", "c|d"), group_size=2)
+    assert Quorum.decode(pairs.encode()) == pairs and [pairs.index(r) for r in (2, 3, 6, 7)] == [0, 1, 2, 3]
+    assert ElasticOptions(groups=2, group_size=3).ranks(1) == range(3, 6)
 
 
 class _SlowWork:
@@ -221,3 +225,83 @@ def test_a_wait_in_slices_gives_up_only_when_asked_and_keeps_the_reductions_verd
 def test_a_quorum_admits_a_rank_only_for_the_request_it_was_formed_with():
     q = Quorum(3, (0, 2), (2,), 0, base=2, tokens=("0.1", "1.1"))
     assert q.admits(2, "1.1") and not q.admits(2, "0.1") and not q.admits(1, "1.1")
+
+
+@pytest.fixture
+def pairs():
+    """3 worker groups of 2 processes: group g is ranks 2g and 2g + 1."""
+    ticket = Ticket()
+    lh = Lighthouse(ticket, ElasticOptions(groups=3, group_size=2, min_groups=2, evict_after=5.0, heartbeat=0.5))
+    client = dist.PrefixStore(f"troupe/{ticket.token}/", dist.TCPStore(
+        ticket.addr, ticket.port, is_master=False, timeout=datetime.timedelta(seconds=5)))
+    yield lh, client
+    lh.stop()
+
+
+def test_a_group_asks_when_every_process_of_it_has_and_the_quorum_counts_processes(pairs):
+    lh, client = pairs
+    beat(client, *range(6))
+    for r, step in enumerate([-1, 4, 5, 5, 3, 3]):  # group 0 has a fresh process: its state is the fewest steps
+        if r != 5:
+            ask(client, r, f"t{r}", step=step)
+    lh.tick()
+    assert not client.check(["latest"]), "formed before every process of every group was ready"
+    ask(client, 5, "t5", step=3)
+    lh.tick()
+    q = latest(client)
+    assert (q.members, q.source, q.joiners, q.group_size, q.size) == ((0, 1, 2), 1, (0, 2), 2, 6)
+    assert q.tokens == ("t0|t1", "t2|t3", "t4|t5")
+    assert [q.index(r) for r in range(6)] == list(range(6)) and q.admits(3, "t3") and not q.admits(3, "t2")
+
+
+def test_a_lost_process_takes_its_group_out_and_the_group_rejoins_when_all_of_it_asks_again(pairs):
+    lh, client = pairs
+    said = []
+    lh.say = said.append
+    beat(client, *range(6))
+    for r in range(6):
+        ask(client, r, f"0.{r}", step=0)
+    lh.tick()
+    q1 = latest(client)
+    lh.lost(3)  # rank 3 died; its partner rank 2 still runs (the supervisor stops it next)
+    beat(client, *range(6))
+    lh.tick()
+    d = Decision.decode(client.get(round_key(q1.id, 1, "d")))
+    assert not d.commit and d.next.members == (0, 2) and d.next.size == 4 and d.next.index(4) == 2
+    assert any("worker group(s) [1] left quorum 1" in s for s in said)
+    assert d.next.tokens == ("0.0|0.1", "0.4|0.5")
+    lh.lost(2)
+    for r in (2, 3):
+        lh.restarted(r)
+    beat(client, *range(6))
+    ask(client, 2, "1.1")
+    lh.tick()
+    assert not client.check(["proposal"]), "proposed a group with one of its processes not ready"
+    ask(client, 3, "1.1")
+    beat(client, *range(6))
+    lh.tick()
+    proposal = Quorum.decode(client.get("proposal"))
+    assert proposal.members == (0, 1, 2) and proposal.joiners == (1,) and proposal.source == 0
+    assert proposal.tokens[1] == "1.1|1.1" and proposal.admits(3, "1.1")
+    client.set(round_key(d.next.id, 1, "d"), Decision(True, proposal).encode())
+    lh.tick()
+    assert lh.active == proposal and (lh.admitted[2], lh.admitted[3]) == ("1.1", "1.1")
+
+
+def test_one_silent_process_evicts_its_group(pairs, monkeypatch):
+    lh, client = pairs
+    beat(client, *range(6))
+    for r in range(6):
+        ask(client, r, f"0.{r}", step=0)
+    lh.tick()
+    q1 = latest(client)
+    clock = [1000.0]
+    monkeypatch.setattr("troupe.runtime.lighthouse.time.monotonic", lambda: clock[0])
+    for b in lh.beats.values():
+        b.changed = clock[0]
+    for _ in range(3):
+        clock[0] += 2.0
+        beat(client, 0, 1, 2, 3, 4)  # rank 5 is frozen; rank 4, its partner, beats on
+        lh.tick()
+    d = Decision.decode(client.get(round_key(q1.id, 1, "d")))
+    assert not d.commit and d.next.members == (0, 1)

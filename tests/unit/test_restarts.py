@@ -123,3 +123,38 @@ def test_spares_hand_a_rank_to_a_waiting_process_and_replace_it():
     assert spares.waiting() == [made[2]]
     spares.stop()
     assert made[2].closed and made[2].waited and spares.waiting() == []
+
+
+class Killable(Proc):
+    """A process that runs until killed (then exits with -9)."""
+
+    def __init__(self):
+        super().__init__(-9, alive=10**9)
+
+    def kill(self):
+        self.alive = 0
+
+
+def test_a_dead_rank_restarts_its_whole_worker_group_and_only_it_spends_budget():
+    killed = []
+
+    def kill(proc):
+        killed.append(proc)
+        proc.kill()
+
+    partner = Killable()
+    script = {0: [Proc(0, alive=30)], 1: [Proc(0, alive=30)], 2: [partner, Proc(0, alive=3)],
+              3: [Proc(-9, alive=2), Proc(0, alive=3)]}
+    spawns, lines, house = [], [], House()
+
+    def spawn(rank, incarnation):
+        spawns.append((rank, incarnation))
+        return script[rank][sum(1 for r, _ in spawns if r == rank) - 1]
+
+    code = restarts.supervise(spawn, sorted(script), house, restarts_per_rank=1, say=lines.append,
+                              stop_all=lambda procs: None, group_size=2, kill=kill)
+    assert code == 0 and killed == [partner]
+    assert sorted(spawns) == [(0, 0), (1, 0), (2, 0), (2, 1), (3, 0), (3, 1)]  # group 0 never restarted
+    assert ("lost", 2) in house.events and ("restarted", 2) in house.events
+    assert any("rank 3 exited with signal 9 (SIGKILL); stopped its worker group 1's other ranks [2] and "
+               "restarting the group in 0.0s (restart 1 of 1 for rank 3)" in line for line in lines), lines

@@ -1,7 +1,9 @@
 """A worker's membership in an elastic job: the quorum it steps with, its vote, its heal.
 
-`troupe run --elastic` restarts a dead worker alone; the others train on. This module is the
-worker's side (the launcher's is runtime/lighthouse.py; the keys they share, runtime/quorum.py):
+`troupe run --elastic` restarts a dead worker's group alone (a group of one process by default,
+of `--nworker-groups`' size otherwise); the other groups train on. This module is one process's
+side (the launcher's is runtime/lighthouse.py; the keys they share, runtime/quorum.py); its group
+is in a quorum or out of it as a whole:
 
 * **join**: ask the lighthouse to be admitted (`Ready`), wait for a quorum that names this rank,
   and make the quorum's process group the default one (so every communicator of the World,
@@ -11,7 +13,8 @@ worker's side (the launcher's is runtime/lighthouse.py; the keys they share, run
   the same on every member, so a group lost mid-step is left out of that step everywhere;
 * **advance**, after the step: move to the decided quorum; a member named its `source` hands
   its state (model, optimizer, strategy, sampler, RNG) to the joiners through the launcher's
-  store, live, and steps on; a joiner loads it before its first step.
+  store, live, and steps on; a joiner loads it before its first step (place by place: the joining
+  group's process j loads what the source group's process j posted).
 
 `Fixed` is the same interface for a job whose processes never change (every other launcher).
 """
@@ -59,7 +62,8 @@ class Fixed:
 
 
 class Elastic:
-    """This worker's place in an elastic job (one process per worker group)."""
+    """This worker's place in an elastic job: its worker group (`options.group_size` processes) is a
+    member of the quorum or not, as a whole."""
 
     elastic = True
     builds_together = False
@@ -71,6 +75,7 @@ class Elastic:
     def __init__(self, ticket: Ticket, options: ElasticOptions, rank: int, incarnation: int, backend: str,
                  connect: Callable[[float], dist.Store]):
         self.options, self.rank, self.backend = options, rank, backend
+        self.group, self.place = divmod(rank, options.group_size)
         self.incarnation = incarnation
         # Three connections: votes and heals wait long; a forming group gives up after `timeout`
         # (a member died meanwhile); the heartbeat thread has its own socket.
@@ -88,7 +93,7 @@ class Elastic:
         self.heals = 0
         """Times this process received state from a peer."""
         self.stepped_with: tuple[int, ...] | None = None
-        """The groups whose gradients the last step averaged (None: the step was left out)."""
+        """The worker groups whose processes' gradients the last step averaged (None: the step was left out)."""
         self._pending_heal: tuple[Quorum, str] | None = None
         self._failed_step = False
         self._graveyard: list[tuple[float, Any]] = []
@@ -148,13 +153,14 @@ class Elastic:
         self._bury()
         _leave_group(self._set_aside if self._failed_step else None)
         store = dist.PrefixStore(f"pg/{quorum.id}/{tag}/", self._pg_store)
-        _init_group(self.backend, store=store, rank=quorum.index(self.rank), world_size=len(quorum.members),
+        _init_group(self.backend, store=store, rank=quorum.index(self.rank), world_size=quorum.size,
                     timeout=datetime.timedelta(seconds=self.options.timeout))
         self.quorum, self.round = quorum, 0
         for hook in self.on_reconfigure:
             hook()
-        if quorum.joiners and (self.rank == quorum.source or self.rank in quorum.joiners):
-            self._pending_heal = (quorum, f"heal/{quorum.id}/{tag}")
+        if quorum.joiners and (self.group == quorum.source or self.group in quorum.joiners):
+            # Place by place: each joiner's process copies its counterpart in the source group.
+            self._pending_heal = (quorum, f"heal/{quorum.id}/{tag}/{self.place}")
             self._heal_if_ready()
 
     # --- one step ------------------------------------------------------------------------
@@ -173,7 +179,7 @@ class Elastic:
         try:
             if not ok:
                 self.store.add(key("bad"), 1)
-            if self.store.add(key("n"), 1) == len(q.members):
+            if self.store.add(key("n"), 1) == q.size:
                 bad = self.store.add(key("bad"), 0)
                 self.store.compare_set(key("d"), "", Decision(bad == 0, self._proposal() or q).encode())
             self.decision = Decision.decode(self.store.get(key("d")))
@@ -216,7 +222,7 @@ class Elastic:
         nxt = d.next
         if nxt is not None and nxt == self.quorum and d.commit:
             return
-        if nxt is not None and self.rank not in nxt.members:
+        if nxt is not None and self.group not in nxt.members:
             # The others stepped on without us (we were paused or late): our state and the script's
             # place in its loop are behind. A fresh process catches up through troupe.track.
             log.warning("troupe: rank %d was left out of quorum %d (paused or late); it restarts to rejoin",
@@ -247,7 +253,7 @@ class Elastic:
         if self._pending_heal is None or not self.objects:
             return
         (q, key), self._pending_heal = self._pending_heal, None
-        if self.rank == q.source:
+        if self.group == q.source:
             self.store.set(key, _pack(self.objects))
             if self._posted is not None:
                 self.store.delete_key(self._posted)  # its joiners have it by now (they loaded it before stepping)

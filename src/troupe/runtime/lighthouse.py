@@ -12,6 +12,11 @@ no worker is a single point of failure). It hosts the job's TCP store and, every
    quorum plus it; the next round's last voter adopts the proposal at a step boundary;
 5. no running quorum (the start, or too few left): forms one from the workers ready, when
    there are `min_groups` (at the start: all groups, or `min_groups` after `form_within`).
+
+The quorum's members are worker groups (`ElasticOptions.group_size` processes each; one by
+default). What the workers and the supervisor report is per process; a group is alive when
+every process of it beats, asks to join when every process of it has asked, and is lost when
+any process of it is (the supervisor restarts the whole group).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ class _Beat:
 
 
 class Lighthouse:
-    """The quorum of an elastic job (one process per worker group), kept in the launcher."""
+    """The quorum of an elastic job's worker groups, kept in the launcher."""
 
     def __init__(self, ticket: Ticket, options: ElasticOptions, *, say=lambda line: None):
         import torch.distributed as dist  # the launcher imports torch only for an elastic job
@@ -54,8 +59,9 @@ class Lighthouse:
         self.leaving: set[int] = set()
         """Those of them that finished their script (not an error)."""
         self.byes = 0
-        self.beats = {r: _Beat() for r in range(options.groups)}
+        self.beats = {r: _Beat() for r in range(options.processes)}
         self.admitted: dict[int, str] = {}
+        """Per rank, the `Ready` token of the request it was last admitted with."""
         self.active: Quorum | None = None
         self.cursor = 1
         self.next_id = 1
@@ -109,11 +115,19 @@ class Lighthouse:
     def _note(self, what: str, **details) -> None:
         self.events.append((time.monotonic() - self.started, what, details))
 
+    def _groups(self, ranks: set[int]) -> set[int]:
+        """The groups that have a process among `ranks`."""
+        return {r // self.options.group_size for r in ranks}
+
+    def _whole(self, ranks: set[int]) -> set[int]:
+        """The groups all of whose processes are among `ranks`."""
+        return {g for g in self._groups(ranks) if set(self.options.ranks(g)) <= ranks}
+
     def tick(self) -> None:
         self._follow_rounds()
         self._read_byes()
         now = time.monotonic()
-        alive = set()
+        beating = set()
         for rank, beat in self.beats.items():
             if rank in self.dead:
                 continue
@@ -121,22 +135,27 @@ class Lighthouse:
             if count != beat.count:
                 beat.count, beat.changed = count, now
             if now - beat.changed < self.options.evict_after:
-                alive.add(rank)
-        asking = self._asking(alive)
-        departed, self.departed = self.departed, set()
-        if self.finished and (self.active is None or set(self.active.members) <= self.finished):
+                beating.add(rank)
+        alive = self._whole(beating)
+        asking_ranks = self._asking_ranks(beating)
+        asking = self._asking(asking_ranks, alive)
+        departed, self.departed = self._groups(self.departed), set()
+        finished = self._groups(self.finished)
+        if finished and (self.active is None or set(self.active.members) <= finished):
             self.store.set("closed", "1")  # the job is over: a worker still waiting to be admitted leaves
             return
         if self.active is None:
-            self._form(asking, alive, now)
+            self._form(asking, alive - finished, now)
             return
-        silent = (set(self.active.members) - alive) - departed - self.dead
-        lost = (set(self.active.members) - alive) | (departed & set(self.active.members))
+        members = set(self.active.members)
+        dead = self._groups(self.dead)
+        lost = (members - alive) | (departed & members)
+        silent = {r for g in sorted(members - departed - dead) for r in self.options.ranks(g)} - beating
         if silent:
             ages = ", ".join(f"rank {r}: {now - self.beats[r].changed:.1f}s" for r in sorted(silent))
             self.say(f"troupe run: no heartbeat within {self.options.evict_after:.0f}s ({ages})")
-        # A member asking again could not make the quorum's group: it never formed, for anyone.
-        failed_to_form = any(r in self.active.members for r in asking)
+        # A member's process asking again could not make the quorum's group: it never formed, for anyone.
+        failed_to_form = bool(self._groups(set(asking_ranks)) & members)
         if lost or failed_to_form:
             self._abort(lost, asking, collapse=failed_to_form)
         elif asking:
@@ -155,14 +174,32 @@ class Lighthouse:
                 if self.store.get(f"bye/{rank}") == b"done":
                     self.leaving.add(rank)
 
-    def _asking(self, alive: set[int]) -> dict[int, Ready]:
+    def _asking_ranks(self, beating: set[int]) -> dict[int, Ready]:
+        """The live processes with a request not admitted yet."""
         out = {}
-        for rank in sorted(alive):
+        for rank in sorted(beating):
             if self.store.check([f"ready/{rank}"]):
                 ready = Ready.decode(self.store.get(f"ready/{rank}"))
                 if ready.token != self.admitted.get(rank):
                     out[rank] = ready
         return out
+
+    def _asking(self, asking_ranks: dict[int, Ready], alive: set[int]) -> dict[int, Ready]:
+        """The live groups every process of which asks: one request each, its processes' tokens
+        joined in rank order, and the fewest steps any of them has taken."""
+        out = {}
+        for g in sorted(alive):
+            requests = [asking_ranks.get(r) for r in self.options.ranks(g)]
+            if all(requests):
+                out[g] = Ready("|".join(q.token for q in requests), min(q.step for q in requests))
+        return out
+
+    def _admit(self, group: int, tokens: str) -> None:
+        for rank, token in zip(self.options.ranks(group), tokens.split("|")):
+            self.admitted[rank] = token
+
+    def _tokens(self, group: int) -> str:
+        return "|".join(self.admitted[r] for r in self.options.ranks(group))
 
     def _follow_rounds(self) -> None:
         """Move `active` along the rounds the workers decided (a round adopting a new quorum)."""
@@ -179,9 +216,8 @@ class Lighthouse:
             self.collapsed_at = time.monotonic()
             self._note("paused", why="fewer than min_groups")
             return
-        for rank in quorum.joiners:
-            if self.store.check([f"ready/{rank}"]):
-                self.admitted[rank] = Ready.decode(self.store.get(f"ready/{rank}")).token
+        for group in quorum.joiners:
+            self._admit(group, quorum.tokens[quorum.members.index(group)])
         self._publish(quorum)
         self._note("adopted", id=quorum.id, members=list(quorum.members), joiners=list(quorum.joiners), by=by)
 
@@ -197,7 +233,7 @@ class Lighthouse:
         if not self.formed_once:
             need = self.options.groups if now - self.started <= self.options.form_within else self.options.min_groups
         elif now - self.collapsed_at <= self.options.timeout + 1.0:
-            need = max(len(alive - self.finished), self.options.min_groups)
+            need = max(len(alive), self.options.min_groups)
         else:
             need = self.options.min_groups
         if len(asking) < need:
@@ -205,9 +241,9 @@ class Lighthouse:
         source = max(asking, key=lambda r: (asking[r].step, -r))
         members = tuple(sorted(asking))
         quorum = Quorum(self.next_id, members, tuple(r for r in members if r != source), source, base=0,
-                        tokens=tuple(asking[r].token for r in members))
-        for rank, ready in asking.items():
-            self.admitted[rank] = ready.token
+                        tokens=tuple(asking[r].token for r in members), group_size=self.options.group_size)
+        for group, ready in asking.items():
+            self._admit(group, ready.token)
         self.active, self.cursor, self.formed_once = quorum, 1, True
         self._publish(quorum)
         self._note("formed", id=quorum.id, members=list(members), source=source)
@@ -216,9 +252,9 @@ class Lighthouse:
         members = tuple(sorted(keep | set(asking)))
         if len(members) < self.options.min_groups or not keep:
             return None
-        tokens = tuple(asking[r].token if r in asking else self.admitted[r] for r in members)
+        tokens = tuple(asking[g].token if g in asking else self._tokens(g) for g in members)
         return Quorum(self.next_id, members, tuple(sorted(set(asking) - keep)), min(keep), base=self.active.id,
-                      tokens=tokens)
+                      tokens=tokens, group_size=self.options.group_size)
 
     def _propose(self, asking: dict[int, Ready]) -> None:
         proposal = self._next_from(set(self.active.members), asking)
@@ -240,11 +276,10 @@ class Lighthouse:
             if stored == decision or stored.next is None or stored.next.id != self.active.id:
                 break
             self.cursor += 1  # the last voter committed that round before we knew: decide the next one
-        self._note("lost", ranks=sorted(lost), round=self.cursor, quorum=self.active.id, collapse=collapse)
+        self._note("lost", groups=sorted(lost), round=self.cursor, quorum=self.active.id, collapse=collapse)
         if collapse:
             self.say(f"troupe run: quorum {self.active.id} did not form; forming a new one from the workers asking")
-        elif not lost <= self.finished | self.leaving:
-            self.say(f"troupe run: worker group(s) {sorted(lost - self.finished - self.leaving)} left quorum "
-                     f"{self.active.id}; "
+        elif failed := lost - self._groups(self.finished | self.leaving):
+            self.say(f"troupe run: worker group(s) {sorted(failed)} left quorum {self.active.id}; "
                      + ("the others go on" if nxt is not None else "too few left: waiting for restarts"))
         self._adopt(stored.next, by=stored.by)

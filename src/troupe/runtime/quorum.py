@@ -9,14 +9,15 @@ named here, and nothing else: no torch import, so `troupe run` stays light.
 Keys (under the job's ``troupe/<token>/`` prefix):
 
 * ``hb/<rank>``      a counter each worker's heartbeat thread adds to (the lighthouse evicts a
-                     rank whose counter stands still for ``evict_after`` seconds: SIGSTOP, a hang);
+                     rank's group when its counter stands still for ``evict_after`` seconds: SIGSTOP, a hang);
 * ``ready/<rank>``   a worker asks to be (re)admitted: a `Ready` record;
 * ``proposal``       the lighthouse's next quorum, not yet adopted;
 * ``latest``         the newest adopted quorum (what a joining worker waits for);
 * ``q<id>/r<k>/n``, ``/bad``, ``/d``   round k of quorum id: votes, failed votes, the decision
                      (written once, by compare-and-set: by the last voter, or by the lighthouse
                      when a member is lost and will never vote);
-* ``heal/<id>/<tag>``  the state a source member hands to the joiners of quorum id;
+* ``heal/<id>/<tag>/<place>``  the state the source group's process at `place` hands to the
+                     joiners' processes at the same place, for quorum id;
 * ``bye/<rank>``, ``byes``   a worker leaving (its exit hooks): "done" or "error", and a counter the
                      lighthouse watches, so it need not wait for the silence or the exit;
 * ``closed``         the job is over (members finished): a worker still waiting to be admitted leaves.
@@ -38,7 +39,10 @@ class ElasticOptions:
     """What `troupe run --elastic` tells every worker (and its lighthouse) about the job."""
 
     groups: int
-    """Worker groups in the job when all are present (each process is a group of one)."""
+    """Worker groups in the job when all are present."""
+    group_size: int = 1
+    """Processes per worker group (`--nworker-groups`: group g is ranks [g*k, (g+1)*k)); 1: each
+    process is a group of one."""
     min_groups: int = 2
     """A step needs at least this many groups present; with fewer the job waits for restarts."""
     timeout: float = 10.0
@@ -53,6 +57,8 @@ class ElasticOptions:
     least `min_groups` (a restart later is admitted as soon as it is ready)."""
 
     def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ValueError(f"elastic group_size must be >= 1, got {self.group_size}")
         if self.min_groups < 2:
             raise ValueError(f"min_groups must be >= 2 (a quorum of one has nobody to heal from), "
                              f"got {self.min_groups}")
@@ -64,6 +70,15 @@ class ElasticOptions:
         if self.heartbeat * 2 > self.evict_after:
             raise ValueError(f"elastic evict_after ({self.evict_after}s) must be at least two heartbeats "
                              f"({self.heartbeat}s each)")
+
+    @property
+    def processes(self) -> int:
+        """Processes in the job when every group is present."""
+        return self.groups * self.group_size
+
+    def ranks(self, group: int) -> range:
+        """The global ranks of worker group `group`."""
+        return range(group * self.group_size, (group + 1) * self.group_size)
 
     def encode(self) -> str:
         return json.dumps(asdict(self))
@@ -79,34 +94,47 @@ class Quorum:
 
     id: int
     members: tuple[int, ...]
-    """Global ranks (one process per group), ascending."""
+    """Worker groups, ascending (with one process per group, a group's number is its rank)."""
     joiners: tuple[int, ...] = ()
     """Members whose state is not the quorum's yet: they receive it from `source` before their first step."""
     source: int = -1
-    """The member whose state every joiner copies (-1: no joiners)."""
+    """The member whose state every joiner copies, place by place (-1: no joiners)."""
     base: int = 0
     """The quorum this one replaces (0: formed by the lighthouse from ready workers, not from a running quorum)."""
     tokens: tuple[str, ...] = ()
-    """The `Ready` token each member was admitted with: a restarted process joins only a quorum that
-    admitted its own request, never one that names its rank for the process it replaced."""
+    """Per member, the `Ready` tokens its processes were admitted with, joined by "|" in rank order: a
+    restarted process joins only a quorum that admitted its own request, never one that names its rank
+    for the process it replaced."""
+    group_size: int = 1
+    """Processes per group: group g is ranks [g*k, (g+1)*k)."""
+
+    def group_of(self, rank: int) -> int:
+        return rank // self.group_size
+
+    @property
+    def size(self) -> int:
+        """Processes in the quorum's process group: every process of every member."""
+        return len(self.members) * self.group_size
 
     def index(self, rank: int) -> int:
-        """This rank's place in the quorum's process group."""
-        return self.members.index(rank)
+        """This rank's place in the quorum's process group (ordered by rank among the members' processes)."""
+        return self.members.index(self.group_of(rank)) * self.group_size + rank % self.group_size
 
     def encode(self) -> str:
         return json.dumps({"id": self.id, "members": self.members, "joiners": self.joiners, "source": self.source,
-                           "base": self.base, "tokens": self.tokens})
+                           "base": self.base, "tokens": self.tokens, "group_size": self.group_size})
 
     @classmethod
     def decode(cls, text: str | bytes) -> Quorum:
         d = json.loads(text)
         return cls(d["id"], tuple(d["members"]), tuple(d["joiners"]), d["source"], d["base"],
-                   tuple(d.get("tokens", ())))
+                   tuple(d.get("tokens", ())), d.get("group_size", 1))
 
     def admits(self, rank: int, token: str) -> bool:
         """Does this quorum name `rank` for the request `token`?"""
-        return rank in self.members and self.tokens[self.index(rank)] == token
+        group = self.group_of(rank)
+        return (group in self.members
+                and self.tokens[self.members.index(group)].split("|")[rank % self.group_size] == token)
 
 
 @dataclass(frozen=True)

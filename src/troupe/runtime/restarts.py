@@ -5,6 +5,11 @@ the ranks: a rank that exits with an error is reported to the lighthouse (so the
 goes on without it at once) and started again after a back-off, as the same rank with the
 next incarnation, until its restart budget is spent. A rank that finishes (exit 0) ends the
 restarts: the job is closing. A rank out of budget stops the job, with one line naming it.
+
+In worker groups of several processes (`group_size` > 1) a rank that fails takes its whole group
+out: the supervisor kills the group's other processes at once (they hold a replica that is now
+incomplete) and restarts them all together. The budget stays per rank and counts only the rank
+that failed: its partners were stopped, they did not fail.
 """
 
 from __future__ import annotations
@@ -42,20 +47,28 @@ def why(code: int) -> str:
     return f"signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"code {code}"
 
 
+def _kill(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
+
+
 def supervise(spawn: Callable[[int, int], subprocess.Popen], ranks: list[int], lighthouse, *,
               restarts_per_rank: int, say: Callable[[str], None], stop_all: Callable[[list], None],
-              every_poll: Callable[[], None] = lambda: None) -> int:
-    """Run `ranks` (each `spawn(rank, incarnation)`) until all finish; restart the dead ones alone.
+              every_poll: Callable[[], None] = lambda: None, group_size: int = 1,
+              kill: Callable[[subprocess.Popen], None] = _kill) -> int:
+    """Run `ranks` (each `spawn(rank, incarnation)`) until all finish; restart the dead ones alone (with
+    `group_size` > 1, with the rest of their worker group, which `kill` stops and waits for).
     `every_poll()` runs at each look at the processes (the launcher starts its spares there)."""
     state = {r: _Rank(spawn(r, 0)) for r in ranks}
     try:
-        return _watch(state, spawn, lighthouse, restarts_per_rank, say, stop_all, every_poll)
+        return _watch(state, spawn, lighthouse, restarts_per_rank, say, stop_all, every_poll, group_size, kill)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (troupe run raises it): never leave a worker behind
         stop_all([s.proc for s in state.values()])
         raise
 
 
-def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, say, stop_all, every_poll) -> int:
+def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, say, stop_all, every_poll,
+           group_size: int, kill) -> int:
     closing = False
     while True:
         now = time.monotonic()
@@ -95,8 +108,15 @@ def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, s
             # The first restart in a while at once; more within QUICK_SECONDS back off, doubling.
             delay = 0.0 if len(s.recent) == 1 else min(BACKOFF_FIRST * 2 ** (len(s.recent) - 2), BACKOFF_MAX)
             s.due = now + delay
-            say(f"troupe run: rank {rank} exited with {why(code)}; restarting it alone in {delay:.1f}s "
-                f"(restart {s.restarts} of {restarts_per_rank}); the others train on")
+            if group_size == 1:
+                say(f"troupe run: rank {rank} exited with {why(code)}; restarting it alone in {delay:.1f}s "
+                    f"(restart {s.restarts} of {restarts_per_rank}); the others train on")
+                continue
+            group = rank // group_size
+            partners = _stop_partners(state, rank, group_size, s.due, lighthouse, kill)
+            say(f"troupe run: rank {rank} exited with {why(code)}; stopped its worker group {group}'s other "
+                f"ranks {partners} and restarting the group in {delay:.1f}s (restart {s.restarts} of "
+                f"{restarts_per_rank} for rank {rank}); the other groups train on")
         if all(s.finished for s in state.values()):
             return 0
         if closing and all(s.finished or s.due is not None for s in state.values()):
@@ -105,3 +125,17 @@ def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, s
             return 0
         every_poll()
         time.sleep(POLL_SECONDS)
+
+
+def _stop_partners(state: dict[int, _Rank], rank: int, group_size: int, due: float, lighthouse, kill) -> list[int]:
+    """Kill the other running processes of `rank`'s worker group and make them due with it (a partner
+    already waiting to start again waits for the later of the two)."""
+    first = rank - rank % group_size
+    partners = [r for r in range(first, first + group_size) if r != rank and not state[r].finished]
+    for r in partners:
+        s = state[r]
+        if s.due is None:
+            kill(s.proc)
+            lighthouse.lost(r)
+        s.due = due if s.due is None else max(s.due, due)
+    return partners

@@ -69,6 +69,10 @@ class OptionSwitch:
         params = params_of(setup.optimizer)
         everyone, partitioned = split_by_holders(params, comm.world_size)
         self._partitioned = {h: [id(p) for p in ps] for h, ps in partitioned.items()}
+        if self.elastic and partitioned:
+            # A rejoining group would need its slices healed holder by holder, and a joiner builds alone.
+            raise ValueError("a partitioned model (troupe.partition) cannot run under troupe run --elastic yet: "
+                             "elastic worker groups run data parallelism only")
         # An elastic job's joiner builds its DistOpt alone while the others train: no collective here.
         self.holders = HolderGroups.make(comm, partitioned) if setup.world.membership.builds_together else None
         """A partitioned model's parameters that only some ranks hold (troupe.partition)."""

@@ -1,6 +1,7 @@
 """A tiny elastic job: every worker group logs which groups each of its steps averaged over.
 
     troupe run -n 3 --elastic tests/dist/scripts/elastic_train.py OUT MODE [DIST_OPTION]
+    troupe run -n 4 --elastic --nworker-groups 2 tests/dist/scripts/elastic_train.py OUT group-kill
 
 MODE (faults in first incarnations only, unless said otherwise):
   ok
@@ -8,6 +9,7 @@ MODE (faults in first incarnations only, unless said otherwise):
   two-down      rank 1 SIGKILLs itself at step 6, rank 2 raises at step 8: too few groups until one is back
   stop          rank 2 SIGSTOPs itself at step 6 and writes OUT/stopped (the test sends SIGCONT)
   always-raise  rank 1 raises at step 6, and at its first step back every time
+  group-kill    rank 3 (group 1's second process) SIGKILLs itself at step 6: its whole group restarts
 The job trains until it has taken MIN_STEPS steps and the last FULL_STREAK of them had every group
 (the same verdict on every member: they commit the same steps). Each rank writes OUT/rank{r}.json
 (its last incarnation) and OUT/rank{r}.pt (parameters).
@@ -32,7 +34,7 @@ EPOCHS, BATCH, SAMPLES, FAULT_AT, MIN_STEPS, FULL_STREAK = 100, 8, 720, 6, 30, 8
 
 def fault(mode: str, rank: int, incarnation: int, step: int, log: list, out: Path) -> None:
     if incarnation == 0 and step == FAULT_AT:
-        if mode in ("kill", "two-down") and rank == 1:
+        if (mode in ("kill", "two-down") and rank == 1) or (mode == "group-kill" and rank == 3):
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "stop" and rank == 2 and not (out / "stopped").exists():
             (out / "stopped").write_text(str(os.getpid()))
@@ -88,7 +90,7 @@ def main(out: Path, mode: str, dist_option: str = "plain") -> None:
             opt.zero_grad()
             members = list(membership.stepped_with) if membership.stepped_with else None
             log.append([epoch, b, members])
-            streak = streak + 1 if members == list(range(opt.world_size)) else 0
+            streak = streak + 1 if members == list(range(membership.options.groups)) else 0
             if opt.step_count >= MIN_STEPS and streak >= FULL_STREAK:
                 break
             time.sleep(0.05)
