@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="--elastic: restarts each rank may use before the job stops (default 10)")
     elastic.add_argument("--spares", type=int, default=None,
                          help="--elastic: processes kept started (torch imported) to take a restarted rank's place "
-                              "(default 1, started once the job has formed; 0: none)")
+                              "(default: one group's processes, started once the job has formed; 0: none)")
     elastic.add_argument("--evict-after", type=float, default=None,
                          help="--elastic: seconds without a heartbeat before a worker is left out (default 5)")
     elastic.add_argument("--elastic-timeout", type=float, default=None,
@@ -339,7 +339,6 @@ def _check_elastic(args: argparse.Namespace) -> None:
         raise ValueError(f"--restarts-per-rank must be >= 0, got {args.restarts_per_rank}")
     if args.spares is not None and args.spares < 0:
         raise ValueError(f"--spares must be >= 0, got {args.spares}")
-    args.spares = 1 if args.spares is None else args.spares
 
 
 def _rank_output(args: argparse.Namespace) -> RankOutput | None:
@@ -478,8 +477,9 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     def start_spares() -> None:
         nonlocal spares
         # Once the first quorum has formed, not before: a spare's imports would slow the ranks' start.
-        if spares is None and args.spares and lighthouse.formed_once:
-            spares = Spares(args.spares, start.spare)
+        count = options.group_size if args.spares is None else args.spares  # default: a whole group's worth
+        if spares is None and count and lighthouse.formed_once:
+            spares = Spares(count, start.spare)
 
     def terminated(*_sig):
         raise KeyboardInterrupt  # the supervisor stops every worker, then we exit 143
