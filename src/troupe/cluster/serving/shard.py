@@ -297,22 +297,33 @@ class ParamShard:
     def _step(self, updates: dict[int, tuple[Tensor, float]]) -> None:
         """One optimizer step per distinct lr scale over the slices of `updates`; the others keep grad None,
         which torch's optimizers skip, so each slice moves exactly as if it had been stepped alone."""
-        for scale in sorted({s for _, s in updates.values()}, reverse=True):
-            values = [self.values[k] for k, (_, s) in updates.items() if s == scale]
-            for k, (grad, s) in updates.items():
-                if s == scale:
-                    self.values[k].grad = grad.reshape(-1).to(self.dtype)
-            lrs = [g["lr"] for g in self.optimizer.param_groups]
-            if scale != 1.0:
-                for g in self.optimizer.param_groups:
-                    g["lr"] *= scale
+        by_scale: dict[float, list[tuple[Tensor, Tensor]]] = {}  # disjoint slices: the order does not matter
+        for k, (grad, scale) in updates.items():
+            by_scale.setdefault(scale, []).append((self.values[k], grad))
+        for scale, stepped in by_scale.items():
+            for value, grad in stepped:
+                value.grad = grad.reshape(-1).to(self.dtype)
             try:
-                self.optimizer.step()
+                if scale == 1.0:  # the common case, without the context manager's cost per lone update
+                    self.optimizer.step()
+                else:
+                    with self._lr_scaled(scale):
+                        self.optimizer.step()
             finally:
-                for value in values:
+                for value, _ in stepped:
                     value.grad = None
-                for g, lr in zip(self.optimizer.param_groups, lrs):
-                    g["lr"] = lr
+
+    @contextmanager
+    def _lr_scaled(self, scale: float) -> Iterator[None]:
+        """Every param group's lr times `scale` inside (staleness_lr "inverse"), restored on leaving."""
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] *= scale
+        try:
+            yield
+        finally:
+            for g, lr in zip(self.optimizer.param_groups, lrs):
+                g["lr"] = lr
 
     def set_lr(self, lrs: Sequence[float]) -> None:
         """Follow the workers' learning rates (one per param group of the wrapped optimizer)."""
