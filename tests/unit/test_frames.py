@@ -145,6 +145,21 @@ def test_a_frame_is_served_as_its_messages_one_by_one_and_answered_in_one_frame(
     assert torch.equal(said[4][1], torch.arange(10.0) - 1.25)
 
 
+def test_a_frames_updates_step_together_yet_every_reply_says_what_one_by_one_would():
+    # The frame's updates wait for one fused step; a Get or a learning rate between them steps them first.
+    mixed = [[(Header(Op.UPDATE, 0, 0, 0, 10), torch.ones(10)), (Header(Op.GET, 0, 0, 0, 0), None),
+              (Header(Op.LR, -1, 0, 0, 1), torch.tensor([0.5], dtype=torch.float64)),
+              (Header(Op.UPDATE, 1, 0, 0, 6), torch.full((6,), 2.0))],
+             [(Header(Op.UPDATE, 1, 1, 0, 6), torch.ones(6)), (Header(Op.UPDATE, 0, 1, 0, 10), torch.ones(10))]]
+    framed, _, sent = server(mixed)
+    lone, _, lone_sent = server(mixed, framed=False)
+    assert all(torch.equal(framed.values[k], lone.values[k]) for k in range(len(SIZES)))
+    said, said_alone = replies(sent), replies(lone_sent)
+    assert [h for h, _ in said] == [h for h, _ in said_alone] and len(said) == 5
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(said, said_alone))
+    assert torch.equal(said[1][1], torch.arange(10.0) - 1)  # the Get saw the Update before it
+
+
 def test_a_bad_message_in_a_frame_is_rejected_and_the_rest_applied():
     forged = (Header(Op.UPDATE, 1, 0, 5, 6), torch.full((6,), 1e6))  # claims another sender
     unknown = (Header(Op.GET, 7, 0, 0, 0), None)

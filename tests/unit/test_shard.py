@@ -232,3 +232,39 @@ def test_background_fetch_lets_a_worker_send_one_step_ahead_of_its_group():
     assert shard.remove_worker(1) == [(s.id, [0])]  # step 2 completes without the partner: 3
     torch.testing.assert_close(shard.get(s.id)[1], start - 6)
     assert shard.missing() == {}
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD([{"params": ps[:2], "lr": 0.3, "nesterov": True}, {"params": ps[2:]}], lr=0.1,
+                               momentum=0.9, weight_decay=1e-2),
+    lambda ps: torch.optim.Adam(ps, lr=0.01),
+])
+def test_a_fused_step_moves_every_slice_exactly_as_one_step_per_slice(make_opt):
+    # Two asynchronous groups, staleness_lr "inverse" (several lr scales in one fused step), a random
+    # subset of slices per update (the rest keep grad None), some slices updated twice in one block.
+    numels = [60, 6, 7, 45, 1, 11]
+    params = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in numels]
+    slices = [s for s in plan_slices(numels, 2) if s.server == 0]
+    template = make_opt([p.clone() for p in params])
+    shards = [ParamShard(slices, template, [0, 0, 1, 1, 1, 1] if len(template.param_groups) == 2 else [0] * 6,
+                         {0: {10}, 1: {11}}, staleness_lr="inverse") for _ in range(2)]
+    for shard in shards:
+        for s in slices:
+            shard.put(s.id, params[s.param][s.start : s.stop])
+    g = torch.Generator().manual_seed(7)
+    for _ in range(6):
+        sends = [(sender, s.id, torch.randn(s.numel, generator=g), int(torch.randint(0, 3, (1,), generator=g)))
+                 for sender in (10, 11) for s in slices if torch.rand(1, generator=g) < 0.7]
+        per_slice, fused = shards
+        for sender, k, grad, behind in sends:
+            per_slice.update(k, sender, grad, per_slice.version[k] - behind)
+        with fused.fused():
+            for sender, k, grad, behind in sends:
+                fused.update(k, sender, grad, fused.version[k] - behind)
+        for k in per_slice.values:
+            assert torch.equal(per_slice.values[k], fused.values[k]) and per_slice.version[k] == fused.version[k]
+    assert per_slice.staleness == fused.staleness and max(per_slice.staleness) > 1
+    a, b = per_slice.state_dict()["optimizer"], fused.state_dict()["optimizer"]
+    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        assert all(torch.equal(a["state"][i][key], b["state"][i][key]) for key in a["state"][i])

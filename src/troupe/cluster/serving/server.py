@@ -67,6 +67,14 @@ class ServerStats:
         )
 
 
+@dataclass(frozen=True)
+class _Later:
+    """A reply whose values are read once the frame's updates have been stepped (`ParamShard.flush`)."""
+
+    slice_id: int
+    ack: bool
+
+
 class Server:
     """Serves one `ParamShard` to the workers of the groups it is responsible for."""
 
@@ -116,8 +124,10 @@ class Server:
         """The loop, the watch thread and the neighbours' thread all change the shard."""
         self._frame: Frame | None = None
         """The frame being handled: payloads come from its body instead of the network."""
-        self._outbox: dict[int, list[tuple[Header, torch.Tensor | None]]] | None = None
+        self._outbox: dict[int, list[tuple[Header, torch.Tensor | None] | _Later]] | None = None
         """While a frame is handled: the replies it causes, per worker, sent as one frame each at its end."""
+        self._later: set[int] | None = None
+        """While a frame is handled: the slices with a reply in the outbox still waiting for their values."""
         self.max_frame = (2 * len(shard.slices) + 2) * (HEADER_BYTES + 8 * max(self.max_len, shard.ngroups))
         """The largest frame a worker may send: each slice's Put and Get, and a learning rate message."""
         self._start = time.perf_counter()
@@ -183,33 +193,56 @@ class Server:
     def _handle_frame(self, src: int, opener: Header) -> None:
         """Each message of the frame in order, as if it had come alone; the replies leave at the end.
         A message that fails its checks is rejected and skipped; one whose header cannot be read ends
-        the frame (where the next message starts is unknown)."""
-        self._frame, self._outbox = Frame.receive(self.comm, opener, src, self.max_frame), {}
+        the frame (where the next message starts is unknown). The updates the frame completes are
+        applied in one optimizer step (`ParamShard.fused`), and its replies take their values after it."""
+        self._frame, self._outbox, self._later = Frame.receive(self.comm, opener, src, self.max_frame), {}, set()
         try:
-            length = self._expected_length(opener)
-            if length is None:
-                raise MessageError(f"a frame from rank {src} opened by {opener.op.name} for slice {opener.slice_id}, "
-                                   "not held here (where its next message starts is unknown)")
-            header = opener.with_length(length)
-            while True:
-                try:
-                    self._validate(src, header)
-                except MessageError as e:
-                    self._drain(header, src)
-                    self._reject(src, e)
-                else:
-                    try:
-                        self._apply(src, header)
-                    except MessageError as e:  # its payload is consumed: the next message lines up
-                        self._reject(src, e)
-                if not self._frame.left:
-                    return
-                header = self._frame.next_header()
+            with self.shard.fused():
+                self._serve_frame(src, opener)
         finally:
+            self._make_replies()
             self._frame, outbox = None, self._outbox
-            self._outbox = None
+            self._outbox = self._later = None
             for worker, messages in outbox.items():
                 self._send(worker, messages)
+
+    def _serve_frame(self, src: int, opener: Header) -> None:
+        length = self._expected_length(opener)
+        if length is None:
+            raise MessageError(f"a frame from rank {src} opened by {opener.op.name} for slice {opener.slice_id}, "
+                               "not held here (where its next message starts is unknown)")
+        header = opener.with_length(length)
+        while True:
+            try:
+                self._validate(src, header)
+            except MessageError as e:
+                self._drain(header, src)
+                self._reject(src, e)
+            else:
+                self._settle(header)
+                try:
+                    self._apply(src, header)
+                except MessageError as e:  # its payload is consumed: the next message lines up
+                    self._reject(src, e)
+            if not self._frame.left:
+                return
+            header = self._frame.next_header()
+
+    def _settle(self, header: Header) -> None:
+        """Step the frame's waiting updates and fill in its replies before a message that would change what
+        they say: anything but an update, or an update of a slice already answered in this frame."""
+        op = SPARSE.get(header.op, header.op)
+        if op not in (Op.UPDATE, Op.PUSH, Op.SKIP) or header.slice_id in self._later:
+            self.shard.flush()
+            self._make_replies()
+
+    def _make_replies(self) -> None:
+        """Fill in the frame's replies that wait for their slice's values (after `ParamShard.flush`)."""
+        for messages in self._outbox.values():
+            for i, message in enumerate(messages):
+                if isinstance(message, _Later):
+                    messages[i] = self._message(message.slice_id, message.ack)
+        self._later.clear()
 
     def _reject(self, src: int, e: MessageError) -> None:
         self.rejected += 1
@@ -326,17 +359,23 @@ class Server:
                 self._reply(worker, held_slice)
 
     def _reply(self, worker: int, slice_id: int) -> None:
-        version, value = self.shard.get(slice_id)
         acks = self.no_values.get((worker, slice_id))
-        if acks and acks.popleft():  # a Push: acknowledge without values
-            message = (Header(Op.ACK, slice_id, version, self.rank, 0), None)
+        ack = bool(acks and acks.popleft())  # a Push: acknowledge without values
+        if self._outbox is None:
+            self._send(worker, [self._message(slice_id, ack)])
+        elif self.shard.waiting(slice_id) or slice_id in self._later:  # its values come at the frame's flush
+            self._outbox.setdefault(worker, []).append(_Later(slice_id, ack))
+            self._later.add(slice_id)
         else:
-            value = value.to(self.wire, copy=self._outbox is not None)  # a frame leaves after more updates
-            message = (Header(Op.REPLY, slice_id, version, self.rank, value.numel()), value)
-        if self._outbox is not None:
-            self._outbox.setdefault(worker, []).append(message)
-        else:
-            self._send(worker, [message])
+            self._outbox.setdefault(worker, []).append(self._message(slice_id, ack))
+
+    def _message(self, slice_id: int, ack: bool) -> tuple[Header, torch.Tensor | None]:
+        """The Ack or Reply (with the slice's values now) for `slice_id`."""
+        version, value = self.shard.get(slice_id)
+        if ack:
+            return Header(Op.ACK, slice_id, version, self.rank, 0), None
+        value = value.to(self.wire, copy=self._outbox is not None)  # a frame leaves after more updates
+        return Header(Op.REPLY, slice_id, version, self.rank, value.numel()), value
 
     def _send(self, worker: int, messages: list[tuple[Header, torch.Tensor | None]]) -> None:
         if worker not in self.live:  # gone while the frame was handled

@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,8 @@ class ParamShard:
         """Each worker's index inside its group."""
         self.group_size = group_size
         self.dtype = dtype
+        self._deferred: dict[int, tuple[Tensor, float]] | None = None
+        """Inside `fused()`: per slice, the gradient and lr scale of its update not stepped yet (None: step at once)."""
         self.values = {k: torch.zeros(s.numel, dtype=dtype) for k, s in self.slices.items()}
         self.version = {k: 0 for k in self.slices}
         self.initialised: set[int] = set()
@@ -137,6 +140,7 @@ class ParamShard:
 
     def put(self, slice_id: int, values: Tensor) -> None:
         """Set a slice's initial value (the first worker group's Put)."""
+        self.flush()
         self.values[slice_id].copy_(values.reshape(-1))
         self.last_sync[slice_id].copy_(self.values[slice_id])
         self.initialised.add(slice_id)
@@ -245,35 +249,94 @@ class ParamShard:
         self._held = keep
         return out
 
-    @torch.no_grad()
     def apply(self, slice_id: int, grad: Tensor, lr_scale: float = 1.0) -> None:
-        """One optimizer step on one slice with `grad` (the group's averaged gradient), at lr * lr_scale."""
-        value = self.values[slice_id]
-        value.grad = grad.reshape(-1).to(value.dtype)
-        if lr_scale != 1.0:
-            lrs = [g["lr"] for g in self.optimizer.param_groups]
-            for g in self.optimizer.param_groups:
-                g["lr"] *= lr_scale
-        try:
-            self.optimizer.step()
-        finally:
-            value.grad = None
-            if lr_scale != 1.0:
-                for g, lr in zip(self.optimizer.param_groups, lrs):
-                    g["lr"] = lr
+        """One optimizer step on one slice with `grad` (the group's averaged gradient), at lr * lr_scale.
+
+        Inside `fused()` the step waits for `flush`, which steps every waiting slice at once; the
+        version counts the update now, so the staleness of the updates that follow is the same.
+        """
+        if self._deferred is None:
+            self._step({slice_id: (grad, lr_scale)})
+        else:
+            if slice_id in self._deferred:  # a second update of the slice steps from the first's result
+                self.flush()
+            self._deferred[slice_id] = (grad, lr_scale)
         self.version[slice_id] += 1
         self.updates += 1
+
+    @contextmanager
+    def fused(self) -> Iterator[None]:
+        """Updates completed inside are applied in one optimizer step per lr scale (at `flush` or on leaving).
+
+        One step over all of a worker's slices instead of one per slice: each step of a torch
+        optimizer walks every parameter it holds, so stepping the slices one by one costs the
+        square of their number. A slice's values are stale inside until `flush`.
+        """
+        if self._deferred is not None:
+            raise RuntimeError("ParamShard.fused() is not reentrant")
+        self._deferred = {}
+        try:
+            yield
+        finally:
+            try:
+                self.flush()
+            finally:
+                self._deferred = None
+
+    def waiting(self, slice_id: int) -> bool:
+        """Inside `fused()`: whether the slice has an update not stepped yet (its values are stale)."""
+        return self._deferred is not None and slice_id in self._deferred
+
+    def flush(self) -> None:
+        """Step every update waiting inside `fused()` (nothing outside it)."""
+        if self._deferred:
+            waiting, self._deferred = self._deferred, {}
+            self._step(waiting)
+
+    @torch.no_grad()
+    def _step(self, updates: dict[int, tuple[Tensor, float]]) -> None:
+        """One optimizer step per distinct lr scale over the slices of `updates`; the others keep grad None,
+        which torch's optimizers skip, so each slice moves exactly as if it had been stepped alone."""
+        by_scale: dict[float, list[tuple[Tensor, Tensor]]] = {}  # disjoint slices: the order does not matter
+        for k, (grad, scale) in updates.items():
+            by_scale.setdefault(scale, []).append((self.values[k], grad))
+        for scale, stepped in by_scale.items():
+            for value, grad in stepped:
+                value.grad = grad.reshape(-1).to(self.dtype)
+            try:
+                if scale == 1.0:  # the common case, without the context manager's cost per lone update
+                    self.optimizer.step()
+                else:
+                    with self._lr_scaled(scale):
+                        self.optimizer.step()
+            finally:
+                for value, _ in stepped:
+                    value.grad = None
+
+    @contextmanager
+    def _lr_scaled(self, scale: float) -> Iterator[None]:
+        """Every param group's lr times `scale` inside (staleness_lr "inverse"), restored on leaving."""
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] *= scale
+        try:
+            yield
+        finally:
+            for g, lr in zip(self.optimizer.param_groups, lrs):
+                g["lr"] = lr
 
     def set_lr(self, lrs: Sequence[float]) -> None:
         """Follow the workers' learning rates (one per param group of the wrapped optimizer)."""
         if len(lrs) != self.ngroups:
             raise ValueError(f"expected {self.ngroups} learning rates (one per param group), got {len(lrs)}")
+        self.flush()  # the updates completed so far step at the learning rate they were sent with
         if self.optimizer is not None:
             for group, i in zip(self.optimizer.param_groups, self._group_of_server_group):
                 group["lr"] = float(lrs[i]) * self.lr_scale
 
     def state_dict(self) -> dict[str, Any]:
         """Slices, versions and server-side optimizer state (a server checkpoint)."""
+        self.flush()
         return {
             "values": {k: v.clone() for k, v in self.values.items()},
             "version": dict(self.version),

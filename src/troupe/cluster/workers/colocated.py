@@ -119,10 +119,11 @@ class CoLocated:
     @torch.no_grad()
     def _apply_own(self) -> None:
         self.shard.set_lr([g["lr"] for g in self.optimizer.param_groups])  # follow the user's scheduler
-        for s in self.mine:
-            grad = self.params[s.param].grad
-            if grad is not None:  # unused everywhere in the group: no update, as in one process
-                self.shard.update(s.id, self.me, grad.reshape(-1)[s.start : s.stop])
+        with self.shard.fused():  # one optimizer step over all of this server's slices
+            for s in self.mine:
+                grad = self.params[s.param].grad
+                if grad is not None:  # unused everywhere in the group: no update, as in one process
+                    self.shard.update(s.id, self.me, grad.reshape(-1)[s.start : s.stop])
 
     # --- the UpdateStrategy surface: the group's reduction runs during backward, the rest in step()
 
