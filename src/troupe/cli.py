@@ -371,7 +371,7 @@ def _report(args: argparse.Namespace) -> None:
 def _run_once(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     """Start this node's ranks, watch them, and stop them all as soon as one fails."""
     ticket = _ticket(args)  # a fresh port and token for every attempt
-    start = _starter(args, extra_env, ticket)
+    start = _Starter(args, extra_env, ticket)
     procs = [start(args.node_rank * args.nproc + local_rank) for local_rank in range(args.nproc)]
     output = getattr(args, "output", None)
     drain = output.drain if output is not None else lambda: None
@@ -380,11 +380,6 @@ def _run_once(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
                           drain=drain)
     finally:
         drain()
-
-
-def _starter(args: argparse.Namespace, extra_env: dict[str, str], ticket: Ticket) -> _Starter:
-    """`start(rank, **env)`: start one rank of this node with the job's environment."""
-    return _Starter(args, extra_env, ticket)
 
 
 class _Starter:
@@ -465,7 +460,7 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
                              **{k: v for k, v in given.items() if v is not None})
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     lighthouse = Lighthouse(ticket, options, say=say).start()
-    start = _starter(args, {**extra_env, ENV_VAR: options.encode()}, ticket)
+    start = _Starter(args, {**extra_env, ENV_VAR: options.encode()}, ticket)
     output = getattr(args, "output", None)
     spares = None
 

@@ -87,12 +87,12 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
             raise TypeError(f"compression must be a troupe.CompressionConfig, got {type(compression).__name__}")
         if ticket is not None and nccl_id is not None:
             raise ValueError("give ticket= or its SINGA alias nccl_id=, not both")
+        # Options given here that SINGA's per-call methods use when the call does not give them.
         self._option_args = {k: v for k, v in {"powersgd_rank": powersgd_rank, "powersgd_start": powersgd_start}.items()
                              if v is not None}
         for name, minimum in (("powersgd_rank", 1), ("powersgd_start", 0)):  # checked now, whatever the option
             if name in self._option_args:
                 check_int(name, self._option_args[name], minimum=minimum)
-        """Options given here that SINGA's per-call methods use when the call does not give them."""
         cluster = cluster_from_env()
         regime = registry.resolve(dist_option, cluster)  # the cluster's worker regime, if the job has a cluster
         self.world = world_mod.init(ticket if ticket is not None else nccl_id, local_rank, world_size, rank=rank,

@@ -35,6 +35,18 @@ def latest(client) -> Quorum:
     return Quorum.decode(client.get("latest"))
 
 
+def tick_for_6s(lh, client, monkeypatch, beating) -> None:
+    """Three ticks 2 s apart on a frozen clock, only the ranks in `beating` beating (past evict_after 5)."""
+    clock = [1000.0]
+    monkeypatch.setattr("troupe.runtime.lighthouse.time.monotonic", lambda: clock[0])
+    for b in lh.beats.values():
+        b.changed = clock[0]
+    for _ in range(3):
+        clock[0] += 2.0
+        beat(client, *beating)
+        lh.tick()
+
+
 def form_all(lh, client) -> Quorum:
     beat(client, 0, 1, 2)
     for r in range(3):
@@ -99,14 +111,7 @@ def test_a_round_the_voters_committed_before_the_loss_was_seen_is_kept(house):
 def test_a_silent_group_is_evicted_after_evict_after(house, monkeypatch):
     lh, client = house
     q1 = form_all(lh, client)
-    clock = [1000.0]
-    monkeypatch.setattr("troupe.runtime.lighthouse.time.monotonic", lambda: clock[0])
-    for b in lh.beats.values():
-        b.changed = clock[0]
-    for _ in range(3):
-        clock[0] += 2.0
-        beat(client, 0, 1)  # rank 2 is frozen: its counter stands still
-        lh.tick()
+    tick_for_6s(lh, client, monkeypatch, beating=(0, 1))  # rank 2 is frozen: its counter stands still
     d = Decision.decode(client.get(round_key(q1.id, 1, "d")))
     assert not d.commit and d.next.members == (0, 1)
 
@@ -295,13 +300,6 @@ def test_one_silent_process_evicts_its_group(pairs, monkeypatch):
         ask(client, r, f"0.{r}", step=0)
     lh.tick()
     q1 = latest(client)
-    clock = [1000.0]
-    monkeypatch.setattr("troupe.runtime.lighthouse.time.monotonic", lambda: clock[0])
-    for b in lh.beats.values():
-        b.changed = clock[0]
-    for _ in range(3):
-        clock[0] += 2.0
-        beat(client, 0, 1, 2, 3, 4)  # rank 5 is frozen; rank 4, its partner, beats on
-        lh.tick()
+    tick_for_6s(lh, client, monkeypatch, beating=(0, 1, 2, 3, 4))  # rank 5 is frozen; rank 4, its partner, beats on
     d = Decision.decode(client.get(round_key(q1.id, 1, "d")))
     assert not d.commit and d.next.members == (0, 1)
