@@ -70,11 +70,6 @@ def test_throughput_benchmark_runs_on_loopback_and_simulated_hosts(tmp_path):
         assert summary[link]["2"]["bytes_per_step"] == pytest.approx((431080 + 14) * 4 + 12)
     if "none" in links:
         assert "| none | 2 |" in proc.stdout
-        import fcntl
+        from troupe.bench.netns import leftover
 
-        from troupe.bench.netns import LOCK
-
-        with open(LOCK, "w") as lock:  # another test's hosts may exist now: look when none does
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert "troupe-h" not in leftover and "troupe-sw" not in leftover
+        assert leftover() == []  # another test's hosts may exist now: it looks when none does

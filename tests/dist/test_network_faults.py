@@ -4,7 +4,6 @@ every rank within the stated bound. Needs root and iproute2 (iptables for the lo
 with the reason elsewhere."""
 
 import random
-import subprocess
 
 import pytest
 
@@ -28,8 +27,7 @@ def hosts_and_baseline(tmp_path_factory):
         assert baseline.outcome == "fault-free", (work / "none" / "output.txt").read_text()[-3000:]
         assert len(baseline.digests) == 2 and len(set(baseline.digests)) == 1  # ranks agree
         yield hosts, baseline, work
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert netns.PREFIX not in listed and netns.SWITCH not in listed
+    assert netns.leftover() == []
 
 
 def run(hosts_and_baseline, fault: faults.Fault) -> faults.Cell:
