@@ -109,16 +109,23 @@ def test_killed_and_raising_workers_restart_alone_and_heal(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_too_few_groups_wait_for_restarts_then_train_on_under_top_k(tmp_path):
+@pytest.mark.parametrize("option", ["sparseTopK", "powerSGD"])
+def test_too_few_groups_wait_for_restarts_then_train_on_compressed(tmp_path, option):
     """Two groups down at once (fewer than min_groups): the survivor waits with its state and a new
-    quorum forms when they are back. Under top-K, whose error-feedback memory travels with the heal."""
-    proc = troupe_run(tmp_path, "two-down", extra=["sparseTopK"])
+    quorum forms when they are back. Under top-K and PowerSGD, whose error-feedback memory (and
+    PowerSGD's warm-start Q) travel with the heal."""
+    proc = troupe_run(tmp_path, "two-down", extra=[option])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "too few left: waiting for restarts" in proc.stderr
     runs = reports(tmp_path)
     assert len({r["sha256"] for r in runs}) == 1, "the groups ended with different parameters"
     assert [r["incarnation"] for r in runs] == [0, 1, 1], "a survivor was restarted, or a lost rank was not"
     assert runs[0]["log"][-1][2] == [0, 1, 2] and runs[1]["heals"] >= 1 and runs[2]["heals"] >= 1
+    for r in (1, 2):  # before its first step back, a joiner holds its source's compression state
+        healed = torch.load(tmp_path / f"rank{r}.pt")["healed"]["strategy"]
+        assert healed["residuals"], "the error-feedback residuals were not handed over"
+        if option == "powerSGD":  # a fresh process has drawn no Q yet: these came with the heal
+            assert healed["powerSGD"]["q"] and healed["powerSGD"]["draws"] > 0
 
 
 @pytest.mark.timeout(240)

@@ -55,9 +55,12 @@ class PowerSGD(DistOption):
     """Rank-r factors of every matrix gradient, the rest whole (torch's ``powerSGD_hook``)."""
 
     name, method = "powerSGD", "backward_and_powerSGD_update"
-    # Not elastic: a rejoining worker would need Q and a consistent residual healed (not done).
+    # Elastic: both rounds run before the step's vote and divide by the group's size read at each
+    # call; a joiner takes Q and its source's residuals with the rest of the state. A step given up
+    # after round one leaves each survivor its own Q, which the next step's shared P makes equal
+    # again (Q = the mean of M^T P); the parameters never differ, every rank applies the same mean.
     # Not graph mode: the second round depends on the first, outside the compiled backward.
-    supports = Capabilities(graph_mode=False, elastic=False)
+    supports = Capabilities(graph_mode=False, elastic=True)
 
     @classmethod
     def build(cls, ctx: Context, powersgd_rank: int = 1, powersgd_start: int | None = None) -> LowRankAllReduce:

@@ -76,7 +76,8 @@ def main(out: Path, mode: str, dist_option: str = "plain") -> None:
     membership = opt.world.membership
     healed = {"steps": steps, "params": [p.detach().clone() for p in model.parameters()],
               "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()
-                           if "momentum_buffer" in opt.state[p]]} if incarnation else None
+                           if "momentum_buffer" in opt.state[p]],
+              "strategy": opt.state_dict()["strategies"]} if incarnation else None
     log: list = []
     streak = 0
     for epoch in range(start_epoch, EPOCHS):
