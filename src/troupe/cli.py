@@ -313,13 +313,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_elastic(args: argparse.Namespace) -> None:
     """What this step of elastic worker groups runs: data parallelism over groups of processes (one
-    each, or `--nworker-groups` groups of equal size), one node, no cluster framework."""
+    each, or `--nworker-groups` groups of equal size, none across two nodes), no cluster framework."""
     from troupe.cluster.configuration.flags import given
 
     if args.max_restarts:
         raise ValueError("--elastic restarts a dead rank alone; --max-restarts restarts the whole job: give one")
-    if args.nnodes > 1:
-        raise ValueError("--elastic runs on one node for now (--nnodes 1): the quorum lives in this launcher")
     cluster_flags = {k: v for k, v in given(args).items() if v is not None and k != "nworker_groups"}
     if args.framework or args.cluster or cluster_flags or settings.current().cluster:
         raise ValueError("--elastic does not run parameter-server clusters yet, nor partition (--framework/--cluster/"
@@ -330,9 +328,14 @@ def _check_elastic(args: argparse.Namespace) -> None:
     if groups is not None and groups < 2:
         raise ValueError(f"--elastic --nworker-groups needs at least 2 worker groups (one would have nobody to "
                          f"heal from), got {groups}")
-    if groups is not None and (args.nproc or 2) % groups:
-        raise ValueError(f"--elastic: -n {args.nproc or 2} processes do not split into --nworker-groups {groups} "
+    nodes, per_node = args.nnodes, args.nproc or 2
+    if groups is not None and (per_node * nodes) % groups:
+        on = f" x --nnodes {nodes}" if nodes > 1 else ""
+        raise ValueError(f"--elastic: -n {per_node}{on} processes do not split into --nworker-groups {groups} "
                          f"groups of equal size")
+    if groups is not None and per_node % (per_node * nodes // groups):
+        raise ValueError(f"--elastic: a worker group of {per_node * nodes // groups} processes (--nworker-groups "
+                         f"{groups}) would span two nodes of -n {per_node}: its launcher restarts it whole, on one node")
     # The groups are the quorum's business, not a cluster's: the ranks see plain data parallelism.
     args.elastic_groups, args.nworker_groups = groups, None
     if args.restarts_per_rank < 0:
@@ -448,18 +451,22 @@ class _Starter:
 
 def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     """Start the ranks of an elastic job, keep its quorum here, and restart a dead rank alone."""
-    from troupe.runtime.lighthouse import Lighthouse
+    from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT
+    from troupe.runtime.lighthouse import Lighthouse, Reporter
     from troupe.runtime.quorum import ENV_VAR, ElasticOptions
     from troupe.runtime.restarts import supervise
     from troupe.runtime.spare import Spares
 
     ticket = _ticket(args)
     given = {"timeout": args.elastic_timeout, "evict_after": args.evict_after}
-    groups = args.elastic_groups or args.nproc
-    options = ElasticOptions(groups=groups, group_size=args.nproc // groups, min_groups=args.min_groups or 2,
+    total = args.nproc * args.nnodes
+    groups = args.elastic_groups or total
+    options = ElasticOptions(groups=groups, group_size=total // groups, min_groups=args.min_groups or 2,
                              **{k: v for k, v in given.items() if v is not None})
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    lighthouse = Lighthouse(ticket, options, say=say).start()
+    # The quorum lives in node 0's launcher; another node's tells it what it sees of its own ranks.
+    lighthouse = Lighthouse(ticket, options, say=say).start() if args.node_rank == 0 \
+        else Reporter(ticket, settings.current().join_timeout or DEFAULT_JOIN_TIMEOUT)
     start = _Starter(args, {**extra_env, ENV_VAR: options.encode()}, ticket)
     output = getattr(args, "output", None)
     spares = None
@@ -480,10 +487,14 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
         raise KeyboardInterrupt  # the supervisor stops every worker, then we exit 143
 
     old = signal.signal(signal.SIGTERM, terminated)
+    first = args.node_rank * args.nproc
     try:
-        return supervise(spawn, list(range(args.nproc)), lighthouse, restarts_per_rank=args.restarts_per_rank,
-                         say=say, stop_all=_stop_all, every_poll=start_spares, group_size=options.group_size,
-                         kill=_kill_now)
+        code = supervise(spawn, list(range(first, first + args.nproc)), lighthouse,
+                         restarts_per_rank=args.restarts_per_rank, say=say, stop_all=_stop_all,
+                         every_poll=start_spares, group_size=options.group_size, kill=_kill_now)
+        if code == 0 and args.nnodes > 1 and args.node_rank == 0:
+            _keep_store_until_done(lighthouse, options)
+        return code
     except KeyboardInterrupt:
         return 130
     finally:
@@ -493,6 +504,14 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
         lighthouse.stop()
         if output is not None:
             output.drain()
+
+
+def _keep_store_until_done(lighthouse, options) -> None:
+    """Node 0's ranks are done; the other nodes' may still be voting on their last step or saying
+    goodbye through this launcher's store: keep it up until every rank has finished or is gone."""
+    deadline = time.monotonic() + options.timeout + options.evict_after
+    while not lighthouse.done() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _kill_now(proc: subprocess.Popen) -> None:

@@ -180,6 +180,43 @@ def test_a_killed_process_restarts_its_whole_group_which_heals_place_by_place(tm
         assert healed["steps"] == runs[r]["resumed_at"] and healed["momentum"]
 
 
+@pytest.mark.timeout(240)
+def test_on_two_nodes_each_launcher_restarts_its_own_ranks(tmp_path):
+    """2 nodes of 2 processes (two launchers on loopback, the quorum in node 0's): rank 3 dies on node 1,
+    whose launcher restarts it; once it is back rank 0 fails on node 0, whose launcher restarts it."""
+    from troupe.runtime.ticket import free_port
+
+    master = f"127.0.0.1:{free_port('127.0.0.1')}"
+    nodes = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "2", "--nnodes", "2", "--node-rank", str(node),
+               "--master", master, "--token", "elastic-nodes-test", "--elastic", str(SCRIPT), str(tmp_path),
+               "nodes-kill"]
+        err = open(tmp_path / f"node{node}.txt", "w")
+        nodes.append((subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err), err))
+    try:
+        codes = [proc.wait(timeout=180) for proc, _ in nodes]
+    finally:
+        for proc, err in nodes:
+            if proc.poll() is None:  # never leave a job behind
+                proc.kill()
+            err.close()
+    said = [(tmp_path / f"node{node}.txt").read_text() for node in (0, 1)]
+    assert codes == [0, 0], said
+    assert "rank 3 exited with signal 9 (SIGKILL); restarting it alone" in said[1]
+    assert "rank 0 exited with code 1; restarting it alone" in said[0]
+    runs = reports(tmp_path, n=4)
+    assert [r["incarnation"] for r in runs] == [1, 0, 0, 1], "a survivor was restarted, or a lost rank was not"
+    assert len({r["sha256"] for r in runs}) == 1, "the ranks ended with different parameters"
+    assert runs[3]["heals"] == 1 and runs[0]["heals"] == 1 and runs[3]["warm"]  # node 1's own spare
+    survivor = runs[1]["log"]
+    assert [0, 1, 2] in [m for _, _, m in survivor] and [1, 2, 3] in [m for _, _, m in survivor]
+    assert survivor[-1][2] == [0, 1, 2, 3]
+    params = torch.load(tmp_path / "rank0.pt")["params"]
+    for got, want in zip(params, replay([r["log"] for r in runs])):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--min-groups", "4"], "min_groups (4) is larger than the job's 3 worker groups"),
     (["--min-groups", "1"], "min_groups must be >= 2"),
@@ -190,6 +227,8 @@ def test_a_killed_process_restarts_its_whole_group_which_heals_place_by_place(tm
     (["-n", "4", "--nworker-groups", "3"],
      "-n 4 processes do not split into --nworker-groups 3 groups of equal size"),
     (["--nworker-groups", "2", "--nserver-groups", "2"], "--elastic does not run parameter-server clusters"),
+    (["-n", "2", "--nnodes", "3", "--nworker-groups", "2"],
+     "a worker group of 3 processes (--nworker-groups 2) would span two nodes of -n 2"),
 ])
 def test_bad_elastic_flags_say_one_line(tmp_path, flags, message):
     cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(GROUPS), "--elastic", *flags, str(SCRIPT),

@@ -172,6 +172,32 @@ def test_when_the_members_have_finished_a_waiting_worker_is_told_to_leave(house)
     assert client.check(["closed"])
 
 
+def test_another_nodes_reports_count_as_its_own_supervisors(house):
+    """A rank on another node: its launcher's `Reporter` says what it saw through the store, in order."""
+    from troupe.runtime.lighthouse import Reporter
+
+    lh, client = house
+    q1 = form_all(lh, client)
+    node1 = Reporter(lh.ticket, timeout=5)
+    assert node1.formed_once
+    node1.lost(2)
+    beat(client, 0, 1)
+    lh.tick()  # at once: no waiting for rank 2's silence
+    d = Decision.decode(client.get(round_key(q1.id, 1, "d")))
+    assert not d.commit and d.next.members == (0, 1) and 2 in lh.dead
+    assert not lh.done(), "ranks 0 and 1 still run"
+    node1.restarted(2)
+    ask(client, 2, "1.1")
+    beat(client, 0, 1, 2)
+    lh.tick()
+    assert 2 not in lh.dead and Quorum.decode(client.get("proposal")).joiners == (2,)
+    lh.lost(0, finished=True)
+    lh.lost(1, finished=True)
+    node1.lost(2, finished=True)
+    lh.tick()
+    assert lh.done() and client.check(["closed"])
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(groups=3, min_groups=4), "min_groups (4) is larger than the job's 3 worker groups"),
     (dict(groups=3, min_groups=1), "min_groups must be >= 2"),

@@ -24,7 +24,6 @@ from __future__ import annotations
 import datetime
 import io
 import logging
-import os
 import sys
 import threading
 import time
@@ -35,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from troupe.runtime.quorum import REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready, round_key
-from troupe.runtime.ticket import LOOPBACK, Ticket
 
 log = logging.getLogger("troupe.elastic")
 
@@ -72,7 +70,7 @@ class Elastic:
     lost: tuple[type[BaseException], ...] = (RuntimeError,)
     """A failed collective (Gloo raises RuntimeError subclasses) costs the step, not the job."""
 
-    def __init__(self, ticket: Ticket, options: ElasticOptions, rank: int, incarnation: int, backend: str,
+    def __init__(self, options: ElasticOptions, rank: int, incarnation: int, backend: str,
                  connect: Callable[[float], dist.Store]):
         self.options, self.rank, self.backend = options, rank, backend
         self.group, self.place = divmod(rank, options.group_size)
@@ -99,8 +97,6 @@ class Elastic:
         self._graveyard: list[tuple[float, Any]] = []
         """Groups of failed steps, kept unshut until their operation in flight has timed out."""
         self._posted: str | None = None
-        if ticket.addr in (LOOPBACK, "localhost"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         # The first beat before anything else: the lighthouse gives a restarted rank `evict_after` from
         # its start to be heard, and this process may ask to join before its thread's first beat.
         self._beat_store.add(f"hb/{rank}", 1)

@@ -163,11 +163,8 @@ def join(
     else:
         t = how.ticket
         store = dist.HashStore() if t is None else _join(t, how.rank, how.world_size, join_timeout, keep)
-        if t is not None and t.addr in (LOOPBACK, "localhost"):
-            # Gloo picks its interface from the hostname; keep a local job on loopback.
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        elif t is not None and backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
-            _gloo_interface_towards(t.addr)
+        if t is not None:
+            _gloo_interface(t, backend)
         dist.init_process_group(backend, store=store, rank=how.rank, world_size=how.world_size, timeout=pg_timeout)
         if t is not None:
             side = SideStore(t.addr, t.port, f"troupe/{t.token}/", env.store_timeout)
@@ -192,7 +189,8 @@ def _join_elastic(env: Settings, how: _Launch, backend: str, join_timeout: float
         return dist.PrefixStore(f"troupe/{ticket.token}/", base)
 
     check_token(open_store(ticket, False, join_timeout), ticket, how.rank)
-    membership = Elastic(ticket, options, how.rank, env.incarnation, backend, connect)
+    _gloo_interface(ticket, backend)
+    membership = Elastic(options, how.rank, env.incarnation, backend, connect)
     membership.stand_by()  # it asks to join in troupe.track, when it is ready to step
     info = DistInfo(how.rank, how.local_rank, how.world_size, how.local_world, _device(backend, how.local_rank),
                     backend, "troupe-elastic")
@@ -437,6 +435,15 @@ def _master_address(peers: list[list[str]]) -> str:
             "(its hostname resolves to loopback or not at all): set TROUPE_MASTER_ADDR to rank 0's address"
         )
     return addr
+
+
+def _gloo_interface(ticket: Ticket, backend: str) -> None:
+    """Gloo picks its interface from the hostname: keep a local job on loopback, and a job on several
+    hosts on the interface that reaches rank 0's (unless GLOO_SOCKET_IFNAME says)."""
+    if ticket.addr in (LOOPBACK, "localhost"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    elif backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        _gloo_interface_towards(ticket.addr)
 
 
 def _gloo_interface_towards(master: str) -> None:

@@ -13,6 +13,11 @@ no worker is a single point of failure). It hosts the job's TCP store and, every
 5. no running quorum (the start, or too few left): forms one from the workers ready, when
    there are `min_groups` (at the start: all groups, or `min_groups` after `form_within`).
 
+On several nodes (`troupe run --nnodes N --elastic`) the lighthouse runs in node 0's launcher;
+every other node's launcher supervises its own ranks and tells it what it sees through the
+store (`Reporter`), so a rank on any node drops out of the step as soon as its launcher sees
+it exit, and is admitted again when it asks.
+
 The quorum's members are worker groups (`ElasticOptions.group_size` processes each; one by
 default). What the workers and the supervisor report is per process; a group is alive when
 every process of it beats, asks to join when every process of it has asked, and is lost when
@@ -45,7 +50,7 @@ class Lighthouse:
 
         from troupe.runtime.launch import open_store, token_digest_record
 
-        self.options, self.say = options, say
+        self.options, self.say, self.ticket = options, say, ticket
         self._base = open_store(ticket, True, 30.0)
         self._base.set("troupe/digest", token_digest_record(ticket.token))
         self.store = dist.PrefixStore(f"troupe/{ticket.token}/", self._base)
@@ -59,6 +64,8 @@ class Lighthouse:
         self.leaving: set[int] = set()
         """Those of them that finished their script (not an error)."""
         self.byes = 0
+        self.reports = 0
+        """Other nodes' reports read so far (`Reporter`)."""
         self.beats = {r: _Beat() for r in range(options.processes)}
         self.admitted: dict[int, str] = {}
         """Per rank, the `Ready` token of the request it was last admitted with."""
@@ -88,19 +95,24 @@ class Lighthouse:
     def lost(self, rank: int, *, finished: bool = False) -> None:
         """The process of `rank` exited (`finished`: with code 0, its training done)."""
         with self._lock:
-            self.dead.add(rank)
-            self.departed.add(rank)
-            if finished:
-                self.finished.add(rank)
+            self._lost(rank, finished=finished)
 
-    def restarted(self, rank: int) -> None:
+    def restarted(self, rank: int, *, locked: bool = False) -> None:
         """`rank` runs again (a new process: it asks to join when it is ready)."""
-        with self._lock:
-            self.dead.discard(rank)
-            self.said_bye.discard(rank)
-            self.leaving.discard(rank)
-            self.store.delete_key(f"bye/{rank}")  # its last process's goodbye, said before it died
-            self.beats[rank] = _Beat()
+        if not locked:
+            with self._lock:
+                return self.restarted(rank, locked=True)
+        self.dead.discard(rank)
+        self.said_bye.discard(rank)
+        self.leaving.discard(rank)
+        self.store.delete_key(f"bye/{rank}")  # its last process's goodbye, said before it died
+        self.beats[rank] = _Beat()
+
+    def _lost(self, rank: int, *, finished: bool) -> None:
+        self.dead.add(rank)
+        self.departed.add(rank)
+        if finished:
+            self.finished.add(rank)
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -125,6 +137,7 @@ class Lighthouse:
 
     def tick(self) -> None:
         self._follow_rounds()
+        self._read_reports()
         self._read_byes()
         now = time.monotonic()
         beating = set()
@@ -160,6 +173,25 @@ class Lighthouse:
             self._abort(lost, asking, collapse=failed_to_form)
         elif asking:
             self._propose(asking)
+
+    def _read_reports(self) -> None:
+        """What other nodes' launchers saw of their ranks since the last look (one counter read a tick)."""
+        told = self.store.add("reports", 0)
+        while self.reports < told:
+            self.reports += 1
+            what, rank = self.store.get(f"report/{self.reports}").decode().split()
+            if what == "restarted":
+                self.restarted(int(rank), locked=True)
+            else:
+                self._lost(int(rank), finished=what == "finished")
+
+    def done(self) -> bool:
+        """Every rank of the job, on every node, has finished or is gone (dead, or silent for
+        `evict_after`): node 0's launcher may take the store down."""
+        with self._lock:
+            now = time.monotonic()
+            return all(r in self.finished or r in self.dead or now - b.changed >= self.options.evict_after
+                       for r, b in self.beats.items())
 
     def _read_byes(self) -> None:
         """Ranks that said goodbye since the last look leave the quorum now (one counter read a tick)."""
@@ -283,3 +315,35 @@ class Lighthouse:
             self.say(f"troupe run: worker group(s) {sorted(failed)} left quorum {self.active.id}; "
                      + ("the others go on" if nxt is not None else "too few left: waiting for restarts"))
         self._adopt(stored.next, by=stored.by)
+
+
+class Reporter:
+    """Another node's launcher's side of the lighthouse: what the supervisor sees of this node's
+    ranks goes to node 0's lighthouse through the job's store, in the order seen."""
+
+    def __init__(self, ticket: Ticket, timeout: float):
+        import torch.distributed as dist
+
+        from troupe.runtime.launch import open_store
+
+        self.store = dist.PrefixStore(f"troupe/{ticket.token}/", open_store(ticket, False, timeout))
+        self._formed = False
+
+    def lost(self, rank: int, *, finished: bool = False) -> None:
+        self._report("finished" if finished else "lost", rank)
+
+    def restarted(self, rank: int) -> None:
+        self._report("restarted", rank)
+
+    @property
+    def formed_once(self) -> bool:
+        """A quorum has formed (this node's launcher then starts its spares)."""
+        self._formed = self._formed or self.store.check(["latest"])
+        return self._formed
+
+    def stop(self) -> None:
+        pass
+
+    def _report(self, what: str, rank: int) -> None:
+        n = self.store.add("reports", 1)
+        self.store.set(f"report/{n}", f"{what} {rank}")

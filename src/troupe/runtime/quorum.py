@@ -20,7 +20,10 @@ Keys (under the job's ``troupe/<token>/`` prefix):
                      joiners' processes at the same place, for quorum id;
 * ``bye/<rank>``, ``byes``   a worker leaving (its exit hooks): "done" or "error", and a counter the
                      lighthouse watches, so it need not wait for the silence or the exit;
-* ``closed``         the job is over (members finished): a worker still waiting to be admitted leaves.
+* ``closed``         the job is over (members finished): a worker still waiting to be admitted leaves;
+* ``reports``, ``report/<n>``   on several nodes, what another node's launcher saw of its own ranks
+                     ("lost R", "finished R", "restarted R"), numbered in the order said: the
+                     lighthouse reads them as it hears of its own node's ranks (`Reporter`).
 """
 
 from __future__ import annotations

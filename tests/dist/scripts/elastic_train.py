@@ -10,6 +10,7 @@ MODE (faults in first incarnations only, unless said otherwise):
   stop          rank 2 SIGSTOPs itself at step 6 and writes OUT/stopped (the test sends SIGCONT)
   always-raise  rank 1 raises at step 6, and at its first step back every time
   group-kill    rank 3 (group 1's second process) SIGKILLs itself at step 6: its whole group restarts
+  nodes-kill    on 2 nodes of 2: rank 3 (node 1) SIGKILLs itself at step 6; once it is back, rank 0 raises
 The job trains until it has taken MIN_STEPS steps and the last FULL_STREAK of them had every group
 (the same verdict on every member: they commit the same steps). Each rank writes OUT/rank{r}.json
 (its last incarnation) and OUT/rank{r}.pt (parameters).
@@ -32,15 +33,16 @@ import troupe
 EPOCHS, BATCH, SAMPLES, FAULT_AT, MIN_STEPS, FULL_STREAK = 100, 8, 720, 6, 30, 8
 
 
-def fault(mode: str, rank: int, incarnation: int, step: int, log: list, out: Path) -> None:
+def fault(mode: str, rank: int, incarnation: int, step: int, log: list, out: Path, groups: int) -> None:
     if incarnation == 0 and step == FAULT_AT:
-        if (mode in ("kill", "two-down") and rank == 1) or (mode == "group-kill" and rank == 3):
+        if (mode in ("kill", "two-down") and rank == 1) or (mode in ("group-kill", "nodes-kill") and rank == 3):
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "stop" and rank == 2 and not (out / "stopped").exists():
             (out / "stopped").write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGSTOP)
-    if mode == "kill" and rank == 0 and incarnation == 0 and step > FAULT_AT and log[-1][2] == [0, 1, 2]:
-        raise RuntimeError("boom")  # a second failure, of another kind, once rank 1 is back: rank 0 is not special
+    if mode in ("kill", "nodes-kill") and rank == 0 and incarnation == 0 and step > FAULT_AT \
+            and log[-1][2] == list(range(groups)):
+        raise RuntimeError("boom")  # a second failure, of another kind, once the first is back: rank 0 is not special
     if mode == "two-down" and rank == 2 and incarnation == 0 and step == FAULT_AT + 2:
         raise RuntimeError("boom")  # while rank 1 is still down
     if mode == "always-raise" and rank == 1 and (incarnation > 0 or step == FAULT_AT):
@@ -85,7 +87,7 @@ def main(out: Path, mode: str, dist_option: str = "plain") -> None:
         batches = iter(train)
         for b in range(start_batch if epoch == start_epoch else 0, per_epoch):
             x, y = next(batches)
-            fault(mode, rank, incarnation, opt.step_count, log, out)
+            fault(mode, rank, incarnation, opt.step_count, log, out, membership.options.groups)
             F.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
