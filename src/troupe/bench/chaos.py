@@ -35,7 +35,8 @@ EXIT_S = 120.0
 """After the stop step is written: how long the job may take to end."""
 
 
-def job(out: Path, batch_size: int, lr: float, seed: int) -> None:
+def job(out: Path, batch_size: int, lr: float, seed: int, dist_option: str = "plain", spars: float | None = None
+        ) -> None:
     """One worker group: train until the stop step, then evaluate and hash the parameters."""
     import torch
     import torch.nn.functional as F
@@ -46,7 +47,8 @@ def job(out: Path, batch_size: int, lr: float, seed: int) -> None:
     torch.manual_seed(seed)
     t0 = float(os.environ["TROUPE_CHAOS_T0"])
     model = build_cnn()
-    sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+    sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), dist_option=dist_option,
+                         spars=spars)
     group, groups = sgd.global_rank, sgd.world_size
     x, y, test_x, test_y = troupe.data.load_mnist()
     shard = Shard(x, y, group, groups, batch_size, seed)
@@ -85,7 +87,8 @@ class Driver:
         cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(args.groups), "--elastic", "--min-groups",
                str(args.min_groups), "--restarts-per-rank", "1000", "--spares", str(args.spares), "--log-dir", str(self.out / "logs"),
                "--ranks", "0", __file__, "job", str(self.out), "--batch-size", str(args.batch_size),
-               "--lr", str(args.lr), "--seed", str(args.seed)]
+               "--lr", str(args.lr), "--seed", str(args.seed), "--dist-option", args.dist_option,
+               *(["--spars", str(args.spars)] if args.spars is not None else [])]
         env = {**os.environ, "TROUPE_CHAOS_T0": repr(self.t0), "OMP_NUM_THREADS": "1"}
         self.launcher_log = (self.out / "launcher.log").open("w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.launcher_log, stderr=subprocess.STDOUT)
@@ -229,6 +232,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--spares", type=int, default=1, help="troupe run --spares: warm processes for restarts")
+    p.add_argument("--dist-option", default="plain",
+                   help="the workers' dist_option: plain, fp16, bf16, sparseTopK, sparseThreshold or powerSGD")
+    p.add_argument("--spars", type=float, default=None, help="sparseTopK/sparseThreshold: spars (the DistOpt default when not given)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -239,8 +245,10 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--batch-size", type=int, default=64)
         p.add_argument("--lr", type=float, default=0.05)
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--dist-option", default="plain")
+        p.add_argument("--spars", type=float, default=None)
         a = p.parse_args(argv[1:])
-        job(a.out, a.batch_size, a.lr, a.seed)
+        job(a.out, a.batch_size, a.lr, a.seed, a.dist_option, a.spars)
         return
     p = argparse.ArgumentParser(prog="troupe bench chaos")
     add_arguments(p)
