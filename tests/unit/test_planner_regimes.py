@@ -86,11 +86,47 @@ def test_diloco_cost_by_hand(groups, seconds, nbytes):
     assert cost.bytes == pytest.approx(nbytes, rel=1e-12)
 
 
+@pytest.mark.parametrize("groups,dtype,fragments,delay,seconds,nbytes", [
+    # the pseudo-gradient all-gathered as each group's encoded bytes, (G-1) pieces per worker: int8 one
+    # chunk of 1024 codes + a 4-byte scale for the 498 elements, int4 512 + 4, bf16 2 x 498
+    (4, "int8", 1, 0, 0.017 + (ALPHA + 3 * 1028 * BETA) / 10, 3 * 1028 / 10),
+    (4, "int4", 1, 0, 0.017 + (ALPHA + 3 * 516 * BETA) / 10, 3 * 516 / 10),
+    (4, "bf16", 1, 0, 0.017 + (ALPHA + 3 * 996 * BETA) / 10, 3 * 996 / 10),
+    (2, "int4", 1, 0, 0.017 + 3 * ALPHA + 1992 * BETA + (ALPHA + 516 * BETA) / 10, 1992 + 516 / 10),
+    # Streaming, 2 fragments of 249 elements: fp32 two all-reduces of 996 bytes (1.5 x 996 sent each)
+    # per H, the same bytes as DiLoCo; overlapped with one inner step (17 ms) nothing is left exposed
+    (4, "fp32", 2, 0, 0.017 + 2 * (ALPHA + 1.5 * 996 * BETA) / 10, 2 * 1.5 * 996 / 10),
+    (4, "fp32", 2, 1, 0.017, 2 * 1.5 * 996 / 10),
+    # int4 fragments are padded to whole chunks each: 2 x 516 bytes where DiLoCo sends one 516
+    (4, "int4", 2, 0, 0.017 + 2 * (ALPHA + 3 * 516 * BETA) / 10, 2 * 3 * 516 / 10),
+])
+def test_diloco_wire_dtype_and_streaming_by_hand(groups, dtype, fragments, delay, seconds, nbytes):
+    cost = diloco_cost(tiny(), dp(), groups, 10, dtype, fragments, delay)
+    assert cost.seconds == pytest.approx(seconds, rel=1e-12)
+    assert cost.bytes == pytest.approx(nbytes, rel=1e-12)
+
+
+def test_plan_prices_the_chosen_pseudo_gradient_dtype_and_says_how_to_run_it():
+    from troupe.partition.planner.command import describe_pick
+
+    cands = candidates(tiny(), 4, parse_link("100mbit"), workers_per_group=[1], pseudo_grad_dtype="int4",
+                       fragments=2, delay=1)
+    streaming = next(c for c in cands if c.option == "diloco:50:int4:K2:d1" and c.worker_groups == 4)
+    slow = Setup(world_size=4, link=parse_link("100mbit"))
+    assert streaming.cost.bytes == pytest.approx(diloco_cost(tiny(), slow, 4, 50, "int4", 2, 1).bytes)
+    assert ("--framework diloco --nworker-groups 4 --sync-freq 50 --pseudo-grad-dtype int4 --fragments 2 --delay 1"
+            in describe_pick(streaming))
+
+
 def test_diloco_bad_input():
     with pytest.raises(ValueError, match="sync_freq must be an integer >= 1, got 0"):
         diloco_cost(tiny(), dp(), 2, 0)
     with pytest.raises(ValueError, match=r"2 or more worker groups dividing the world size \(4\), got 3"):
         diloco_cost(tiny(), dp(), 3, 10)
+    with pytest.raises(ValueError, match=r"pseudo_grad_dtype must be one of .*, got 'fp8'"):
+        diloco_cost(tiny(), dp(), 2, 10, "fp8")
+    with pytest.raises(ValueError, match=r"delay \(10\) must be smaller than sync_freq \(10\)"):
+        diloco_cost(tiny(), dp(), 2, 10, "fp32", 2, 10)
 
 
 def test_slow_link_lists_diloco_and_powersgd_below_plain_and_picks_exact_sync_sgd():

@@ -71,7 +71,9 @@ def _plan(args: argparse.Namespace) -> int:
     sample = torch.randn((batch, *shape), dtype=dtype)
     profile = profile_model(model, sample, ks, reps=positive(args.reps, "--reps"), threads=args.threads)
     cands = candidates(profile, world, link, workers_per_group=ks, options=args.options, powersgd_ranks=ranks,
-                       sync_freqs=sync_freqs, spars=args.spars, overlap=args.overlap,
+                       sync_freqs=sync_freqs, pseudo_grad_dtype=args.pseudo_grad_dtype,
+                       fragments=positive(args.fragments, "--fragments"), delay=args.delay, spars=args.spars,
+                       overlap=args.overlap,
                        optimizer_slots=args.optimizer_slots)
     chosen = pick(cands, PICK_FROM[args.pick_from])
     if args.json:
@@ -185,7 +187,8 @@ def render_table(profile: ModelProfile, world: int, link: Link, cands: Sequence[
 def describe_pick(c: Candidate) -> str:
     """One line: the candidate, how to ask troupe for it, and its predicted step."""
     if c.worker_groups is not None:  # DiLoCo: a cluster framework, set on `troupe run`
-        how = f"--framework diloco --nworker-groups {c.worker_groups} --sync-freq {c.option.partition(':')[2]}"
+        how = (f"--framework diloco --nworker-groups {c.worker_groups} --sync-freq {c.option.split(':')[1]}"
+               f"{c.run_flags}")
     else:
         dims = " ".join(f"{name}:{d}" for name, d in c.plan.items()) or "-"
         how = f"workers_per_group={c.workers_per_group}, dims {dims}, option {c.option}"

@@ -65,6 +65,9 @@ OPTIONS = ("plain", "fp16", "bf16", "sparseTopK", "partialUpdate", "powerSGD")
 MIN_COMPRESSION_RATE = 2.0
 """powerSGD compresses an n x m matrix only if (n + m) * r * 2 < n * m: torch's (and troupe's) default."""
 
+PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "int8", "int4")
+"""The dtypes DiLoCo's pseudo-gradients may travel in (`ClusterConfig.pseudo_grad_dtype`)."""
+
 OUTER_SLOTS = 2
 """DiLoCo keeps the outer parameters and the outer (Nesterov) momentum: two parameter-sized copies."""
 
@@ -369,20 +372,39 @@ def param_bytes(profile: ModelProfile, dims: Sequence[int], setup: Setup) -> flo
     return held * profile.bytes_per_element * (1 + setup.optimizer_slots)
 
 
-def diloco_cost(profile: ModelProfile, setup: Setup, groups: int, sync_freq: int) -> Cost:
+def diloco_cost(profile: ModelProfile, setup: Setup, groups: int, sync_freq: int, pseudo_grad_dtype: str = "fp32",
+                fragments: int = 1, delay: int = 0) -> Cost:
     """DiLoCo with `groups` worker groups of W/G data-parallel workers (plain all-reduce inside) and
-    one outer all-reduce of every parameter among the groups each `sync_freq` steps, per step.
+    one outer exchange of every parameter among the groups each `sync_freq` steps, per step.
 
-    The outer all-reduce runs after the step (not overlapped) in one fused message; the outer
-    optimizer's own arithmetic is left out (one elementwise pass per H steps).
+    The exchange is the runtime's (`troupe.cluster.workers.pseudograd`): in fp32 one all-reduce; in
+    bf16, int8 or int4 an all-gather of each group's encoded pseudo-gradient, (G-1) pieces of its
+    wire size sent per worker. Streaming DiLoCo (`fragments` K, `delay` tau): each fragment (1/K of
+    the parameters, one message) is exchanged once per H steps; with tau > 0 it overlaps the next
+    tau inner steps and only what is longer than them is exposed. The outer optimizer's own
+    arithmetic is left out (one elementwise pass per H steps).
     """
+    from troupe.cluster.workers.pseudograd import wire_size  # bytes exactly as the runtime packs them
+
     check_int("sync_freq", sync_freq)
+    check_int("fragments", fragments)
+    check_int("delay", delay, minimum=0)
     if groups < 2 or setup.world_size % groups:
         raise ValueError(f"DiLoCo needs 2 or more worker groups dividing the world size ({setup.world_size}), "
                          f"got {groups}")
+    if pseudo_grad_dtype not in PSEUDO_GRAD_DTYPES:
+        raise ValueError(f"pseudo_grad_dtype must be one of {PSEUDO_GRAD_DTYPES}, got {pseudo_grad_dtype!r}")
+    if delay >= sync_freq:
+        raise ValueError(f"delay ({delay}) must be smaller than sync_freq ({sync_freq})")
     inner = Setup(world_size=setup.world_size // groups, link=setup.link, bucket_size=setup.bucket_size,
                   overlap=setup.overlap, sync=setup.sync, fused_reductions=setup.fused_reductions)
     step = plan_cost(profile, tuple(0 for _ in profile.layers), inner)
     params = profile.replicated_params + sum(layer.params for layer in profile.layers)
-    outer = all_reduce(setup.link, groups, params * profile.bytes_per_element)
-    return step + Cost(reduce=outer.reduce / sync_freq, bytes=outer.bytes / sync_freq)
+    per_fragment = params / fragments
+    if pseudo_grad_dtype == "fp32":
+        one = all_reduce(setup.link, groups, per_fragment * profile.bytes_per_element)
+    else:
+        sent = (groups - 1) * wire_size(math.ceil(per_fragment), pseudo_grad_dtype)
+        one = Cost(reduce=setup.link.seconds(sent), bytes=sent)
+    exposed = max(0.0, one.reduce - delay * step.seconds)
+    return step + Cost(reduce=fragments * exposed / sync_freq, bytes=fragments * one.bytes / sync_freq)

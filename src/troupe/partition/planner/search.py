@@ -110,6 +110,8 @@ class Candidate:
     """On the worker holding the most (see `cost.param_bytes`)."""
     worker_groups: int | None = None
     """DiLoCo's worker groups G (None for the synchronous regimes)."""
+    run_flags: str = ""
+    """DiLoCo: the `troupe run` flags beyond the framework, G and H that it was priced with."""
 
     @property
     def seconds(self) -> float:
@@ -175,14 +177,22 @@ def _variants(setup: Setup, options: Sequence[str], ranks: Sequence[int]) -> lis
     return out
 
 
-def diloco_candidates(profile: ModelProfile, base: Setup, sync_freqs: Sequence[int]) -> list[Candidate]:
-    """DiLoCo for every G >= 2 worker groups dividing W (data parallel inside each) and H in `sync_freqs`."""
+def diloco_candidates(profile: ModelProfile, base: Setup, sync_freqs: Sequence[int], pseudo_grad_dtype: str = "fp32",
+                      fragments: int = 1, delay: int = 0) -> list[Candidate]:
+    """DiLoCo for every G >= 2 worker groups dividing W (data parallel inside each) and H in `sync_freqs`,
+    its pseudo-gradients in `pseudo_grad_dtype`; Streaming DiLoCo with `fragments` > 1 (and `delay`).
+    The option reads 'diloco:H', then ':DTYPE' and ':K<fragments>' / ':d<delay>' where not the default."""
     zeros = tuple(0 for _ in profile.layers)
     params = profile.replicated_params + sum(layer.params for layer in profile.layers)
     outer = OUTER_SLOTS * params * profile.bytes_per_element
     memory = param_bytes(profile, zeros, replace(base, workers_per_group=1)) + outer
-    return [Candidate(f"DiLoCo {g} groups x {base.world_size // g}", 1, zeros, profile.names, f"{DILOCO}:{h}",
-                      diloco_cost(profile, base, g, h), memory, worker_groups=g)
+    given = [(pseudo_grad_dtype != "fp32", pseudo_grad_dtype, f"--pseudo-grad-dtype {pseudo_grad_dtype}"),
+             (fragments > 1, f"K{fragments}", f"--fragments {fragments}"), (delay > 0, f"d{delay}", f"--delay {delay}")]
+    suffix = "".join(f":{label}" for on, label, _ in given if on)
+    flags = "".join(f" {flag}" for on, _, flag in given if on)
+    return [Candidate(f"DiLoCo {g} groups x {base.world_size // g}", 1, zeros, profile.names, f"{DILOCO}:{h}{suffix}",
+                      diloco_cost(profile, base, g, h, pseudo_grad_dtype, fragments, delay), memory, worker_groups=g,
+                      run_flags=flags)
             for g in divisors(base.world_size) if g > 1 for h in sync_freqs]
 
 
@@ -208,6 +218,9 @@ def candidates(
     options: Sequence[str] = LISTED_OPTIONS,
     powersgd_ranks: Sequence[int] = POWERSGD_RANKS,
     sync_freqs: Sequence[int] = SYNC_FREQS,
+    pseudo_grad_dtype: str = "fp32",
+    fragments: int = 1,
+    delay: int = 0,
     **setup_args: object,
 ) -> list[Candidate]:
     """Every plan worth listing, priced, fastest first.
@@ -218,7 +231,8 @@ def candidates(
     parameters, so it composes with any plan that has some). A plan with every dim 0 is
     data parallel whatever k is: equal plans are listed once, their names joined. powerSGD is
     listed once per rank of `powersgd_ranks` when the profile knows its parameters' shapes;
-    "diloco" adds `diloco_candidates` (every G >= 2 dividing W, every H of `sync_freqs`).
+    "diloco" adds `diloco_candidates` (every G >= 2 dividing W, every H of `sync_freqs`; its
+    pseudo-gradients in `pseudo_grad_dtype`, Streaming DiLoCo with `fragments` and `delay`).
 
     `setup_args` go to `cost.Setup` (spars, chunk_size, bucket_size, overlap, optimizer_slots).
     """
@@ -243,7 +257,7 @@ def candidates(
             _add(found, _price(profile, name, dims, variant))
     listed = list(found.values())
     if DILOCO in options:
-        listed += diloco_candidates(profile, base, sync_freqs)
+        listed += diloco_candidates(profile, base, sync_freqs, pseudo_grad_dtype, fragments, delay)
     return sorted(listed, key=lambda c: c.seconds)
 
 
