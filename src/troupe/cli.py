@@ -457,6 +457,9 @@ class _Starter:
 
 def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     """Start the ranks of an elastic job, keep its quorum here, and restart a dead rank alone."""
+    # The launcher's own store, before torch loads (its C++ logging reads this then): c10d warns on
+    # every connection where the hostname does not resolve, as on a host without DNS for itself.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT
     from troupe.runtime.lighthouse import Lighthouse, Reporter
     from troupe.runtime.quorum import ENV_VAR, ElasticOptions

@@ -11,6 +11,7 @@ MODE (faults in first incarnations only, unless said otherwise):
   always-raise  rank 1 raises at step 6, and at its first step back every time
   group-kill    rank 3 (group 1's second process) SIGKILLs itself at step 6: its whole group restarts
   nodes-kill    on 2 nodes of 2: rank 3 (node 1) SIGKILLs itself at step 6; once it is back, rank 0 raises
+  group-stop    rank 3 (group 1's second process) SIGSTOPs itself at step 6 and writes OUT/stopped
 The job trains until it has taken MIN_STEPS steps and the last FULL_STREAK of them had every group
 (the same verdict on every member: they commit the same steps). Each rank writes OUT/rank{r}.json
 (its last incarnation) and OUT/rank{r}.pt (parameters).
@@ -37,7 +38,7 @@ def fault(mode: str, rank: int, incarnation: int, step: int, log: list, out: Pat
     if incarnation == 0 and step == FAULT_AT:
         if (mode in ("kill", "two-down") and rank == 1) or (mode in ("group-kill", "nodes-kill") and rank == 3):
             os.kill(os.getpid(), signal.SIGKILL)
-        if mode == "stop" and rank == 2 and not (out / "stopped").exists():
+        if (mode, rank) in (("stop", 2), ("group-stop", 3)) and not (out / "stopped").exists():
             (out / "stopped").write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGSTOP)
     if mode in ("kill", "nodes-kill") and rank == 0 and incarnation == 0 and step > FAULT_AT \
