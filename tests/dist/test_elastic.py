@@ -181,6 +181,34 @@ def test_a_killed_process_restarts_its_whole_group_which_heals_place_by_place(tm
 
 
 @pytest.mark.timeout(240)
+def test_a_frozen_process_takes_its_group_out_until_sigcont(tmp_path):
+    """2 groups of 2, --min-groups 2: rank 3 SIGSTOPs itself; after --evict-after its whole group leaves
+    the quorum and group 0, alone, waits with its state; after SIGCONT group 1 asks again, heals place
+    by place from group 0 and both train on, nobody restarted."""
+    def cont_later(proc, stderr):
+        deadline = time.monotonic() + 120
+        while "worker group(s) [1] left quorum" not in stderr.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "group 1 was never evicted"
+            time.sleep(0.1)
+        time.sleep(1)
+        os.kill(int((tmp_path / "stopped").read_text()), signal.SIGCONT)
+
+    proc = troupe_run(tmp_path, "group-stop", "--nworker-groups", "2", "--min-groups", "2", "--elastic-timeout", "3",
+                      "--evict-after", "8", n=4, wait=cont_later)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no heartbeat within 8s (rank 3:" in proc.stderr and "too few left: waiting for restarts" in proc.stderr
+    runs = reports(tmp_path, n=4)
+    assert [r["incarnation"] for r in runs] == [0, 0, 0, 0], "a process was restarted"
+    assert len({r["sha256"] for r in runs}) == 1, "the processes ended with different parameters"
+    assert runs[2]["heals"] == runs[3]["heals"] >= 2  # the start, then back from SIGCONT
+    survivor = runs[0]["log"]
+    assert survivor[job.FAULT_AT][2] is None and survivor[-1][2] == [0, 1]  # the frozen step left out everywhere
+    params = torch.load(tmp_path / "rank0.pt")["params"]
+    for got, want in zip(params, replay([r["log"] for r in runs], group_size=2)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
 def test_on_two_nodes_each_launcher_restarts_its_own_ranks(tmp_path):
     """2 nodes of 2 processes (two launchers on loopback, the quorum in node 0's): rank 3 dies on node 1,
     whose launcher restarts it; once it is back rank 0 fails on node 0, whose launcher restarts it."""
