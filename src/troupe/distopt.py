@@ -203,7 +203,8 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         self._watch_reducer()
 
     def compile_step(self, model: torch.nn.Module, loss_fn: Callable[..., Tensor], *, dist_option: str = "plain",
-                     sequential: bool = False, backend: str = "inductor") -> Callable[..., Tensor]:
+                     sequential: bool = False, backend: str = "inductor", trial: int | None = None
+                     ) -> Callable[..., Tensor]:
         """Graph mode for a plain module: ``step(*batch)`` runs ``loss_fn(*batch)``, backward and the update
         as compiled graphs, the bucketed all-reduce inside the backward's (see `troupe.graphstep`).
 
@@ -212,10 +213,13 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
 
         `dist_option` is "plain" (or "fp32"), "fp16" or "bf16"; `sequential=True` keeps every op in
         program order (SINGA), else the compiler may overlap communication with the backward.
-        Where the platform cannot compile, the first step warns and steps run eagerly.
+        Where the platform cannot compile, the first step warns and steps run eagerly. With inductor,
+        `trial` steps of each kind (default 5) are timed after two compiled ones, and if the compiled
+        step is not faster here the eager one runs from then on (one warning says both times); 0
+        keeps the compiled step.
         """
         return graphstep.compile_step(self, model, loss_fn, dist_option=dist_option, sequential=sequential,
-                                      backend=backend)
+                                      backend=backend, trial=trial)
 
     def graph_plan(self) -> graphstep.GraphPlan:
         """What graph mode compiles a step over (`troupe.graphstep.GraphHost`); a ValueError where it cannot

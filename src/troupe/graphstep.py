@@ -16,11 +16,20 @@ bookkeeping:
 Where the platform cannot compile (no C compiler for inductor, an unsupported Python, a
 model dynamo cannot trace), the first step warns once and this and every later step run
 eagerly through the DistOpt, exactly as without graph mode.
+
+Graph mode must pay: a small model's compiled step can be slower than the eager one (the MNIST
+CNN's was 1.23x on this CPU). So with inductor, after `WARMUP_STEPS` compiled steps (they
+compile), the next 2 x `trial` steps alternate compiled and eager steps, timed (the two give
+the same update: tests/dist/test_graph_mode.py); the slowest rank's median of each decides, the
+same on every rank, and a step that is not faster compiled runs eagerly from then on, with
+a one-line `GraphSlowerWarning` saying the two times. ``trial=0`` keeps the compiled step.
 """
 
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -46,6 +55,16 @@ def check_backend(backend: object) -> None:
 
 class GraphCompileWarning(UserWarning):
     """Graph mode could not compile on this platform and runs eagerly."""
+
+
+class GraphSlowerWarning(UserWarning):
+    """Graph mode's compiled step was not faster than the eager one here: it runs eagerly."""
+
+
+WARMUP_STEPS = 2
+"""Compiled steps before the trial: the first compiles (forward, compiled autograd, update)."""
+TRIAL_STEPS = 5
+"""Default steps of each kind (compiled, eager) the trial times, with inductor."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +101,8 @@ class GraphHost(Protocol):
 
 
 def compile_step(host: GraphHost, model: nn.Module, loss_fn: Callable[..., Tensor], *, dist_option: str = "plain",
-                 sequential: bool = False, backend: str | Callable[..., Any] = "inductor") -> GraphStep:
+                 sequential: bool = False, backend: str | Callable[..., Any] = "inductor",
+                 trial: int | None = None) -> GraphStep:
     """Graph mode for a plain module and a loss function (`troupe.DistOpt.compile_step`)."""
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -93,7 +113,7 @@ def compile_step(host: GraphHost, model: nn.Module, loss_fn: Callable[..., Tenso
         return loss.detach()
 
     return GraphStep(host, model, loss_fn, eager, returns_loss=True, dist_option=dist_option,
-                     sequential=sequential, backend=backend)
+                     sequential=sequential, backend=backend, trial=trial)
 
 
 class UpdateCall:
@@ -145,12 +165,20 @@ class GraphStep:
         dist_option: the codec when `forward` returns the loss ("plain", "fp32", "fp16", "bf16").
         backend: the torch.compile backend: "inductor", "aot_eager" (builds quickly, no fusion), "eager",
             or a backend function (a test's, to look at the graphs).
+        trial: steps of each kind timed to choose between the compiled and the eager step (default
+            `TRIAL_STEPS` with inductor, 0 with another backend; 0 keeps the compiled step).
+        clock: seconds, for the trial (a test's, to decide the trial).
     """
 
     def __init__(self, sgd: GraphHost, model: nn.Module, forward: Callable[..., Any], eager: Callable[..., Any], *,
                  returns_loss: bool, dist_option: str = "plain", sequential: bool = False,
-                 backend: str | Callable[..., Any] = "inductor"):
+                 backend: str | Callable[..., Any] = "inductor", trial: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         check_backend(backend)
+        if trial is None:
+            trial = TRIAL_STEPS if backend == "inductor" else 0
+        if isinstance(trial, bool) or not isinstance(trial, int) or trial < 0:
+            raise ValueError(f"trial must be an integer >= 0 (steps of each kind), got {trial!r}")
         plan = sgd.graph_plan()
         if returns_loss and dist_option not in registry.graph_options():
             raise ValueError(f"graph mode reduces with {', '.join(registry.graph_options())}, not dist_option "
@@ -162,6 +190,12 @@ class GraphStep:
         self.codec = Codec(registry.lookup(dist_option).name)
         self.failed: BaseException | None = None
         """Why graph mode fell back to eager (None while it runs compiled)."""
+        self.trial, self.clock = trial, clock
+        self.chosen: str | None = None if trial else "compiled"
+        """"compiled" or "eager": what the trial chose (None until it has)."""
+        self.timings: dict[str, list[float]] = {"compiled": [], "eager": []}
+        """The trial's step times, seconds, this rank's."""
+        self.calls = 0
         self.steps = 0
         owned = {id(p) for p in model.parameters()}
         strangers = [plan.name_of(p) for p in plan.params if id(p) not in owned]
@@ -177,6 +211,7 @@ class GraphStep:
         self._call = UpdateCall()
         self._forward = torch.compile(forward, **self._compile_args())
         self._update = torch.compile(plan.optimizer_step, **self._compile_args())
+        self._group = (plan.group or torch.distributed.group.WORLD) if plan.world_size > 1 else None
 
     def _compile_args(self) -> dict[str, Any]:
         if callable(self.backend) or self.backend != "inductor":
@@ -187,10 +222,13 @@ class GraphStep:
                                                    "reorder_for_peak_memory": not self.sequential}}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.failed is None:
+        kind = self._kind()
+        self.calls += 1
+        start = self.clock()
+        if kind == "compiled":
             try:
                 with unsplit():  # this graph reduces inside itself: no DDPOptimizer pieces
-                    return self._step(*args, **kwargs)
+                    result = self._step(*args, **kwargs)
             except Exception as e:
                 if not _is_compile_failure(e) or self.steps > 0:
                     raise
@@ -199,7 +237,38 @@ class GraphStep:
                               f"{str(e).splitlines()[0] if str(e) else ''}); running eagerly",
                               GraphCompileWarning, stacklevel=2)
                 self.sgd.zero_grad()
-        return self.eager(*args, **kwargs)
+                return self.eager(*args, **kwargs)
+        else:
+            result = self.eager(*args, **kwargs)
+        if self.chosen is None and self.failed is None and self.calls > WARMUP_STEPS:
+            self.timings[kind].append(self.clock() - start)
+            if len(self.timings["eager"]) == len(self.timings["compiled"]) == self.trial:
+                self._decide()
+        return result
+
+    def _kind(self) -> str:
+        """This call's step: compiled, but eager after a failed compile or a trial that chose it, and
+        every other step of the trial (the order of each pair swapped every pair)."""
+        if self.failed is not None or self.chosen == "eager":
+            return "eager"
+        done = self.calls - WARMUP_STEPS
+        if self.chosen is not None or done < 0:
+            return "compiled"
+        return ("compiled", "eager")[(done // 2 + done % 2) % 2]
+
+    def _decide(self) -> None:
+        """Keep the compiled step only if the slowest rank's median compiled step beats its median eager one."""
+        medians = [statistics.median(self.timings[k]) for k in ("compiled", "eager")]
+        if self._group is not None:  # every rank must take the same step: the slowest counts
+            both = torch.tensor(medians, dtype=torch.float64)
+            torch.distributed.all_reduce(both, torch.distributed.ReduceOp.MAX, group=self._group)
+            medians = both.tolist()
+        compiled, eager = medians
+        self.chosen = "compiled" if compiled < eager else "eager"
+        if self.chosen == "eager":
+            warnings.warn(f"graph mode: the compiled step took {compiled * 1e3:.1f} ms, the eager one "
+                          f"{eager * 1e3:.1f} ms (median of {self.trial} steps each, slowest rank): running eagerly",
+                          GraphSlowerWarning, stacklevel=3)
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         sgd = self.sgd

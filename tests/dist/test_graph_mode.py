@@ -168,6 +168,44 @@ def sc_user_compile(rank):
     return {"graphs": len(rec.graphs), "compiled": params(copies[0][1]), "eager": params(copies[1][1])}
 
 
+def sc_trial(rank, compiled_seconds, eager_seconds):
+    """The trial: compiled and eager steps alternate after the warm-up and the slowest rank's medians
+    decide, the same on both ranks; whichever is chosen, the parameters stay the eager loop's."""
+    import troupe
+    from troupe.graphstep import WARMUP_STEPS, GraphSlowerWarning
+
+    copies = []
+    for _ in range(2):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(IN, HID), nn.ReLU(), nn.Linear(HID, OUT))
+        sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), bucket_size=BUCKET)
+        sgd.sync_parameters(model)
+        copies.append((model, sgd))
+    (gm, gsgd), (em, esgd) = copies
+    step = gsgd.compile_step(gm, lambda x, y: F.cross_entropy(gm(x), y), backend="aot_eager", trial=3)
+    now = [0.0]  # a clock that moves only by what each kind of step is said to take on this rank
+    step.clock = lambda: now[0]
+    kinds = []
+
+    def timed(run, seconds, kind):
+        def call(*a, **k):
+            now[0] += seconds
+            kinds.append(kind)
+            return run(*a, **k)
+        return call
+    step._step, step.eager = timed(step._step, compiled_seconds, "c"), timed(step.eager, eager_seconds, "e")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(WARMUP_STEPS + 6 + 3):
+            x, y = batch(rank, i)
+            step(x, y)
+            F.cross_entropy(em(x), y).backward()
+            esgd.step()
+            esgd.zero_grad()
+    said = [str(w.message) for w in caught if issubclass(w.category, GraphSlowerWarning)]
+    return {"chosen": step.chosen, "kinds": "".join(kinds), "said": said, "graph": params(gm), "eager": params(em)}
+
+
 def bad_option(rank):
     (graph, _), _ = pair()
     x0, y0 = batch(rank, 0)
@@ -183,7 +221,9 @@ def scenarios(rank, world_size):
     torch._dynamo.reset()
     return {"plain": sc_model(rank, "plain", sequential=True), "fp16": sc_model(rank, "fp16", sequential=False),
             "module": sc_plain_module(rank), "user": sc_user_compile(rank), "fallback": sc_fallback(rank),
-            "bad_option": bad_option(rank)}
+            "bad_option": bad_option(rank),
+            # rank 0 alone would keep the compiled step (1 s against 2 s); rank 1's 3 s makes it the slower
+            "slower": sc_trial(rank, [1.0, 3.0][rank], 2.0), "faster": sc_trial(rank, 1.0, 2.0)}
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +280,15 @@ def test_no_compiler_is_a_warning_not_a_failure(results):
 
 def test_unsupported_option_is_a_clear_error(results):
     assert "graph mode reduces with one of" in results[0]["bad_option"]
+
+
+def test_a_compiled_step_that_is_not_faster_gives_way_to_the_eager_one(results):
+    for r in results:
+        slower, faster = r["slower"], r["faster"]
+        # warm-up compiled, then pairs alternating (their order swapped every pair), then the choice
+        assert slower["kinds"] == "cc" + "ceecce" + "eee" and slower["chosen"] == "eager"
+        assert faster["kinds"] == "cc" + "ceecce" + "ccc" and faster["chosen"] == "compiled"
+        assert len(slower["said"]) == 1 and "the compiled step took 3000.0 ms, the eager one 2000.0 ms" in \
+            slower["said"][0] and not faster["said"]
+        for out in (slower, faster):  # interleaved, the steps are still the eager loop's
+            torch.testing.assert_close(out["graph"], out["eager"], atol=1e-5, rtol=0)

@@ -24,6 +24,14 @@ def test_codec_and_backend_checks():
         check_backend("tvm")
 
 
+@pytest.mark.parametrize("trial", [-1, 2.5, True])
+def test_a_bad_trial_is_one_line(trial):
+    from troupe.graphstep import GraphStep
+
+    with pytest.raises(ValueError, match=f"trial must be an integer >= 0 \\(steps of each kind\\), got {trial!r}"):
+        GraphStep(None, nn.Linear(2, 2), lambda x: x, lambda x: x, returns_loss=True, trial=trial)
+
+
 def test_update_call_notes_the_loss_and_the_codec():
     call, loss = UpdateCall(), torch.tensor(1.0)
     call.update(loss, "fp16")

@@ -58,6 +58,7 @@ class Model(nn.Module):
         sequential: bool = False,
         *,
         backend: str | Callable[..., Any] = "inductor",
+        trial: int | None = None,
     ) -> None:
         """Run one forward on `inputs` to initialise the model, set train/eval mode, optionally build a graph.
 
@@ -71,7 +72,8 @@ class Model(nn.Module):
         ops in program order (SINGA's meaning); False lets the compiler overlap the all-reduce with
         the backward. Without a DistOpt, or with ``is_train=False``, the forward alone is compiled.
         Where the platform cannot compile, one warning and the eager path. `backend`:
-        torch.compile's ("inductor"; "aot_eager" compiles quickly and does not fuse).
+        torch.compile's ("inductor"; "aot_eager" compiles quickly and does not fuse). `trial`: with
+        inductor, steps of each kind timed to choose the faster (default 5; 0 keeps the graph).
         """
         from troupe.graphstep import GraphStep, check_backend
 
@@ -88,7 +90,7 @@ class Model(nn.Module):
             one_batch = type(self).train_one_batch.__get__(self)
             # An instance attribute shadows the method, so model(x, y) runs the graph.
             self.train_one_batch = GraphStep(self.optimizer, self, one_batch, one_batch, returns_loss=False,
-                                             sequential=sequential, backend=backend)
+                                             sequential=sequential, backend=backend, trial=trial)
             return
         try:
             compiled = torch.compile(self.forward, **({} if backend == "inductor" else {"backend": backend}))
