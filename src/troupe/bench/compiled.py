@@ -85,18 +85,24 @@ def troupe_compiled(workload: Workload, batches: list[Batch], *, seed: int = 0, 
 
 
 def troupe_graph(workload: Workload, batches: list[Batch], *, seed: int = 0, sequential: bool = False,
-                 name: str | None = None) -> Contestant:
+                 name: str | None = None, trial: int = 0) -> Contestant:
+    """Graph mode's compiled step (`trial` 0: always compiled), or with a trial what a user gets by
+    default: the compiled or the eager step, whichever the trial found faster (burn-in must cover it)."""
     model = workload.model(seed)
     sgd = _distopt(model, split_compiled=False)
-    step_fn = sgd.compile_step(model, lambda x, y: workload.loss(model, (x, y)), sequential=sequential)
+    step_fn = sgd.compile_step(model, lambda x, y: workload.loss(model, (x, y)), sequential=sequential, trial=trial)
+
+    facts = {"option": "whole step", "trial": trial}
 
     def step(i: int) -> None:
         step_fn(*batches[i % len(batches)])
         if step_fn.failed is not None:
             raise RuntimeError(f"graph mode fell back to eager: {step_fn.failed}")
+        facts["chosen"] = step_fn.chosen  # the records are made after the run: they carry the choice
 
-    label = name or ("troupe graph mode (sequential)" if sequential else "troupe graph mode")
-    return Contestant(label, step, {"option": "whole step"})
+    label = name or ("troupe graph mode (trial)" if trial else
+                     "troupe graph mode (sequential)" if sequential else "troupe graph mode")
+    return Contestant(label, step, facts)
 
 
 def ddp_compiled(workload: Workload, batches: list[Batch], *, seed: int = 0,

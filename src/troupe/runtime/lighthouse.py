@@ -97,11 +97,12 @@ class Lighthouse:
         with self._lock:
             self._lost(rank, finished=finished)
 
-    def restarted(self, rank: int, *, locked: bool = False) -> None:
+    def restarted(self, rank: int) -> None:
         """`rank` runs again (a new process: it asks to join when it is ready)."""
-        if not locked:
-            with self._lock:
-                return self.restarted(rank, locked=True)
+        with self._lock:
+            self._restarted(rank)
+
+    def _restarted(self, rank: int) -> None:
         self.dead.discard(rank)
         self.said_bye.discard(rank)
         self.leaving.discard(rank)
@@ -181,7 +182,7 @@ class Lighthouse:
             self.reports += 1
             what, rank = self.store.get(f"report/{self.reports}").decode().split()
             if what == "restarted":
-                self.restarted(int(rank), locked=True)
+                self._restarted(int(rank))
             else:
                 self._lost(int(rank), finished=what == "finished")
 
