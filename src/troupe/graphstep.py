@@ -96,6 +96,13 @@ class GraphHost(Protocol):
     def update(self, loss: Tensor, dist_option: str = "plain") -> None:
         """SINGA's eager update (the step without graph mode, after a failed compile)."""
 
+    def step(self) -> Any:
+        """The PyTorch loop's update, after ``loss.backward()``, with the optimizer's own dist_option."""
+
+    @property
+    def strategy(self) -> Any:
+        """The update strategy the PyTorch loop steps with (its ``name``: the dist_option)."""
+
     def apply_reduced(self, update: Callable[[], Any]) -> None:
         """The update after the graph's reduction: nan_policy, then `update`, then count the step."""
 
@@ -107,9 +114,16 @@ def compile_step(host: GraphHost, model: nn.Module, loss_fn: Callable[..., Tenso
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
 
+    own = registry.lookup(dist_option).name == host.strategy.name
+
     def eager(*batch: Any) -> Tensor:
         loss = loss_fn(*batch)
-        host.update(loss, dist_option)
+        if own:  # the PyTorch loop: the step's agreement rides in the buckets, no exchange of its own
+            host.zero_grad()  # a compiled step leaves its gradients
+            loss.backward()
+            host.step()
+        else:  # another dist_option than the optimizer's, chosen for this call (SINGA's update)
+            host.update(loss, dist_option)
         return loss.detach()
 
     return GraphStep(host, model, loss_fn, eager, returns_loss=True, dist_option=dist_option,
