@@ -38,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", type=float, default=0.985)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke tests)")
     p.add_argument("--out", default=None, help="append troupe bench records (JSON lines) here (rank 0)")
+    p.add_argument("--name", default=None, help="the contestant's name in the records (default: the dist_option)")
     return p.parse_args(argv)
 
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     acc = evaluate(model, tx, ty)
     if rank == 0:
         result = {
-            "option": args.dist_option,
+            "option": args.name or args.dist_option,
             "spars": args.spars,
             "world_size": n,
             "seconds_to_target": reached and reached[0],
@@ -101,7 +102,7 @@ def save_records(path: str, result: dict, args: argparse.Namespace) -> None:
 
     from troupe.bench.records import Record, save, stamp
 
-    name = args.dist_option + (f" (spars {args.spars})" if args.spars is not None else "")
+    name = args.name or args.dist_option + (f" (spars {args.spars})" if args.spars is not None else "")
     params = {"target": args.target, "lr": args.lr, "batch_size": args.batch_size, "epochs": args.epochs,
               "eval_every": args.eval_every}
 
