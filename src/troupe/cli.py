@@ -43,7 +43,9 @@ def _positive(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="troupe", description="Distributed training on torch.distributed.")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="start N local processes of a training script")
+    # No abbreviations: argparse matches them even after the script, so the script's own `--out` was
+    # refused as an ambiguous prefix of the cluster's --outer-* flags.
+    run = sub.add_parser("run", help="start N local processes of a training script", allow_abbrev=False)
     run.add_argument("-n", "--nproc", type=_positive, default=None, help="processes on this node (default 2)")
     run.add_argument("--nnodes", type=_positive, default=1, help="number of nodes (machines) in the job")
     run.add_argument("--node-rank", type=int, default=0, help="this node's index in [0, nnodes)")

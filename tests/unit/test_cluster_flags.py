@@ -81,3 +81,9 @@ def test_a_new_field_needs_only_its_declaration():
     assert "rounds to spare" in parser.format_help() and "--damping D" in parser.format_help()
     with pytest.raises(SystemExit):
         parser.parse_args(["--hidden", "1"])
+
+
+def test_the_scripts_own_flags_pass_through_even_where_they_abbreviate_troupe_runs():
+    # `--out` is a prefix of --outer-optimizer/-lr/-momentum, `--nn` of --nnodes: they are the script's
+    args = build_parser().parse_args(["run", "-n", "2", "train.py", "--out", "x", "--nn", "3"])
+    assert args.script == "train.py" and args.args == ["--out", "x", "--nn", "3"] and args.nnodes == 1
