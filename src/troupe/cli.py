@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 import shutil
@@ -227,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ImportError) as e:  # bad arguments; a missing optional package (tensorboard)
         print(f"troupe run: {e}", file=sys.stderr)
         return 2
+    except ConnectionError as e:  # another node's launcher under --elastic: node 0's never answered
+        print(f"troupe run: {e}", file=sys.stderr)
+        return 1
 
 
 def _ticket(args: argparse.Namespace) -> Ticket:
@@ -330,7 +334,7 @@ def _check_elastic(args: argparse.Namespace) -> None:
     if args.framework or args.cluster or cluster_flags or settings.current().cluster:
         raise ValueError("--elastic does not run parameter-server clusters yet, nor partition (--framework/--cluster/"
                          "cluster flags other than --nworker-groups): only data parallelism over worker groups")
-    if args.nproc is not None and args.nproc < 2:
+    if args.nproc is not None and args.nproc * args.nnodes < 2:
         raise ValueError(f"--elastic needs at least 2 processes (worker groups), got -n {args.nproc}")
     groups = args.nworker_groups
     if groups is not None and groups < 2:
@@ -459,9 +463,17 @@ class _Starter:
 
 def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     """Start the ranks of an elastic job, keep its quorum here, and restart a dead rank alone."""
-    # The launcher's own store, before torch loads (its C++ logging reads this then): c10d warns on
-    # every connection where the hostname does not resolve, as on a host without DNS for itself.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # The launcher's own store, quiet: c10d warns on every connection where the hostname does not
+    # resolve (a host without DNS for itself) and logs a page of C++ frames when node 0's store does
+    # not answer (one line says so here). Its C++ logging reads the variable as torch loads; the
+    # ranks get the environment as it was.
+    quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
+    if quiet:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    importlib.import_module("torch")  # loaded now, with the variable set
+
+    if quiet:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
     from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT
     from troupe.runtime.lighthouse import Lighthouse, Reporter
     from troupe.runtime.quorum import ENV_VAR, ElasticOptions

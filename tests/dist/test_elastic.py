@@ -266,6 +266,17 @@ def test_bad_elastic_flags_say_one_line(tmp_path, flags, message):
         proc.stderr
 
 
+def test_another_node_without_node_0_says_so_in_one_line(tmp_path):
+    from troupe.runtime.ticket import free_port
+
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "1", "--nnodes", "2", "--node-rank", "1", "--master",
+           f"127.0.0.1:{free_port('127.0.0.1')}", "--token", "t", "--elastic", str(SCRIPT), str(tmp_path), "ok"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env={**ENV, "TROUPE_JOIN_TIMEOUT": "2"}, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "could not reach the job's rendezvous at 127.0.0.1:" in proc.stderr
+
+
 def test_min_groups_without_elastic_is_refused(tmp_path):
     cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "2", "--min-groups", "2", str(SCRIPT), str(tmp_path), "ok"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=60)

@@ -197,6 +197,15 @@ def test_another_nodes_reports_count_as_its_own_supervisors(house):
     lh.tick()
     assert lh.done() and client.check(["closed"])
 
+    class Gone:  # node 0's launcher has exited: its store refuses every call
+        def __getattr__(self, name):
+            def refuse(*args):
+                raise RuntimeError("Connection reset by peer")
+            return refuse
+    node1.store = Gone()
+    node1.lost(3, finished=True)  # a late rank's exit: nothing to tell, and no traceback for it
+    node1.restarted(3)
+
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(groups=3, min_groups=4), "min_groups (4) is larger than the job's 3 worker groups"),

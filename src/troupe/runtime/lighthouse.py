@@ -339,12 +339,19 @@ class Reporter:
     @property
     def formed_once(self) -> bool:
         """A quorum has formed (this node's launcher then starts its spares)."""
-        self._formed = self._formed or self.store.check(["latest"])
+        if not self._formed:
+            try:
+                self._formed = self.store.check(["latest"])
+            except (RuntimeError, ConnectionError, OSError):
+                pass  # node 0's launcher is gone: no spares
         return self._formed
 
     def stop(self) -> None:
         pass
 
     def _report(self, what: str, rank: int) -> None:
-        n = self.store.add("reports", 1)
-        self.store.set(f"report/{n}", f"{what} {rank}")
+        try:
+            n = self.store.add("reports", 1)
+            self.store.set(f"report/{n}", f"{what} {rank}")
+        except (RuntimeError, ConnectionError, OSError):
+            pass  # node 0's launcher is gone (the job is over, or it died): nobody is left to tell
