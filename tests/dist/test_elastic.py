@@ -75,6 +75,19 @@ def replay(logs: list[list], group_size: int = 1) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
+def cont_once_left(out: Path, group: int):
+    """A `troupe_run` wait: once the frozen process's group has left the quorum and the others have
+    stepped on for a second, SIGCONT it (its pid is in OUT/stopped)."""
+    def wait(proc, stderr):
+        deadline = time.monotonic() + 120
+        while f"worker group(s) [{group}] left quorum" not in stderr.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, f"group {group} was never evicted"
+            time.sleep(0.1)
+        time.sleep(1)  # the others train on without it
+        os.kill(int((out / "stopped").read_text()), signal.SIGCONT)
+    return wait
+
+
 def check_healed_and_equal(out: Path, restarted: tuple[int, ...]) -> list[dict]:
     runs = reports(out)
     assert len({r["sha256"] for r in runs}) == 1, "the groups ended with different parameters"
@@ -130,15 +143,8 @@ def test_too_few_groups_wait_for_restarts_then_train_on_compressed(tmp_path, opt
 
 @pytest.mark.timeout(240)
 def test_frozen_worker_is_evicted_and_comes_back_after_sigcont(tmp_path):
-    def cont_later(proc, stderr):
-        deadline = time.monotonic() + 120
-        while "worker group(s) [2] left quorum" not in stderr.read_text():
-            assert time.monotonic() < deadline and proc.poll() is None, "rank 2 was never evicted"
-            time.sleep(0.1)
-        time.sleep(1)  # the others train on without it
-        os.kill(int((tmp_path / "stopped").read_text()), signal.SIGCONT)
-
-    proc = troupe_run(tmp_path, "stop", "--elastic-timeout", "3", "--evict-after", "8", wait=cont_later)
+    proc = troupe_run(tmp_path, "stop", "--elastic-timeout", "3", "--evict-after", "8",
+                      wait=cont_once_left(tmp_path, group=2))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 2 was left out of the quorum while it was paused; starting it again" in proc.stderr
     runs = check_healed_and_equal(tmp_path, restarted=(2,))  # back from SIGCONT, it restarts to catch up
@@ -185,16 +191,8 @@ def test_a_frozen_process_takes_its_group_out_until_sigcont(tmp_path):
     """2 groups of 2, --min-groups 2: rank 3 SIGSTOPs itself; after --evict-after its whole group leaves
     the quorum and group 0, alone, waits with its state; after SIGCONT group 1 asks again, heals place
     by place from group 0 and both train on, nobody restarted."""
-    def cont_later(proc, stderr):
-        deadline = time.monotonic() + 120
-        while "worker group(s) [1] left quorum" not in stderr.read_text():
-            assert time.monotonic() < deadline and proc.poll() is None, "group 1 was never evicted"
-            time.sleep(0.1)
-        time.sleep(1)
-        os.kill(int((tmp_path / "stopped").read_text()), signal.SIGCONT)
-
     proc = troupe_run(tmp_path, "group-stop", "--nworker-groups", "2", "--min-groups", "2", "--elastic-timeout", "3",
-                      "--evict-after", "8", n=4, wait=cont_later)
+                      "--evict-after", "8", n=4, wait=cont_once_left(tmp_path, group=1))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no heartbeat within 8s (rank 3:" in proc.stderr and "too few left: waiting for restarts" in proc.stderr
     runs = reports(tmp_path, n=4)
