@@ -16,7 +16,7 @@ import time
 
 from troupe.runtime import settings
 from troupe.runtime.rankio import RankOutput, parse_ranks
-from troupe.runtime.ticket import LOOPBACK, Ticket, free_port
+from troupe.runtime.ticket import LOOPBACK, Ticket, reserve_port
 
 GRACE_SECONDS = 5.0
 """How long a rank gets to exit after SIGTERM before SIGKILL."""
@@ -233,12 +233,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+_HELD: list = []  # the launcher's reserved ports: open for its life, so no other process takes them
+
+
+def _reserved(addr: str) -> int:
+    """A free port on `addr` that stays this launcher's until its rank 0 listens on it."""
+    _HELD.append(reserve_port(addr))
+    return _HELD[-1].getsockname()[1]
+
+
 def _ticket(args: argparse.Namespace) -> Ticket:
     if not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"--node-rank {args.node_rank} is out of range for --nnodes {args.nnodes}")
     if args.nnodes > 1 and (args.master is None or not args.token):
         raise ValueError("a job on several nodes needs --master HOST:PORT and the same --token (or TROUPE_TOKEN) on each")
-    host, port = args.master or (LOOPBACK, 0)
+    host, port = args.master or (LOOPBACK, _reserved(LOOPBACK))
     return Ticket(addr=host, port=port, token=args.token) if args.token else Ticket(addr=host, port=port)
 
 
@@ -404,7 +413,7 @@ class _Starter:
         self.args, self.extra_env, self.ticket = args, extra_env, ticket
         # torch's env:// contract too, so a plain torch.distributed (DDP) script runs unchanged: its
         # rendezvous on the next port after troupe's (every node computes the same one).
-        self.master_port = ticket.port + 1 if args.master else free_port(ticket.addr)
+        self.master_port = ticket.port + 1 if args.master else _reserved(ticket.addr)
         self.output = getattr(args, "output", None)
 
     def env(self, rank: int | None, **more: str) -> dict[str, str]:

@@ -86,7 +86,7 @@ def run_ranks(
     """
     import torch
 
-    from troupe.runtime.ticket import Ticket
+    from troupe.runtime.ticket import LOOPBACK, Ticket, reserve_port
 
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -94,7 +94,8 @@ def run_ranks(
         raise ValueError(f"threads must be an int >= 1, got {threads!r}")
     ctx = context or mp.get_context("spawn")
     results = ctx.Queue()
-    ticket = Ticket()
+    held = reserve_port(LOOPBACK)  # the port stays ours until rank 0 listens on it
+    ticket = Ticket(port=held.getsockname()[1])
     procs = [ctx.Process(target=rank_entry, args=(fn, r, world_size, ticket, args, results, dict(env or {}), threads),
                          daemon=True) for r in range(world_size)]
     for p in procs:
@@ -104,6 +105,7 @@ def run_ranks(
         done = _collect(procs, results, timeout)
         finished = True
     finally:
+        held.close()
         for p in procs:  # after a failure or a timeout: at once, or the survivors report the dead store
             p.join(timeout=5 if finished else 0)
             if p.is_alive():

@@ -20,6 +20,20 @@ def free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
+def reserve_port(addr: str) -> socket.socket:
+    """A socket bound to a free port on `addr` and kept open: while it is, no other process's
+    bind or outgoing connection takes the port, yet the job's rank 0 (which binds with
+    SO_REUSEADDR) can still listen on it. Close it once the job has its rendezvous.
+
+    `free_port` alone leaves a gap between the pick and rank 0's bind, in which a parallel
+    test's connection or port pick has taken the port.
+    """
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((addr, 0))
+    return s
+
+
 @dataclass(frozen=True)
 class Ticket:
     """What a process needs to join a job: rendezvous address, port and secret token.
