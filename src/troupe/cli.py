@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "processes); a dead process restarts with its group, which rejoins")
     elastic.add_argument("--min-groups", type=int, default=None,
                          help="--elastic: steps need at least K groups present (default 2)")
+    elastic.add_argument("--elastic-batch", choices=("shrink", "constant"), default=None,
+                         help="--elastic: while a group is missing, the global batch shrinks (default: each step "
+                              "averages the groups present) or stays constant (the groups present also take the "
+                              "missing groups' batches; needs troupe.data.loader)")
     elastic.add_argument("--restarts-per-rank", type=int, default=10,
                          help="--elastic: restarts each rank may use before the job stops (default 10)")
     elastic.add_argument("--spares", type=int, default=None,
@@ -313,7 +317,8 @@ def run(args: argparse.Namespace) -> int:
         _check_elastic(args)
     else:
         for flag, value in (("--min-groups", args.min_groups), ("--evict-after", args.evict_after),
-                            ("--elastic-timeout", args.elastic_timeout), ("--spares", args.spares)):
+                            ("--elastic-timeout", args.elastic_timeout), ("--spares", args.spares),
+                            ("--elastic-batch", args.elastic_batch)):
             if value is not None:
                 raise ValueError(f"{flag} needs --elastic")
     extra_env.update(_cluster_env(args))
@@ -490,7 +495,7 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     from troupe.runtime.spare import Spares
 
     ticket = _ticket(args)
-    given = {"timeout": args.elastic_timeout, "evict_after": args.evict_after}
+    given = {"timeout": args.elastic_timeout, "evict_after": args.evict_after, "batch": args.elastic_batch}
     total = args.nproc * args.nnodes
     groups = args.elastic_groups or total
     options = ElasticOptions(groups=groups, group_size=total // groups, min_groups=args.min_groups or 2,

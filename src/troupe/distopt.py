@@ -307,7 +307,10 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
 
     def _watch_reducer(self) -> None:
         if self.reducer is not None:
-            self.reducer.defer = self.world.membership.lost
+            membership = self.world.membership
+            self.reducer.defer = membership.lost
+            if getattr(membership, "constant_batch", False):
+                self.reducer.weight = membership.grad_weight
             self.reducer.on_reduced = self._mark_synced
             self.reducer.label_buckets(self.param_name)  # by position; by name once a model is attached
 

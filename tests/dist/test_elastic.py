@@ -54,9 +54,10 @@ def reports(out: Path, n: int = GROUPS) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
 
 
-def replay(logs: list[list], group_size: int = 1) -> list[torch.Tensor]:
+def replay(logs: list[list], group_size: int = 1, constant: bool = False) -> list[torch.Tensor]:
     """The steps the job committed, in one process: each the mean of the gradients of every process
-    of the present groups (rank r = g * group_size + place reads its own shard of all processes')."""
+    of the present groups (rank r = g * group_size + place reads its own shard of all processes');
+    `constant`: of every process of the job (the fault-free run's step), whoever was present."""
     steps: dict[tuple[int, int], list[int]] = {}
     for log in logs:
         for epoch, b, members in log:
@@ -67,6 +68,7 @@ def replay(logs: list[list], group_size: int = 1) -> list[torch.Tensor]:
     samplers = [DistributedSampler(len(x), rank=r, world_size=n, seed=7, tail="drop") for r in range(n)]
     model, sgd = job.model_and_optimizer()
     for (epoch, b), members in sorted(steps.items()):
+        members = list(range(n // group_size)) if constant else members
         sgd.zero_grad()
         for r in (g * group_size + place for g in members for place in range(group_size)):
             idx = samplers[r].indices(epoch)[b * job.BATCH:(b + 1) * job.BATCH]
@@ -88,13 +90,13 @@ def cont_once_left(out: Path, group: int):
     return wait
 
 
-def check_healed_and_equal(out: Path, restarted: tuple[int, ...]) -> list[dict]:
+def check_healed_and_equal(out: Path, restarted: tuple[int, ...], constant: bool = False) -> list[dict]:
     runs = reports(out)
     assert len({r["sha256"] for r in runs}) == 1, "the groups ended with different parameters"
     assert [r["incarnation"] for r in runs] == [int(r in restarted) for r in range(GROUPS)], \
         "a survivor was restarted, or the lost rank was not"
     params = torch.load(out / "rank0.pt")["params"]
-    for got, want in zip(params, replay([r["log"] for r in runs])):
+    for got, want in zip(params, replay([r["log"] for r in runs], constant=constant)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     return runs
 
@@ -119,6 +121,22 @@ def test_killed_and_raising_workers_restart_alone_and_heal(tmp_path):
     healed = torch.load(tmp_path / "rank1.pt")["healed"]
     assert healed["steps"] == runs[1]["resumed_at"] > 0 and runs[1]["heals"] == 1
     assert healed["momentum"], "the optimizer's momentum was not handed over"
+
+
+@pytest.mark.timeout(240)
+def test_constant_batch_steps_are_the_fault_free_runs_steps(tmp_path):
+    """--elastic-batch constant: while a group is missing the others take its batches too, so every
+    step the job commits is the fault-free run's (the mean over all three groups' batches); only
+    the step a worker died in is left out. The replay would differ from a shrinking batch's."""
+    proc = troupe_run(tmp_path, "kill", "--elastic-batch", "constant")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = check_healed_and_equal(tmp_path, restarted=(0, 1), constant=True)
+    survivor = runs[2]["log"]
+    assert [0, 2] in [m for _, _, m in survivor] and [1, 2] in [m for _, _, m in survivor]
+    shrunk = replay([r["log"] for r in runs])
+    got = torch.load(tmp_path / "rank0.pt")["params"]
+    assert any(not torch.allclose(g, s, rtol=1e-5, atol=1e-6) for g, s in zip(got, shrunk)), \
+        "the run equals a shrinking batch's: the missing groups' batches were not taken"
 
 
 @pytest.mark.timeout(240)

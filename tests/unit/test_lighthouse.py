@@ -213,9 +213,10 @@ def test_another_nodes_reports_count_as_its_own_supervisors(house):
     (dict(groups=3, timeout=0), "elastic timeout must be > 0 seconds"),
     (dict(groups=3, heartbeat=3.0, evict_after=5.0), "must be at least two heartbeats"),
     (dict(groups=3, group_size=0), "elastic group_size must be >= 1, got 0"),
+    (dict(groups=3, batch="same"), "elastic batch must be one of ['constant', 'shrink'], got 'same'"),
 ])
 def test_bad_elastic_options(kwargs, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         ElasticOptions(**kwargs)
 
 

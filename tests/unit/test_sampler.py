@@ -266,3 +266,59 @@ def test_a_cluster_sampler_made_before_the_distopt_is_refused(monkeypatch):
     fake_world(monkeypatch, "downpour", split=False)
     with pytest.raises(RuntimeError, match="after the DistOpt"):
         DistributedSampler(30)
+
+
+@pytest.mark.parametrize("groups,members", [(3, (0, 2)), (4, (1,)), (5, (0, 3)), (4, (0, 1, 2, 3)), (6, (1, 2, 5))])
+def test_under_a_constant_batch_each_groups_batch_is_taken_once(groups, members):
+    """Quorum.covered_by deals the missing groups out: every batch of the job taken by one member."""
+    from troupe.runtime.quorum import Quorum
+
+    q = Quorum(1, members)
+    taken = [g for m in members for g in q.covered_by(m, groups)]
+    assert sorted(taken) == list(range(groups))
+    assert [q.covered_by(m, groups)[0] for m in members] == list(members)  # each its own first
+    sizes = [len(q.covered_by(m, groups)) for m in members]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_step_batches_hold_the_covered_ranks_batches_drawn_per_step():
+    """StepBatches: rank 0's batch b holds its own batch b, then batch b of each rank named at that
+    draw; the sampler's position counts only its own indices (a joiner resumes from it)."""
+    from troupe.script.sampling import StepBatches
+
+    world, bs = 3, 4
+    samplers = shares(40, world, tail="drop", seed=5)
+    own = [[s.indices(0)[b * bs:(b + 1) * bs] for b in range(3)] for s in samplers]
+    who = iter([(0,), (0, 1), (0, 2, 1)])
+    batches = StepBatches(samplers[0], bs, True, lambda: next(who))
+    assert len(batches) == len(samplers[0]) // bs == 3
+    got = list(batches)
+    assert got == [own[0][0], own[0][1] + own[1][1], own[0][2] + own[2][2] + own[1][2]]
+    assert samplers[0].state_dict()["position"] == 3 * bs * world
+    with pytest.raises(ValueError, match="must start with this sampler's rank 0"):
+        next(iter(StepBatches(samplers[0], bs, True, lambda: (1, 0))))
+
+
+def test_constant_batch_weight_and_its_errors(monkeypatch):
+    """A rank whose batch holds k of the job's G batches weighs k * present / G in the quorum's mean;
+    a batch not drawn by troupe's loader for this step, or workers drawing ahead, are refused."""
+    from troupe.runtime.elastic import Elastic
+    from troupe.runtime.quorum import ElasticOptions, Quorum
+    from troupe.script import sampling
+
+    m = Elastic.__new__(Elastic)  # its store and heartbeat are not needed here
+    m.options, m.rank, m.group, m.place = ElasticOptions(groups=3, batch="constant"), 0, 0, 0
+    m.quorum, m.round, m._drawn, m._weighed = Quorum(2, (0, 2)), 4, None, False
+    with pytest.raises(RuntimeError, match="was not drawn by troupe.data.loader"):
+        m.grad_weight()
+    assert m.batch_ranks() == (0, 1)
+    assert m.grad_weight() == pytest.approx(2 * 2 / 3)
+    m.round += 1  # the next step: its batch must be drawn again
+    with pytest.raises(RuntimeError, match="was not drawn"):
+        m.grad_weight()
+    monkeypatch.setattr(sampling, "_constant_batch_membership", lambda: m)
+    monkeypatch.setattr(sampling, "_data_parallel_place", lambda rank, world_size: (0, 3))
+    with pytest.raises(ValueError, match="use num_workers=0"):
+        sampling.loader(torch.zeros(12, 2), 2, num_workers=2)
+    data = sampling.loader(torch.zeros(12, 2), 2, drop_last=True)
+    assert isinstance(data.sampler, DistributedSampler) and isinstance(data.batch_sampler, sampling.StepBatches)

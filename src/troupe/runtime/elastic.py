@@ -97,6 +97,9 @@ class Elastic:
         self._graveyard: list[tuple[float, Any]] = []
         """Groups of failed steps, kept unshut until their operation in flight has timed out."""
         self._posted: str | None = None
+        self._drawn: tuple[int, int, int] | None = None
+        """Under a constant global batch: (quorum id, round, batches) of the batch the loader drew last."""
+        self._weighed = False
         # The first beat before anything else: the lighthouse gives a restarted rank `evict_after` from
         # its start to be heard, and this process may ask to join before its thread's first beat.
         self._beat_store.add(f"hb/{rank}", 1)
@@ -161,6 +164,37 @@ class Elastic:
 
     # --- one step ------------------------------------------------------------------------
 
+    @property
+    def constant_batch(self) -> bool:
+        return self.options.batch == "constant"
+
+    def batch_ranks(self) -> tuple[int, ...]:
+        """The ranks whose batch this process takes in the coming step (called by the loader as it
+        draws the step's batch): its own; under a constant global batch also those of the missing
+        groups' processes at its place that its group covers (`Quorum.covered_by`)."""
+        q = self.quorum
+        if q is None:
+            raise RuntimeError("under troupe run --elastic, call troupe.track(model=..., optimizer=...) before the "
+                               "first batch: it joins the running job (the batch depends on who is present)")
+        if not self.constant_batch:
+            return (self.rank,)
+        groups = q.covered_by(self.group, self.options.groups)
+        self._drawn = (q.id, self.round, len(groups))
+        return tuple(g * self.options.group_size + self.place for g in groups)
+
+    def grad_weight(self) -> float:
+        """Under a constant global batch: what this process's gradient (the mean over its batch of
+        k groups' batches) counts for in a mean over the quorum's processes, k * present / groups, so
+        that the mean is that over all the job's batches. Read as the step's reduction starts."""
+        q = self.quorum
+        if self._drawn is None or self._drawn[:2] != (q.id, self.round):
+            raise RuntimeError(
+                "troupe run --elastic-batch constant: this step's batch was not drawn by troupe.data.loader after "
+                "the last step (it takes the missing groups' batches too, chosen per step): make the loader with "
+                "troupe.data.loader(..., num_workers=0) and draw each batch after the previous step")
+        self._weighed = True
+        return self._drawn[2] * len(q.members) / self.options.groups
+
     def vote(self, ok: bool, error: BaseException | None = None) -> bool:
         """Say whether this step's reduction succeeded; return whether every member applies it.
 
@@ -170,6 +204,10 @@ class Elastic:
         if q is None:
             raise RuntimeError("under troupe run --elastic, call troupe.track(model=..., optimizer=...) before the "
                                "first step: it joins the running job and copies its state")
+        if self.constant_batch and ok and not self._weighed:
+            raise RuntimeError("troupe run --elastic-batch constant: this step's gradients were reduced without "
+                               "troupe's gradient reducer (which weighs them for the constant global batch)")
+        self._weighed = False
         self.round += 1
         key = lambda what: round_key(q.id, self.round, what)  # noqa: E731
         try:

@@ -31,6 +31,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+BATCH_MODES = {
+    "shrink": "a step averages the gradients of the groups present: the global batch shrinks while one is missing",
+    "constant": "the groups present also take the missing groups' batches (`Quorum.covered_by`): every step "
+                "averages over the whole global batch, as a fault-free run does",
+}
+"""`troupe run --elastic-batch`: what a missing worker group does to the global batch."""
 REJOIN_EXIT = 75
 """The exit code of a worker that was left out of the quorum and asks its launcher to start it again."""
 ENV_VAR = "TROUPE_ELASTIC"
@@ -58,8 +64,12 @@ class ElasticOptions:
     form_within: float = 60.0
     """At the start, seconds the lighthouse waits for every group before forming a quorum of at
     least `min_groups` (a restart later is admitted as soon as it is ready)."""
+    batch: str = "shrink"
+    """What a missing group does to the global batch (`BATCH_MODES`)."""
 
     def __post_init__(self) -> None:
+        if self.batch not in BATCH_MODES:
+            raise ValueError(f"elastic batch must be one of {sorted(BATCH_MODES)}, got {self.batch!r}")
         if self.group_size < 1:
             raise ValueError(f"elastic group_size must be >= 1, got {self.group_size}")
         if self.min_groups < 2:
@@ -122,6 +132,20 @@ class Quorum:
     def index(self, rank: int) -> int:
         """This rank's place in the quorum's process group (ordered by rank among the members' processes)."""
         return self.members.index(self.group_of(rank)) * self.group_size + rank % self.group_size
+
+    def covered_by(self, group: int, groups: int) -> tuple[int, ...]:
+        """The groups whose batches member `group` takes in a step of this quorum under a constant
+        global batch: its own, then the missing groups dealt out in turn to the members (both in
+        ascending order), so each of the job's `groups` batches is taken by exactly one member.
+
+        >>> Quorum(1, (0, 2)).covered_by(0, 4), Quorum(1, (0, 2)).covered_by(2, 4)
+        ((0, 1), (2, 3))
+        """
+        if group not in self.members:
+            raise ValueError(f"worker group {group} is not a member of quorum {self.id} {list(self.members)}")
+        missing = [g for g in range(groups) if g not in self.members]
+        mine = self.members.index(group)
+        return (group, *missing[mine :: len(self.members)])
 
     def encode(self) -> str:
         return json.dumps({"id": self.id, "members": self.members, "joiners": self.joiners, "source": self.source,

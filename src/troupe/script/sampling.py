@@ -11,7 +11,7 @@ once, from the World, when a sampler is made.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any, Literal
 
 import torch
@@ -249,6 +249,37 @@ class DistributedSampler(Sampler[int]):
                 f"shuffle={self.shuffle}, seed={self.seed}, epoch {self.epoch})")
 
 
+class StepBatches(Sampler[list[int]]):
+    """A `DistributedSampler`'s batches, each drawn as the loop asks for it, holding the batches of
+    every rank `ranks()` names then (its own first) at the same place of their shares.
+
+    `troupe.data.loader` uses it under ``troupe run --elastic-batch constant``: the groups present
+    take the missing groups' batches too (the membership names them per step), so a step's batch is
+    the fault-free run's global batch. The sampler keeps the position (its own indices taken).
+    """
+
+    def __init__(self, sampler: DistributedSampler, batch_size: int, drop_last: bool,
+                 ranks: Callable[[], Sequence[int]]):
+        self.sampler, self.batch_size, self.drop_last, self.ranks = sampler, batch_size, drop_last, ranks
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        s = self.sampler
+        s._base, s._next, s._yielded = s._next, 0, 0
+        rest = s._rest(s.epoch, s._base)
+        for b in range(len(self)):
+            lo, hi = b * self.batch_size, (b + 1) * self.batch_size
+            ranks = self.ranks()  # now: after the previous step chose the quorum of this one
+            if ranks[0] != s.rank:
+                raise ValueError(f"the batch ranks {list(ranks)} must start with this sampler's rank {s.rank}")
+            own = rest[s.rank :: s.world_size][lo:hi]
+            s._yielded += len(own)
+            yield own + [i for r in ranks[1:] for i in rest[r :: s.world_size][lo:hi]]
+
+
 _OURS = ("sampler", "batch_sampler", "shuffle")
 
 
@@ -281,6 +312,11 @@ def loader(dataset: Dataset | Tensor | Sequence[Tensor], batch_size: int, *, shu
     `dataset` is a map-style dataset or tensors (x, y) sharing their first dimension;
     other keyword arguments (num_workers, drop_last, pin_memory, collate_fn, ...) go to
     the DataLoader. `batch_size` is per rank.
+
+    Under ``troupe run --elastic-batch constant`` each batch is drawn when the loop asks for it and
+    also holds the batches of the missing worker groups this rank's group takes (`StepBatches`):
+    the global batch stays the whole job's (a rank's batch may then be several times
+    `batch_size`); this needs ``num_workers=0`` (workers would draw batches ahead of the quorum).
     """
     _int("batch_size", batch_size, 1)
     clash = sorted(set(_OURS) & set(dataloader_kwargs))
@@ -288,4 +324,22 @@ def loader(dataset: Dataset | Tensor | Sequence[Tensor], batch_size: int, *, shu
         raise TypeError(f"loader makes its own sampler: do not pass {', '.join(clash)} (shuffle/seed/tail choose it)")
     dataset = as_dataset(dataset)
     sampler = DistributedSampler(dataset, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed, tail=tail)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **dataloader_kwargs)
+    membership = _constant_batch_membership() if rank is None else None
+    if membership is None:
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **dataloader_kwargs)
+    if dataloader_kwargs.get("num_workers", 0):
+        raise ValueError("troupe run --elastic-batch constant: each step's batch depends on the groups present at "
+                         "that step, so the loader draws it then: use num_workers=0")
+    drop_last = bool(dataloader_kwargs.pop("drop_last", False))
+    batches = StepBatches(sampler, batch_size, drop_last, membership.batch_ranks)
+    data = DataLoader(dataset, batch_sampler=batches, **dataloader_kwargs)
+    object.__setattr__(data, "sampler", sampler)  # what `.sampler` means for every troupe loader (DataLoader forbids setting it)
+    return data
+
+
+def _constant_batch_membership() -> Any:
+    """The elastic membership when the job keeps a constant global batch, else None."""
+    from troupe.runtime import world as world_mod
+
+    membership = world_mod.init().membership
+    return membership if getattr(membership, "constant_batch", False) else None

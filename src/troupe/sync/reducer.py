@@ -69,6 +69,9 @@ class GradReducer:
         """Errors of these types (an elastic job's lost peer) are kept in `failed` for the step to
         read, not raised out of backward."""
         self.failed: BaseException | None = None
+        self.weight: Callable[[], float] | None = None
+        """Read as a step opens: this rank's gradients enter the reduction times it (an elastic job's
+        constant global batch, where a rank's batch may hold several groups' batches)."""
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     # --- one step ------------------------------------------------------------------------
@@ -87,6 +90,10 @@ class GradReducer:
         self._hook = hook or self.hook_for_step()
         self.last_hook, self.last_exchange = self._hook, exchange
         self._scale = self._hook.prescale
+        if self.weight is not None:
+            w = self.weight()
+            if w != 1.0:
+                self._scale = w if self._scale is None else self._scale * w
         self._ready = [False] * len(self.buckets)
         self._next = 0
         self._handles: list[tuple[list[Bucket], Handle]] = []
