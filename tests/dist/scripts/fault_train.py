@@ -61,7 +61,9 @@ if __name__ == "__main__":
         for p in procs:
             p.start()
         # Once a rank has failed, survivors get 10 s to notice and report on their own; then
-        # stragglers (stopped or hung ranks) are killed, as a cluster manager would.
+        # stragglers (stopped or hung ranks) are killed, as a cluster manager would. A stopped or
+        # hung rank never reports: once the other has, there is nobody left to wait for.
+        grace = 1 if mode in ("stop", "hang") else 10
         ended: dict[int, float] = {}
         first_failure = None
         while len(ended) < n:
@@ -70,7 +72,7 @@ if __name__ == "__main__":
                     ended[r] = time.time()
                     if p.exitcode and first_failure is None:
                         first_failure = ended[r]
-            if first_failure is not None and time.time() - first_failure > 10:
+            if first_failure is not None and time.time() - first_failure > grace:
                 break
             time.sleep(0.02)
         for p in procs:
