@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--node-rank", type=int, default=0, help="this node's index in [0, nnodes)")
     run.add_argument("--master", type=_master, default=None, help="HOST:PORT of node 0's rendezvous")
     run.add_argument("--token", default=settings.current().token, help="job token (required with --nnodes > 1)")
+    run.add_argument("--slurm", action="store_true",
+                     help="under srun with one task per node (srun --ntasks-per-node=1 troupe run --slurm ...): "
+                          "--nnodes, --node-rank, --master and --token from srun's environment")
     run.add_argument("--backend", choices=["gloo", "nccl"], default=None)
     run.add_argument("--threads", type=_positive, default=None, help="torch threads per process (OMP_NUM_THREADS)")
     run.add_argument("--timeout", type=float, default=None, help="seconds a collective may wait")
@@ -246,6 +249,32 @@ def _reserved(addr: str) -> int:
     return _HELD[-1].getsockname()[1]
 
 
+def _from_slurm(args: argparse.Namespace) -> None:
+    """`troupe run --slurm`: this node's place in the job from srun's environment (one task per node:
+    each is one node's launcher). The master is the step's first node; port and token as a Slurm
+    job's ranks compute them (`slurm_ticket`), so every node's launcher agrees without talking."""
+    from troupe.runtime.ticket import slurm_ticket
+
+    given = (("--nnodes", args.nnodes != 1), ("--node-rank", args.node_rank != 0), ("--master", args.master is not None),
+             ("--token", args.token != settings.current().token))
+    clash = [flag for flag, was_given in given if was_given]
+    if clash:
+        raise ValueError(f"--slurm reads {', '.join(clash)} from srun's environment: give one or the other")
+    env = os.environ
+    procid, ntasks = env.get("SLURM_PROCID"), env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS")
+    if procid is None or ntasks is None:
+        raise ValueError("--slurm: no srun environment here (SLURM_PROCID, SLURM_NTASKS): start it as "
+                         "srun --ntasks-per-node=1 troupe run --slurm ...")
+    nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")
+    if nodes is not None and int(nodes) != int(ntasks):
+        raise ValueError(f"--slurm: srun started {ntasks} tasks on {nodes} nodes; troupe run starts a node's "
+                         "processes itself: one task per node (srun --ntasks-per-node=1)")
+    s = settings.current()
+    ticket = slurm_ticket(s.master_addr, s.master_port, s.token)
+    args.nnodes, args.node_rank = int(ntasks), int(procid)
+    args.master, args.token = (ticket.addr, ticket.port), ticket.token
+
+
 def _ticket(args: argparse.Namespace) -> Ticket:
     if not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"--node-rank {args.node_rank} is out of range for --nnodes {args.nnodes}")
@@ -293,6 +322,8 @@ def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     """Start the job; after a failure restart it from its last checkpoint, up to --max-restarts times."""
+    if args.slurm:
+        _from_slurm(args)
     if not os.path.isfile(args.script):
         raise ValueError(f"script not found: {args.script}")
     if args.max_restarts < 0:

@@ -227,17 +227,23 @@ def test_a_frozen_process_takes_its_group_out_until_sigcont(tmp_path):
 @pytest.mark.timeout(240)
 def test_on_two_nodes_each_launcher_restarts_its_own_ranks(tmp_path):
     """2 nodes of 2 processes (two launchers on loopback, the quorum in node 0's): rank 3 dies on node 1,
-    whose launcher restarts it; once it is back rank 0 fails on node 0, whose launcher restarts it."""
+    whose launcher restarts it; once it is back rank 0 fails on node 0, whose launcher restarts it.
+    Node 1's launcher is a Slurm task (`troupe run --slurm`: its place, master and token from srun's
+    environment), node 0's is given them as flags."""
     from troupe.runtime.ticket import free_port
 
-    master = f"127.0.0.1:{free_port('127.0.0.1')}"
+    port = free_port("127.0.0.1")
+    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
+             "SLURM_STEP_NODELIST": "127.0.0.1", "TROUPE_MASTER_PORT": str(port), "TROUPE_TOKEN": "elastic-nodes-test"}
     nodes = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "2", "--nnodes", "2", "--node-rank", str(node),
-               "--master", master, "--token", "elastic-nodes-test", "--elastic", str(SCRIPT), str(tmp_path),
+        where = (["--nnodes", "2", "--node-rank", "0", "--master", f"127.0.0.1:{port}", "--token", "elastic-nodes-test"]
+                 if node == 0 else ["--slurm"])
+        cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "2", *where, "--elastic", str(SCRIPT), str(tmp_path),
                "nodes-kill"]
         err = open(tmp_path / f"node{node}.txt", "w")
-        nodes.append((subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err), err))
+        env = ENV if node == 0 else {**ENV, **slurm}
+        nodes.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err), err))
     try:
         codes = [proc.wait(timeout=180) for proc, _ in nodes]
     finally:

@@ -212,6 +212,35 @@ class TestSlurm:
                               None, None, None, None)
         assert mine.ticket.token == "s3cret" and mine.ticket.port == 2999
 
+    def test_troupe_run_slurm_takes_this_nodes_place_from_srun(self, monkeypatch):
+        """srun --ntasks-per-node=1 troupe run --slurm: each task is one node's launcher, and every one
+        derives the same master and token as a Slurm job's ranks would."""
+        from troupe.cli import _from_slurm, build_parser
+        from troupe.runtime import launch
+        from troupe.runtime.settings import Settings
+
+        def parsed(*flags):
+            return build_parser().parse_args(["run", "--slurm", *flags, "train.py"])
+
+        for name in ("TROUPE_TOKEN", "TROUPE_MASTER_PORT", "TROUPE_MASTER_ADDR", "SLURM_NPROCS"):
+            monkeypatch.delenv(name, raising=False)
+        with pytest.raises(ValueError, match="no srun environment here"):
+            _from_slurm(parsed())
+        env = {"SLURM_PROCID": "2", "SLURM_NTASKS": "3", "SLURM_NNODES": "3", "SLURM_JOB_ID": "77",
+               "SLURM_STEP_NODELIST": "n[4-6]"}
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        args = parsed("-n", "4")
+        _from_slurm(args)
+        ranks = launch.slurm_ticket(*[None] * 3)
+        assert (args.nnodes, args.node_rank, args.master, args.token) == (3, 2, ("n4", ranks.port), ranks.token)
+        assert launch._detect(Settings.from_env({}), None, None, None, None).ticket == ranks  # srun's ranks agree
+        with pytest.raises(ValueError, match="--slurm reads --master, --token from srun's environment"):
+            _from_slurm(parsed("--master", "h:1", "--token", "t"))
+        monkeypatch.setenv("SLURM_NNODES", "1")
+        with pytest.raises(ValueError, match="srun started 3 tasks on 1 nodes.*one task per node"):
+            _from_slurm(parsed())
+
 
 class TestSupervisor:
     """`troupe run` names the rank that caused a failure, not the first peer that reacted to it."""

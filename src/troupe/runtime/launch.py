@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from troupe.runtime import netif
 from troupe.runtime.settings import Settings
-from troupe.runtime.ticket import LOOPBACK, Ticket, free_port  # noqa: F401  (re-exported)
+from troupe.runtime.ticket import LOOPBACK, Ticket, first_host, free_port, slurm_ticket  # noqa: F401  (re-exported)
 
 log = logging.getLogger("troupe")
 
@@ -359,27 +359,11 @@ def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float, keep:
 
 
 def _slurm(env: Settings) -> _Launch:
-    """Ranks from srun's environment. Every task computes the same Ticket without talking to the
-    others: rank 0's node is the first of the step's node list, the port and token come from
-    TROUPE_MASTER_PORT / TROUPE_TOKEN or are derived from the job id (set TROUPE_TOKEN to a
-    secret where other users share the nodes)."""
+    """Ranks from srun's environment; every task computes the same Ticket (`slurm_ticket`)."""
     rank, world = _env_int("SLURM_PROCID"), _env_int("SLURM_NTASKS", "SLURM_NPROCS")
-    job = os.environ.get("SLURM_JOB_ID", "0")
-    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or "localhost"
-    port = env.master_port or 20000 + int(hashlib.sha256(job.encode()).hexdigest(), 16) % 20000
-    token = env.token or hashlib.sha256(f"troupe-slurm:{job}".encode()).hexdigest()[:32]
-    ticket = Ticket(addr=env.master_addr or first_host(nodes), port=port, token=token)
+    ticket = slurm_ticket(env.master_addr, env.master_port, env.token)
     local_world = _tasks_on_this_node() or world
     return _Launch("slurm", ticket, rank, _env_int("SLURM_LOCALID") or 0, world, local_world)
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list: "node[07-09,12],gpu1" -> "node07"."""
-    head = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
-    if head is None or not head.group(1) and not head.group(2):
-        raise ValueError(f"cannot read the Slurm node list {nodelist!r}")
-    prefix, ranges = head.group(1), head.group(2)
-    return prefix if ranges is None else prefix + ranges.split(",")[0].split("-")[0]
 
 
 def _tasks_on_this_node() -> int | None:

@@ -6,6 +6,9 @@ without importing torch; `troupe.runtime.launch` uses it to join.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
 import secrets
 import socket
 from dataclasses import dataclass, field
@@ -70,3 +73,24 @@ class Ticket:
             return cls(addr=addr, port=int(port), token=token)
         except ValueError as e:
             raise ValueError(f"malformed ticket {text!r}: expected ADDR:PORT:TOKEN ({e})") from None
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: "node[07-09,12],gpu1" -> "node07"."""
+    head = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
+    if head is None or not head.group(1) and not head.group(2):
+        raise ValueError(f"cannot read the Slurm node list {nodelist!r}")
+    prefix, ranges = head.group(1), head.group(2)
+    return prefix if ranges is None else prefix + ranges.split(",")[0].split("-")[0]
+
+
+def slurm_ticket(master_addr: str | None = None, master_port: int | None = None, token: str | None = None) -> Ticket:
+    """The ticket every task of a Slurm job step computes alike, without talking to the others: the
+    address is the first node of the step's node list, the port and token are derived from the job
+    id unless given (TROUPE_MASTER_ADDR / TROUPE_MASTER_PORT / TROUPE_TOKEN; set the token to a
+    secret where other users share the nodes)."""
+    job = os.environ.get("SLURM_JOB_ID", "0")
+    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or "localhost"
+    port = master_port or 20000 + int(hashlib.sha256(job.encode()).hexdigest(), 16) % 20000
+    token = token or hashlib.sha256(f"troupe-slurm:{job}".encode()).hexdigest()[:32]
+    return Ticket(addr=master_addr or first_host(nodes), port=port, token=token)
