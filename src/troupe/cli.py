@@ -324,6 +324,8 @@ def run(args: argparse.Namespace) -> int:
     """Start the job; after a failure restart it from its last checkpoint, up to --max-restarts times."""
     if args.slurm:
         _from_slurm(args)
+    if args.cluster:
+        _elastic_from_cluster(args)
     if not os.path.isfile(args.script):
         raise ValueError(f"script not found: {args.script}")
     if args.max_restarts < 0:
@@ -366,6 +368,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"troupe run: restarting from the last checkpoint in {ckpt_dir} "
               f"(restart {attempt + 1} of {args.max_restarts})", file=sys.stderr)
     return code
+
+
+def _elastic_from_cluster(args: argparse.Namespace) -> None:
+    """A cluster block with ``elastic: true`` (`--cluster job.conf`) is ``--elastic`` over its worker
+    groups: ``--nworker-groups`` its nworker_groups, -n its processes, ``--min-groups`` its min_groups
+    (the flags win where given)."""
+    from troupe.cluster.configuration.config import flag_fields
+    from troupe.cluster.configuration.flags import given
+    from troupe.cluster.configuration.sources import resolve
+
+    total = None if args.nproc is None else args.nproc * args.nnodes
+    cluster = resolve(args.framework, args.cluster, total, **given(args))
+    if cluster is None or not cluster.elastic:
+        return
+    if cluster.nprocs % args.nnodes:
+        raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {args.nnodes}")
+    for f in flag_fields():  # the cluster's business ends here: what follows is --elastic's
+        setattr(args, f.name, None)
+    args.elastic, args.nproc, args.nworker_groups = True, cluster.nprocs // args.nnodes, cluster.nworker_groups
+    args.min_groups = cluster.min_groups if args.min_groups is None else args.min_groups
+    args.cluster = args.framework = None
 
 
 def _check_elastic(args: argparse.Namespace) -> None:

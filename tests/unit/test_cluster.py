@@ -340,3 +340,36 @@ def test_several_servers_or_workers_per_process_become_a_process_each_with_a_war
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert parse_cluster_text(hogwild).nworkers_per_procs == 2
+
+
+def test_an_elastic_cluster_block_is_troupe_run_elastic_over_its_groups(monkeypatch, tmp_path):
+    """`elastic: true` (and min_groups) in the cluster block: `troupe run --cluster FILE` runs what
+    `--elastic --nworker-groups G --min-groups K` runs; a rank handed it by another launcher is refused."""
+    from troupe.cli import _elastic_from_cluster, build_parser
+
+    cfg = parse_cluster_text("cluster {\n  nworker_groups: 4\n  nworkers_per_group: 2\n  elastic: true\n"
+                             "  min_groups: 3\n}")
+    assert (cfg.elastic, cfg.min_groups, cfg.nprocs) == (True, 3, 8)
+    conf = tmp_path / "job.conf"
+    conf.write_text("cluster {\n  nworker_groups: 4\n  elastic: true\n  min_groups: 3\n}\n")
+    args = build_parser().parse_args(["run", "--cluster", str(conf), "train.py"])
+    _elastic_from_cluster(args)
+    assert (args.elastic, args.nproc, args.nworker_groups, args.min_groups, args.cluster) == (True, 4, 4, 3, None)
+    args = build_parser().parse_args(["run", "--cluster", str(conf), "--min-groups", "2", "train.py"])
+    _elastic_from_cluster(args)
+    assert args.min_groups == 2  # the flag wins
+    monkeypatch.setenv("TROUPE_CLUSTER", str(conf))
+    with pytest.raises(ValueError, match="asks for elastic worker groups .* only `troupe run --cluster FILE`"):
+        from_env()
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"nworker_groups": 3, "min_groups": 2}, "min_groups 2 is for elastic worker groups: add elastic: true"),
+    ({"nworker_groups": 1, "elastic": True}, "elastic: true needs nworker_groups >= 2"),
+    ({"nworker_groups": 2, "nserver_groups": 2, "elastic": True}, "without servers.*leave out nserver_groups 2"),
+    ({"nworker_groups": 2, "server_worker_separate": True, "elastic": True}, "leave out server_worker_separate True"),
+    ({"nworker_groups": 2, "framework": "diloco", "elastic": True}, "leave out framework 'diloco'"),
+])
+def test_bad_elastic_cluster_blocks_name_their_values(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig(**fields)

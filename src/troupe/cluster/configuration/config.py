@@ -246,9 +246,19 @@ class ClusterConfig:
     module-name globs -> dim; split inside each worker group of nworkers_per_group workers.
     Unset: the script decides (no partition unless it partitions by hand)."""
 
+    elastic: bool = option(False)
+    """Elastic worker groups (what `troupe run --elastic` runs): synchronous data parallelism over
+    the nworker_groups groups of nworkers_per_group processes; a dead process restarts with its
+    group, which heals from a live one while the others train on. No servers, no framework."""
+    min_groups: int | None = option(None)
+    """elastic: a step needs at least this many groups present (`troupe run --min-groups`; unset: 2)."""
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check_field(f, getattr(self, f.name), self.server_worker_separate)
+        if self.elastic or self.min_groups is not None:
+            self._check_elastic()
+            return
         if self.nworker_groups % self.nserver_groups:
             raise ValueError(
                 f"nworker_groups ({self.nworker_groups}) must be divisible by nserver_groups "
@@ -264,6 +274,19 @@ class ClusterConfig:
                 f"{self.nworkers_per_procs}) must equal the server processes ({self.nserver_procs} = "
                 f"{self.nservers} servers / nservers_per_procs {self.nservers_per_procs})"
             )
+
+    def _check_elastic(self) -> None:
+        if not self.elastic:
+            raise ValueError(f"min_groups {self.min_groups} is for elastic worker groups: add elastic: true")
+        if self.nworker_groups < 2:
+            raise ValueError(f"elastic: true needs nworker_groups >= 2 (a group alone has nobody to heal from), "
+                             f"got {self.nworker_groups}")
+        servers = [f"{name} {getattr(self, name)!r}" for name in ("server_worker_separate", "nserver_groups",
+                                                                  "nservers_per_group", "framework", "partition_dim")
+                   if getattr(self, name) != _FIELDS[name].default]
+        if servers:
+            raise ValueError(f"elastic: true runs synchronous data parallelism over elastic worker groups, without "
+                             f"servers, a framework or partition (not yet): leave out {', '.join(servers)}")
 
     def _check_diloco(self) -> None:
         if self.framework != "diloco":

@@ -86,16 +86,26 @@ def from_env() -> ClusterConfig | None:
     if not text:
         return None
     if text.startswith("{"):
-        return ClusterConfig.from_json(text)
+        return _not_elastic(ClusterConfig.from_json(text))
     if text in PRESETS:
         sizes = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
         world = next((os.environ[k] for k in sizes if k in os.environ), None)
         return preset(text, int(world) if world else None)
     if os.path.isfile(text):
-        return load(text)
+        return _not_elastic(load(text))
     raise ValueError(
         f"{ENV_VAR}={text!r} is neither JSON, a framework ({', '.join(sorted(PRESETS))}) nor an existing cluster file"
     )
+
+
+def _not_elastic(cluster: ClusterConfig) -> ClusterConfig:
+    """A rank handed an elastic cluster (``TROUPE_CLUSTER`` under torchrun, mpiexec or srun): refused,
+    since only `troupe run`'s launcher keeps an elastic job's quorum and restarts a dead group."""
+    if cluster.elastic:
+        raise ValueError(f"{ENV_VAR} asks for elastic worker groups (elastic: true), which only "
+                         "`troupe run --cluster FILE` (or --elastic) runs: its launcher keeps the quorum and "
+                         "restarts a dead group; under torchrun, mpiexec or srun nobody would")
+    return cluster
 
 
 def resolve(
