@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import platform
@@ -306,6 +307,8 @@ def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     if cluster is None:
         args.nproc = args.nproc or 2
         return {}
+    if args.elastic:  # elastic DiLoCo (_check_elastic let nothing else through)
+        cluster = dataclasses.replace(cluster, elastic=True)
     if cluster.nprocs % args.nnodes:
         raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {args.nnodes}")
     args.nproc = cluster.nprocs // args.nnodes
@@ -384,11 +387,12 @@ def _elastic_from_cluster(args: argparse.Namespace) -> None:
         return
     if cluster.nprocs % args.nnodes:
         raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {args.nnodes}")
-    for f in flag_fields():  # the cluster's business ends here: what follows is --elastic's
-        setattr(args, f.name, None)
+    diloco = cluster.framework == "diloco"
+    for f in flag_fields():  # what follows is --elastic's (with DiLoCo's fields, as flags)
+        setattr(args, f.name, getattr(cluster, f.name) if diloco and getattr(cluster, f.name) != f.default else None)
     args.elastic, args.nproc, args.nworker_groups = True, cluster.nprocs // args.nnodes, cluster.nworker_groups
     args.min_groups = cluster.min_groups if args.min_groups is None else args.min_groups
-    args.cluster = args.framework = None
+    args.cluster, args.framework = None, "diloco" if diloco else None
 
 
 def _check_elastic(args: argparse.Namespace) -> None:
@@ -399,9 +403,11 @@ def _check_elastic(args: argparse.Namespace) -> None:
     if args.max_restarts:
         raise ValueError("--elastic restarts a dead rank alone; --max-restarts restarts the whole job: give one")
     cluster_flags = {k: v for k, v in given(args).items() if v is not None and k != "nworker_groups"}
-    if args.framework or args.cluster or cluster_flags or settings.current().cluster:
+    diloco = args.framework == "diloco"
+    if (args.framework and not diloco) or args.cluster or (cluster_flags and not diloco) or settings.current().cluster:
         raise ValueError("--elastic does not run parameter-server clusters yet, nor partition (--framework/--cluster/"
-                         "cluster flags other than --nworker-groups): only data parallelism over worker groups")
+                         "cluster flags other than --nworker-groups): only data parallelism over worker groups, "
+                         "or --framework diloco")
     if args.nproc is not None and args.nproc * args.nnodes < 2:
         raise ValueError(f"--elastic needs at least 2 processes (worker groups), got -n {args.nproc}")
     groups = args.nworker_groups
@@ -416,8 +422,12 @@ def _check_elastic(args: argparse.Namespace) -> None:
     if groups is not None and per_node % (per_node * nodes // groups):
         raise ValueError(f"--elastic: a worker group of {per_node * nodes // groups} processes (--nworker-groups "
                          f"{groups}) would span two nodes of -n {per_node}: its launcher restarts it whole, on one node")
-    # The groups are the quorum's business, not a cluster's: the ranks see plain data parallelism.
-    args.elastic_groups, args.nworker_groups = groups, None
+    if diloco and groups is not None and groups != per_node * nodes:
+        raise ValueError(f"--elastic --framework diloco runs worker groups of one process (not yet several): "
+                         f"leave out --nworker-groups {groups}")
+    # The groups are the quorum's business, not a cluster's: the ranks see plain data parallelism
+    # (under DiLoCo, a cluster of groups of one whose quorum is the groups present).
+    args.elastic_groups, args.nworker_groups = groups, (per_node * nodes if diloco else None)
     if args.restarts_per_rank < 0:
         raise ValueError(f"--restarts-per-rank must be >= 0, got {args.restarts_per_rank}")
     if args.spares is not None and args.spares < 0:

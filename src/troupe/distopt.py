@@ -180,6 +180,9 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         self._synced = False
         if not membership.vote(error is None, error):
             self.optimizer.zero_grad(set_to_none=True)  # every member leaves this step out alike
+            undo = getattr(self.strategy, "left_out", None)  # a strategy that took part of the step ahead of the vote
+            if undo is not None:
+                undo()
         elif self.nan_policy != "ignore" and not self.strategy.all_finite():
             self._skip()
         else:

@@ -32,13 +32,14 @@ GROUPS = 3
 
 
 def troupe_run(out: Path, mode: str, *flags: str, timeout: float = 150, wait=None,
-               extra: list[str] = (), n: int = GROUPS) -> subprocess.CompletedProcess:
+               extra: list[str] = (), n: int = GROUPS, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the job; `wait(proc, stderr_path)` runs while it does (stderr goes to a file it can read)."""
     cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(n), "--elastic", *flags, str(SCRIPT), str(out),
            mode, *extra]
     err = out / "stderr.txt"
     with open(err, "w") as stderr:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, **(env or {})}, stdout=subprocess.PIPE, stderr=stderr,
+                                text=True)
         try:
             if wait is not None:
                 wait(proc, err)
@@ -75,6 +76,49 @@ def replay(logs: list[list], group_size: int = 1, constant: bool = False) -> lis
             (F.cross_entropy(model(x[idx]), y[idx]) / (len(members) * group_size)).backward()
         sgd.step()
     return [p.detach() for p in model.parameters()]
+
+
+def replay_diloco(runs: list[dict], h: int) -> list[torch.Tensor]:
+    """Elastic DiLoCo's committed steps in one process, groups of one: each group present takes its inner
+    step on its own batch; after every h-th committed step the groups present average theta_outer - theta,
+    the outer optimizer (SGD, Nesterov momentum 0.9, lr 0.7) steps theta_outer and they all adopt it. A
+    restarted group first copies (parameters and inner optimizer state) the lowest other group present,
+    the heal's source, at the step count it resumed at (each rank's report is its last incarnation)."""
+    import copy
+
+    steps: dict[tuple[int, int], list[int]] = {}
+    for r in runs:
+        for epoch, b, members in r["log"]:
+            if members is not None:
+                assert steps.setdefault((epoch, b), members) == members, f"groups disagree on step {(epoch, b)}"
+    heals = {r["rank"]: r["resumed_at"] for r in runs if r["incarnation"] > 0}
+    x, y = job.data()
+    n = len(runs)
+    samplers = [DistributedSampler(len(x), rank=r, world_size=n, seed=7, tail="drop") for r in range(n)]
+    groups = [job.model_and_optimizer() for _ in range(n)]
+    outer = [p.detach().clone() for p in groups[0][0].parameters()]
+    outer_opt = torch.optim.SGD(outer, lr=0.7, momentum=0.9, nesterov=True)
+    for count, ((epoch, b), members) in enumerate(sorted(steps.items()), start=1):
+        for g in members:
+            if heals.get(g) == count - 1:  # restarted: healed from the source, live
+                src = min(m for m in members if m != g)
+                groups[g][0].load_state_dict(groups[src][0].state_dict())
+                groups[g][1].load_state_dict(copy.deepcopy(groups[src][1].state_dict()))
+        for g in members:
+            model, sgd = groups[g]
+            sgd.zero_grad()
+            idx = samplers[g].indices(epoch)[b * job.BATCH:(b + 1) * job.BATCH]
+            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            sgd.step()
+        if count % h == 0:
+            with torch.no_grad():
+                for i, o in enumerate(outer):
+                    o.grad = sum(o - list(groups[g][0].parameters())[i] for g in members) / len(members)
+                outer_opt.step()
+                for g in members:
+                    for p, o in zip(groups[g][0].parameters(), outer):
+                        p.copy_(o)
+    return [p.detach() for p in groups[0][0].parameters()]
 
 
 def cont_once_left(out: Path, group: int):
@@ -137,6 +181,31 @@ def test_constant_batch_steps_are_the_fault_free_runs_steps(tmp_path):
     got = torch.load(tmp_path / "rank0.pt")["params"]
     assert any(not torch.allclose(g, s, rtol=1e-5, atol=1e-6) for g, s in zip(got, shrunk)), \
         "the run equals a shrinking batch's: the missing groups' batches were not taken"
+
+
+@pytest.mark.timeout(240)
+def test_diloco_over_elastic_groups_heals_the_outer_state_and_replays(tmp_path):
+    """--elastic --framework diloco over 2 groups: rank 1 dies in a step that syncs, after an outer step;
+    rank 0 undoes its inner step and waits (too few groups); rank 1 comes back and copies rank 0's
+    parameters, inner and outer optimizer state. The committed steps replay in one process, bit for
+    bit (two groups: their sum has one order)."""
+    h, fault_at = 5, 9  # rank 1 dies in step 9 -> 10, the second outer step
+    proc = troupe_run(tmp_path, "kill-once", "--framework", "diloco", "--sync-freq", str(h), n=2,
+                      env={"ELASTIC_TEST_FAULT_AT": str(fault_at)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 1 exited with signal 9 (SIGKILL); restarting it alone" in proc.stderr
+    runs = reports(tmp_path, n=2)
+    assert len({r["sha256"] for r in runs}) == 1, "the groups ended with different parameters"
+    assert [r["incarnation"] for r in runs] == [0, 1], "a survivor was restarted, or the lost rank was not"
+    assert runs[0]["steps"] % h == 0
+    assert [m for _, _, m in runs[0]["log"]][fault_at] is None, "the step rank 1 died in was not left out"
+    healed = torch.load(tmp_path / "rank1.pt")["healed"]
+    outer = healed["strategy"]["diloco"]
+    assert healed["steps"] == fault_at and outer["steps"] == fault_at // h == 1 and outer["optimizer"]["state"], \
+        "the outer state was not handed over"
+    got = torch.load(tmp_path / "rank0.pt")["params"]
+    for g, want in zip(got, replay_diloco(runs, h)):
+        torch.testing.assert_close(g, want, rtol=0, atol=0)
 
 
 @pytest.mark.timeout(240)
@@ -277,6 +346,9 @@ def test_on_two_nodes_each_launcher_restarts_its_own_ranks(tmp_path):
     (["-n", "4", "--nworker-groups", "3"],
      "-n 4 processes do not split into --nworker-groups 3 groups of equal size"),
     (["--nworker-groups", "2", "--nserver-groups", "2"], "--elastic does not run parameter-server clusters"),
+    (["-n", "4", "--nworker-groups", "2", "--framework", "diloco"],
+     "--elastic --framework diloco runs worker groups of one process (not yet several)"),
+    (["--framework", "diloco", "--sync-freq", "4", "--delay", "1"], "elastic DiLoCo needs delay 0, got 1"),
     (["-n", "2", "--nnodes", "3", "--nworker-groups", "2"],
      "a worker group of 3 processes (--nworker-groups 2) would span two nodes of -n 2"),
 ])

@@ -127,3 +127,28 @@ class DiLoCoWorker(ClusterWorker):
         reducer = GradReducer(ctx.params, group, ctx.bucket_size) if group.world_size > 1 and ctx.params else None
         inner = AllReduce(name="plain", comm=group, reducer=reducer, optimizer=ctx.optimizer, params=ctx.params)
         return DiLoCo(ctx.cluster, inner, job.place_comms[role.worker[1]], ctx.params, ctx.step_count)
+
+
+@register
+class ElasticDiLoCoWorker(ClusterWorker):
+    """DiLoCo over elastic worker groups of one process: the quorum's processes are the groups present."""
+
+    name = "elastic-diloco"
+    where = "under framework diloco with troupe run --elastic"
+    supports = Capabilities(per_call=False, join=False, graph_mode=False, add_param_group=False, elastic=True)
+
+    @classmethod
+    def choose(cls, setup: Setup) -> Fixed:
+        from troupe.cluster.workers.diloco import ElasticDiLoCo
+        from troupe.strategies.allreduce import AllReduce
+        from troupe.strategies.choice import params_of
+
+        if not setup.world.membership.elastic:
+            raise ValueError("a cluster with elastic: true runs under troupe run --elastic (or --cluster FILE) only")
+        if setup.nan_policy == "skip":
+            raise ValueError("nan_policy 'skip' cannot run elastic DiLoCo: a group skipping a step would leave the "
+                             "others waiting in its exchange; use 'raise' (the group restarts) or 'ignore'")
+        params = [p for p in params_of(setup.optimizer) if p.requires_grad]
+        # A group of one process: nothing to reduce inside it; the quorum's processes are the groups.
+        inner = AllReduce(name="plain", comm=setup.world.comm, reducer=None, optimizer=setup.optimizer, params=params)
+        return Fixed(cls, ElasticDiLoCo(setup.cluster, inner, setup.world.comm, params, setup.step_count))

@@ -2,10 +2,12 @@
 
     troupe run -n 3 --elastic tests/dist/scripts/elastic_train.py OUT MODE [DIST_OPTION]
     troupe run -n 4 --elastic --nworker-groups 2 tests/dist/scripts/elastic_train.py OUT group-kill
+    troupe run -n 3 --elastic --framework diloco --sync-freq 4 tests/dist/scripts/elastic_train.py OUT kill
 
 MODE (faults in first incarnations only, unless said otherwise):
   ok
   kill          rank 1 SIGKILLs itself at step 6; once it is back, rank 0 raises
+  kill-once     rank 1 SIGKILLs itself at step 6
   two-down      rank 1 SIGKILLs itself at step 6, rank 2 raises at step 8: too few groups until one is back
   stop          rank 2 SIGSTOPs itself at step 6 and writes OUT/stopped (the test sends SIGCONT)
   always-raise  rank 1 raises at step 6, and at its first step back every time
@@ -13,7 +15,8 @@ MODE (faults in first incarnations only, unless said otherwise):
   nodes-kill    on 2 nodes of 2: rank 3 (node 1) SIGKILLs itself at step 6; once it is back, rank 0 raises
   group-stop    rank 3 (group 1's second process) SIGSTOPs itself at step 6 and writes OUT/stopped
 The job trains until it has taken MIN_STEPS steps and the last FULL_STREAK of them had every group
-(the same verdict on every member: they commit the same steps). Each rank writes OUT/rank{r}.json
+(the same verdict on every member: they commit the same steps); under DiLoCo, until such a step is
+also an outer step (the groups hold the same parameters only then). Each rank writes OUT/rank{r}.json
 (its last incarnation) and OUT/rank{r}.pt (parameters).
 """
 
@@ -31,12 +34,14 @@ from torch import nn
 
 import troupe
 
-EPOCHS, BATCH, SAMPLES, FAULT_AT, MIN_STEPS, FULL_STREAK = 100, 8, 720, 6, 30, 8
+EPOCHS, BATCH, SAMPLES, MIN_STEPS, FULL_STREAK = 100, 8, 720, 30, 8
+FAULT_AT = int(os.environ.get("ELASTIC_TEST_FAULT_AT", "6"))
+"""The step count at which the faults come (a test may move it, e.g. into an outer step)."""
 
 
 def fault(mode: str, rank: int, incarnation: int, step: int, log: list, out: Path, groups: int) -> None:
     if incarnation == 0 and step == FAULT_AT:
-        if (mode in ("kill", "two-down") and rank == 1) or (mode in ("group-kill", "nodes-kill") and rank == 3):
+        if (mode in ("kill", "kill-once", "two-down") and rank == 1) or (mode in ("group-kill", "nodes-kill") and rank == 3):
             os.kill(os.getpid(), signal.SIGKILL)
         if (mode, rank) in (("stop", 2), ("group-stop", 3)) and not (out / "stopped").exists():
             (out / "stopped").write_text(str(os.getpid()))
@@ -48,6 +53,12 @@ def fault(mode: str, rank: int, incarnation: int, step: int, log: list, out: Pat
         raise RuntimeError("boom")  # while rank 1 is still down
     if mode == "always-raise" and rank == 1 and (incarnation > 0 or step == FAULT_AT):
         raise RuntimeError("boom, every time")
+
+
+def sync_freq() -> int | None:
+    """DiLoCo's H when troupe run gives this job framework diloco, else None."""
+    cluster = json.loads(os.environ.get("TROUPE_CLUSTER") or "{}")
+    return cluster.get("sync_freq", 10) if cluster.get("framework") == "diloco" else None
 
 
 def data():
@@ -95,7 +106,7 @@ def main(out: Path, mode: str, dist_option: str = "plain") -> None:
             members = list(membership.stepped_with) if membership.stepped_with else None
             log.append([epoch, b, members])
             streak = streak + 1 if members == list(range(membership.options.groups)) else 0
-            if opt.step_count >= MIN_STEPS and streak >= FULL_STREAK:
+            if opt.step_count >= MIN_STEPS and streak >= FULL_STREAK and opt.step_count % (sync_freq() or 1) == 0:
                 break
             time.sleep(0.05)
         else:

@@ -281,12 +281,22 @@ class ClusterConfig:
         if self.nworker_groups < 2:
             raise ValueError(f"elastic: true needs nworker_groups >= 2 (a group alone has nobody to heal from), "
                              f"got {self.nworker_groups}")
-        servers = [f"{name} {getattr(self, name)!r}" for name in ("server_worker_separate", "nserver_groups",
-                                                                  "nservers_per_group", "framework", "partition_dim")
-                   if getattr(self, name) != _FIELDS[name].default]
+        diloco = self.framework == "diloco"
+        # DiLoCo's servers follow its workers (its own check below says so): no servers of their own
+        fields = ("server_worker_separate", "partition_dim") if diloco else \
+            ("server_worker_separate", "nserver_groups", "nservers_per_group", "framework", "partition_dim")
+        servers = [f"{name} {getattr(self, name)!r}" for name in fields if getattr(self, name) != _FIELDS[name].default]
         if servers:
-            raise ValueError(f"elastic: true runs synchronous data parallelism over elastic worker groups, without "
-                             f"servers, a framework or partition (not yet): leave out {', '.join(servers)}")
+            raise ValueError(f"elastic: true runs synchronous data parallelism (or DiLoCo) over elastic worker "
+                             f"groups, without servers or partition (not yet): leave out {', '.join(servers)}")
+        if diloco:
+            self._check_diloco()
+            if self.nworkers_per_group != 1:
+                raise ValueError(f"elastic DiLoCo runs worker groups of one process (not yet several), got "
+                                 f"nworkers_per_group {self.nworkers_per_group}")
+            if self.delay:
+                raise ValueError(f"elastic DiLoCo needs delay 0, got {self.delay}: an exchange that overlaps "
+                                 f"later steps cannot be voted on with its step (not yet)")
 
     def _check_diloco(self) -> None:
         if self.framework != "diloco":
@@ -347,7 +357,7 @@ class ClusterConfig:
     def worker_regime(self) -> str:
         """The registered regime of this cluster's workers (`troupe.cluster.regimes`)."""
         if self.framework == "diloco":
-            return "diloco"
+            return "elastic-diloco" if self.elastic else "diloco"
         if self.server_worker_separate:
             return "ps-client"
         return "in-memory-hogwild" if self.in_memory else "co-located"

@@ -19,6 +19,7 @@ from troupe.cluster.configuration.config import ENV_VAR, ClusterConfig, keeps_sh
 from troupe.cluster.configuration.presets import FOLLOW_GROUPS, PRESETS, preset
 from troupe.cluster.configuration.roles import roles
 from troupe.runtime import settings
+from troupe.runtime.quorum import ENV_VAR as ELASTIC_VAR
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -101,7 +102,7 @@ def from_env() -> ClusterConfig | None:
 def _not_elastic(cluster: ClusterConfig) -> ClusterConfig:
     """A rank handed an elastic cluster (``TROUPE_CLUSTER`` under torchrun, mpiexec or srun): refused,
     since only `troupe run`'s launcher keeps an elastic job's quorum and restarts a dead group."""
-    if cluster.elastic:
+    if cluster.elastic and not os.environ.get(ELASTIC_VAR):  # troupe run --elastic sets it for its ranks
         raise ValueError(f"{ENV_VAR} asks for elastic worker groups (elastic: true), which only "
                          "`troupe run --cluster FILE` (or --elastic) runs: its launcher keeps the quorum and "
                          "restarts a dead group; under torchrun, mpiexec or srun nobody would")

@@ -46,6 +46,7 @@ is the UpdateStrategy around the inner `AllReduce`.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
@@ -258,3 +259,62 @@ class DiLoCo:
         for _, _, pending in self.in_flight:
             pending.wait()
         self.in_flight = []
+
+
+class ElasticDiLoCo(DiLoCo):
+    """DiLoCo over elastic worker groups of one process (`troupe run --elastic --framework diloco`).
+
+    An elastic job votes on every step after its reduction (runtime/elastic.py); DiLoCo's outer
+    exchange comes after the inner step, which the vote decides. So a step that syncs is taken
+    ahead of the vote, in `synchronize`: the inner step (its values kept first), then the groups'
+    mean pseudo-gradient over the quorum; `step` then only takes the outer step. A group lost in
+    the exchange makes the round left out on every member: each undoes its inner step
+    (`left_out`), and the next step, the same step again for the counter, syncs with the groups
+    present then. Between syncs nothing is exchanged; a step only votes. A restarted group copies
+    a live one's parameters, inner optimizer state and outer state (theta_outer and the outer
+    optimizer's state) through `troupe.track`. nan_policy "skip" is refused (a group skipping a
+    step would leave the others waiting in its exchange); "raise" ends the group, which restarts.
+    """
+
+    def __init__(self, cluster: ClusterConfig, inner: AllReduce, place: Communicator, params: Sequence[Tensor],
+                 step_count: Callable[[], int]):
+        super().__init__(cluster, inner, place, params, step_count)
+        self._ready: list[tuple[int, list[Tensor]]] | None = None
+        """This step's exchanged fragments and their mean pseudo-gradients, awaiting the vote."""
+        self._saved: tuple[list[Tensor], dict[str, Any]] | None = None
+        self._inner_stats: StepStats = {}
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+        syncing = self._syncing()
+        if not syncing or not self.inner.all_finite():  # nan_policy "raise" decides a non-finite step
+            return
+        optimizer = self.inner.optimizer
+        self._saved = ([p.detach().clone() for p in self.params], copy.deepcopy(optimizer.state_dict()))
+        self._inner_stats = self.inner.step()
+        pending = [(j, self._start(j)) for j in syncing]
+        self._ready = [(j, flight.wait()) for j, flight in pending]
+
+    def all_finite(self) -> bool:
+        """This group's verdict alone: the exchange already told the others (a non-finite group never joined it)."""
+        return self.inner.all_finite()
+
+    def step(self) -> StepStats:
+        if self._ready is None:
+            return self.inner.step()
+        ready, self._ready, self._saved = self._ready, None, None
+        for j, mean in ready:
+            a, b = self.bounds[j]
+            self.outers[j].step(mean, self.params[a:b], self.cluster.merge_alpha)
+        return {**self._inner_stats, "outer_step": self.outers[ready[-1][0]].steps,
+                "fragments_synced": [j for j, _ in ready]}
+
+    @torch.no_grad()
+    def left_out(self) -> None:
+        """The vote left this step out: undo the inner step `synchronize` took ahead of it."""
+        if self._saved is not None:
+            values, state = self._saved
+            for p, v in zip(self.params, values):
+                p.copy_(v)
+            self.inner.optimizer.load_state_dict(state)
+        self._ready = self._saved = None
