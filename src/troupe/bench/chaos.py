@@ -9,6 +9,7 @@ without being killed (crashes), and at the end stops every group at one step. Th
 leaves are `chaos_summary`'s: events.jsonl, faults.jsonl, final.jsonl (plus logs/, host.json).
 
     troupe bench chaos --out runs/kill30 --kill-every 30 --duration 300
+    troupe bench chaos --out runs/diloco30 --kill-every 30 --duration 300 --diloco 50
     python -m troupe.bench.chaos job OUT     # one worker (what troupe run starts)
 """
 
@@ -89,6 +90,9 @@ class Driver:
                "--ranks", "0", __file__, "job", str(self.out), "--batch-size", str(args.batch_size),
                "--lr", str(args.lr), "--seed", str(args.seed), "--dist-option", args.dist_option,
                *(["--spars", str(args.spars)] if args.spars is not None else [])]
+        if args.diloco:  # troupe run's flags, before the script
+            at = cmd.index("--ranks")
+            cmd[at:at] = ["--framework", "diloco", "--sync-freq", str(args.diloco)]
         env = {**os.environ, "TROUPE_CHAOS_T0": repr(self.t0), "OMP_NUM_THREADS": "1"}
         self.launcher_log = (self.out / "launcher.log").open("w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.launcher_log, stderr=subprocess.STDOUT)
@@ -178,7 +182,10 @@ class Driver:
             if len(back) == self.args.groups:
                 break
         steps = [json.loads(x)["step"] for x in (self.out / "events.jsonl").read_text().splitlines() if x.strip()]
-        (self.out / "stop.tmp").write_text(str(max(steps, default=0) + 10))
+        stop = max(steps, default=0) + 10
+        if self.args.diloco:  # after an outer step: only there do the groups hold the same parameters
+            stop = -(-stop // self.args.diloco) * self.args.diloco
+        (self.out / "stop.tmp").write_text(str(stop))
         (self.out / "stop.tmp").rename(self.out / "stop")
         try:
             code = self.proc.wait(timeout=EXIT_S)
@@ -235,6 +242,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dist-option", default="plain",
                    help="the workers' dist_option: plain, fp16, bf16, sparseTopK, sparseThreshold or powerSGD")
     p.add_argument("--spars", type=float, default=None, help="sparseTopK/sparseThreshold: spars (the DistOpt default when not given)")
+    p.add_argument("--diloco", type=int, default=None, metavar="H",
+                   help="DiLoCo over the elastic groups (troupe run --framework diloco --sync-freq H)")
 
 
 def main(argv: list[str] | None = None) -> None:
