@@ -422,6 +422,10 @@ def _check_elastic(args: argparse.Namespace) -> None:
     if groups is not None and per_node % (per_node * nodes // groups):
         raise ValueError(f"--elastic: a worker group of {per_node * nodes // groups} processes (--nworker-groups "
                          f"{groups}) would span two nodes of -n {per_node}: its launcher restarts it whole, on one node")
+    if diloco and args.elastic_batch == "constant":
+        raise ValueError("--elastic-batch constant weighs each step's gradients over the groups; under --framework "
+                         "diloco the groups take their inner steps alone (a missing group's pseudo-gradient is left "
+                         "out of the outer step)")
     if diloco and groups is not None and groups != per_node * nodes:
         raise ValueError(f"--elastic --framework diloco runs worker groups of one process (not yet several): "
                          f"leave out --nworker-groups {groups}")

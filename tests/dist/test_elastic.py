@@ -349,6 +349,7 @@ def test_on_two_nodes_each_launcher_restarts_its_own_ranks(tmp_path):
     (["-n", "4", "--nworker-groups", "2", "--framework", "diloco"],
      "--elastic --framework diloco runs worker groups of one process (not yet several)"),
     (["--framework", "diloco", "--sync-freq", "4", "--delay", "1"], "elastic DiLoCo needs delay 0, got 1"),
+    (["--framework", "diloco", "--elastic-batch", "constant"], "--elastic-batch constant weighs each step's"),
     (["-n", "2", "--nnodes", "3", "--nworker-groups", "2"],
      "a worker group of 3 processes (--nworker-groups 2) would span two nodes of -n 2"),
 ])
