@@ -233,3 +233,67 @@ def test_troupe_run_takes_delay_0_and_says_why_a_negative_one_is_refused():
         else:
             with pytest.raises(ValueError, match=expect):
                 resolve(args.framework, args.cluster, args.nproc, **given(args))
+
+
+class _FailingPlace:
+    """A quorum of one whose exchanges succeed (a no-op sum) or fail as a lost peer's would."""
+
+    world_size = 1
+
+    def __init__(self):
+        self.fail = False
+
+    def fused_all_reduce(self, tensors, op, async_op=True):
+        fail = self.fail
+
+        class Done:
+            def wait(self):
+                if fail:
+                    raise RuntimeError("Connection closed by peer")
+
+        return Done()
+
+    def bytes_sent(self):
+        return 0
+
+
+def test_elastic_diloco_takes_a_syncing_step_ahead_of_the_vote_and_undoes_it_when_left_out():
+    """ElasticDiLoCo: at a step that syncs, synchronize() takes the inner step and the exchange; step()
+    then only takes the outer step; left_out() restores the parameters and inner optimizer state (the
+    same step syncs again); a failed exchange raises out of synchronize (DistOpt votes it out)."""
+    from troupe.cluster.workers.diloco import ElasticDiLoCo
+    from troupe.strategies.allreduce import AllReduce
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    params = list(model.parameters())
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    place, count = _FailingPlace(), [1]  # the step taken now makes the count 2 = H: it syncs
+    inner = AllReduce(name="plain", comm=place, reducer=None, optimizer=sgd, params=params)
+    cfg = ClusterConfig(framework="diloco", nworker_groups=2, nserver_groups=2, sync_freq=2, outer_lr=1.0,
+                        outer_momentum=0.0, outer_optimizer="sgd", elastic=True)
+    strategy = ElasticDiLoCo(cfg, inner, place, params, lambda: count[0])
+    strategy.start()
+    before = [p.detach().clone() for p in params]
+
+    def backward():
+        sgd.zero_grad()
+        model(torch.ones(4, 3)).square().sum().backward()
+
+    backward()
+    strategy.synchronize()
+    assert any(not torch.equal(p, b) for p, b in zip(params, before)), "the inner step was not taken ahead"
+    strategy.left_out()
+    assert all(torch.equal(p, b) for p, b in zip(params, before)) and not sgd.state, "left_out did not undo it"
+    strategy.synchronize()  # the same step again: committed this time
+    stats = strategy.step()
+    assert stats["fragments_synced"] == [0] and strategy.outers[0].steps == 1
+    # outer SGD at lr 1 over a quorum of one: theta_outer - (theta_outer - theta) = theta, adopted
+    assert all(torch.equal(p, o) for p, o in zip(params, strategy.outers[0].outer))
+    count[0] = 3  # the next period's last step
+    backward()
+    place.fail = True
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        strategy.synchronize()
+    strategy.left_out()
+    assert all(torch.equal(p, o) for p, o in zip(params, strategy.outers[0].outer))
