@@ -426,12 +426,9 @@ def _check_elastic(args: argparse.Namespace) -> None:
         raise ValueError("--elastic-batch constant weighs each step's gradients over the groups; under --framework "
                          "diloco the groups take their inner steps alone (a missing group's pseudo-gradient is left "
                          "out of the outer step)")
-    if diloco and groups is not None and groups != per_node * nodes:
-        raise ValueError(f"--elastic --framework diloco runs worker groups of one process (not yet several): "
-                         f"leave out --nworker-groups {groups}")
     # The groups are the quorum's business, not a cluster's: the ranks see plain data parallelism
-    # (under DiLoCo, a cluster of groups of one whose quorum is the groups present).
-    args.elastic_groups, args.nworker_groups = groups, (per_node * nodes if diloco else None)
+    # (under DiLoCo, a cluster whose worker groups are the quorum's).
+    args.elastic_groups, args.nworker_groups = groups, ((groups or per_node * nodes) if diloco else None)
     if args.restarts_per_rank < 0:
         raise ValueError(f"--restarts-per-rank must be >= 0, got {args.restarts_per_rank}")
     if args.spares is not None and args.spares < 0:

@@ -171,6 +171,9 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         if error is None:
             try:
                 self.synchronize()
+                ahead = getattr(self.strategy, "ahead_of_vote", None)  # the part of its step a strategy takes before
+                if ahead is not None:                                  # the vote (elastic DiLoCo's exchange)
+                    ahead()
             except membership.lost as e:
                 error = e
         if error is not None:

@@ -78,12 +78,14 @@ def replay(logs: list[list], group_size: int = 1, constant: bool = False) -> lis
     return [p.detach() for p in model.parameters()]
 
 
-def replay_diloco(runs: list[dict], h: int) -> list[torch.Tensor]:
-    """Elastic DiLoCo's committed steps in one process, groups of one: each group present takes its inner
-    step on its own batch; after every h-th committed step the groups present average theta_outer - theta,
-    the outer optimizer (SGD, Nesterov momentum 0.9, lr 0.7) steps theta_outer and they all adopt it. A
-    restarted group first copies (parameters and inner optimizer state) the lowest other group present,
-    the heal's source, at the step count it resumed at (each rank's report is its last incarnation)."""
+def replay_diloco(runs: list[dict], h: int, group_size: int = 1) -> list[torch.Tensor]:
+    """Elastic DiLoCo's committed steps in one process: each group present takes its inner step on the
+    mean of its processes' gradients (rank r = g * group_size + place reads shard r; each gradient times
+    1 / group_size, summed, as the reducer does); after every h-th committed step the groups present
+    average theta_outer - theta, the outer optimizer (SGD, Nesterov momentum 0.9, lr 0.7) steps
+    theta_outer and they all adopt it. A restarted group first copies (parameters and inner optimizer
+    state) the lowest other group present, the heal's source, at the step count it resumed at (each
+    rank's report is its last incarnation)."""
     import copy
 
     steps: dict[tuple[int, int], list[int]] = {}
@@ -91,11 +93,11 @@ def replay_diloco(runs: list[dict], h: int) -> list[torch.Tensor]:
         for epoch, b, members in r["log"]:
             if members is not None:
                 assert steps.setdefault((epoch, b), members) == members, f"groups disagree on step {(epoch, b)}"
-    heals = {r["rank"]: r["resumed_at"] for r in runs if r["incarnation"] > 0}
+    heals = {r["rank"] // group_size: r["resumed_at"] for r in runs if r["incarnation"] > 0}
     x, y = job.data()
     n = len(runs)
     samplers = [DistributedSampler(len(x), rank=r, world_size=n, seed=7, tail="drop") for r in range(n)]
-    groups = [job.model_and_optimizer() for _ in range(n)]
+    groups = [job.model_and_optimizer() for _ in range(n // group_size)]
     outer = [p.detach().clone() for p in groups[0][0].parameters()]
     outer_opt = torch.optim.SGD(outer, lr=0.7, momentum=0.9, nesterov=True)
     for count, ((epoch, b), members) in enumerate(sorted(steps.items()), start=1):
@@ -106,9 +108,15 @@ def replay_diloco(runs: list[dict], h: int) -> list[torch.Tensor]:
                 groups[g][1].load_state_dict(copy.deepcopy(groups[src][1].state_dict()))
         for g in members:
             model, sgd = groups[g]
-            sgd.zero_grad()
-            idx = samplers[g].indices(epoch)[b * job.BATCH:(b + 1) * job.BATCH]
-            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            mean = None
+            for r in range(g * group_size, (g + 1) * group_size):
+                sgd.zero_grad()
+                idx = samplers[r].indices(epoch)[b * job.BATCH:(b + 1) * job.BATCH]
+                F.cross_entropy(model(x[idx]), y[idx]).backward()
+                part = [p.grad * (1 / group_size) if group_size > 1 else p.grad.clone() for p in model.parameters()]
+                mean = part if mean is None else [m + q for m, q in zip(mean, part)]
+            for p, m in zip(model.parameters(), mean):
+                p.grad = m
             sgd.step()
         if count % h == 0:
             with torch.no_grad():
@@ -205,6 +213,25 @@ def test_diloco_over_elastic_groups_heals_the_outer_state_and_replays(tmp_path):
         "the outer state was not handed over"
     got = torch.load(tmp_path / "rank0.pt")["params"]
     for g, want in zip(got, replay_diloco(runs, h)):
+        torch.testing.assert_close(g, want, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(240)
+def test_diloco_over_elastic_groups_of_two_heals_place_by_place_and_replays(tmp_path):
+    """--elastic --framework diloco --nworker-groups 2 on 4 processes: the inner step all-reduces inside
+    each group, the outer exchange runs place by place; rank 3 dies in the second outer step, its whole
+    group restarts and heals place by place from group 0; bit for bit the one-process replay."""
+    h, fault_at = 5, 9
+    proc = troupe_run(tmp_path, "group-kill", "--framework", "diloco", "--sync-freq", str(h), "--nworker-groups",
+                      "2", n=4, env={"ELASTIC_TEST_FAULT_AT": str(fault_at)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = reports(tmp_path, n=4)
+    assert len({r["sha256"] for r in runs}) == 1, "the processes ended with different parameters"
+    assert [r["incarnation"] for r in runs] == [0, 0, 1, 1], "group 1 did not restart whole, or group 0 did"
+    assert [m for _, _, m in runs[0]["log"]][fault_at] is None, "the step rank 3 died in was not left out"
+    assert all(r["heals"] == 1 and r["resumed_at"] == fault_at for r in runs[2:])
+    got = torch.load(tmp_path / "rank0.pt")["params"]
+    for g, want in zip(got, replay_diloco(runs, h, group_size=2)):
         torch.testing.assert_close(g, want, rtol=0, atol=0)
 
 
@@ -346,8 +373,6 @@ def test_on_two_nodes_each_launcher_restarts_its_own_ranks(tmp_path):
     (["-n", "4", "--nworker-groups", "3"],
      "-n 4 processes do not split into --nworker-groups 3 groups of equal size"),
     (["--nworker-groups", "2", "--nserver-groups", "2"], "--elastic does not run parameter-server clusters"),
-    (["-n", "4", "--nworker-groups", "2", "--framework", "diloco"],
-     "--elastic --framework diloco runs worker groups of one process (not yet several)"),
     (["--framework", "diloco", "--sync-freq", "4", "--delay", "1"], "elastic DiLoCo needs delay 0, got 1"),
     (["--framework", "diloco", "--elastic-batch", "constant"], "--elastic-batch constant weighs each step's"),
     (["-n", "2", "--nnodes", "3", "--nworker-groups", "2"],

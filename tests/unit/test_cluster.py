@@ -369,8 +369,8 @@ def test_an_elastic_cluster_block_is_troupe_run_elastic_over_its_groups(monkeypa
     ({"nworker_groups": 2, "nserver_groups": 2, "elastic": True}, "without servers.*leave out nserver_groups 2"),
     ({"nworker_groups": 2, "server_worker_separate": True, "elastic": True}, "leave out server_worker_separate True"),
     ({"nworker_groups": 2, "partition_dim": 1, "elastic": True}, "leave out partition_dim 1"),
-    ({"nworker_groups": 2, "nserver_groups": 2, "nworkers_per_group": 2, "nservers_per_group": 2,
-      "framework": "diloco", "elastic": True}, "elastic DiLoCo runs worker groups of one process"),
+    ({"nworker_groups": 2, "nserver_groups": 2, "framework": "diloco", "delay": 1, "sync_freq": 4, "elastic": True},
+     "elastic DiLoCo needs delay 0, got 1"),
 ])
 def test_bad_elastic_cluster_blocks_name_their_values(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -380,4 +380,7 @@ def test_bad_elastic_cluster_blocks_name_their_values(fields, message):
 def test_elastic_diloco_is_its_own_worker_regime():
     cfg = ClusterConfig(nworker_groups=3, nserver_groups=3, framework="diloco", elastic=True)
     assert cfg.worker_regime == "elastic-diloco" and cfg.nprocs == 3
+    pairs = ClusterConfig(nworker_groups=2, nserver_groups=2, nworkers_per_group=2, nservers_per_group=2,
+                          framework="diloco", elastic=True)
+    assert pairs.worker_regime == "elastic-diloco" and pairs.nprocs == 4
     assert ClusterConfig(nworker_groups=3, nserver_groups=3, framework="diloco").worker_regime == "diloco"

@@ -258,9 +258,9 @@ class _FailingPlace:
 
 
 def test_elastic_diloco_takes_a_syncing_step_ahead_of_the_vote_and_undoes_it_when_left_out():
-    """ElasticDiLoCo: at a step that syncs, synchronize() takes the inner step and the exchange; step()
+    """ElasticDiLoCo: at a step that syncs, ahead_of_vote() takes the inner step and the exchange; step()
     then only takes the outer step; left_out() restores the parameters and inner optimizer state (the
-    same step syncs again); a failed exchange raises out of synchronize (DistOpt votes it out)."""
+    same step syncs again); a failed exchange raises out of ahead_of_vote (DistOpt votes it out)."""
     from troupe.cluster.workers.diloco import ElasticDiLoCo
     from troupe.strategies.allreduce import AllReduce
 
@@ -282,10 +282,11 @@ def test_elastic_diloco_takes_a_syncing_step_ahead_of_the_vote_and_undoes_it_whe
 
     backward()
     strategy.synchronize()
+    strategy.ahead_of_vote()
     assert any(not torch.equal(p, b) for p, b in zip(params, before)), "the inner step was not taken ahead"
     strategy.left_out()
     assert all(torch.equal(p, b) for p, b in zip(params, before)) and not sgd.state, "left_out did not undo it"
-    strategy.synchronize()  # the same step again: committed this time
+    strategy.ahead_of_vote()  # the same step again: committed this time
     stats = strategy.step()
     assert stats["fragments_synced"] == [0] and strategy.outers[0].steps == 1
     # outer SGD at lr 1 over a quorum of one: theta_outer - (theta_outer - theta) = theta, adopted
@@ -294,6 +295,6 @@ def test_elastic_diloco_takes_a_syncing_step_ahead_of_the_vote_and_undoes_it_whe
     backward()
     place.fail = True
     with pytest.raises(RuntimeError, match="Connection closed"):
-        strategy.synchronize()
+        strategy.ahead_of_vote()
     strategy.left_out()
     assert all(torch.equal(p, o) for p, o in zip(params, strategy.outers[0].outer))

@@ -131,7 +131,11 @@ class DiLoCoWorker(ClusterWorker):
 
 @register
 class ElasticDiLoCoWorker(ClusterWorker):
-    """DiLoCo over elastic worker groups of one process: the quorum's processes are the groups present."""
+    """DiLoCo over elastic worker groups: the quorum's groups are the groups present.
+
+    Its group and place communicators are made anew for every quorum (every member makes every
+    group's and every place's subgroup, in order, as the quorum's process group forms), so the
+    strategy keeps the same objects: each adopts its new subgroup."""
 
     name = "elastic-diloco"
     where = "under framework diloco with troupe run --elastic"
@@ -140,15 +144,36 @@ class ElasticDiLoCoWorker(ClusterWorker):
     @classmethod
     def choose(cls, setup: Setup) -> Fixed:
         from troupe.cluster.workers.diloco import ElasticDiLoCo
+        from troupe.runtime.comm import Communicator
         from troupe.strategies.allreduce import AllReduce
         from troupe.strategies.choice import params_of
+        from troupe.sync.reducer import GradReducer
 
-        if not setup.world.membership.elastic:
+        world, membership = setup.world, setup.world.membership
+        if not membership.elastic:
             raise ValueError("a cluster with elastic: true runs under troupe run --elastic (or --cluster FILE) only")
         if setup.nan_policy == "skip":
             raise ValueError("nan_policy 'skip' cannot run elastic DiLoCo: a group skipping a step would leave the "
                              "others waiting in its exchange; use 'raise' (the group restarts) or 'ignore'")
         params = [p for p in params_of(setup.optimizer) if p.requires_grad]
-        # A group of one process: nothing to reduce inside it; the quorum's processes are the groups.
-        inner = AllReduce(name="plain", comm=setup.world.comm, reducer=None, optimizer=setup.optimizer, params=params)
-        return Fixed(cls, ElasticDiLoCo(setup.cluster, inner, setup.world.comm, params, setup.step_count))
+        k = setup.cluster.nworkers_per_group
+        if k == 1:  # a group of one process: nothing to reduce inside it; the quorum's processes are the groups
+            inner = AllReduce(name="plain", comm=world.comm, reducer=None, optimizer=setup.optimizer, params=params)
+            return Fixed(cls, ElasticDiLoCo(setup.cluster, inner, world.comm, params, setup.step_count))
+        group, place = (Communicator(watchdog=world.watchdog, recorder=world.recorder, totals=world.traffic)
+                        for _ in range(2))
+        for comm in (group, place):
+            comm.escape = membership.interrupted
+
+        def regroup() -> None:
+            quorum, timeout = membership.quorum, membership.options.timeout
+            groups = [world.job.new_group(range(i * k, (i + 1) * k), timeout=timeout)
+                      for i in range(len(quorum.members))]
+            places = [world.job.new_group(range(j, quorum.size, k), timeout=timeout) for j in range(k)]
+            group.adopt(groups[quorum.members.index(membership.group)])
+            place.adopt(places[membership.place])
+
+        membership.on_reconfigure.append(regroup)  # before the first step: troupe.track joins the first quorum
+        reducer = GradReducer(params, group, setup.bucket_size, setup.first_bucket_size) if params else None
+        inner = AllReduce(name="plain", comm=group, reducer=reducer, optimizer=setup.optimizer, params=params)
+        return Fixed(cls, ElasticDiLoCo(setup.cluster, inner, place, params, setup.step_count))

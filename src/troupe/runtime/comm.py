@@ -145,6 +145,11 @@ class Communicator:
             raise RuntimeError("only a communicator over the whole job (the default group) can be rebound")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
+    def adopt(self, other: Communicator) -> None:
+        """Use `other`'s process group from now on, keeping this object (the one a strategy holds) and
+        its counters: an elastic job makes its subgroups anew for every quorum."""
+        self._group, self.rank, self.world_size, self.backend = other._group, other.rank, other.world_size, other.backend
+
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The process group (None: the whole job)."""

@@ -291,9 +291,6 @@ class ClusterConfig:
                              f"groups, without servers or partition (not yet): leave out {', '.join(servers)}")
         if diloco:
             self._check_diloco()
-            if self.nworkers_per_group != 1:
-                raise ValueError(f"elastic DiLoCo runs worker groups of one process (not yet several), got "
-                                 f"nworkers_per_group {self.nworkers_per_group}")
             if self.delay:
                 raise ValueError(f"elastic DiLoCo needs delay 0, got {self.delay}: an exchange that overlaps "
                                  f"later steps cannot be voted on with its step (not yet)")

@@ -266,8 +266,9 @@ class ElasticDiLoCo(DiLoCo):
 
     An elastic job votes on every step after its reduction (runtime/elastic.py); DiLoCo's outer
     exchange comes after the inner step, which the vote decides. So a step that syncs is taken
-    ahead of the vote, in `synchronize`: the inner step (its values kept first), then the groups'
-    mean pseudo-gradient over the quorum; `step` then only takes the outer step. A group lost in
+    ahead of the vote, in `ahead_of_vote` (DistOpt calls it after `synchronize`): the inner step (its
+    values kept first), then the groups' mean pseudo-gradient over the quorum; `step` then only takes
+    the outer step. A group lost in
     the exchange makes the round left out on every member: each undoes its inner step
     (`left_out`), and the next step, the same step again for the counter, syncs with the groups
     present then. Between syncs nothing is exchanged; a step only votes. A restarted group copies
@@ -284,8 +285,9 @@ class ElasticDiLoCo(DiLoCo):
         self._saved: tuple[list[Tensor], dict[str, Any]] | None = None
         self._inner_stats: StepStats = {}
 
-    def synchronize(self) -> None:
-        self.inner.synchronize()
+    def ahead_of_vote(self) -> None:
+        """After `synchronize` (the group's reduction), before the vote: at a step that syncs, keep the
+        parameters and inner optimizer state, take the inner step and the groups' exchange."""
         syncing = self._syncing()
         if not syncing or not self.inner.all_finite():  # nan_policy "raise" decides a non-finite step
             return
@@ -311,7 +313,7 @@ class ElasticDiLoCo(DiLoCo):
 
     @torch.no_grad()
     def left_out(self) -> None:
-        """The vote left this step out: undo the inner step `synchronize` took ahead of it."""
+        """The vote left this step out: undo the inner step `ahead_of_vote` took."""
         if self._saved is not None:
             values, state = self._saved
             for p, v in zip(self.params, values):
