@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 from troupe.runtime import settings
 from troupe.runtime.rankio import RankOutput, parse_ranks
@@ -382,7 +383,9 @@ def _elastic_from_cluster(args: argparse.Namespace) -> None:
     from troupe.cluster.configuration.sources import resolve
 
     total = None if args.nproc is None else args.nproc * args.nnodes
-    cluster = resolve(args.framework, args.cluster, total, **given(args))
+    with warnings.catch_warnings():  # a cluster that is not elastic is resolved again, warnings and all, later
+        warnings.simplefilter("ignore")
+        cluster = resolve(args.framework, args.cluster, total, **given(args))
     if cluster is None or not cluster.elastic:
         return
     if cluster.nprocs % args.nnodes:
