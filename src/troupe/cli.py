@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "processes); a dead process restarts with its group, which rejoins")
     elastic.add_argument("--min-groups", type=int, default=None,
                          help="--elastic: steps need at least K groups present (default 2)")
+    elastic.add_argument("--max-groups", type=int, default=None,
+                         help="--elastic: at most K groups step together; the other ready groups stand by (started, "
+                              "data loaded) and one takes a lost group's place at once (default: all)")
     elastic.add_argument("--elastic-batch", choices=("shrink", "constant"), default=None,
                          help="--elastic: while a group is missing, the global batch shrinks (default: each step "
                               "averages the groups present) or stays constant (the groups present also take the "
@@ -355,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         for flag, value in (("--min-groups", args.min_groups), ("--evict-after", args.evict_after),
                             ("--elastic-timeout", args.elastic_timeout), ("--spares", args.spares),
-                            ("--elastic-batch", args.elastic_batch)):
+                            ("--elastic-batch", args.elastic_batch), ("--max-groups", args.max_groups)):
             if value is not None:
                 raise ValueError(f"{flag} needs --elastic")
     extra_env.update(_cluster_env(args))
@@ -395,6 +398,7 @@ def _elastic_from_cluster(args: argparse.Namespace) -> None:
         setattr(args, f.name, getattr(cluster, f.name) if diloco and getattr(cluster, f.name) != f.default else None)
     args.elastic, args.nproc, args.nworker_groups = True, cluster.nprocs // args.nnodes, cluster.nworker_groups
     args.min_groups = cluster.min_groups if args.min_groups is None else args.min_groups
+    args.max_groups = cluster.max_groups if args.max_groups is None else args.max_groups
     args.cluster, args.framework = None, "diloco" if diloco else None
 
 
@@ -563,7 +567,8 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     from troupe.runtime.spare import Spares
 
     ticket = _ticket(args)
-    given = {"timeout": args.elastic_timeout, "evict_after": args.evict_after, "batch": args.elastic_batch}
+    given = {"timeout": args.elastic_timeout, "evict_after": args.evict_after, "batch": args.elastic_batch,
+             "max_groups": args.max_groups}
     total = args.nproc * args.nnodes
     groups = args.elastic_groups or total
     options = ElasticOptions(groups=groups, group_size=total // groups, min_groups=args.min_groups or 2,

@@ -192,6 +192,29 @@ def test_constant_batch_steps_are_the_fault_free_runs_steps(tmp_path):
 
 
 @pytest.mark.timeout(240)
+def test_beyond_max_groups_a_standby_group_takes_a_lost_ones_place_at_once(tmp_path):
+    """--max-groups 2 of 3: two groups step (the first two ready), the third waits; a member dies and the
+    standby joins in the same decision (healed), so no step runs with fewer than 2 groups; the restarted
+    one stands by in turn and leaves when the job ends."""
+    proc = troupe_run(tmp_path, "kill-member", "--max-groups", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the job finished while it waited to rejoin; leaving" in proc.stderr
+    runs = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(GROUPS)
+            if (tmp_path / f"rank{r}.json").exists()}
+    assert len(runs) == 2, "the killed member stepped again, or a group never did"
+    survivor = next(r for r, run in runs.items() if run["resumed_at"] == 0)  # stepped from the start
+    standby = next(r for r in runs if r != survivor)
+    first = runs[survivor]["log"][0][2]
+    assert standby not in first and len(first) == 2 and survivor != max(first)  # the highest member was killed
+    assert runs[survivor]["sha256"] == runs[standby]["sha256"], "the groups ended with different parameters"
+    steps = [m for _, _, m in runs[survivor]["log"]]
+    assert all(m == first for m in steps[:job.FAULT_AT]) and steps[job.FAULT_AT] is None, steps[:job.FAULT_AT + 2]
+    assert all(m == sorted([survivor, standby]) for m in steps[job.FAULT_AT + 1:]), \
+        "the standby did not take the lost member's place at once"
+    assert runs[standby]["heals"] == 1 and runs[standby]["resumed_at"] == job.FAULT_AT
+
+
+@pytest.mark.timeout(240)
 def test_diloco_over_elastic_groups_heals_the_outer_state_and_replays(tmp_path):
     """--elastic --framework diloco over 2 groups: rank 1 dies in a step that syncs, after an outer step;
     rank 0 undoes its inner step and waits (too few groups); rank 1 comes back and copies rank 0's
@@ -375,6 +398,7 @@ def test_on_two_nodes_each_launcher_restarts_its_own_ranks(tmp_path):
     (["--nworker-groups", "2", "--nserver-groups", "2"], "--elastic does not run parameter-server clusters"),
     (["--framework", "diloco", "--sync-freq", "4", "--delay", "1"], "elastic DiLoCo needs delay 0, got 1"),
     (["--framework", "diloco", "--elastic-batch", "constant"], "--elastic-batch constant weighs each step's"),
+    (["--max-groups", "4"], "max_groups (4) must be from min_groups (2) to the job's 3 worker groups"),
     (["-n", "2", "--nnodes", "3", "--nworker-groups", "2"],
      "a worker group of 3 processes (--nworker-groups 2) would span two nodes of -n 2"),
 ])

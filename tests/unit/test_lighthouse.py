@@ -214,6 +214,7 @@ def test_another_nodes_reports_count_as_its_own_supervisors(house):
     (dict(groups=3, heartbeat=3.0, evict_after=5.0), "must be at least two heartbeats"),
     (dict(groups=3, group_size=0), "elastic group_size must be >= 1, got 0"),
     (dict(groups=3, batch="same"), "elastic batch must be one of ['constant', 'shrink'], got 'same'"),
+    (dict(groups=3, min_groups=3, max_groups=2), "max_groups (2) must be from min_groups (3) to the job's 3"),
 ])
 def test_bad_elastic_options(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -339,3 +340,25 @@ def test_one_silent_process_evicts_its_group(pairs, monkeypatch):
     tick_for_6s(lh, client, monkeypatch, beating=(0, 1, 2, 3, 4))  # rank 5 is frozen; rank 4, its partner, beats on
     d = Decision.decode(client.get(round_key(q1.id, 1, "d")))
     assert not d.commit and d.next.members == (0, 1)
+
+
+def test_beyond_max_groups_a_ready_group_stands_by_and_takes_a_lost_members_place():
+    """max_groups 2 of 3: the first quorum is 2 groups, the third ready one is not proposed (no
+    churn); when a member is lost it joins in the same decision, healing from a survivor."""
+    ticket = Ticket()
+    lh = Lighthouse(ticket, ElasticOptions(groups=3, min_groups=2, max_groups=2, evict_after=5.0, heartbeat=0.5))
+    client = dist.PrefixStore(f"troupe/{ticket.token}/", dist.TCPStore(
+        ticket.addr, ticket.port, is_master=False, timeout=datetime.timedelta(seconds=5)))
+    try:
+        q1 = form_all(lh, client)
+        assert q1.members == (0, 1) and q1.joiners == (1,)
+        beat(client, 0, 1, 2)
+        lh.tick()
+        assert not client.check(["proposal"]), "a full quorum was offered the standby"
+        lh.lost(1)
+        beat(client, 0, 2)
+        lh.tick()
+        d = Decision.decode(client.get(round_key(q1.id, 1, "d")))
+        assert not d.commit and d.next.members == (0, 2) and d.next.joiners == (2,) and d.next.source == 0
+    finally:
+        lh.stop()

@@ -264,13 +264,16 @@ class Lighthouse:
         had `timeout` to give up the group they were forming and ask again (forming with the first
         few would leave the rest asking into a quorum that moves on without them)."""
         if not self.formed_once:
-            need = self.options.groups if now - self.started <= self.options.form_within else self.options.min_groups
+            need = self.options.cap if now - self.started <= self.options.form_within else self.options.min_groups
         elif now - self.collapsed_at <= self.options.timeout + 1.0:
             need = max(len(alive), self.options.min_groups)
         else:
             need = self.options.min_groups
-        if len(asking) < need:
+        if len(asking) < min(need, self.options.cap):
             return
+        # The furthest trained first (then the lowest numbered); beyond max_groups the rest stand by.
+        chosen = sorted(asking, key=lambda g: (-asking[g].step, g))[:self.options.cap]
+        asking = {g: asking[g] for g in chosen}
         source = max(asking, key=lambda r: (asking[r].step, -r))
         members = tuple(sorted(asking))
         quorum = Quorum(self.next_id, members, tuple(r for r in members if r != source), source, base=0,
@@ -282,6 +285,8 @@ class Lighthouse:
         self._note("formed", id=quorum.id, members=list(members), source=source)
 
     def _next_from(self, keep: set[int], asking: dict[int, Ready]) -> Quorum | None:
+        room = max(self.options.cap - len(keep), 0)  # beyond max_groups the groups asking stand by
+        asking = {g: asking[g] for g in sorted(set(asking) - keep, key=lambda g: (-asking[g].step, g))[:room]}
         members = tuple(sorted(keep | set(asking)))
         if len(members) < self.options.min_groups or not keep:
             return None
@@ -291,8 +296,8 @@ class Lighthouse:
 
     def _propose(self, asking: dict[int, Ready]) -> None:
         proposal = self._next_from(set(self.active.members), asking)
-        if proposal is None or proposal == self.proposed:
-            return
+        if proposal is None or not proposal.joiners or proposal == self.proposed:
+            return  # (no joiners: the quorum is full, the groups asking stand by)
         self.proposed = proposal
         self.store.set("proposal", proposal.encode())
         self._note("proposed", id=proposal.id, joiners=list(proposal.joiners))

@@ -66,6 +66,9 @@ class ElasticOptions:
     least `min_groups` (a restart later is admitted as soon as it is ready)."""
     batch: str = "shrink"
     """What a missing group does to the global batch (`BATCH_MODES`)."""
+    max_groups: int | None = None
+    """At most this many groups step together; the other ready groups wait, started and loaded, as
+    standbys, and one joins (healing) in the same decision that drops a lost member. None: all."""
 
     def __post_init__(self) -> None:
         if self.batch not in BATCH_MODES:
@@ -77,12 +80,20 @@ class ElasticOptions:
                              f"got {self.min_groups}")
         if self.min_groups > self.groups:
             raise ValueError(f"min_groups ({self.min_groups}) is larger than the job's {self.groups} worker groups")
+        if self.max_groups is not None and not self.min_groups <= self.max_groups <= self.groups:
+            raise ValueError(f"max_groups ({self.max_groups}) must be from min_groups ({self.min_groups}) to the "
+                             f"job's {self.groups} worker groups")
         for name in ("timeout", "evict_after", "heartbeat", "form_within"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"elastic {name} must be > 0 seconds, got {getattr(self, name)}")
         if self.heartbeat * 2 > self.evict_after:
             raise ValueError(f"elastic evict_after ({self.evict_after}s) must be at least two heartbeats "
                              f"({self.heartbeat}s each)")
+
+    @property
+    def cap(self) -> int:
+        """The most groups one step uses (`max_groups`, or all of them)."""
+        return self.groups if self.max_groups is None else self.max_groups
 
     @property
     def processes(self) -> int:

@@ -8,13 +8,15 @@ MODE (faults in first incarnations only, unless said otherwise):
   ok
   kill          rank 1 SIGKILLs itself at step 6; once it is back, rank 0 raises
   kill-once     rank 1 SIGKILLs itself at step 6
+  kill-member   the highest-numbered group of the last step's quorum SIGKILLs itself at step 6
   two-down      rank 1 SIGKILLs itself at step 6, rank 2 raises at step 8: too few groups until one is back
   stop          rank 2 SIGSTOPs itself at step 6 and writes OUT/stopped (the test sends SIGCONT)
   always-raise  rank 1 raises at step 6, and at its first step back every time
   group-kill    rank 3 (group 1's second process) SIGKILLs itself at step 6: its whole group restarts
   nodes-kill    on 2 nodes of 2: rank 3 (node 1) SIGKILLs itself at step 6; once it is back, rank 0 raises
   group-stop    rank 3 (group 1's second process) SIGSTOPs itself at step 6 and writes OUT/stopped
-The job trains until it has taken MIN_STEPS steps and the last FULL_STREAK of them had every group
+The job trains until it has taken MIN_STEPS steps and the last FULL_STREAK of them had every group (or
+--max-groups of them)
 (the same verdict on every member: they commit the same steps); under DiLoCo, until such a step is
 also an outer step (the groups hold the same parameters only then). Each rank writes OUT/rank{r}.json
 (its last incarnation) and OUT/rank{r}.pt (parameters).
@@ -41,6 +43,8 @@ FAULT_AT = int(os.environ.get("ELASTIC_TEST_FAULT_AT", "6"))
 
 def fault(mode: str, rank: int, incarnation: int, step: int, log: list, out: Path, groups: int) -> None:
     if incarnation == 0 and step == FAULT_AT:
+        if mode == "kill-member" and log and rank == max(log[-1][2] or [-1]):
+            os.kill(os.getpid(), signal.SIGKILL)
         if (mode in ("kill", "kill-once", "two-down") and rank == 1) or (mode in ("group-kill", "nodes-kill") and rank == 3):
             os.kill(os.getpid(), signal.SIGKILL)
         if (mode, rank) in (("stop", 2), ("group-stop", 3)) and not (out / "stopped").exists():
@@ -105,7 +109,7 @@ def main(out: Path, mode: str, dist_option: str = "plain") -> None:
             opt.zero_grad()
             members = list(membership.stepped_with) if membership.stepped_with else None
             log.append([epoch, b, members])
-            streak = streak + 1 if members == list(range(membership.options.groups)) else 0
+            streak = streak + 1 if members and len(members) == membership.options.cap else 0  # every group (or max_groups)
             if opt.step_count >= MIN_STEPS and streak >= FULL_STREAK and opt.step_count % (sync_freq() or 1) == 0:
                 break
             time.sleep(0.05)

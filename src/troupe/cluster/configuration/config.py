@@ -252,11 +252,14 @@ class ClusterConfig:
     group, which heals from a live one while the others train on. No servers, no framework."""
     min_groups: int | None = option(None)
     """elastic: a step needs at least this many groups present (`troupe run --min-groups`; unset: 2)."""
+    max_groups: int | None = option(None)
+    """elastic: at most this many groups step together, the others stand by (`troupe run --max-groups`;
+    unset: all)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check_field(f, getattr(self, f.name), self.server_worker_separate)
-        if self.elastic or self.min_groups is not None:
+        if self.elastic or self.min_groups is not None or self.max_groups is not None:
             self._check_elastic()
             return
         if self.nworker_groups % self.nserver_groups:
@@ -277,7 +280,8 @@ class ClusterConfig:
 
     def _check_elastic(self) -> None:
         if not self.elastic:
-            raise ValueError(f"min_groups {self.min_groups} is for elastic worker groups: add elastic: true")
+            given = f"min_groups {self.min_groups}" if self.min_groups is not None else f"max_groups {self.max_groups}"
+            raise ValueError(f"{given} is for elastic worker groups: add elastic: true")
         if self.nworker_groups < 2:
             raise ValueError(f"elastic: true needs nworker_groups >= 2 (a group alone has nobody to heal from), "
                              f"got {self.nworker_groups}")
