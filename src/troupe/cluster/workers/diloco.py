@@ -262,16 +262,16 @@ class DiLoCo:
 
 
 class ElasticDiLoCo(DiLoCo):
-    """DiLoCo over elastic worker groups of one process (`troupe run --elastic --framework diloco`).
+    """DiLoCo over elastic worker groups (`troupe run --elastic --framework diloco`), of one process or
+    several (the regime hands it communicators that follow the quorum: troupe.cluster.regimes).
 
     An elastic job votes on every step after its reduction (runtime/elastic.py); DiLoCo's outer
     exchange comes after the inner step, which the vote decides. So a step that syncs is taken
     ahead of the vote, in `ahead_of_vote` (DistOpt calls it after `synchronize`): the inner step (its
-    values kept first), then the groups' mean pseudo-gradient over the quorum; `step` then only takes
-    the outer step. A group lost in
-    the exchange makes the round left out on every member: each undoes its inner step
-    (`left_out`), and the next step, the same step again for the counter, syncs with the groups
-    present then. Between syncs nothing is exchanged; a step only votes. A restarted group copies
+    values kept first), then the mean pseudo-gradient over the groups present; `step` then only
+    takes the outer step. A group lost in the exchange makes the round left out on every member:
+    each undoes its inner step (`left_out`), and the next step, the same step again for the
+    counter, syncs with the groups present then. Between syncs nothing is exchanged; a step only votes. A restarted group copies
     a live one's parameters, inner optimizer state and outer state (theta_outer and the outer
     optimizer's state) through `troupe.track`. nan_policy "skip" is refused (a group skipping a
     step would leave the others waiting in its exchange); "raise" ends the group, which restarts.
