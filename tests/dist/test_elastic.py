@@ -55,15 +55,22 @@ def reports(out: Path, n: int = GROUPS) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
 
 
-def replay(logs: list[list], group_size: int = 1, constant: bool = False) -> list[torch.Tensor]:
-    """The steps the job committed, in one process: each the mean of the gradients of every process
-    of the present groups (rank r = g * group_size + place reads its own shard of all processes');
-    `constant`: of every process of the job (the fault-free run's step), whoever was present."""
+def committed_steps(logs: list[list]) -> dict[tuple[int, int], list[int]]:
+    """(epoch, batch) -> the groups that step averaged over, for every step some rank logged as committed
+    (every rank that logged it must name the same groups)."""
     steps: dict[tuple[int, int], list[int]] = {}
     for log in logs:
         for epoch, b, members in log:
             if members is not None:
                 assert steps.setdefault((epoch, b), members) == members, f"groups disagree on step {(epoch, b)}"
+    return steps
+
+
+def replay(logs: list[list], group_size: int = 1, constant: bool = False) -> list[torch.Tensor]:
+    """The steps the job committed, in one process: each the mean of the gradients of every process
+    of the present groups (rank r = g * group_size + place reads its own shard of all processes');
+    `constant`: of every process of the job (the fault-free run's step), whoever was present."""
+    steps = committed_steps(logs)
     x, y = job.data()
     n = len(logs)
     samplers = [DistributedSampler(len(x), rank=r, world_size=n, seed=7, tail="drop") for r in range(n)]
@@ -88,11 +95,7 @@ def replay_diloco(runs: list[dict], h: int, group_size: int = 1) -> list[torch.T
     rank's report is its last incarnation)."""
     import copy
 
-    steps: dict[tuple[int, int], list[int]] = {}
-    for r in runs:
-        for epoch, b, members in r["log"]:
-            if members is not None:
-                assert steps.setdefault((epoch, b), members) == members, f"groups disagree on step {(epoch, b)}"
+    steps = committed_steps([r["log"] for r in runs])
     heals = {r["rank"] // group_size: r["resumed_at"] for r in runs if r["incarnation"] > 0}
     x, y = job.data()
     n = len(runs)

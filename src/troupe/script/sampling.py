@@ -166,8 +166,12 @@ class DistributedSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         # Not a generator itself: the resume point is taken when iteration starts, not at the first next().
+        return self._count(self._begin()[self.rank :: self.world_size])
+
+    def _begin(self) -> list[int]:
+        """Start an iteration at the resume point: every rank's indices from there (rank r's at r, r + world_size, ...)."""
         self._base, self._next, self._yielded = self._next, 0, 0
-        return self._count(self._rest(self.epoch, self._base)[self.rank :: self.world_size])
+        return self._rest(self.epoch, self._base)
 
     def _count(self, indices: list[int]) -> Iterator[int]:
         for i in indices:
@@ -268,8 +272,7 @@ class StepBatches(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         s = self.sampler
-        s._base, s._next, s._yielded = s._next, 0, 0
-        rest = s._rest(s.epoch, s._base)
+        rest = s._begin()
         for b in range(len(self)):
             lo, hi = b * self.batch_size, (b + 1) * self.batch_size
             ranks = self.ranks()  # now: after the previous step chose the quorum of this one
