@@ -214,7 +214,7 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
         rate = speed.rate()
         train_correct = reduce_variable(train_correct)
         train_loss = reduce_variable(train_loss)
-        train_acc = train_correct / (num_train_batch * bs * sgd.world_size)
+        train_acc = train_correct / reduce_variable(num_train_batch * bs)  # over the ranks train_correct was
 
         model.eval()
         test_correct = 0

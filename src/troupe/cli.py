@@ -311,7 +311,7 @@ def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     if cluster is None:
         args.nproc = args.nproc or 2
         return {}
-    if args.elastic:  # elastic DiLoCo (_check_elastic let nothing else through)
+    if args.elastic and cluster.framework == "diloco":  # elastic DiLoCo's groups are a quorum's
         cluster = dataclasses.replace(cluster, elastic=True)
     if cluster.nprocs % args.nnodes:
         raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {args.nnodes}")
@@ -410,11 +410,15 @@ def _check_elastic(args: argparse.Namespace) -> None:
     if args.max_restarts:
         raise ValueError("--elastic restarts a dead rank alone; --max-restarts restarts the whole job: give one")
     cluster_flags = {k: v for k, v in given(args).items() if v is not None and k != "nworker_groups"}
-    diloco = args.framework == "diloco"
-    if (args.framework and not diloco) or args.cluster or (cluster_flags and not diloco) or settings.current().cluster:
-        raise ValueError("--elastic does not run parameter-server clusters yet, nor partition (--framework/--cluster/"
-                         "cluster flags other than --nworker-groups): only data parallelism over worker groups, "
-                         "or --framework diloco")
+    diloco, downpour = args.framework == "diloco", args.framework == "downpour"
+    if (args.framework and not (diloco or downpour)) or args.cluster or (cluster_flags and not (diloco or downpour)) \
+            or settings.current().cluster:
+        raise ValueError("--elastic runs data parallelism over worker groups, --framework diloco, or --framework "
+                         "downpour (its workers restart alone); not other parameter-server frameworks or "
+                         "partition yet (--framework/--cluster/cluster flags other than --nworker-groups)")
+    if downpour:
+        _check_elastic_downpour(args)
+        return
     if args.nproc is not None and args.nproc * args.nnodes < 2:
         raise ValueError(f"--elastic needs at least 2 processes (worker groups), got -n {args.nproc}")
     groups = args.nworker_groups
@@ -436,6 +440,23 @@ def _check_elastic(args: argparse.Namespace) -> None:
     # The groups are the quorum's business, not a cluster's: the ranks see plain data parallelism
     # (under DiLoCo, a cluster whose worker groups are the quorum's).
     args.elastic_groups, args.nworker_groups = groups, ((groups or per_node * nodes) if diloco else None)
+    if args.restarts_per_rank < 0:
+        raise ValueError(f"--restarts-per-rank must be >= 0, got {args.restarts_per_rank}")
+    if args.spares is not None and args.spares < 0:
+        raise ValueError(f"--spares must be >= 0, got {args.spares}")
+
+
+def _check_elastic_downpour(args: argparse.Namespace) -> None:
+    """Downpour under --elastic: no quorum (its workers step alone against the servers), so the quorum's
+    flags mean nothing there; one node (its launcher hosts the store the restarted workers find the job by)."""
+    for flag, value in (("--min-groups", args.min_groups), ("--max-groups", args.max_groups),
+                        ("--elastic-batch", args.elastic_batch), ("--evict-after", args.evict_after),
+                        ("--elastic-timeout", args.elastic_timeout)):
+        if value is not None:
+            raise ValueError(f"{flag} is for synchronous elastic groups (a quorum); under --framework downpour each "
+                             "worker steps alone against the servers: leave it out")
+    if args.nnodes > 1:
+        raise ValueError("--elastic --framework downpour runs on one node (--nnodes 1) for now")
     if args.restarts_per_rank < 0:
         raise ValueError(f"--restarts-per-rank must be >= 0, got {args.restarts_per_rank}")
     if args.spares is not None and args.spares < 0:
@@ -549,6 +570,8 @@ class _Starter:
 
 def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     """Start the ranks of an elastic job, keep its quorum here, and restart a dead rank alone."""
+    if getattr(args, "servers", None):
+        return _run_rejoining(args, extra_env)
     # The launcher's own store, quiet: c10d warns on every connection where the hostname does not
     # resolve (a host without DNS for itself) and logs a page of C++ frames when node 0's store does
     # not answer (one line says so here). Its C++ logging reads the variable as torch loads; the
@@ -614,6 +637,52 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
         lighthouse.stop()
         if output is not None:
             output.drain()
+
+
+def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
+    """--elastic over a parameter-server job (Downpour): this launcher hosts the job's store; a dead worker
+    restarts alone and rejoins through the servers (runtime/rejoin.py); a dead server ends the job."""
+    from troupe.runtime.rejoin import ENV_VAR, Keeper
+    from troupe.runtime.restarts import supervise
+    from troupe.runtime.spare import Spares
+
+    ticket = _ticket(args)
+    keeper = Keeper(ticket, args.nproc)
+    start = _Starter(args, {**extra_env, ENV_VAR: "1"}, ticket)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    spares = None
+
+    def spawn(rank: int, incarnation: int) -> subprocess.Popen:
+        if incarnation == 0 or spares is None:
+            return start(rank, TROUPE_INCARNATION=str(incarnation))
+        return start.from_spare(spares, rank, TROUPE_INCARNATION=str(incarnation))
+
+    def start_spares() -> None:
+        nonlocal spares
+        count = 1 if args.spares is None else args.spares
+        if spares is None and count and keeper.formed_once:  # once every rank has joined: not during their start
+            spares = Spares(count, start.spare)
+
+    def fixed(rank: int) -> str | None:
+        return "a server cannot restart alone (its slices have no live copy to take over yet)" \
+            if rank in args.servers else None
+
+    def terminated(*_sig):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, terminated)
+    try:
+        return supervise(spawn, list(range(args.nproc)), keeper, restarts_per_rank=args.restarts_per_rank, say=say,
+                         stop_all=_stop_all, every_poll=start_spares, kill=_kill_now, fixed=fixed, finish_closes=False)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        if spares is not None:
+            spares.stop()
+        keeper.stop()
+        if args.output is not None:
+            args.output.drain()
 
 
 def _keep_store_until_done(lighthouse, options) -> None:

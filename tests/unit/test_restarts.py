@@ -38,7 +38,7 @@ def no_sleep(monkeypatch):
     monkeypatch.setattr(restarts, "BACKOFF_FIRST", 0.0)
 
 
-def supervise(script: dict[int, list[Proc]], budget: int):
+def supervise(script: dict[int, list[Proc]], budget: int, **kwargs):
     """Run the supervisor; rank r's k-th process is script[r][k]. Returns (code, spawns, lines, house)."""
     spawns, lines, house, stopped = [], [], House(), []
 
@@ -47,8 +47,21 @@ def supervise(script: dict[int, list[Proc]], budget: int):
         return script[rank][sum(1 for r, _ in spawns if r == rank) - 1]
 
     code = restarts.supervise(spawn, sorted(script), house, restarts_per_rank=budget, say=lines.append,
-                              stop_all=stopped.append)
+                              stop_all=stopped.append, **kwargs)
     return code, spawns, lines, house
+
+
+def test_asynchronous_workers_restart_after_another_has_finished_and_a_fixed_rank_stops_the_job():
+    # Downpour under --elastic: worker 0 finishes first; worker 1 dies later and still restarts.
+    code, spawns, _, _ = supervise({0: [Proc(0, alive=1)], 1: [Proc(-9, alive=5), Proc(0)], 2: [Proc(0, alive=9)]},
+                                   budget=2, finish_closes=False)
+    assert code == 0 and spawns == [(0, 0), (1, 0), (2, 0), (1, 1)]
+    # A server (fixed) cannot restart alone: its death stops the job with one line that says why.
+    code, spawns, lines, _ = supervise({0: [Proc(0, alive=50)], 1: [Proc(-9, alive=2)]}, budget=5,
+                                       fixed=lambda rank: "a server cannot restart alone" if rank == 1 else None,
+                                       finish_closes=False)
+    assert code == 137 and spawns == [(0, 0), (1, 0)]
+    assert lines[-1] == "troupe run: rank 1 exited with signal 9 (SIGKILL); a server cannot restart alone: stopped the job"
 
 
 def test_a_dead_rank_restarts_alone_with_the_next_incarnation_and_the_job_ends_when_all_finish():

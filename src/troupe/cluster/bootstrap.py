@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
+import torch.distributed as dist
 
 from troupe.cluster.configuration.config import ClusterConfig
 from troupe.cluster.configuration.roles import Role, expendable_ranks, roles
@@ -44,7 +45,9 @@ from troupe.cluster.serving.shard import ParamShard, plan_slices
 from troupe.cluster.workers import layout
 from troupe.cluster.workers.layout import Layout, trainable
 from troupe.compress.fp16 import half_dtype
-from troupe.runtime.comm import Communicator
+from troupe.cluster.wire.links import Links
+from troupe.runtime.comm import Communicator, _Outside
+from troupe.runtime.rejoin import Rejoining
 from troupe.runtime.launch import DistInfo
 from troupe.runtime.world import World, init, shutdown
 from troupe.strategies import registry
@@ -52,6 +55,12 @@ from troupe.strategies.base import UpdateStrategy
 
 # Not __name__: started as ``python -m troupe.cluster.bootstrap`` this module is __main__.
 log = logging.getLogger("troupe.cluster.bootstrap")
+
+SPEC_KEY = "ps/spec"
+"""`troupe run --elastic`: worker 0's description of the job, for workers that restart."""
+
+LINK_FORM_SECONDS = 30.0
+"""How long a server waits for a dialling worker's side of their link (it may die while dialling)."""
 
 DEFAULT_PS_TIMEOUT = 7 * 24 * 3600.0
 """Seconds a parameter-server message may wait (``TROUPE_PS_TIMEOUT``); a dead peer fails at once anyway."""
@@ -79,6 +88,16 @@ class Job:
     """Several separate server groups: the servers' own channel for their synchronisation."""
     place_comms: list[Communicator] = dataclasses.field(default_factory=list)
     """DiLoCo: per place j in a group, worker j of every group (the outer step's all-reduce)."""
+    links: Links | None = None
+    """`troupe run --elastic`: the messages' channels between servers and workers, one per pair, that a
+    restarted worker opens again (`troupe.cluster.wire.links`; None: they travel in `world`)."""
+    rejoined: bool = False
+    """This process restarts a worker that died: it joined the running job alone, through its servers."""
+
+    @property
+    def channel(self) -> Communicator | Links:
+        """Where the parameter-server messages travel."""
+        return self.links if self.links is not None else self.world
 
     def alive(self, rank: int) -> bool:
         """False once `rank`'s process has ended (on this host) or its heartbeat has gone silent
@@ -121,9 +140,11 @@ def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, wo
         except ValueError as e:
             problem = str(e)
     describe = (lambda: _describe(optimizer, params, param_group_of, arranged, problem)) if info.global_rank == 0 else None
-    spec = exchange(job, describe)
+    spec = exchange(job, describe) if not job.rejoined else _spec_from_store(job)
     if job.role.worker is None:
         hand_over(job, spec)
+    if job.links is not None:
+        _dial(job)
     world.use_for_data_parallel(job.workers_comm)
     view = dataclasses.replace(info, global_rank=job.workers.index(job.role.rank), world_size=len(job.workers))
     context = WorkerContext(cluster, job, params, optimizer, bucket_size, nan_policy, arranged, step_count)
@@ -148,6 +169,8 @@ def worker_layout(job: Job, params: list, param_group_of: list[int]) -> Layout:
     cluster = job.cluster
     k = cluster.nworkers_per_group
     mine = layout.entries(params, param_group_of, k, len(job.workers))
+    if job.links is not None:  # every worker holds the whole model (partition is refused under --elastic)
+        return layout.build([mine] * len(job.workers), k, job.workers.index(job.role.rank))
     every = job.workers_comm.all_gather_object(mine) if len(job.workers) > 1 else [mine]
     arranged = layout.build(every, k, job.workers.index(job.role.rank))
     return arranged
@@ -176,6 +199,9 @@ def join(cluster: ClusterConfig, runtime: World) -> Job:
             f"world_size {info.world_size}"
         )
     role = everyone[info.global_rank]
+    membership = runtime.membership
+    if isinstance(membership, Rejoining):
+        return _rejoining_job(cluster, runtime, membership, everyone, role)
     if runtime.watchdog is not None:
         runtime.watchdog.expendable = expendable_ranks(cluster)
     if cluster.share_memory and not cluster.in_memory:
@@ -214,6 +240,53 @@ def join(cluster: ClusterConfig, runtime: World) -> Job:
                processes_comms, timeout, server_channel=server_channel, place_comms=place_comms)
 
 
+def _rejoining_job(cluster: ClusterConfig, runtime: World, membership: Rejoining, everyone: list[Role],
+                   role: Role) -> Job:
+    """A rank of a parameter-server job whose workers restart alone (`troupe run --elastic`): its messages
+    travel on links (`troupe.cluster.wire.links`), and its workers share no collective, so a restarted one
+    needs nobody but its servers. The job's first processes still meet in one group, for the servers'
+    own channel and the exchange of the job's description (which a restarted worker reads from the store)."""
+    if cluster.partition_dim is not None or not cluster.server_worker_separate or cluster.nworkers_per_group > 1:
+        raise ValueError("troupe run --elastic runs a parameter-server job whose worker groups are one worker each "
+                         "and whose servers are separate (Downpour), without partition; got nworkers_per_group "
+                         f"{cluster.nworkers_per_group}, server_worker_separate {cluster.server_worker_separate}, "
+                         f"partition_dim {cluster.partition_dim!r}")
+    timeout = runtime.settings.ps_timeout
+    workers = [r.rank for r in everyone if r.worker]
+    links = Links(membership.store, role.rank, timeout, connect=lambda: membership.connect(LINK_FORM_SECONDS))
+    if role.worker is not None:
+        membership.data_place = (workers.index(role.rank), len(workers))
+    if membership.rejoined:
+        solo = runtime.job  # a group of this process alone
+        return Job(cluster, runtime, role, everyone, solo, workers, solo, _own_group(cluster, role, solo), None, [],
+                   timeout, links=links, rejoined=True)
+    world = runtime.job.new_group(range(runtime.info.world_size), timeout=timeout)
+    solo = Communicator(dist.new_group([role.rank], use_local_synchronization=True), watchdog=runtime.watchdog,
+                        recorder=runtime.recorder, totals=runtime.traffic)
+    server_channel = world.new_group([r.rank for r in everyone if r.worker is None]) \
+        if cluster.nserver_groups > 1 else None
+    log.info("troupe: %s (restarts alone)", role.describe())
+    return Job(cluster, runtime, role, everyone, world, workers, solo, _own_group(cluster, role, solo), None, [],
+               timeout, server_channel=server_channel, links=links)
+
+
+def _own_group(cluster: ClusterConfig, role: Role, solo: Communicator) -> list:
+    """A worker's group communicators when each worker is a group of one: its own is itself."""
+    return [solo if role.worker is not None and g == role.worker[0] else _Outside()
+            for g in range(cluster.nworker_groups)]
+
+
+def _dial(job: Job) -> None:
+    """A worker opens its links to every server (its Updates go to its group's; its Stop to all)."""
+    for rank in sorted(r.rank for r in job.everyone if r.server):
+        job.links.dial(rank, job.runtime.settings.incarnation)
+
+
+def _spec_from_store(job: Job) -> TrainingSpec:
+    """A restarted worker's copy of worker 0's description of the job (written at the job's start)."""
+    return TrainingSpec.from_json(job.links.store.get(SPEC_KEY).decode())
+
+
 def exchange(job: Job, describe: Callable[[], TrainingSpec] | None = None) -> TrainingSpec:
     """Worker 0's `TrainingSpec` to every rank (JSON, never pickled code); a server checks it can
     build its shard. Every rank learns of any rank's failure here and raises, so none is left waiting.
@@ -227,6 +300,8 @@ def exchange(job: Job, describe: Callable[[], TrainingSpec] | None = None) -> Tr
         except ValueError as e:
             text = json.dumps({"error": str(e)})
     text = _broadcast_text(job.world, text)
+    if job.links is not None and job.role.rank == 0:  # for a worker that restarts later
+        job.links.store.set(SPEC_KEY, text)
     spec, error = None, None
     try:
         data = json.loads(text)
@@ -306,7 +381,7 @@ def serve(job: Job, spec: TrainingSpec) -> ServerStats:
     server = Server(job.world, shard, job.workers, putters, job.alive,
                     fail_on_death=job.cluster.synchronous, wire_dtype=wire_dtype(job.cluster, shard.dtype),
                     wire_topk=job.cluster.wire_topk, sync=_server_sync(job, shard),
-                    on_exit=None if path is None else lambda: _save(shard, path))
+                    on_exit=None if path is None else lambda: _save(shard, path), links=job.links)
     if path is not None and job.runtime.settings.resume in ("yes", "auto") and os.path.isfile(path):
         shard.load_state_dict(torch.load(path, weights_only=True))
         print(f"troupe server rank {job.role.rank}: resumed {len(shard.slices)} slice(s) from {path}",

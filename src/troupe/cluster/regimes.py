@@ -71,8 +71,9 @@ class SeparateServers(ClusterWorker):
         job, role = ctx.job, ctx.job.role
         group = job.group_comms[role.worker[0]]
         agree = group if ctx.layout.partitioned and ctx.cluster.nworkers_per_group > 1 else None
-        return PSClient(ctx.cluster, role, job.everyone, job.world, ctx.params, ctx.bucket_size, ctx.optimizer,
-                        ctx.nan_policy, layout=ctx.layout, agree=agree)
+        return PSClient(ctx.cluster, role, job.everyone, job.channel, ctx.params, ctx.bucket_size, ctx.optimizer,
+                        ctx.nan_policy, layout=ctx.layout, agree=agree, rejoined=job.rejoined,
+                        alone=job.workers_comm if job.links is not None else None)
 
 
 @register

@@ -41,6 +41,36 @@ DEFAULT_JOIN_TIMEOUT = 60.0
 """Seconds every rank waits for the whole world to join before giving up."""
 DEFAULT_TIMEOUT = 300.0
 """Seconds a collective may wait before the backend gives up."""
+def _join_rejoining(env: Settings, how: _Launch, backend: str, timeout: float, join_timeout: float) -> Joined:
+    """A parameter-server rank whose workers restart alone (`troupe run --elastic --framework downpour`):
+    the job's first processes meet in one process group through the launcher's store, as usual; a
+    restarted worker stands in a group of its own and rejoins through its servers (runtime/rejoin.py)."""
+    from troupe.runtime.rejoin import Rejoining
+
+    if how.launcher != "troupe":
+        raise ValueError(f"TROUPE_REJOIN is set but this process was started by {how.launcher}: a worker that "
+                         "restarts alone needs `troupe run --elastic` (its launcher restarts a dead worker)")
+    ticket = how.ticket
+
+    def connect(seconds: float) -> dist.Store:
+        return dist.PrefixStore(f"troupe/{ticket.token}/", open_store(ticket, False, seconds))
+
+    membership = Rejoining(how.rank, env.incarnation, connect, join_timeout)
+    _gloo_interface(ticket, backend)
+    pg_timeout = datetime.timedelta(seconds=timeout)
+    side, keep = None, []
+    if membership.rejoined:
+        check_token(open_store(ticket, False, join_timeout), ticket, how.rank)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout)
+    else:  # the launcher hosts the store: no rank is its master
+        store = _join(ticket, how.rank, how.world_size, join_timeout, keep, host=False)
+        dist.init_process_group(backend, store=store, rank=how.rank, world_size=how.world_size, timeout=pg_timeout)
+        side = SideStore(ticket.addr, ticket.port, f"troupe/{ticket.token}/", env.store_timeout)
+    info = DistInfo(how.rank, how.local_rank, how.world_size, how.local_world, _device(backend, how.local_rank),
+                    backend, "troupe")
+    return Joined(info, side, keep, membership=membership)
+
+
 @dataclass(frozen=True)
 class DistInfo:
     """Where this process sits in the job."""
@@ -144,6 +174,8 @@ def join(
     backend = _pick_backend(backend or env.backend, how.local_rank, how.local_world)
     if env.elastic:
         return _join_elastic(env, how, backend, join_timeout)
+    if env.rejoin:
+        return _join_rejoining(env, how, backend, timeout, join_timeout)
     pg_timeout = datetime.timedelta(seconds=timeout)
     side, keep = None, []
     if how.launcher in ("torchrun", "env"):  # the store is at MASTER_ADDR:MASTER_PORT (torchrun's agent or rank 0)
@@ -320,12 +352,15 @@ def check_token(base: dist.Store, ticket: Ticket, rank: int) -> None:
         )
 
 
-def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float, keep: list) -> dist.Store:
+def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float, keep: list,
+          host: bool | None = None) -> dist.Store:
     """Check the token, register this rank and wait for the whole world; return the job's store
-    (what must outlive the rendezvous is appended to `keep`)."""
-    base = open_store(ticket, rank == 0, join_timeout)
+    (what must outlive the rendezvous is appended to `keep`). Rank 0 hosts the store unless `host`
+    says otherwise (False: the launcher does)."""
+    host = rank == 0 if host is None else host
+    base = open_store(ticket, host, join_timeout)
     keep.append(base)
-    if rank == 0:
+    if host:
         base.set("troupe/digest", token_digest_record(ticket.token))
     check_token(base, ticket, rank)
     store = dist.PrefixStore(f"troupe/{ticket.token}/", base)
@@ -343,7 +378,7 @@ def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float, keep:
                 why = (f"{len(missing)} of {world_size} ranks did not join within {join_timeout:.0f}s: "
                        f"missing ranks {missing} (does world_size={world_size} match the processes started?)")
                 store.set("abort", why)
-                if rank == 0:
+                if host:
                     time.sleep(1.0)  # the store lives in this process: let the others read why
                 raise TimeoutError(f"rank {rank}: {why}")
             time.sleep(0.02)
@@ -353,7 +388,7 @@ def _join(ticket: Ticket, rank: int, world_size: int, join_timeout: float, keep:
             f"{world_size} ranks to join (rank 0 gave up or died)"
         ) from None
     refused = int(base.add(REFUSED_KEY, 0))
-    if rank == 0 and refused:
+    if host and refused:
         log.warning("troupe: refused %d join attempt(s) with a wrong ticket token", refused)
     return store
 

@@ -55,20 +55,25 @@ def _kill(proc: subprocess.Popen) -> None:
 def supervise(spawn: Callable[[int, int], subprocess.Popen], ranks: list[int], lighthouse, *,
               restarts_per_rank: int, say: Callable[[str], None], stop_all: Callable[[list], None],
               every_poll: Callable[[], None] = lambda: None, group_size: int = 1,
-              kill: Callable[[subprocess.Popen], None] = _kill) -> int:
+              kill: Callable[[subprocess.Popen], None] = _kill,
+              fixed: Callable[[int], str | None] = lambda rank: None, finish_closes: bool = True) -> int:
     """Run `ranks` (each `spawn(rank, incarnation)`) until all finish; restart the dead ones alone (with
     `group_size` > 1, with the rest of their worker group, which `kill` stops and waits for).
-    `every_poll()` runs at each look at the processes (the launcher starts its spares there)."""
+    `every_poll()` runs at each look at the processes (the launcher starts its spares there).
+    `fixed(rank)`: why that rank cannot restart alone (its death stops the job), or None.
+    `finish_closes`: the first rank to finish ends the restarts (synchronous groups finish together;
+    asynchronous workers do not)."""
     state = {r: _Rank(spawn(r, 0)) for r in ranks}
     try:
-        return _watch(state, spawn, lighthouse, restarts_per_rank, say, stop_all, every_poll, group_size, kill)
+        return _watch(state, spawn, lighthouse, restarts_per_rank, say, stop_all, every_poll, group_size, kill,
+                      fixed, finish_closes)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (troupe run raises it): never leave a worker behind
         stop_all([s.proc for s in state.values()])
         raise
 
 
 def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, say, stop_all, every_poll,
-           group_size: int, kill) -> int:
+           group_size: int, kill, fixed, finish_closes: bool) -> int:
     closing = False
     while True:
         now = time.monotonic()
@@ -87,7 +92,8 @@ def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, s
                 continue
             lighthouse.lost(rank, finished=code == 0)  # finished or dead, the others step on without it at once
             if code == 0:
-                s.finished = closing = True
+                s.finished = True
+                closing = closing or finish_closes
                 continue
             if closing:
                 say(f"troupe run: rank {rank} exited with {why(code)} while the job was finishing")
@@ -98,6 +104,11 @@ def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, s
                 say(f"troupe run: rank {rank} was left out of the quorum while it was paused; starting it again "
                     "to rejoin")
                 continue
+            reason = fixed(rank)
+            if reason is not None:
+                say(f"troupe run: rank {rank} exited with {why(code)}; {reason}: stopped the job")
+                stop_all([x.proc for x in state.values()])
+                return code if code > 0 else 128 - code
             if s.restarts >= restarts_per_rank:
                 say(f"troupe run: rank {rank} exited with {why(code)} and has used its {restarts_per_rank} "
                     "restarts (--restarts-per-rank); stopped the job")

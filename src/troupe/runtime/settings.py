@@ -57,6 +57,9 @@ class Settings:
     elastic: str | None = None
     """TROUPE_ELASTIC: JSON elastic options, set by `troupe run --elastic` (runtime/quorum.py)."""
     incarnation: int = 0
+    rejoin: bool = False
+    """TROUPE_REJOIN: set by `troupe run --elastic` for a parameter-server framework: a dead worker
+    restarts alone and rejoins through the servers (runtime/rejoin.py)."""
     """TROUPE_INCARNATION: how many times `troupe run --elastic` has restarted this rank."""
     cluster: str | None = None
     """TROUPE_CLUSTER: JSON, a framework name or a cluster file (parameter servers)."""

@@ -37,6 +37,9 @@ def _data_parallel_place(rank: int | None, world_size: int | None) -> tuple[int,
     world = world_mod.init()
     if world.membership.elastic:  # each worker group its own share, however many groups are present now
         return world.rank, world.world_size
+    place = getattr(world.membership, "data_place", None)
+    if place is not None:  # a parameter-server worker that restarts alone: its share among all the workers
+        return place
     if world.settings.cluster and world.comm is world.job:
         # Until the DistOpt's bootstrap has split the job, world.comm still counts the servers.
         raise RuntimeError("under a parameter-server cluster (TROUPE_CLUSTER) make the sampler after the DistOpt: "

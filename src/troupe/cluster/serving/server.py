@@ -31,6 +31,7 @@ from troupe.cluster.wire.messages import (HEADER_TAG, PAYLOAD_TAG, SPARSE, WITH_
                                      empty_header)
 from troupe.cluster.serving.serversync import ServerSync
 from troupe.cluster.serving.shard import ParamShard
+from troupe.cluster.wire.links import Links, reason
 from troupe.compress.topk import topk_count
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class ServerStats:
     rejected: int
     dead_workers: list[int]
     sync: str = ""
+    returns: int = 0
+    """`troupe run --elastic`: restarted workers that dialled back in."""
     """With several server groups: what the synchronisation with the neighbour servers did."""
 
     @property
@@ -64,6 +67,7 @@ class ServerStats:
             f"staleness mean {self.staleness_mean:.2f} max {self.staleness_max}, {self.skipped} skipped (non-finite), "
             f"{self.rejected} message(s) rejected, workers gone without stopping: {self.dead_workers or 'none'}"
             + (f"; {self.sync}" if self.sync else "")
+            + (f"; {self.returns} worker restart(s) taken back" if self.returns else "")
         )
 
 
@@ -90,8 +94,9 @@ class Server:
         wire_topk: float | None = None,
         sync: ServerSync | None = None,
         on_exit: Callable[[], None] | None = None,
+        links: Links | None = None,
     ):
-        self.comm = comm
+        self.comm = links if links is not None else comm
         self.shard = shard
         self.rank = comm.rank
         self.live = set(workers)
@@ -131,14 +136,26 @@ class Server:
         self.max_frame = (2 * len(shard.slices) + 2) * (HEADER_BYTES + 8 * max(self.max_len, shard.ngroups))
         """The largest frame a worker may send: each slice's Put and Get, and a learning rate message."""
         self._start = time.perf_counter()
+        self.links = links
+        """`troupe run --elastic`: the workers' links (`troupe.cluster.wire.links`); a worker whose link
+        fails is waited for until it dials again, restarted (None: the job's group carries the messages)."""
+        self.returning: set[int] = set()
+        """With links: workers that died and will be back (their launcher restarts them)."""
+        self.returns = 0
+        if links is not None:
+            links.on_link = self._linked
+            links.on_lost = self._link_lost
 
     def serve(self) -> ServerStats:
         """Run until every worker has stopped or died (and, with several server groups, every group has finished)."""
         self._start = time.perf_counter()
         if self.sync is not None:
             self.sync.start(self.alive)
-        threading.Thread(target=self._watch, name="troupe-ps-watch", daemon=True).start()
-        while self.live:
+        if self.links is None:
+            threading.Thread(target=self._watch, name="troupe-ps-watch", daemon=True).start()
+        else:
+            self.links.listen(self.live, empty_header)
+        while self.live or self.returning:
             raw = empty_header()
             src = self.comm.recv(raw, tag=HEADER_TAG)
             with self._lock:
@@ -147,19 +164,25 @@ class Server:
                 except MessageError as e:
                     self.rejected += 1
                     log.error("troupe server rank %d: rejected a message from rank %d: %s", self.rank, src, e)
+                except RuntimeError as e:  # with links: the worker died in the middle of its message
+                    if self.links is None:
+                        raise
+                    self._lost(src, reason(e))
                 self._progress()
+        if self.links is not None:
+            self.links.close()
         with self._lock:
             self._finish_sync()
             return self._stats()
 
     def _progress(self) -> None:
         if self.sync is not None:
-            self.sync.progress(self.live)
+            self.sync.progress(self.live | self.returning)
 
     def _finish_sync(self) -> None:
         """With several server groups: the last sync, then wait until every group has finished (lock held)."""
         if self.sync is not None:
-            self.sync.progress(self.live)
+            self.sync.progress(self.live | self.returning)
             self.sync.wait_done()
             self.sync.close()
 
@@ -174,6 +197,7 @@ class Server:
             rejected=self.rejected,
             dead_workers=sorted(self.dead),
             sync="" if self.sync is None else self.sync.stats(),
+            returns=self.returns,
         )
 
     # --- messages ----------------------------------------------------------------------
@@ -384,9 +408,40 @@ class Server:
             for tensor, tag in pack(messages):
                 self.comm.send(tensor, worker, tag)
         except RuntimeError as e:  # Gloo: "Connection closed by peer"
-            self._lost(worker, str(e).splitlines()[0])
+            self._lost(worker, reason(e))
+
+    def _linked(self, worker: int) -> None:
+        """With links: `worker` dialled (at the job's start, or restarted): serve it (again)."""
+        with self._lock:
+            if worker in self.returning:
+                self.returning.discard(worker)
+                self.returns += 1
+                print(f"troupe server rank {self.rank}: worker {worker} is back (restarted)", file=sys.stderr,
+                      flush=True)
+            self.live.add(worker)
+            self.shard.add_worker(worker)
+
+    def _link_lost(self, worker: int, why: str) -> None:
+        with self._lock:
+            self._lost(worker, why)
+            self._progress()
 
     def _lost(self, worker: int, why: str) -> None:
+        if self.links is not None:
+            if worker not in self.live:  # it said Stop already (its link then closes), or is lost already
+                return
+            self.links.lose(worker, why, tell=False)
+            print(f"troupe server rank {self.rank}: worker {worker} is gone ({why}); serving the others until it "
+                  "is back", file=sys.stderr, flush=True)
+            self.dead.append(worker)
+            self._forget(worker)
+            self.returning.add(worker)
+            # What its last life was owed dies with it: a restart starts with a Get.
+            for key in [k for k in self.no_values if k[0] == worker]:
+                del self.no_values[key]
+            for slice_id, waiting in list(self.waiting_gets.items()):
+                self.waiting_gets[slice_id] = [(w, v) for w, v in waiting if w != worker]
+            return
         if self.fail_on_death:
             print(f"troupe server rank {self.rank}: worker {worker} died ({why}); a synchronous cluster cannot "
                   "go on without it: stopping", file=sys.stderr, flush=True)

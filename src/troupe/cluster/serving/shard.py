@@ -187,6 +187,10 @@ class ParamShard:
                 done.append((k, self._maybe_apply(g, k)))
         return [(k, r) for k, r in done if r]
 
+    def add_worker(self, worker: int) -> None:
+        """Take back a worker that restarted (`troupe run --elastic`): its group waits for it again."""
+        self.members[self.group_of[worker]].add(worker)
+
     def missing(self) -> dict[tuple[int, int], set[int]]:
         """For each incomplete (group, slice): the live workers its oldest incomplete update still waits for."""
         return {key: self.holders(*key) - queue[0].senders for key, queue in self._pending.items()}

@@ -33,6 +33,7 @@ from troupe.cluster.wire import sparse
 from troupe.cluster.wire.frames import HEADER_BYTES, Inbox, pack
 from troupe.cluster.wire.messages import HEADER_TAG, PAYLOAD_TAG, SPARSE, Header, MessageError, Op, check
 from troupe.cluster.workers.layout import Layout
+from troupe.cluster.wire.links import Links
 from troupe.compress.feedback import ErrorFeedback, residual_norm
 from troupe.compress.fp16 import half_dtype
 from troupe.reliability.nonfinite import all_finite
@@ -73,10 +74,15 @@ class PSClient:
 
     name = "ps-client"
 
-    def __init__(self, cluster: ClusterConfig, role: Role, everyone: Sequence[Role], world: Communicator,
+    def __init__(self, cluster: ClusterConfig, role: Role, everyone: Sequence[Role], world: Communicator | Links,
                  params: Sequence[Tensor], bucket_size: int, optimizer: torch.optim.Optimizer,
-                 nan_policy: str = "raise", *, layout: Layout | None = None, agree: Communicator | None = None):
+                 nan_policy: str = "raise", *, layout: Layout | None = None, agree: Communicator | None = None,
+                 rejoined: bool = False, alone: Communicator | None = None):
         self.cluster, self.role, self.world = cluster, role, world
+        self.rejoined = rejoined
+        """A restarted worker (`troupe run --elastic`): the servers hold the values, it only Gets them.
+        `alone`: with links for messages (`troupe run --elastic`), the communicator of this worker alone that
+        the gradient buckets are packed on (nothing is all-reduced among the workers)."""
         self.rank = role.rank
         self.params = list(params)
         # The job parameters the servers hold: this worker's own, or a partitioned model's union.
@@ -110,7 +116,7 @@ class PSClient:
         self._pack = SendBuckets(self._hold_bucket)
         self._send = SendBuckets(self._send_bucket)
         # Nothing is all-reduced among the workers: the reducer only packs (and maybe sends) buckets.
-        self.reducer = GradReducer(self.params, world, bucket_size, hook_for_step=self._open_step,
+        self.reducer = GradReducer(self.params, alone or world, bucket_size, hook_for_step=self._open_step,
                                    describe_step=lambda: self.name, agreement=False)
         self._sends: list[Handle] = []
         self._outbox: dict[int, list[tuple[Header, Tensor | None]]] = defaultdict(list)
@@ -154,9 +160,10 @@ class PSClient:
         """Background fetch: where the thread receives each slice's fresh values until step() copies them in."""
 
     def start(self) -> None:
-        """The first worker group Puts the initial parameters (shared out among its workers); everyone Gets."""
+        """The first worker group Puts the initial parameters (shared out among its workers); everyone Gets
+        (a restarted worker only Gets: it takes the servers' values now)."""
         group, index = self.role.worker
-        if group == 0:
+        if group == 0 and not self.rejoined:
             for s in self.mine:
                 owner = self.owners[s.param] if self.owners else None
                 if (s.id % self.cluster.nworkers_per_group if owner is None else owner) == index:

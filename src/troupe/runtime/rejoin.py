@@ -1,0 +1,140 @@
+"""A parameter-server worker's membership under `troupe run --elastic`: it restarts alone and rejoins.
+
+Asynchronous workers (Downpour) share no step: there is no quorum to keep and nothing to vote on.
+A dead worker is started again by the launcher; the servers hold the parameters and the optimizer
+state, so what a restarted worker must get back is only its own: where it was in its data (the
+sampler), its step counter, its RNG, its model's buffers, and whatever else the script tracks.
+
+`Rejoining.track` takes those objects (`troupe.track`); after every step (`advance`) this worker's
+record is written to the job's store under ``ps/place/<rank>`` (one small write; the servers apply
+an update before they answer it, so the record never runs ahead of the servers). A restarted worker
+loads its last record in `track` and returns its step count; its DistOpt has fetched the servers'
+values already (`troupe.cluster.workers.ps_client.PSClient.start`). A step the worker died in after
+the servers applied it and before the record was written is taken again from the same batch
+(at least once, never lost).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("troupe.elastic")
+
+ENV_VAR = "TROUPE_REJOIN"
+"""Set ("1") by `troupe run --elastic` for a parameter-server framework."""
+
+
+def place_key(rank: int) -> str:
+    return f"ps/place/{rank}"
+
+
+class Rejoining:
+    """This process in a parameter-server job whose workers restart alone (`troupe run --elastic`)."""
+
+    elastic = False
+    """No quorum and no vote: each worker steps against the servers on its own."""
+    builds_together = True
+    """Nothing is broadcast among the workers anyway (the servers hand out the first values)."""
+    lost: tuple[type[BaseException], ...] = ()
+
+    def __init__(self, rank: int, incarnation: int, connect: Callable[[float], dist.Store], timeout: float):
+        self.rank, self.incarnation = rank, incarnation
+        self.connect = connect
+        """A new connection to the job's store (the launcher's), with this timeout in seconds."""
+        self.store = connect(timeout)
+        self.data_place: tuple[int, int] | None = None
+        """(this worker's index among the workers, the number of workers): its data shard, the same in
+        every incarnation (set by the cluster bootstrap)."""
+        self.objects: dict[str, Any] = {}
+        self.records = 0
+
+    @property
+    def rejoined(self) -> bool:
+        """This process restarts a worker that died: it joins a running job alone."""
+        return self.incarnation > 0
+
+    def vote(self, ok: bool, error: BaseException | None = None) -> bool:
+        return ok
+
+    def advance(self) -> None:
+        """After a step: write this worker's record (what a restart of it resumes from)."""
+        if self.objects:
+            self.store.set(place_key(self.rank), _record(self.objects))
+            self.records += 1
+
+    def track(self, objects: dict[str, Any]) -> int:
+        """Keep these objects' state in the store after every step; a restarted worker loads its last one
+        here and gets its step count (a fresh worker gets 0)."""
+        self.objects = dict(objects)
+        optimizer = objects.get("optimizer")
+        if not self.rejoined or not self.store.check([place_key(self.rank)]):
+            return 0  # a fresh job, or a worker that died before its first step: it starts from the beginning
+        _restore(self.store.get(place_key(self.rank)), self.objects)
+        return optimizer.step_count if optimizer is not None else 0
+
+
+def _record(objects: dict[str, Any]) -> bytes:
+    """The state a restarted worker needs of its own: not the model's parameters nor the optimizer's
+    state (the servers hold them), but the DistOpt's step counter, its model's buffers and the rest."""
+    state: dict[str, Any] = {"__rng__": torch.get_rng_state()}
+    for name, obj in objects.items():
+        if name == "optimizer":
+            state[name] = {"step_count": obj.step_count, "skipped_steps": obj.skipped_steps}
+        elif name == "model":
+            state[name] = {k: b.detach().clone() for k, b in obj.named_buffers()}
+        else:
+            state[name] = obj.state_dict()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def _restore(blob: bytes, objects: dict[str, Any]) -> None:
+    state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
+    for name, obj in objects.items():
+        if name == "optimizer":
+            obj.step_count, obj.skipped_steps = state[name]["step_count"], state[name]["skipped_steps"]
+        elif name == "model":
+            buffers = dict(obj.named_buffers())
+            with torch.no_grad():
+                for k, value in state[name].items():
+                    buffers[k].copy_(value)
+        else:
+            obj.load_state_dict(state[name])
+    torch.set_rng_state(state["__rng__"])
+
+
+class Keeper:
+    """The launcher's side: it hosts the job's store (so the store outlives any rank, and a restarted worker
+    finds the job there) and takes the supervisor's word on processes (nothing to decide: no quorum)."""
+
+    def __init__(self, ticket: Any, ranks: int):
+        from troupe.runtime.launch import open_store, token_digest_record
+
+        self._base = open_store(ticket, True, 30.0)
+        self._base.set("troupe/digest", token_digest_record(ticket.token))
+        self.store = dist.PrefixStore(f"troupe/{ticket.token}/", self._base)
+        self.ranks = ranks
+        self._formed = False
+
+    @property
+    def formed_once(self) -> bool:
+        """Every rank of the job's start has joined (the launcher then starts its spares)."""
+        if not self._formed:
+            self._formed = self.store.add("joined", 0) >= self.ranks
+        return self._formed
+
+    def lost(self, rank: int, *, finished: bool = False) -> None:
+        pass  # the servers see a worker's link fail themselves
+
+    def restarted(self, rank: int) -> None:
+        pass  # it dials its servers when it is ready
+
+    def stop(self) -> None:
+        pass  # the store goes with this process

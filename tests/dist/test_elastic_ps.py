@@ -1,0 +1,92 @@
+"""Downpour under `troupe run --elastic`: a killed worker restarts alone and rejoins through its servers.
+
+The job is tests/dist/scripts/ps_rejoin_train.py. With one worker the job is sequential SGD on the
+server, so a run with a kill must end exactly where the fault-free run's replay in one process does;
+with two workers the survivor is never restarted and no update is lost or taken twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).parent / "scripts" / "ps_rejoin_train.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+sys.path.insert(0, str(SCRIPT.parent))
+import ps_rejoin_train as job  # noqa: E402
+
+from troupe.cluster.serving.shard import plan_slices  # noqa: E402
+from troupe.script.sampling import DistributedSampler  # noqa: E402
+
+pytestmark = [pytest.mark.dist, pytest.mark.process]
+ONE_WORKER = ["-n", "2", "--nworker-groups", "1", "--nworkers-per-group", "1", "--nservers-per-group", "1"]
+
+
+def troupe_run(out: Path, mode: str, *flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "--elastic", "--framework", "downpour", *flags, str(SCRIPT),
+           str(out), mode]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def replay(steps: int) -> list[torch.Tensor]:
+    """One worker's run in one process: SGD (the server's optimizer) on its shard's batches in order."""
+    x, y = job.data()
+    sampler = DistributedSampler(len(x), rank=0, world_size=1, seed=7, tail="drop")
+    model, sgd = job.model_and_optimizer()
+    per_epoch = len(x) // job.BATCH
+    for step in range(steps):
+        epoch, b = divmod(step, per_epoch)
+        idx = sampler.indices(epoch)[b * job.BATCH:(b + 1) * job.BATCH]
+        sgd.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        sgd.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def report(out: Path, rank: int) -> dict:
+    return json.loads((out / f"rank{rank}.json").read_text())
+
+
+@pytest.mark.timeout(150)
+def test_a_lone_worker_killed_mid_run_rejoins_and_ends_where_the_fault_free_run_does(tmp_path):
+    proc = troupe_run(tmp_path, "kill", *ONE_WORKER)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = report(tmp_path, 0)
+    assert run["incarnation"] == 1 and run["resumed_at"] == job.FAULT_AT and run["steps"] == job.STEPS
+    assert [b for _, b in run["log"]] == list(range(job.FAULT_AT, job.STEPS))  # its data from where it died
+    assert "troupe server rank 1: worker 0 is back (restarted)" in proc.stderr
+    saved = torch.load(tmp_path / "rank0.pt")
+    # Its first values were the servers' after the steps it took before it died, not its own fresh ones ...
+    for got, want in zip(saved["fetched"], replay(job.FAULT_AT)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # ... and the job ends where one process taking every step ends.
+    for got, want in zip(saved["params"], replay(job.STEPS)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_twice_rejoins_each_time_while_the_other_trains_on(tmp_path):
+    proc = troupe_run(tmp_path, "kill-twice", "-n", "4")  # 2 workers (groups of one), 2 servers
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    survivor, restarted = report(tmp_path, 0), report(tmp_path, 1)
+    assert survivor["incarnation"] == 0 and survivor["steps"] == job.STEPS  # never restarted
+    assert restarted["incarnation"] == 2 and restarted["steps"] == job.STEPS
+    resumed = restarted["resumed_at"]
+    assert resumed == job.FAULT_AT + 5  # its second life resumed where its first restart had got to
+    assert [b for _, b in restarted["log"]] == list(range(resumed, job.STEPS))
+    assert proc.stderr.count("troupe run: rank 1 exited with signal 9 (SIGKILL); restarting it alone") == 2
+    # Every update of both workers reached the servers once: none lost, none taken twice.
+    updates = [int(n) for n in re.findall(r"troupe server rank \d: (\d+) slice updates", proc.stderr)]
+    model, _ = job.model_and_optimizer()
+    slices = plan_slices([p.numel() for p in model.parameters()], 2)
+    assert len(updates) == 2 and sum(updates) == 2 * job.STEPS * len(slices), proc.stderr[-2000:]
+    assert "2 worker restart(s) taken back" in proc.stderr
