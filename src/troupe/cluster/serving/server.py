@@ -415,9 +415,10 @@ class Server:
         with self._lock:
             if worker in self.returning:
                 self.returning.discard(worker)
-                self.returns += 1
-                print(f"troupe server rank {self.rank}: worker {worker} is back (restarted)", file=sys.stderr,
-                      flush=True)
+                if worker in self.shard.group_of:  # one of this server's groups (the others only say Stop here)
+                    self.returns += 1
+                    print(f"troupe server rank {self.rank}: worker {worker} is back (restarted)", file=sys.stderr,
+                          flush=True)
             self.live.add(worker)
             self.shard.add_worker(worker)
 
@@ -431,9 +432,10 @@ class Server:
             if worker not in self.live:  # it said Stop already (its link then closes), or is lost already
                 return
             self.links.lose(worker, why, tell=False)
-            print(f"troupe server rank {self.rank}: worker {worker} is gone ({why}); serving the others until it "
-                  "is back", file=sys.stderr, flush=True)
-            self.dead.append(worker)
+            if worker in self.shard.group_of:
+                print(f"troupe server rank {self.rank}: worker {worker} is gone ({why}); serving the others until "
+                      "it is back", file=sys.stderr, flush=True)
+                self.dead.append(worker)
             self._forget(worker)
             self.returning.add(worker)
             # What its last life was owed dies with it: a restart starts with a Get.

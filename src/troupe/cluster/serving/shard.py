@@ -188,8 +188,10 @@ class ParamShard:
         return [(k, r) for k, r in done if r]
 
     def add_worker(self, worker: int) -> None:
-        """Take back a worker that restarted (`troupe run --elastic`): its group waits for it again."""
-        self.members[self.group_of[worker]].add(worker)
+        """Take back a worker that restarted (`troupe run --elastic`): its group waits for it again (a worker
+        of another server group's groups only says Stop here)."""
+        if worker in self.group_of:
+            self.members[self.group_of[worker]].add(worker)
 
     def missing(self) -> dict[tuple[int, int], set[int]]:
         """For each incomplete (group, slice): the live workers its oldest incomplete update still waits for."""
