@@ -10,6 +10,7 @@ leaves are `chaos_summary`'s: events.jsonl, faults.jsonl, final.jsonl (plus logs
 
     troupe bench chaos --out runs/kill30 --kill-every 30 --duration 300
     troupe bench chaos --out runs/diloco30 --kill-every 30 --duration 300 --diloco 50
+    troupe bench chaos --out runs/downpour30 --kill-every 30 --duration 300 --downpour 2
     python -m troupe.bench.chaos job OUT     # one worker (what troupe run starts)
 """
 
@@ -93,6 +94,12 @@ class Driver:
         if args.diloco:  # troupe run's flags, before the script
             at = cmd.index("--ranks")
             cmd[at:at] = ["--framework", "diloco", "--sync-freq", str(args.diloco)]
+        if args.downpour:  # the workers are the groups; the servers (never killed) come on top, no quorum
+            at = cmd.index("-n")
+            cmd[at:at + 2] = []
+            at = cmd.index("--min-groups")
+            cmd[at:at + 2] = ["--framework", "downpour", "--nworker-groups", str(args.groups), "--nworkers-per-group",
+                              "1", "--nserver-groups", str(args.downpour), "--nservers-per-group", "1"]
         env = {**os.environ, "TROUPE_CHAOS_T0": repr(self.t0), "OMP_NUM_THREADS": "1"}
         self.launcher_log = (self.out / "launcher.log").open("w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.launcher_log, stderr=subprocess.STDOUT)
@@ -244,6 +251,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spars", type=float, default=None, help="sparseTopK/sparseThreshold: spars (the DistOpt default when not given)")
     p.add_argument("--diloco", type=int, default=None, metavar="H",
                    help="DiLoCo over the elastic groups (troupe run --framework diloco --sync-freq H)")
+    p.add_argument("--downpour", type=int, default=None, metavar="S",
+                   help="Downpour: the groups are asynchronous workers of S server groups of one server each "
+                        "(troupe run --framework downpour; only workers are killed)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -147,14 +147,15 @@ def _stop_figures(times: dict[int, list[float]], faults: Sequence[dict[str, Any]
     return out
 
 
-def _final_figures(finals: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Mean accuracy over the groups that reported one, and whether all hashes agree."""
+def _final_figures(finals: Sequence[dict[str, Any]], asynchronous: bool = False) -> dict[str, Any]:
+    """Mean accuracy over the groups that reported one, and whether all hashes agree (None for
+    asynchronous workers: each holds the servers' values of its own last fetch)."""
     accs = [f["eval_acc"] for f in finals if f.get("eval_acc") is not None]
     hashes = [f.get("params_sha256") for f in finals]
     return {
         "groups_final": len(finals),
         "final_acc": statistics.fmean(accs) if accs else None,
-        "bit_identical": bool(hashes) and None not in hashes and len(set(hashes)) == 1,
+        "bit_identical": None if asynchronous else bool(hashes) and None not in hashes and len(set(hashes)) == 1,
         "nonzero_exits": sum(1 for f in finals if f.get("exit_code") not in (0, None)),
     }
 
@@ -214,8 +215,18 @@ def summarize(out_dir: str | Path) -> dict[str, Any]:
         "bad_event_lines": bad_events,
         "per_kill": kills,
         "per_stop": stops,
-        **_final_figures(finals),
+        **_final_figures(finals, asynchronous=_asynchronous(out_dir)),
     }
+
+
+def _asynchronous(out_dir: Path) -> bool:
+    """A run of asynchronous workers (`troupe bench chaos --downpour`): they never hold the same values."""
+    path = out_dir / "args.json"
+    return path.exists() and bool(json.loads(path.read_text()).get("downpour"))
+
+
+def _yes_no(v: bool | None) -> str:
+    return "n/a (asynchronous)" if v is None else "yes" if v else "no"
 
 
 def _fmt(v: float | None, digits: int = 2) -> str:
@@ -243,5 +254,5 @@ def markdown_table(runs: dict[str, dict[str, Any]], reference: str) -> str:
             f"| {name} | {s['samples_per_s']:.0f} | {_fmt(kept)} | {_fmt(kept_pace)} | {s['kills']} "
             f"| {_fmt(s['recovery_p50'], 1)} / {_fmt(s['recovery_p99'], 1)} "
             f"| {_fmt(s['stall_p50'], 1)} / {_fmt(s['stall_p99'], 1)} "
-            f"| {s['crashes']} | {s['hangs']} | {s['progress_lost_steps']} | {_fmt(acc)} | {'yes' if s['bit_identical'] else 'no'} |")
+            f"| {s['crashes']} | {s['hangs']} | {s['progress_lost_steps']} | {_fmt(acc)} | {_yes_no(s['bit_identical'])} |")
     return "\n".join(rows)

@@ -253,6 +253,8 @@ def _rejoining_job(cluster: ClusterConfig, runtime: World, membership: Rejoining
                          f"partition_dim {cluster.partition_dim!r}")
     timeout = runtime.settings.ps_timeout
     workers = [r.rank for r in everyone if r.worker]
+    if runtime.watchdog is not None:
+        runtime.watchdog.unwatched = set(workers)
     links = Links(membership.store, role.rank, timeout, connect=lambda: membership.connect(LINK_FORM_SECONDS))
     if role.worker is not None:
         membership.data_place = (workers.index(role.rank), len(workers))

@@ -93,6 +93,9 @@ class Watchdog:
         """Ranks the job goes on without (asynchronous parameter-server workers): their silence is
         reported once, not fatal; `alive()` then says False and their servers forget them."""
         self._forgotten: set[int] = set()
+        self.unwatched: set[int] = set()
+        """Ranks whose silence means nothing here: workers that restart alone (`troupe run --elastic` over
+        parameter servers; their servers watch their links, and a restarted one does not beat)."""
         self._stop = threading.Event()
         self._beat()
         self._thread = threading.Thread(target=self._run, name="troupe-watchdog", daemon=True)
@@ -240,7 +243,8 @@ class Watchdog:
                 log.warning("troupe: rank %d refused %d join attempt(s) with a wrong ticket token at step %d "
                             "(%d in all); the job runs on", self.rank, refused - self.refused, self.step, refused)
                 self.refused = refused
-        silent = {r: (age, step) for r, (age, step, _) in peers.items() if age > self.peer_timeout}
+        silent = {r: (age, step) for r, (age, step, _) in peers.items()
+                  if age > self.peer_timeout and r not in self.unwatched}
         for r in sorted(set(silent) & self.expendable - self._forgotten):
             self._forgotten.add(r)
             print(f"troupe: rank {self.rank}: rank {r} sent no heartbeat for {silent[r][0]:.0f}s (last heard at step "
