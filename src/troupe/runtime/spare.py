@@ -73,7 +73,9 @@ class Spares:
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit("usage: python -m troupe.runtime.spare SCRIPT [ARGS...] (started by troupe run --elastic)")
-    for module in ("torch", "torch.distributed", "troupe"):  # the point: imported before a rank is needed
+    # The point: imported before a rank is needed. torch.optim's optimizers import torch._dynamo when the
+    # first one is made (1 s on a quiet 2-core host, 3.5 s beside a busy job's workers).
+    for module in ("torch", "torch.distributed", "torch._dynamo", "troupe"):
         importlib.import_module(module)
     line = sys.stdin.readline()
     if not line:  # the launcher closed our stdin without a rank: the job is over
