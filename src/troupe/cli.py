@@ -313,6 +313,12 @@ def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
         return {}
     if args.elastic and cluster.framework == "diloco":  # elastic DiLoCo's groups are a quorum's
         cluster = dataclasses.replace(cluster, elastic=True)
+    elif args.elastic:  # Downpour: its workers restart alone
+        from troupe.cluster.bootstrap import rejoining_problem
+
+        problem = rejoining_problem(cluster)
+        if problem:
+            raise ValueError(problem)
     if cluster.nprocs % args.nnodes:
         raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {args.nnodes}")
     args.nproc = cluster.nprocs // args.nnodes
@@ -410,11 +416,11 @@ def _check_elastic(args: argparse.Namespace) -> None:
     if args.max_restarts:
         raise ValueError("--elastic restarts a dead rank alone; --max-restarts restarts the whole job: give one")
     cluster_flags = {k: v for k, v in given(args).items() if v is not None and k != "nworker_groups"}
-    diloco, downpour = args.framework == "diloco", args.framework == "downpour"
+    diloco, downpour = args.framework == "diloco", args.framework in ("downpour", "sandblaster")
     if (args.framework and not (diloco or downpour)) or args.cluster or (cluster_flags and not (diloco or downpour)) \
             or settings.current().cluster:
         raise ValueError("--elastic runs data parallelism over worker groups, --framework diloco, or --framework "
-                         "downpour (its workers restart alone); not other parameter-server frameworks or "
+                         "downpour or sandblaster (their workers restart alone); not Hogwild, AllReduce or "
                          "partition yet (--framework/--cluster/cluster flags other than --nworker-groups)")
     if downpour:
         _check_elastic_downpour(args)
@@ -447,16 +453,17 @@ def _check_elastic(args: argparse.Namespace) -> None:
 
 
 def _check_elastic_downpour(args: argparse.Namespace) -> None:
-    """Downpour under --elastic: no quorum (its workers step alone against the servers), so the quorum's
-    flags mean nothing there; one node (its launcher hosts the store the restarted workers find the job by)."""
+    """Downpour or Sandblaster under --elastic: no quorum (each worker talks to the servers alone), so the
+    quorum's flags mean nothing there; one node (its launcher hosts the store the restarted workers find
+    the job by)."""
     for flag, value in (("--min-groups", args.min_groups), ("--max-groups", args.max_groups),
                         ("--elastic-batch", args.elastic_batch), ("--evict-after", args.evict_after),
                         ("--elastic-timeout", args.elastic_timeout)):
         if value is not None:
-            raise ValueError(f"{flag} is for synchronous elastic groups (a quorum); under --framework downpour each "
-                             "worker steps alone against the servers: leave it out")
+            raise ValueError(f"{flag} is for synchronous elastic groups (a quorum); under --framework "
+                             f"{args.framework} each worker talks to the servers alone: leave it out")
     if args.nnodes > 1:
-        raise ValueError("--elastic --framework downpour runs on one node (--nnodes 1) for now")
+        raise ValueError(f"--elastic --framework {args.framework} runs on one node (--nnodes 1) for now")
     if args.restarts_per_rank < 0:
         raise ValueError(f"--restarts-per-rank must be >= 0, got {args.restarts_per_rank}")
     if args.spares is not None and args.spares < 0:

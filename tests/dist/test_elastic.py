@@ -394,8 +394,11 @@ def test_on_two_nodes_each_launcher_restarts_its_own_ranks(tmp_path):
     (["--min-groups", "1"], "min_groups must be >= 2"),
     (["--max-restarts", "2", "--checkpoint-dir", "ck"], "--elastic restarts a dead rank alone; --max-restarts"),
     (["--framework", "hogwild"], "--elastic runs data parallelism over worker groups, --framework diloco, or "
-                                 "--framework downpour (its workers restart alone); not other parameter-server"),
+                                 "--framework downpour or sandblaster (their workers restart alone); not Hogwild"),
     (["--framework", "downpour", "--min-groups", "2"], "--min-groups is for synchronous elastic groups (a quorum)"),
+    (["--framework", "downpour", "--nworker-groups", "3", "--nworkers-per-group", "1", "--nserver-groups", "3",
+      "--nservers-per-group", "1", "--no-server-worker-separate"],
+     "--elastic runs a parameter-server job whose servers are separate (Downpour, Sandblaster), without partition"),
     (["--spares", "-1"], "--spares must be >= 0, got -1"),
     (["--nworker-groups", "1"], "--elastic --nworker-groups needs at least 2 worker groups"),
     (["-n", "4", "--nworker-groups", "3"],

@@ -1,4 +1,5 @@
-"""Downpour under `troupe run --elastic`: a killed worker restarts alone and rejoins through its servers.
+"""Downpour and Sandblaster under `troupe run --elastic`: a killed worker restarts alone and rejoins
+through its servers.
 
 The job is tests/dist/scripts/ps_rejoin_train.py. With one worker the job is sequential SGD on the
 server, so a run with a kill must end exactly where the fault-free run's replay in one process does;
@@ -31,8 +32,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.process]
 ONE_WORKER = ["-n", "2", "--nworker-groups", "1", "--nworkers-per-group", "1", "--nservers-per-group", "1"]
 
 
-def troupe_run(out: Path, mode: str, *flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "troupe.cli", "run", "--elastic", "--framework", "downpour", *flags, str(SCRIPT),
+def troupe_run(out: Path, mode: str, *flags: str, framework: str = "downpour", timeout: float = 120
+               ) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "--elastic", "--framework", framework, *flags, str(SCRIPT),
            str(out), mode]
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
@@ -94,3 +96,18 @@ def test_a_worker_killed_twice_rejoins_each_time_while_the_others_train_on_under
     assert updates == [2 * job.STEPS * len(slices)] * 2, proc.stderr[-2000:]
     assert proc.stderr.count("2 worker restart(s) taken back") == 1  # worker 3's server group only
     assert proc.stderr.count("worker 3 is back (restarted)") == 2
+
+
+@pytest.mark.timeout(150)
+def test_a_sandblaster_worker_killed_mid_run_rejoins_its_synchronous_group(tmp_path):
+    # One group of 2 workers and one server: while worker 1 is away the group's updates are worker 0's
+    # alone (nobody waits for the dead one); back, it takes part in the group's next update again.
+    proc = troupe_run(tmp_path, "kill", "--nworker-groups", "1", "--nworkers-per-group", "2",
+                      "--nservers-per-group", "1", framework="sandblaster")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    survivor, restarted = report(tmp_path, 0), report(tmp_path, 1)
+    assert survivor["incarnation"] == 0 and survivor["steps"] == job.STEPS
+    assert restarted["incarnation"] == 1 and restarted["resumed_at"] == job.FAULT_AT
+    assert restarted["steps"] == job.STEPS
+    assert "troupe server rank 2: worker 1 is back (restarted)" in proc.stderr
+    assert ", 0 message(s) rejected," in proc.stderr

@@ -46,7 +46,7 @@ from troupe.cluster.workers import layout
 from troupe.cluster.workers.layout import Layout, trainable
 from troupe.compress.fp16 import half_dtype
 from troupe.cluster.wire.links import Links
-from troupe.runtime.comm import Communicator, _Outside
+from troupe.runtime.comm import Communicator, Outside
 from troupe.runtime.rejoin import Rejoining
 from troupe.runtime.launch import DistInfo
 from troupe.runtime.world import World, init, shutdown
@@ -240,17 +240,24 @@ def join(cluster: ClusterConfig, runtime: World) -> Job:
                processes_comms, timeout, server_channel=server_channel, place_comms=place_comms)
 
 
+def rejoining_problem(cluster: ClusterConfig) -> str | None:
+    """Why `cluster`'s workers cannot restart alone (`troupe run --elastic`), or None."""
+    if cluster.partition_dim is not None or not cluster.server_worker_separate:
+        return ("--elastic runs a parameter-server job whose servers are separate (Downpour, Sandblaster), without "
+                f"partition; got server_worker_separate {cluster.server_worker_separate}, partition_dim "
+                f"{cluster.partition_dim!r}")
+    return None
+
+
 def _rejoining_job(cluster: ClusterConfig, runtime: World, membership: Rejoining, everyone: list[Role],
                    role: Role) -> Job:
     """A rank of a parameter-server job whose workers restart alone (`troupe run --elastic`): its messages
     travel on links (`troupe.cluster.wire.links`), and its workers share no collective, so a restarted one
     needs nobody but its servers. The job's first processes still meet in one group, for the servers'
     own channel and the exchange of the job's description (which a restarted worker reads from the store)."""
-    if cluster.partition_dim is not None or not cluster.server_worker_separate or cluster.nworkers_per_group > 1:
-        raise ValueError("troupe run --elastic runs a parameter-server job whose worker groups are one worker each "
-                         "and whose servers are separate (Downpour), without partition; got nworkers_per_group "
-                         f"{cluster.nworkers_per_group}, server_worker_separate {cluster.server_worker_separate}, "
-                         f"partition_dim {cluster.partition_dim!r}")
+    problem = rejoining_problem(cluster)
+    if problem:
+        raise ValueError(problem)
     timeout = runtime.settings.ps_timeout
     workers = [r.rank for r in everyone if r.worker]
     if runtime.watchdog is not None:
@@ -273,8 +280,9 @@ def _rejoining_job(cluster: ClusterConfig, runtime: World, membership: Rejoining
 
 
 def _own_group(cluster: ClusterConfig, role: Role, solo: Communicator) -> list:
-    """A worker's group communicators when each worker is a group of one: its own is itself."""
-    return [solo if role.worker is not None and g == role.worker[0] else _Outside()
+    """A worker's group communicators when its workers share no collective (each talks to the servers
+    alone; only a partitioned model's workers would, and partition is refused here): its own is itself."""
+    return [solo if role.worker is not None and g == role.worker[0] else Outside()
             for g in range(cluster.nworker_groups)]
 
 

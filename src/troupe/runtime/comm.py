@@ -484,13 +484,13 @@ class Communicator:
         kwargs = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
         group = dist.new_group(sorted(ranks), **kwargs)
         if dist.get_rank() not in ranks:
-            return _Outside()
+            return Outside()
         comm = Communicator(group, watchdog=self.watchdog, recorder=self.recorder, totals=self._totals)
         comm.escape = self.escape
         return comm
 
 
-class _Outside:
+class Outside:
     """What `new_group` returns on a rank outside the group: using it is a bug."""
 
     def __getattr__(self, name: str):

@@ -41,34 +41,6 @@ DEFAULT_JOIN_TIMEOUT = 60.0
 """Seconds every rank waits for the whole world to join before giving up."""
 DEFAULT_TIMEOUT = 300.0
 """Seconds a collective may wait before the backend gives up."""
-def _join_rejoining(env: Settings, how: _Launch, backend: str, timeout: float, join_timeout: float) -> Joined:
-    """A parameter-server rank whose workers restart alone (`troupe run --elastic --framework downpour`):
-    the job's first processes meet in one process group through the launcher's store, as usual; a
-    restarted worker stands in a group of its own and rejoins through its servers (runtime/rejoin.py)."""
-    from troupe.runtime.rejoin import Rejoining
-
-    if how.launcher != "troupe":
-        raise ValueError(f"TROUPE_REJOIN is set but this process was started by {how.launcher}: a worker that "
-                         "restarts alone needs `troupe run --elastic` (its launcher restarts a dead worker)")
-    ticket = how.ticket
-
-    def connect(seconds: float) -> dist.Store:
-        return dist.PrefixStore(f"troupe/{ticket.token}/", open_store(ticket, False, seconds))
-
-    membership = Rejoining(how.rank, env.incarnation, connect, join_timeout)
-    _gloo_interface(ticket, backend)
-    pg_timeout = datetime.timedelta(seconds=timeout)
-    side, keep = None, []
-    if membership.rejoined:
-        check_token(open_store(ticket, False, join_timeout), ticket, how.rank)
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout)
-    else:  # the launcher hosts the store: no rank is its master
-        store = _join(ticket, how.rank, how.world_size, join_timeout, keep, host=False)
-        dist.init_process_group(backend, store=store, rank=how.rank, world_size=how.world_size, timeout=pg_timeout)
-        side = SideStore(ticket.addr, ticket.port, f"troupe/{ticket.token}/", env.store_timeout)
-    info = DistInfo(how.rank, how.local_rank, how.world_size, how.local_world, _device(backend, how.local_rank),
-                    backend, "troupe")
-    return Joined(info, side, keep, membership=membership)
 
 
 @dataclass(frozen=True)
@@ -227,6 +199,36 @@ def _join_elastic(env: Settings, how: _Launch, backend: str, join_timeout: float
     info = DistInfo(how.rank, how.local_rank, how.world_size, how.local_world, _device(backend, how.local_rank),
                     backend, "troupe-elastic")
     return Joined(info, None, membership=membership)
+
+
+def _join_rejoining(env: Settings, how: _Launch, backend: str, timeout: float, join_timeout: float) -> Joined:
+    """A parameter-server rank whose workers restart alone (`troupe run --elastic --framework downpour`):
+    the job's first processes meet in one process group through the launcher's store, as usual; a
+    restarted worker stands in a group of its own and rejoins through its servers (runtime/rejoin.py)."""
+    from troupe.runtime.rejoin import Rejoining
+
+    if how.launcher != "troupe":
+        raise ValueError(f"TROUPE_REJOIN is set but this process was started by {how.launcher}: a worker that "
+                         "restarts alone needs `troupe run --elastic` (its launcher restarts a dead worker)")
+    ticket = how.ticket
+
+    def connect(seconds: float) -> dist.Store:
+        return dist.PrefixStore(f"troupe/{ticket.token}/", open_store(ticket, False, seconds))
+
+    membership = Rejoining(how.rank, env.incarnation, connect, join_timeout)
+    _gloo_interface(ticket, backend)
+    pg_timeout = datetime.timedelta(seconds=timeout)
+    side, keep = None, []
+    if membership.rejoined:
+        check_token(open_store(ticket, False, join_timeout), ticket, how.rank)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=pg_timeout)
+    else:  # the launcher hosts the store: no rank is its master
+        store = _join(ticket, how.rank, how.world_size, join_timeout, keep, host=False)
+        dist.init_process_group(backend, store=store, rank=how.rank, world_size=how.world_size, timeout=pg_timeout)
+        side = SideStore(ticket.addr, ticket.port, f"troupe/{ticket.token}/", env.store_timeout)
+    info = DistInfo(how.rank, how.local_rank, how.world_size, how.local_world, _device(backend, how.local_rank),
+                    backend, "troupe")
+    return Joined(info, side, keep, membership=membership)
 
 
 @dataclass(frozen=True)

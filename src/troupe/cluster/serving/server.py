@@ -53,9 +53,9 @@ class ServerStats:
     rejected: int
     dead_workers: list[int]
     sync: str = ""
+    """With several server groups: what the synchronisation with the neighbour servers did."""
     returns: int = 0
     """`troupe run --elastic`: restarted workers that dialled back in."""
-    """With several server groups: what the synchronisation with the neighbour servers did."""
 
     @property
     def updates_per_second(self) -> float:

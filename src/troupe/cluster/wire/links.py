@@ -157,6 +157,10 @@ class Links:
         link = self._link(dst)
         return Handle(link.group.send([tensor.contiguous()], link.other, tag), label=f"a message to rank {dst}")
 
+    def irecv(self, tensor: Tensor, src: int, tag: int = 0) -> Handle:
+        link = self._link(src)
+        return Handle(link.group.recv([tensor], link.other, tag), label=f"a message from rank {src}")
+
     def recv(self, tensor: Tensor, src: int | None = None, tag: int = 0) -> int:
         """Receive into `tensor` from `src`; from any worker when None (a server's next header)."""
         if src is None:
