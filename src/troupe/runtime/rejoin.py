@@ -53,6 +53,7 @@ class Rejoining:
         every incarnation (set by the cluster bootstrap)."""
         self.objects: dict[str, Any] = {}
         self.records = 0
+        self._warned = False
 
     @property
     def rejoined(self) -> bool:
@@ -63,10 +64,15 @@ class Rejoining:
         return ok
 
     def advance(self) -> None:
-        """After a step: write this worker's record (what a restart of it resumes from)."""
+        """After a step: write this worker's record (what a restart of it resumes from; 250 us a step
+        for the MNIST CNN's, beside a 68 ms step)."""
         if self.objects:
             self.store.set(place_key(self.rank), _record(self.objects))
             self.records += 1
+        elif self.rejoined and not self._warned:
+            self._warned = True
+            log.warning("troupe: rank %d restarted, but its script does not call troupe.track(...) before its loop: "
+                        "it takes its data from the beginning again", self.rank)
 
     def track(self, objects: dict[str, Any]) -> int:
         """Keep these objects' state in the store after every step; a restarted worker loads its last one

@@ -178,6 +178,8 @@ class Links:
             what, link, *more = self._inbox.get()
             current = self._links.get(link.peer)
             if what == "link":
+                if current is not None and int(link.token) < int(current.token):
+                    continue  # an older life's link that formed late (it died meanwhile): never used
                 if current is not None and not current.lost:
                     current.lost = True  # an older incarnation, its loss not seen yet: it is gone
                     self.on_lost(link.peer, f"it started again (incarnation {link.token})")
