@@ -403,7 +403,7 @@ def test_on_two_nodes_each_launcher_restarts_its_own_ranks(tmp_path):
     (["--nworker-groups", "1"], "--elastic --nworker-groups needs at least 2 worker groups"),
     (["-n", "4", "--nworker-groups", "3"],
      "-n 4 processes do not split into --nworker-groups 3 groups of equal size"),
-    (["--nworker-groups", "2", "--nserver-groups", "2"], "not other parameter-server frameworks or partition yet"),
+    (["--nworker-groups", "2", "--nserver-groups", "2"], "not Hogwild, AllReduce or partition yet"),
     (["--framework", "diloco", "--sync-freq", "4", "--delay", "1"], "elastic DiLoCo needs delay 0, got 1"),
     (["--framework", "diloco", "--elastic-batch", "constant"], "--elastic-batch constant weighs each step's"),
     (["--max-groups", "4"], "max_groups (4) must be from min_groups (2) to the job's 3 worker groups"),

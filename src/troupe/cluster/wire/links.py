@@ -80,7 +80,6 @@ class Links:
         self._inbox: queue.Queue = queue.Queue()
         self._held: _Link | None = None
         """The link whose last header the loop took: its reader waits until the loop asks for the next one."""
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self.on_link: Callable[[int], None] = lambda peer: None
         """A worker's new link is in use (the server takes it back, or in for the first time)."""
