@@ -78,16 +78,6 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "tests/dist/test_bucket_view.py",
         "tests/dist/test_graph_mode.py",
         "tests/dist/test_install.py",
-        "tests/dist/test_ddp_tutorial.py::test_three_lines_from_ddp_to_troupe",
-        "tests/dist/test_elastic.py::test_frozen_worker_is_evicted_and_comes_back_after_sigcont",
-        "tests/dist/test_elastic.py::test_a_frozen_process_takes_its_group_out_until_sigcont",
-        "tests/dist/test_elastic.py::test_constant_batch_steps_are_the_fault_free_runs_steps",
-        "tests/dist/test_elastic.py::test_diloco_over_elastic_groups_of_two_heals_place_by_place_and_replays",
-        "tests/dist/test_elastic.py::test_too_few_groups_wait_for_restarts_then_train_on_compressed",
-        "tests/dist/test_elastic.py::test_killed_and_raising_workers_restart_alone_and_heal",
-        "tests/dist/test_elastic.py::test_on_two_nodes_each_launcher_restarts_its_own_ranks",
-        "tests/dist/test_elastic.py::test_a_killed_process_restarts_its_whole_group_which_heals_place_by_place",
-        "tests/dist/test_elastic_ps.py",
     ),
 }
 """Marker -> the test ids (or their beginnings: a file, a test's name before its parameters) it marks."""

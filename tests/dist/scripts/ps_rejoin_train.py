@@ -26,7 +26,7 @@ from torch import nn
 
 import troupe
 
-STEPS, BATCH, SAMPLES, FAULT_AT = 30, 8, 720, 9
+STEPS, BATCH, SAMPLES, FAULT_AT = 24, 8, 720, 7
 
 
 def data():
@@ -74,7 +74,7 @@ def main(out: Path, mode: str) -> None:
             opt.step()
             opt.zero_grad()
             log.append([epoch, b])
-            time.sleep(0.02)
+            time.sleep(0.01)
         epoch += 1
     torch.save({"params": [p.detach() for p in model.parameters()], "fetched": fetched}, out / f"rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps({
