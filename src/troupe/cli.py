@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     elastic = run.add_argument_group("elastic worker groups (a dead worker restarts alone; the others train on)")
     elastic.add_argument("--elastic", action="store_true",
                          help="every process is a worker group of one (with --nworker-groups G: G groups of -n/G "
-                              "processes); a dead process restarts with its group, which rejoins")
+                              "processes); a dead process restarts with its group, which rejoins. With --framework "
+                              "downpour or sandblaster: a dead worker restarts alone and rejoins through the servers")
     elastic.add_argument("--min-groups", type=int, default=None,
                          help="--elastic: steps need at least K groups present (default 2)")
     elastic.add_argument("--max-groups", type=int, default=None,
@@ -81,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="--elastic: restarts each rank may use before the job stops (default 10)")
     elastic.add_argument("--spares", type=int, default=None,
                          help="--elastic: processes kept started (torch imported) to take a restarted rank's place "
-                              "(default: one group's processes, started once the job has formed; 0: none)")
+                              "(default: one group's processes, or one under a parameter-server framework, started "
+                              "once the job has formed; 0: none)")
     elastic.add_argument("--evict-after", type=float, default=None,
                          help="--elastic: seconds without a heartbeat before a worker is left out (default 5)")
     elastic.add_argument("--elastic-timeout", type=float, default=None,
