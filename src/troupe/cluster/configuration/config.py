@@ -292,7 +292,9 @@ class ClusterConfig:
         servers = [f"{name} {getattr(self, name)!r}" for name in fields if getattr(self, name) != _FIELDS[name].default]
         if servers:
             raise ValueError(f"elastic: true runs synchronous data parallelism (or DiLoCo) over elastic worker "
-                             f"groups, without servers or partition (not yet): leave out {', '.join(servers)}")
+                             f"groups, without servers or partition (not yet): leave out {', '.join(servers)} "
+                             "(Downpour's or Sandblaster's workers restart alone under troupe run --elastic "
+                             "--framework downpour|sandblaster, with the cluster as flags)")
         if diloco:
             self._check_diloco()
             if self.delay:
