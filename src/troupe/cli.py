@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 
 from troupe.runtime import settings
 from troupe.runtime.rankio import RankOutput, parse_ranks
@@ -595,8 +596,6 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT
     from troupe.runtime.lighthouse import Lighthouse, Reporter
     from troupe.runtime.quorum import ENV_VAR, ElasticOptions
-    from troupe.runtime.restarts import supervise
-    from troupe.runtime.spare import Spares
 
     ticket = _ticket(args)
     given = {"timeout": args.elastic_timeout, "evict_after": args.evict_after, "batch": args.elastic_batch,
@@ -610,7 +609,27 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     lighthouse = Lighthouse(ticket, options, say=say).start() if args.node_rank == 0 \
         else Reporter(ticket, settings.current().join_timeout or DEFAULT_JOIN_TIMEOUT)
     start = _Starter(args, {**extra_env, ENV_VAR: options.encode()}, ticket)
-    output = getattr(args, "output", None)
+    # Spares start once the first quorum has formed, not before: their imports would slow the ranks' start.
+    count = options.group_size if args.spares is None else args.spares  # default: a whole group's worth
+    first = args.node_rank * args.nproc
+    try:
+        code = _supervise_restarting(args, start, lighthouse, count, list(range(first, first + args.nproc)),
+                                     say, group_size=options.group_size)
+        if code == 0 and args.nnodes > 1 and args.node_rank == 0:
+            _keep_store_until_done(lighthouse, options)
+        return code
+    finally:
+        lighthouse.stop()
+
+
+def _supervise_restarting(args: argparse.Namespace, start: _Starter, house, spare_count: int, ranks: list[int],
+                          say: Callable[[str], None], **more) -> int:
+    """Supervise `ranks` under --elastic (runtime/restarts.py): a restart runs in a warm spare once `house`
+    (the lighthouse, or elastic parameter servers' keeper) says the job has formed; SIGTERM and Ctrl-C
+    stop every rank (130). `more`: the rest of `supervise`'s settings."""
+    from troupe.runtime.restarts import supervise
+    from troupe.runtime.spare import Spares
+
     spares = None
 
     def spawn(rank: int, incarnation: int) -> subprocess.Popen:
@@ -620,78 +639,46 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
 
     def start_spares() -> None:
         nonlocal spares
-        # Once the first quorum has formed, not before: a spare's imports would slow the ranks' start.
-        count = options.group_size if args.spares is None else args.spares  # default: a whole group's worth
-        if spares is None and count and lighthouse.formed_once:
-            spares = Spares(count, start.spare)
+        if spares is None and spare_count and house.formed_once:
+            spares = Spares(spare_count, start.spare)
 
     def terminated(*_sig):
-        raise KeyboardInterrupt  # the supervisor stops every worker, then we exit 143
+        raise KeyboardInterrupt  # the supervisor stops every worker
 
     old = signal.signal(signal.SIGTERM, terminated)
-    first = args.node_rank * args.nproc
     try:
-        code = supervise(spawn, list(range(first, first + args.nproc)), lighthouse,
-                         restarts_per_rank=args.restarts_per_rank, say=say, stop_all=_stop_all,
-                         every_poll=start_spares, group_size=options.group_size, kill=_kill_now)
-        if code == 0 and args.nnodes > 1 and args.node_rank == 0:
-            _keep_store_until_done(lighthouse, options)
-        return code
+        return supervise(spawn, ranks, house, restarts_per_rank=args.restarts_per_rank, say=say,
+                         stop_all=_stop_all, every_poll=start_spares, kill=_kill_now, **more)
     except KeyboardInterrupt:
         return 130
     finally:
         signal.signal(signal.SIGTERM, old)
         if spares is not None:
             spares.stop()
-        lighthouse.stop()
+        output = getattr(args, "output", None)
         if output is not None:
             output.drain()
 
 
 def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
-    """--elastic over a parameter-server job (Downpour): this launcher hosts the job's store; a dead worker
-    restarts alone and rejoins through the servers (runtime/rejoin.py); a dead server ends the job."""
+    """--elastic over a parameter-server job (Downpour, Sandblaster): this launcher hosts the job's store; a
+    dead worker restarts alone and rejoins through the servers (runtime/rejoin.py); a dead server ends the job."""
     from troupe.runtime.rejoin import ENV_VAR, Keeper
-    from troupe.runtime.restarts import supervise
-    from troupe.runtime.spare import Spares
 
     ticket = _ticket(args)
     keeper = Keeper(ticket, args.nproc)
     start = _Starter(args, {**extra_env, ENV_VAR: "1"}, ticket)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    spares = None
-
-    def spawn(rank: int, incarnation: int) -> subprocess.Popen:
-        if incarnation == 0 or spares is None:
-            return start(rank, TROUPE_INCARNATION=str(incarnation))
-        return start.from_spare(spares, rank, TROUPE_INCARNATION=str(incarnation))
-
-    def start_spares() -> None:
-        nonlocal spares
-        count = 1 if args.spares is None else args.spares
-        if spares is None and count and keeper.formed_once:  # once every rank has joined: not during their start
-            spares = Spares(count, start.spare)
 
     def fixed(rank: int) -> str | None:
         return "a server cannot restart alone (its slices have no live copy to take over yet)" \
             if rank in args.servers else None
 
-    def terminated(*_sig):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, terminated)
     try:
-        return supervise(spawn, list(range(args.nproc)), keeper, restarts_per_rank=args.restarts_per_rank, say=say,
-                         stop_all=_stop_all, every_poll=start_spares, kill=_kill_now, fixed=fixed, finish_closes=False)
-    except KeyboardInterrupt:
-        return 130
+        return _supervise_restarting(args, start, keeper, 1 if args.spares is None else args.spares,
+                                     list(range(args.nproc)), say, fixed=fixed, finish_closes=False)
     finally:
-        signal.signal(signal.SIGTERM, old)
-        if spares is not None:
-            spares.stop()
         keeper.stop()
-        if args.output is not None:
-            args.output.drain()
 
 
 def _keep_store_until_done(lighthouse, options) -> None:

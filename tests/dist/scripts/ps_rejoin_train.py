@@ -22,22 +22,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from elastic_train import data, model_and_optimizer  # the same data and model as the synchronous jobs
 
 import troupe
 
 STEPS, BATCH, SAMPLES, FAULT_AT = 24, 8, 720, 7
-
-
-def data():
-    g = torch.Generator().manual_seed(123)
-    return torch.randn(SAMPLES, 8, generator=g), torch.randint(0, 4, (SAMPLES,), generator=g)
-
-
-def model_and_optimizer():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
 def main(out: Path, mode: str) -> None:
