@@ -663,7 +663,8 @@ def _supervise_restarting(args: argparse.Namespace, start: _Starter, house, spar
 def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     """--elastic over a parameter-server job (Downpour, Sandblaster): this launcher hosts the job's store; a
     dead worker restarts alone and rejoins through the servers (runtime/rejoin.py); a dead server ends the job."""
-    from troupe.runtime.rejoin import ENV_VAR, Keeper
+    from troupe.runtime.lighthouse import Keeper
+    from troupe.runtime.rejoin import ENV_VAR
 
     ticket = _ticket(args)
     keeper = Keeper(ticket, args.nproc)

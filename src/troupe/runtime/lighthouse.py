@@ -360,3 +360,36 @@ class Reporter:
             self.store.set(f"report/{n}", f"{what} {rank}")
         except (RuntimeError, ConnectionError, OSError):
             pass  # node 0's launcher is gone (the job is over, or it died): nobody is left to tell
+
+
+class Keeper:
+    """Elastic parameter servers' launcher side (runtime/rejoin.py has the workers'): it hosts the job's
+    store (so the store outlives any rank, and a restarted worker finds the job there) and takes the
+    supervisor's word on processes (nothing to decide: no quorum)."""
+
+    def __init__(self, ticket: Ticket, ranks: int):
+        import torch.distributed as dist
+
+        from troupe.runtime.launch import open_store, token_digest_record
+
+        self._base = open_store(ticket, True, 30.0)
+        self._base.set("troupe/digest", token_digest_record(ticket.token))
+        self.store = dist.PrefixStore(f"troupe/{ticket.token}/", self._base)
+        self.ranks = ranks
+        self._formed = False
+
+    @property
+    def formed_once(self) -> bool:
+        """Every rank of the job's start has joined (the launcher then starts its spares)."""
+        if not self._formed:
+            self._formed = self.store.add("joined", 0) >= self.ranks
+        return self._formed
+
+    def lost(self, rank: int, *, finished: bool = False) -> None:
+        pass  # the servers see a worker's link fail themselves
+
+    def restarted(self, rank: int) -> None:
+        pass  # it dials its servers when it is ready
+
+    def stop(self) -> None:
+        pass  # the store goes with this process
