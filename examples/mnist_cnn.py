@@ -239,7 +239,8 @@ class TorchLoop:
 
     def __init__(self, model, sgd, args):
         self.model, self.sgd, self.args = model, sgd, args
-        self.scaler = torch.amp.GradScaler("cpu", enabled=args.amp)
+        self.device = sgd.device.type  # autocast and the scaler on the device the model trains on
+        self.scaler = torch.amp.GradScaler(self.device, enabled=args.amp)
         self.sched = torch.optim.lr_scheduler.StepLR(sgd, args.lr_step, gamma=0.5) if args.lr_step else None
 
     def step(self, x, y):
@@ -249,7 +250,7 @@ class TorchLoop:
         for i, (mx, my) in enumerate(zip(x.chunk(k), y.chunk(k))):
             last = i == k - 1
             with nullcontext() if last else self.sgd.no_sync():  # only the last backward communicates
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.args.amp):
+                with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.args.amp):
                     out = self.model(mx)
                     loss = F.cross_entropy(out.float(), my) * (len(my) / len(y))
                 self.scaler.scale(loss).backward()

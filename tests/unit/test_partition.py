@@ -198,3 +198,28 @@ def test_a_tied_parameter_cannot_be_partitioned(world):
         tp.partition(model, {"1": 1}, 1)
     with pytest.raises(ValueError, match=r"workers_per_group \(2\) must divide the world size \(1\)"):
         tp.partition(model, {"1": 1}, 2)
+
+
+class _One:
+    """A communicator of one rank: clip_grad_norm_ reduces nothing over it."""
+
+    world_size = 1
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+)
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_equals_torchs_on_the_gradients_device(device, norm_type):
+    torch.manual_seed(0)
+    ours, theirs = CNN().to(device), CNN().to(device)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(4, 1, 14, 14, device=device)
+    for m in (ours, theirs):
+        m(x).square().sum().backward()
+    got = troupe.clip_grad_norm_(ours.parameters(), 0.5, norm_type, comm=_One())
+    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5, norm_type)
+    assert got.device.type == device  # a CUDA rank's norm stays on its GPU (it once mixed in a CPU tensor)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-6, atol=0)
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)

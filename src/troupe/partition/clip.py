@@ -36,7 +36,8 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float, norm
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
     job = _job_comm(comm)
     everyone = job.world_size
-    local = torch.zeros(1, dtype=torch.float64)
+    # on the gradients' device (a CUDA rank's norms stay there; the communicator stages as needed)
+    local = torch.zeros(1, dtype=torch.float64, device=params[0].grad.device if params else "cpu")
     for p in params:
         holders = len(getattr(p, HOLDERS, ())) or everyone
         g = p.grad.detach().double()
