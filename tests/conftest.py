@@ -33,6 +33,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "tests/unit/test_import_graph.py::test_troupe_loads_no_torch_module_beyond_import_torch",
         "tests/unit/test_import_graph.py::test_the_command_line_starts_without_torch",
         "tests/unit/test_bench.py::test_bench_is_not_imported_by_troupe",
+        "tests/unit/test_zygote.py",
     ),
     "netns": (
         "tests/dist/test_fault_harness.py",
@@ -97,6 +98,7 @@ SHARED_WORLDS = (
     "tests/dist/test_options.py",
     "tests/unit/test_docs_site.py",
     "tests/unit/test_partition.py",
+    "tests/unit/test_zygote.py",
 )
 """The modules whose tests share a module-scoped fixture (a world, an installation, the site): under
 -n N their tests go to one worker, which builds the fixture once. A module that gains such a

@@ -82,9 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     elastic.add_argument("--restarts-per-rank", type=int, default=10,
                          help="--elastic: restarts each rank may use before the job stops (default 10)")
     elastic.add_argument("--spares", type=int, default=None,
-                         help="--elastic: processes kept started (torch imported) to take a restarted rank's place "
-                              "(default: one group's processes, or one under a parameter-server framework, started "
-                              "once the job has formed; 0: none)")
+                         help="--elastic with TROUPE_FORK=0 or off Linux (elsewhere a restart is forked from the "
+                              "launcher's zygote): processes kept started (torch imported) to take a restarted rank's "
+                              "place (default: one group's processes, or one under a parameter-server framework, "
+                              "started once the job has formed; 0: none)")
     elastic.add_argument("--evict-after", type=float, default=None,
                          help="--elastic: seconds without a heartbeat before a worker is left out (default 5)")
     elastic.add_argument("--elastic-timeout", type=float, default=None,
@@ -550,10 +551,50 @@ class _Starter:
             env.setdefault("PYTHONUNBUFFERED", "1")  # a pipe would hold the lines a terminal shows at once
         return env
 
-    def __call__(self, rank: int, **more: str) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "troupe.cluster.bootstrap"] if rank in getattr(self.args, "servers", ()) \
-            else [sys.executable, self.args.script, *self.args.args]
-        return self._attach(rank, self._popen(cmd, self.env(rank, **more)))
+    def __call__(self, rank: int, restart: bool = False, **more: str) -> subprocess.Popen:
+        """Rank `rank`, forked from this launcher's zygote where it can be (runtime/zygote.py), else afresh."""
+        server = rank in getattr(self.args, "servers", ())
+        argv = ["troupe.cluster.bootstrap"] if server else [self.args.script, *self.args.args]
+        env = self.env(rank, **more)
+        proc = self._fork(argv, env, module=server, restart=restart)
+        if proc is None:
+            proc = self._popen([sys.executable, *(["-m"] if server else []), *argv], env)
+        return self._attach(rank, proc)
+
+    @property
+    def forks(self) -> bool:
+        """Whether ranks are forked from a zygote (then restarts need no warm spares)."""
+        return self._zygote() is not None
+
+    def _zygote(self):
+        from troupe.runtime import zygote
+
+        return zygote.shared(self.env(None), say=lambda line: print(line, file=sys.stderr, flush=True))
+
+    def _fork(self, argv: list[str], env: dict[str, str], module: bool, restart: bool):
+        from troupe.runtime import zygote
+        from troupe.runtime.spare import WARM_VAR
+
+        house = self._zygote()
+        if house is None:
+            return None
+        if restart:
+            env = {**env, WARM_VAR: "1"}  # a restart that did not start Python anew
+        pipes = [os.pipe(), os.pipe()] if self.output is not None else None
+        try:
+            proc = house.spawn(argv, env, module=module, stdout=pipes and pipes[0][1], stderr=pipes and pipes[1][1])
+        except OSError as e:
+            print(f"troupe run: ranks start afresh from now on (the zygote failed: {e})", file=sys.stderr, flush=True)
+            zygote.forget(house)
+            for r, _ in pipes or ():
+                os.close(r)
+            return None
+        finally:
+            for _, w in pipes or ():
+                os.close(w)
+        if pipes:
+            proc.stdout, proc.stderr = os.fdopen(pipes[0][0], "rb"), os.fdopen(pipes[1][0], "rb")
+        return proc
 
     def spare(self) -> subprocess.Popen:
         """A process that imports torch now and runs the script as the rank it is handed later."""
@@ -564,7 +605,7 @@ class _Starter:
         """Rank `rank` started in a waiting spare (then a new spare starts), else afresh."""
         proc = spares.take(self.env(rank, **more))
         if proc is None:
-            return self(rank, **more)
+            return self(rank, restart=True, **more)
         spares.fill()
         return self._attach(rank, proc)
 
@@ -633,13 +674,14 @@ def _supervise_restarting(args: argparse.Namespace, start: _Starter, house, spar
     spares = None
 
     def spawn(rank: int, incarnation: int) -> subprocess.Popen:
-        if incarnation == 0 or spares is None:  # the job's start: every rank afresh
-            return start(rank, TROUPE_INCARNATION=str(incarnation))
+        if incarnation == 0 or spares is None:  # the job's start, or no spares: forked or afresh
+            return start(rank, restart=incarnation > 0, TROUPE_INCARNATION=str(incarnation))
         return start.from_spare(spares, rank, TROUPE_INCARNATION=str(incarnation))
 
     def start_spares() -> None:
         nonlocal spares
-        if spares is None and spare_count and house.formed_once:
+        # Forked ranks start in milliseconds: spares only where ranks start afresh (TROUPE_FORK=0, not Linux).
+        if spares is None and spare_count and house.formed_once and not start.forks:
             spares = Spares(spare_count, start.spare)
 
     def terminated(*_sig):

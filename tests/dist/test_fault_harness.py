@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -40,8 +41,15 @@ def test_an_interrupted_matrix_removes_its_hosts_and_processes(tmp_path, sig):
         proc.kill()
         pytest.fail("the matrix never started its job")
     time.sleep(3)
+    masks = [line for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines() if line.startswith("Sig")]
     proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=60)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"the matrix did not end within 60 s of signal {sig}; its signal masks {masks}; "
+                    f"its output:\n{out[-3000:]}")
     assert proc.returncode != 0
     assert netns.leftover() == [], out[-2000:]
     job = subprocess.run(["pgrep", "-f", ours], capture_output=True, text=True)

@@ -382,8 +382,10 @@ def main(regimes: list[str], faults: list[str], steps: int, pace: float, seed: i
         raise ValueError(f"unknown regime or fault {unknown}; regimes {list(REGIMES)}, faults {list(FAULTS)}")
     rng = random.Random(seed)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-    # SIGTERM unwinds like Ctrl-C: the hosts' `with` removes the namespaces, rules and processes
+    # SIGTERM unwinds like Ctrl-C: the hosts' `with` removes the namespaces, rules and processes. SIGINT
+    # too, said explicitly: a process started in the background of a shell inherits it ignored.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     cells: list[Cell] = []
     base = Path(workdir)
     print(HEADER, flush=True)

@@ -1,0 +1,139 @@
+"""Ranks forked from the launcher's zygote (troupe.runtime.zygote) behave as ``python SCRIPT`` would:
+argv, path, environment, session, descriptors, exit codes, signals; and they are this process's children."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from troupe.runtime import zygote
+
+pytestmark = pytest.mark.skipif(not zygote.available(), reason="ranks are forked on Linux only")
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys, time
+    import numpy as np
+    deadline = time.monotonic() + 10
+    while os.getppid() != int(os.environ["PARENT"]) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the zygote's intermediate process may not have exited yet
+    print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "rank": os.environ.get("RANK"),
+                      "zygote_only": os.environ.get("ONLY_IN_ZYGOTE"), "ppid": os.getppid(),
+                      "leader": os.getsid(0) == os.getpid() == os.getpgid(0), "draw": int(np.random.randint(1 << 30)),
+                      "cwd": os.getcwd(), "name": __name__}), flush=True)
+    print("on stderr", file=sys.stderr)
+    what = sys.argv[1]
+    if what == "exit":
+        sys.exit(int(sys.argv[2]))
+    if what == "raise":
+        raise ValueError("boom")
+    if what == "sleep":
+        time.sleep(60)
+""")
+
+
+@pytest.fixture(scope="module")
+def house(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("zygote")
+    (folder / "script.py").write_text(SCRIPT)
+    (folder / "probe_mod.py").write_text("import json, sys\nprint(json.dumps({'argv': sys.argv, 'path0': sys.path[0], "
+                                         "'name': __name__}), flush=True)\n")
+    z = zygote.Zygote.start({**os.environ, "ONLY_IN_ZYGOTE": "1"})
+    yield z, folder
+    z.close()
+
+
+def run(house, *args, module=False, env=None):
+    """Fork `script.py ARGS` (or `-m probe_mod`); returns (the process, its stdout lines, its stderr)."""
+    z, folder = house
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    argv = ["probe_mod", *args] if module else [str(folder / "script.py"), *args]
+    here = os.getcwd()
+    os.chdir(folder)  # the rank runs in the launcher's working directory
+    try:
+        proc = z.spawn(argv, {**os.environ, "PARENT": str(os.getpid()), **(env or {})}, module=module,
+                       stdout=out_w, stderr=err_w)
+    finally:
+        os.chdir(here)
+        os.close(out_w)
+        os.close(err_w)
+    return proc, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb")
+
+
+def test_a_forked_rank_is_what_python_script_would_be(house):
+    _, folder = house
+    proc, out, err = run(house, "exit", "0", env={"RANK": "3"})
+    assert proc.wait(30) == 0
+    seen = json.loads(out.readline())
+    assert seen["argv"] == [str(folder / "script.py"), "exit", "0"]
+    assert seen["path0"] == str(folder) and seen["cwd"] == str(folder) and seen["name"] == "__main__"
+    assert seen["rank"] == "3" and seen["zygote_only"] is None, "the rank's environment is exactly the one given"
+    assert seen["ppid"] == os.getpid(), "the rank is this process's child (the subreaper), not the zygote's"
+    assert seen["leader"], "the rank leads its own session and process group (killpg reaches its children)"
+    assert err.read() == b"on stderr\n"
+
+
+@pytest.mark.parametrize("args, code", [(("exit", "3"), 3), (("raise",), 1)])
+def test_exit_codes_are_the_scripts(house, args, code):
+    proc, _, err = run(house, *args)
+    assert proc.wait(30) == code
+    if code == 1:
+        assert b"ValueError: boom" in err.read()
+
+
+def test_a_signal_reaches_the_group_and_gives_a_negative_code_and_wait_times_out(house):
+    proc, out, _ = run(house, "sleep")
+    json.loads(out.readline())  # it runs
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(10) == -signal.SIGKILL and proc.poll() == -signal.SIGKILL
+
+
+def test_every_rank_draws_its_own_numpy_seed_and_module_mode_runs_as_dash_m(house):
+    _, folder = house
+    draws = {json.loads(run(house, "exit", "0")[1].readline())["draw"] for _ in range(3)}
+    assert len(draws) == 3, "numpy's global generator was not seeded again after the fork"
+    proc, out, _ = run(house, "a", module=True)
+    assert proc.wait(30) == 0
+    seen = json.loads(out.readline())
+    assert seen == {"argv": [str(folder / "probe_mod.py"), "a"], "path0": str(folder), "name": "__main__"}
+
+
+def test_closing_the_zygote_leaves_its_ranks_running(tmp_path):
+    (tmp_path / "script.py").write_text(SCRIPT)
+    z = zygote.Zygote.start(dict(os.environ))
+    proc = z.spawn([str(tmp_path / "script.py"), "sleep"], {**os.environ, "PARENT": str(os.getpid())},
+                   stdout=os.open(os.devnull, os.O_WRONLY))
+    z.close()
+    assert z.proc.returncode == 0 and proc.poll() is None, "a rank ended with its zygote"
+    proc.kill()
+    assert proc.wait(10) == -signal.SIGKILL
+    with pytest.raises(OSError):
+        z.spawn([str(tmp_path / "script.py")], dict(os.environ))
+
+
+def test_troupe_fork_0_starts_ranks_afresh(monkeypatch):
+    monkeypatch.setenv(zygote.ENV_VAR, "0")
+    assert not zygote.available()
+    monkeypatch.setattr(zygote, "_shared", {})
+    assert zygote.shared(dict(os.environ)) is None
+
+
+def test_a_job_under_troupe_run_forks_its_ranks_and_says_the_same_as_afresh(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys, torch\nprint(os.environ['RANK'], sys.argv[1:], torch.get_num_threads(), "
+                      "'forked' if 'torch._dynamo' in sys.modules else 'afresh', flush=True)\n")
+    outputs = []
+    for fork in ("1", "0"):
+        done = subprocess.run([sys.executable, "-m", "troupe", "run", "-n", "2", "--threads", "1", str(script), "x"],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, zygote.ENV_VAR: fork})
+        assert done.returncode == 0, done.stderr
+        outputs.append(sorted(done.stdout.splitlines()))
+    assert outputs == [["0 ['x'] 1 forked", "1 ['x'] 1 forked"], ["0 ['x'] 1 afresh", "1 ['x'] 1 afresh"]]
