@@ -390,7 +390,7 @@ def run(args: argparse.Namespace) -> int:
 def _elastic_from_cluster(args: argparse.Namespace) -> None:
     """A cluster block with ``elastic: true`` (`--cluster job.conf`) is ``--elastic`` over its worker
     groups: ``--nworker-groups`` its nworker_groups, -n its processes, ``--min-groups`` its min_groups
-    (the flags win where given)."""
+    (the flags win where given); with separate servers, ``--elastic`` over that parameter-server job."""
     from troupe.cluster.configuration.config import flag_fields
     from troupe.cluster.configuration.flags import given
     from troupe.cluster.configuration.sources import resolve
@@ -400,6 +400,10 @@ def _elastic_from_cluster(args: argparse.Namespace) -> None:
         warnings.simplefilter("ignore")
         cluster = resolve(args.framework, args.cluster, total, **given(args))
     if cluster is None or not cluster.elastic:
+        return
+    if cluster.server_worker_separate and cluster.framework != "diloco":
+        # Downpour, Sandblaster: the cluster stays as given; its workers restart alone
+        args.elastic, args.elastic_servers = True, cluster.framework or "a parameter-server cluster"
         return
     if cluster.nprocs % args.nnodes:
         raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {args.nnodes}")
@@ -421,13 +425,15 @@ def _check_elastic(args: argparse.Namespace) -> None:
         raise ValueError("--elastic restarts a dead rank alone; --max-restarts restarts the whole job: give one")
     cluster_flags = {k: v for k, v in given(args).items() if v is not None and k != "nworker_groups"}
     diloco, downpour = args.framework == "diloco", args.framework in ("downpour", "sandblaster")
-    if (args.framework and not (diloco or downpour)) or args.cluster or (cluster_flags and not (diloco or downpour)) \
-            or settings.current().cluster:
+    block = getattr(args, "elastic_servers", None)  # a cluster block's elastic: true beside separate servers
+    downpour = downpour or bool(block)
+    if (args.framework and not (diloco or downpour)) or (args.cluster and not block) \
+            or (cluster_flags and not (diloco or downpour)) or settings.current().cluster:
         raise ValueError("--elastic runs data parallelism over worker groups, --framework diloco, or --framework "
                          "downpour or sandblaster (their workers restart alone); not Hogwild, AllReduce or "
                          "partition yet (--framework/--cluster/cluster flags other than --nworker-groups)")
     if downpour:
-        _check_elastic_downpour(args)
+        _check_elastic_downpour(args, args.framework or block)
         return
     if args.nproc is not None and args.nproc * args.nnodes < 2:
         raise ValueError(f"--elastic needs at least 2 processes (worker groups), got -n {args.nproc}")
@@ -456,7 +462,7 @@ def _check_elastic(args: argparse.Namespace) -> None:
         raise ValueError(f"--spares must be >= 0, got {args.spares}")
 
 
-def _check_elastic_downpour(args: argparse.Namespace) -> None:
+def _check_elastic_downpour(args: argparse.Namespace, framework: str) -> None:
     """Downpour or Sandblaster under --elastic: no quorum (each worker talks to the servers alone), so the
     quorum's flags mean nothing there; one node (its launcher hosts the store the restarted workers find
     the job by)."""
@@ -464,10 +470,10 @@ def _check_elastic_downpour(args: argparse.Namespace) -> None:
                         ("--elastic-batch", args.elastic_batch), ("--evict-after", args.evict_after),
                         ("--elastic-timeout", args.elastic_timeout)):
         if value is not None:
-            raise ValueError(f"{flag} is for synchronous elastic groups (a quorum); under --framework "
-                             f"{args.framework} each worker talks to the servers alone: leave it out")
+            raise ValueError(f"{flag} is for synchronous elastic groups (a quorum); under {framework} each worker "
+                             "talks to the servers alone: leave it out")
     if args.nnodes > 1:
-        raise ValueError(f"--elastic --framework {args.framework} runs on one node (--nnodes 1) for now")
+        raise ValueError(f"--elastic under {framework} runs on one node (--nnodes 1) for now")
     if args.restarts_per_rank < 0:
         raise ValueError(f"--restarts-per-rank must be >= 0, got {args.restarts_per_rank}")
     if args.spares is not None and args.spares < 0:

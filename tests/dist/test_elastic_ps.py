@@ -75,6 +75,22 @@ def test_a_lone_worker_killed_mid_run_rejoins_and_ends_where_the_fault_free_run_
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.timeout(150)
+def test_an_elastic_cluster_block_with_a_server_runs_the_same_job(tmp_path):
+    """`elastic: true` in the cluster block (`troupe run --cluster FILE`, no flags): the same lone worker, killed,
+    rejoins and ends where one process does."""
+    conf = tmp_path / "job.conf"
+    conf.write_text("cluster {\n  nworker_groups: 1\n  nworkers_per_group: 1\n  nserver_groups: 1\n"
+                    "  nservers_per_group: 1\n  server_worker_separate: true\n  elastic: true\n}\n")
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "--cluster", str(conf), str(SCRIPT), str(tmp_path), "kill"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = report(tmp_path, 0)
+    assert run["incarnation"] == 1 and run["resumed_at"] == job.FAULT_AT and run["steps"] == job.STEPS
+    for got, want in zip(torch.load(tmp_path / "rank0.pt")["params"], replay(job.STEPS)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.timeout(180)
 def test_a_worker_killed_twice_rejoins_each_time_while_the_other_trains_on_under_two_server_groups(tmp_path):
     # 2 workers (groups of one), 2 server groups of one server each (they sync their master copies).

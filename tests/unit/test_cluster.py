@@ -367,7 +367,11 @@ def test_an_elastic_cluster_block_is_troupe_run_elastic_over_its_groups(monkeypa
     ({"nworker_groups": 3, "min_groups": 2}, "min_groups 2 is for elastic worker groups: add elastic: true"),
     ({"nworker_groups": 1, "elastic": True}, "elastic: true needs nworker_groups >= 2"),
     ({"nworker_groups": 2, "nserver_groups": 2, "elastic": True}, "without servers.*leave out nserver_groups 2"),
-    ({"nworker_groups": 2, "server_worker_separate": True, "elastic": True}, "leave out server_worker_separate True"),
+    # beside separate servers (Downpour, Sandblaster) the workers restart alone: no quorum settings, no partition
+    ({"nworker_groups": 2, "server_worker_separate": True, "elastic": True, "min_groups": 2},
+     "with separate servers restarts each worker alone and keeps no quorum: leave out min_groups 2"),
+    ({"nworker_groups": 2, "server_worker_separate": True, "elastic": True, "partition_dim": 0},
+     "with separate servers runs without partition .*: leave out partition_dim 0"),
     ({"nworker_groups": 2, "partition_dim": 1, "elastic": True}, "leave out partition_dim 1"),
     ({"nworker_groups": 2, "nserver_groups": 2, "framework": "diloco", "delay": 1, "sync_freq": 4, "elastic": True},
      "elastic DiLoCo needs delay 0, got 1"),
@@ -375,6 +379,20 @@ def test_an_elastic_cluster_block_is_troupe_run_elastic_over_its_groups(monkeypa
 def test_bad_elastic_cluster_blocks_name_their_values(fields, message):
     with pytest.raises(ValueError, match=message):
         ClusterConfig(**fields)
+
+
+def test_an_elastic_block_with_separate_servers_is_troupe_run_elastic_over_that_job(tmp_path):
+    """`elastic: true` beside Downpour's servers: `troupe run --cluster FILE` runs `--elastic` over the
+    parameter-server job as given (its workers restart alone), the cluster kept."""
+    from troupe.cli import _elastic_from_cluster, build_parser
+
+    conf = tmp_path / "job.conf"
+    conf.write_text("cluster {\n  nworker_groups: 2\n  nserver_groups: 2\n  server_worker_separate: true\n"
+                    "  elastic: true\n}\n")
+    args = build_parser().parse_args(["run", "--cluster", str(conf), "train.py"])
+    _elastic_from_cluster(args)
+    assert args.elastic and args.cluster == str(conf) and args.nworker_groups is None
+    assert ClusterConfig(nworker_groups=2, nserver_groups=2, server_worker_separate=True, elastic=True).nprocs == 4
 
 
 def test_elastic_diloco_is_its_own_worker_regime():

@@ -247,9 +247,10 @@ class ClusterConfig:
     Unset: the script decides (no partition unless it partitions by hand)."""
 
     elastic: bool = option(False)
-    """Elastic worker groups (what `troupe run --elastic` runs): synchronous data parallelism over
-    the nworker_groups groups of nworkers_per_group processes; a dead process restarts with its
-    group, which heals from a live one while the others train on. No servers, no framework."""
+    """Elastic worker groups (what `troupe run --elastic` runs): synchronous data parallelism (or
+    DiLoCo) over the nworker_groups groups of nworkers_per_group processes; a dead process restarts
+    with its group, which heals from a live one while the others train on. Beside separate servers
+    (Downpour, Sandblaster): a dead worker restarts alone and fetches the servers' values."""
     min_groups: int | None = option(None)
     """elastic: a step needs at least this many groups present (`troupe run --min-groups`; unset: 2)."""
     max_groups: int | None = option(None)
@@ -282,6 +283,9 @@ class ClusterConfig:
         if not self.elastic:
             given = f"min_groups {self.min_groups}" if self.min_groups is not None else f"max_groups {self.max_groups}"
             raise ValueError(f"{given} is for elastic worker groups: add elastic: true")
+        if self.server_worker_separate and self.framework != "diloco":
+            self._check_elastic_servers()
+            return
         if self.nworker_groups < 2:
             raise ValueError(f"elastic: true needs nworker_groups >= 2 (a group alone has nobody to heal from), "
                              f"got {self.nworker_groups}")
@@ -300,6 +304,25 @@ class ClusterConfig:
             if self.delay:
                 raise ValueError(f"elastic DiLoCo needs delay 0, got {self.delay}: an exchange that overlaps "
                                  f"later steps cannot be voted on with its step (not yet)")
+
+    def _check_elastic_servers(self) -> None:
+        """elastic: true beside separate servers (Downpour, Sandblaster): the workers restart alone and fetch
+        the servers' values (`troupe run --elastic --framework downpour`); no quorum, so no quorum settings."""
+        quorum = [f"{name} {getattr(self, name)}" for name in ("min_groups", "max_groups")
+                  if getattr(self, name) is not None]
+        if quorum:
+            raise ValueError(f"elastic: true with separate servers restarts each worker alone and keeps no quorum: "
+                             f"leave out {', '.join(quorum)}")
+        if self.partition_dim is not None:
+            raise ValueError(f"elastic: true with separate servers runs without partition (not yet): leave out "
+                             f"partition_dim {self.partition_dim!r}")
+        if self.nworker_groups % self.nserver_groups:
+            raise ValueError(
+                f"nworker_groups ({self.nworker_groups}) must be divisible by nserver_groups "
+                f"({self.nserver_groups}): each server group serves the same number of worker groups"
+            )
+        _check_packing("workers", self.nworkers_per_group, self.nworkers_per_procs)
+        _check_packing("servers", self.nservers_per_group, self.nservers_per_procs)
 
     def _check_diloco(self) -> None:
         if self.framework != "diloco":

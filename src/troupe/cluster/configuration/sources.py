@@ -102,7 +102,8 @@ def from_env() -> ClusterConfig | None:
 def _not_elastic(cluster: ClusterConfig) -> ClusterConfig:
     """A rank handed an elastic cluster (``TROUPE_CLUSTER`` under torchrun, mpiexec or srun): refused,
     since only `troupe run`'s launcher keeps an elastic job's quorum and restarts a dead group."""
-    if cluster.elastic and not os.environ.get(ELASTIC_VAR):  # troupe run --elastic sets it for its ranks
+    # troupe run --elastic sets one of them for its ranks (the quorum's, or a parameter-server job's rejoining)
+    if cluster.elastic and not (os.environ.get(ELASTIC_VAR) or settings.current().rejoin):
         raise ValueError(f"{ENV_VAR} asks for elastic worker groups (elastic: true), which only "
                          "`troupe run --cluster FILE` (or --elastic) runs: its launcher keeps the quorum and "
                          "restarts a dead group; under torchrun, mpiexec or srun nobody would")
