@@ -472,8 +472,6 @@ def _check_elastic_downpour(args: argparse.Namespace, framework: str) -> None:
         if value is not None:
             raise ValueError(f"{flag} is for synchronous elastic groups (a quorum); under {framework} each worker "
                              "talks to the servers alone: leave it out")
-    if args.nnodes > 1:
-        raise ValueError(f"--elastic under {framework} runs on one node (--nnodes 1) for now")
     if args.restarts_per_rank < 0:
         raise ValueError(f"--restarts-per-rank must be >= 0, got {args.restarts_per_rank}")
     if args.spares is not None and args.spares < 0:
@@ -670,10 +668,11 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
 
 
 def _supervise_restarting(args: argparse.Namespace, start: _Starter, house, spare_count: int, ranks: list[int],
-                          say: Callable[[str], None], **more) -> int:
+                          say: Callable[[str], None], also_poll: Callable[[], None] = lambda: None, **more) -> int:
     """Supervise `ranks` under --elastic (runtime/restarts.py): a restart runs in a warm spare once `house`
     (the lighthouse, or elastic parameter servers' keeper) says the job has formed; SIGTERM and Ctrl-C
-    stop every rank (130). `more`: the rest of `supervise`'s settings."""
+    stop every rank (130); `also_poll()` runs at each look (it may raise `_EndedElsewhere`, which stops
+    every rank too and is raised again here). `more`: the rest of `supervise`'s settings."""
     from troupe.runtime.restarts import supervise
     from troupe.runtime.spare import Spares
 
@@ -689,6 +688,7 @@ def _supervise_restarting(args: argparse.Namespace, start: _Starter, house, spar
         # Forked ranks start in milliseconds: spares only where ranks start afresh (TROUPE_FORK=0, not Linux).
         if spares is None and spare_count and house.formed_once and not start.forks:
             spares = Spares(spare_count, start.spare)
+        also_poll()
 
     def terminated(*_sig):
         raise KeyboardInterrupt  # the supervisor stops every worker
@@ -697,6 +697,8 @@ def _supervise_restarting(args: argparse.Namespace, start: _Starter, house, spar
     try:
         return supervise(spawn, ranks, house, restarts_per_rank=args.restarts_per_rank, say=say,
                          stop_all=_stop_all, every_poll=start_spares, kill=_kill_now, **more)
+    except _EndedElsewhere:
+        raise
     except KeyboardInterrupt:
         return 130
     finally:
@@ -709,13 +711,17 @@ def _supervise_restarting(args: argparse.Namespace, start: _Starter, house, spar
 
 
 def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
-    """--elastic over a parameter-server job (Downpour, Sandblaster): this launcher hosts the job's store; a
-    dead worker restarts alone and rejoins through the servers (runtime/rejoin.py); a dead server ends the job."""
+    """--elastic over a parameter-server job (Downpour, Sandblaster): node 0's launcher hosts the job's store;
+    a dead worker restarts alone, on its node, and rejoins through the servers (runtime/rejoin.py); a dead
+    server ends the job, on every node."""
+    from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT
     from troupe.runtime.lighthouse import Keeper
     from troupe.runtime.rejoin import ENV_VAR
 
     ticket = _ticket(args)
-    keeper = Keeper(ticket, args.nproc)
+    first, nodes = args.node_rank * args.nproc, args.nnodes
+    keeper = Keeper(ticket, args.nproc * nodes, host=args.node_rank == 0,
+                    timeout=settings.current().join_timeout or DEFAULT_JOIN_TIMEOUT)
     start = _Starter(args, {**extra_env, ENV_VAR: "1"}, ticket)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
 
@@ -723,11 +729,43 @@ def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
         return "a server cannot restart alone (its slices have no live copy to take over yet)" \
             if rank in args.servers else None
 
+    def ended_elsewhere() -> None:  # another node stopped the job (a server died there): stop this node's ranks
+        if nodes == 1:
+            return
+        keeper.beat(args.node_rank)
+        code = keeper.ended()
+        if code is not None:
+            say(f"troupe run: another node stopped the job (code {code}); stopping this node's ranks")
+            raise _EndedElsewhere(code)
+
+    code = 1
     try:
-        return _supervise_restarting(args, start, keeper, 1 if args.spares is None else args.spares,
-                                     list(range(args.nproc)), say, fixed=fixed, finish_closes=False)
+        code = _supervise_restarting(args, start, keeper, 1 if args.spares is None else args.spares,
+                                     list(range(first, first + args.nproc)), say, fixed=fixed, finish_closes=False,
+                                     also_poll=ended_elsewhere)
+        return code
+    except _EndedElsewhere as e:
+        code = e.code
+        return code
     finally:
+        if nodes > 1:
+            keeper.end(args.node_rank, code)
+            if args.node_rank == 0:  # the store is the job's: up until every node is done with it
+                keeper.wait_for_nodes(nodes, NODE_SILENCE_SECONDS, say)
         keeper.stop()
+
+
+NODE_SILENCE_SECONDS = 30.0
+"""Elastic parameter servers on several nodes: node 0 keeps the job's store up after its own ranks are done
+until every other node's launcher has ended, or said nothing for this long (it died)."""
+
+
+class _EndedElsewhere(KeyboardInterrupt):
+    """Another node's launcher stopped the job (its exit code): the supervisor stops this node's ranks."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
 
 
 def _keep_store_until_done(lighthouse, options) -> None:

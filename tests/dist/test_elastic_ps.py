@@ -127,3 +127,39 @@ def test_a_sandblaster_worker_killed_mid_run_rejoins_its_synchronous_group(tmp_p
     assert restarted["steps"] == job.STEPS
     assert "troupe server rank 2: worker 1 is back (restarted)" in proc.stderr
     assert ", 0 message(s) rejected," in proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_on_two_nodes_a_worker_restarts_on_its_own_node_and_the_job_ends_on_both(tmp_path):
+    """Two launchers on loopback, 3 processes each (4 workers, 2 server groups of one): node 0's launcher
+    hosts the job's store; worker 3, on node 1 beside both servers, is killed and restarted by node 1's
+    launcher, fetches the servers' values through node 0's store and goes on; both launchers end 0."""
+    from troupe.runtime.ticket import free_port
+
+    port = free_port("127.0.0.1")
+    nodes = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "3", "--nnodes", "2", "--node-rank", str(node),
+               "--master", f"127.0.0.1:{port}", "--token", "elastic-ps-nodes", "--elastic", "--framework", "downpour",
+               "--nworker-groups", "4", "--nworkers-per-group", "1", "--nserver-groups", "2",
+               "--nservers-per-group", "1", str(SCRIPT), str(tmp_path), "kill"]
+        err = open(tmp_path / f"node{node}.txt", "w")
+        nodes.append((subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err), err))
+    try:
+        codes = [proc.wait(timeout=150) for proc, _ in nodes]
+    finally:
+        for proc, err in nodes:
+            if proc.poll() is None:  # never leave a job behind
+                proc.kill()
+            err.close()
+    said = [(tmp_path / f"node{node}.txt").read_text() for node in (0, 1)]
+    assert codes == [0, 0], said
+    assert "troupe run: rank 3 exited with signal 9 (SIGKILL); restarting it alone" in said[1]
+    runs = [report(tmp_path, r) for r in range(4)]
+    assert [r["incarnation"] for r in runs] == [0, 0, 0, 1] and all(r["steps"] == job.STEPS for r in runs)
+    assert runs[3]["resumed_at"] == job.FAULT_AT
+    # every update of each worker reached its server group once (2 workers per group)
+    updates = [int(n) for n in re.findall(r"troupe server rank \d: (\d+) slice updates", said[1])]
+    model, _ = job.model_and_optimizer()
+    slices = plan_slices([p.numel() for p in model.parameters()], 1)
+    assert updates == [2 * job.STEPS * len(slices)] * 2, said[1][-2000:]

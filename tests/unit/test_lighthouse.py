@@ -362,3 +362,28 @@ def test_beyond_max_groups_a_ready_group_stands_by_and_takes_a_lost_members_plac
         assert not d.commit and d.next.members == (0, 2) and d.next.joiners == (2,) and d.next.source == 0
     finally:
         lh.stop()
+
+
+def test_elastic_parameter_servers_keepers_tell_each_other_how_their_node_ended(monkeypatch):
+    """Node 0's Keeper hosts the store, another node's connects: a node that stops the job says so with its code
+    (the others stop too), and node 0 keeps the store until every node has ended or fallen silent."""
+    from troupe.runtime import lighthouse
+    from troupe.runtime.lighthouse import Keeper
+
+    ticket = Ticket()
+    host = Keeper(ticket, 6, host=True)
+    other = Keeper(ticket, 6, host=False, timeout=5.0)
+    assert host.ended() is None and other.ended() is None
+    other.beat(1)
+    other.end(1, 3)  # node 1 stopped the job: a server died there
+    assert host.ended() == 3
+    said = []
+    host.wait_for_nodes(2, silence=30.0, say=said.append)  # node 1 has ended: no wait
+    assert said == []
+    # A third node that beat once and then fell silent is given up after `silence` (on a clock that runs fast).
+    clock = [0.0]
+    monkeypatch.setattr(lighthouse.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(lighthouse.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + 5.0))
+    Keeper(ticket, 6, host=False, timeout=5.0).beat(2)
+    host.wait_for_nodes(3, silence=30.0, say=said.append)
+    assert said == ["troupe run: node 2's launcher has said nothing for 30 s; the job's store (this node's) closes"]
