@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "place (default: one group's processes, or one under a parameter-server framework, "
                               "started once the job has formed; 0: none)")
     elastic.add_argument("--evict-after", type=float, default=None,
-                         help="--elastic: seconds without a heartbeat before a worker is left out (default 5)")
+                         help="--elastic: seconds without a heartbeat before a worker is left out (default 5; "
+                              "under sandblaster: a frozen worker its group waits for)")
     elastic.add_argument("--elastic-timeout", type=float, default=None,
                          help="--elastic: seconds a step waits for a frozen peer before leaving it out (default 10)")
     _add_cluster_flags(run)
@@ -467,8 +468,7 @@ def _check_elastic_downpour(args: argparse.Namespace, framework: str) -> None:
     quorum's flags mean nothing there; one node (its launcher hosts the store the restarted workers find
     the job by)."""
     for flag, value in (("--min-groups", args.min_groups), ("--max-groups", args.max_groups),
-                        ("--elastic-batch", args.elastic_batch), ("--evict-after", args.evict_after),
-                        ("--elastic-timeout", args.elastic_timeout)):
+                        ("--elastic-batch", args.elastic_batch), ("--elastic-timeout", args.elastic_timeout)):
         if value is not None:
             raise ValueError(f"{flag} is for synchronous elastic groups (a quorum); under {framework} each worker "
                              "talks to the servers alone: leave it out")
@@ -476,6 +476,8 @@ def _check_elastic_downpour(args: argparse.Namespace, framework: str) -> None:
         raise ValueError(f"--restarts-per-rank must be >= 0, got {args.restarts_per_rank}")
     if args.spares is not None and args.spares < 0:
         raise ValueError(f"--spares must be >= 0, got {args.spares}")
+    if args.evict_after is not None and args.evict_after <= 0:
+        raise ValueError(f"--evict-after must be > 0 seconds, got {args.evict_after}")
 
 
 def _rank_output(args: argparse.Namespace) -> RankOutput | None:
@@ -722,7 +724,8 @@ def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     first, nodes = args.node_rank * args.nproc, args.nnodes
     keeper = Keeper(ticket, args.nproc * nodes, host=args.node_rank == 0,
                     timeout=settings.current().join_timeout or DEFAULT_JOIN_TIMEOUT)
-    start = _Starter(args, {**extra_env, ENV_VAR: "1"}, ticket)
+    evict = {} if args.evict_after is None else {"TROUPE_EVICT_AFTER": str(args.evict_after)}  # Sandblaster's servers
+    start = _Starter(args, {**extra_env, ENV_VAR: "1", **evict}, ticket)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
 
     def fixed(rank: int) -> str | None:
@@ -742,7 +745,7 @@ def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     try:
         code = _supervise_restarting(args, start, keeper, 1 if args.spares is None else args.spares,
                                      list(range(first, first + args.nproc)), say, fixed=fixed, finish_closes=False,
-                                     also_poll=ended_elsewhere)
+                                     also_poll=ended_elsewhere, left_out="was evicted by its server while it was frozen")
         return code
     except _EndedElsewhere as e:
         code = e.code

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -163,3 +165,36 @@ def test_on_two_nodes_a_worker_restarts_on_its_own_node_and_the_job_ends_on_both
     model, _ = job.model_and_optimizer()
     slices = plan_slices([p.numel() for p in model.parameters()], 1)
     assert updates == [2 * job.STEPS * len(slices)] * 2, said[1][-2000:]
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_sandblaster_worker_is_evicted_then_restarts_and_rejoins_after_sigcont(tmp_path):
+    """A group of 2 and one server, --evict-after 2: worker 1 SIGSTOPs itself before its update of step 7;
+    its server sees its beat stop while worker 0's update waits, evicts it and the group goes on; after
+    SIGCONT worker 1 reads the Evicted notice first, exits, is restarted and rejoins at step 7."""
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "--elastic", "--framework", "sandblaster", "--evict-after", "2",
+           "--nworker-groups", "1", "--nworkers-per-group", "2", "--nservers-per-group", "1", str(SCRIPT),
+           str(tmp_path), "stop"]
+    err = open(tmp_path / "stderr.txt", "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 90
+        said = lambda: (tmp_path / "stderr.txt").read_text()  # noqa: E731
+        while "evicted, it restarts when it wakes" not in said():
+            assert time.monotonic() < deadline and proc.poll() is None, f"worker 1 was never evicted:\n{said()}"
+            time.sleep(0.2)
+        time.sleep(1.0)  # worker 0 trains on meanwhile
+        os.kill(int((tmp_path / "stopped").read_text()), signal.SIGCONT)
+        assert proc.wait(timeout=90) == 0, said()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        err.close()
+    text = said()
+    assert "troupe server rank 2: worker 1 is gone (its group waited 2 s for its update and its beat had stopped" in text
+    assert "was evicted by server rank 2" in text and "troupe run: rank 1 was evicted by its server while it was frozen; starting it again" in text
+    assert "troupe server rank 2: worker 1 is back (restarted)" in text
+    survivor, restarted = report(tmp_path, 0), report(tmp_path, 1)
+    assert survivor["incarnation"] == 0 and survivor["steps"] == job.STEPS
+    assert restarted["incarnation"] == 1 and restarted["resumed_at"] == job.FAULT_AT
+    assert restarted["steps"] == job.STEPS

@@ -47,7 +47,7 @@ from troupe.cluster.workers.layout import Layout, trainable
 from troupe.compress.fp16 import half_dtype
 from troupe.cluster.wire.links import Links
 from troupe.runtime.comm import Communicator, Outside
-from troupe.runtime.rejoin import Rejoining
+from troupe.runtime.rejoin import Rejoining, beat_key
 from troupe.runtime.launch import DistInfo
 from troupe.runtime.world import World, init, shutdown
 from troupe.strategies import registry
@@ -265,6 +265,7 @@ def _rejoining_job(cluster: ClusterConfig, runtime: World, membership: Rejoining
     links = Links(membership.store, role.rank, timeout, connect=lambda: membership.connect(LINK_FORM_SECONDS))
     if role.worker is not None:
         membership.data_place = (workers.index(role.rank), len(workers))
+        membership.start_beating()  # its servers tell it frozen from slow by this
     if membership.rejoined:
         solo = runtime.job  # a group of this process alone
         return Job(cluster, runtime, role, everyone, solo, workers, solo, _own_group(cluster, role, solo), None, [],
@@ -391,7 +392,8 @@ def serve(job: Job, spec: TrainingSpec) -> ServerStats:
     server = Server(job.world, shard, job.workers, putters, job.alive,
                     fail_on_death=job.cluster.synchronous, wire_dtype=wire_dtype(job.cluster, shard.dtype),
                     wire_topk=job.cluster.wire_topk, sync=_server_sync(job, shard),
-                    on_exit=None if path is None else lambda: _save(shard, path), links=job.links)
+                    on_exit=None if path is None else lambda: _save(shard, path), links=job.links,
+                    **_eviction(job))
     if path is not None and job.runtime.settings.resume in ("yes", "auto") and os.path.isfile(path):
         shard.load_state_dict(torch.load(path, weights_only=True))
         print(f"troupe server rank {job.role.rank}: resumed {len(shard.slices)} slice(s) from {path}",
@@ -400,6 +402,16 @@ def serve(job: Job, spec: TrainingSpec) -> ServerStats:
     if path is not None:
         _save(shard, path)
     return stats
+
+
+def _eviction(job: Job) -> dict:
+    """With links (`troupe run --elastic`): how a server tells a frozen worker from a slow one (its beat)."""
+    membership = job.runtime.membership
+    if job.links is None or not isinstance(membership, Rejoining):
+        return {}
+    store = membership.connect(LINK_FORM_SECONDS)  # the server's own connection (its loop and links have theirs)
+    return {"evict_after": job.runtime.settings.evict_after,
+            "beats": lambda rank: store.add(beat_key(rank), 0)}
 
 
 def _server_sync(job: Job, shard: ParamShard) -> ServerSync | None:

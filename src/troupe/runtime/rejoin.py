@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +34,15 @@ ENV_VAR = "TROUPE_REJOIN"
 
 def place_key(rank: int) -> str:
     return f"ps/place/{rank}"
+
+
+def beat_key(rank: int) -> str:
+    return f"ps/beat/{rank}"
+
+
+BEAT_SECONDS = 0.5
+"""How often a worker's beat thread counts up `ps/beat/<rank>` (a frozen process's threads stop with it; a
+slow one's do not: its servers tell frozen from slow by it)."""
 
 
 class Rejoining:
@@ -54,6 +65,20 @@ class Rejoining:
         self.objects: dict[str, Any] = {}
         self.records = 0
         self._warned = False
+
+    def start_beating(self) -> None:
+        """Count up this worker's beat in the store every BEAT_SECONDS, in a thread, on a connection of its own."""
+        store = self.connect(BEAT_SECONDS * 20)
+
+        def beat() -> None:
+            while True:
+                try:
+                    store.add(beat_key(self.rank), 1)
+                except (RuntimeError, ConnectionError, OSError):  # the launcher's store is gone: the job is over
+                    return
+                time.sleep(BEAT_SECONDS)
+
+        threading.Thread(target=beat, name="troupe-ps-beat", daemon=True).start()
 
     @property
     def rejoined(self) -> bool:

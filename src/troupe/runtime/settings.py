@@ -57,10 +57,14 @@ class Settings:
     elastic: str | None = None
     """TROUPE_ELASTIC: JSON elastic options, set by `troupe run --elastic` (runtime/quorum.py)."""
     incarnation: int = 0
+    """TROUPE_INCARNATION: how many times `troupe run --elastic` has restarted this rank."""
     rejoin: bool = False
     """TROUPE_REJOIN: set by `troupe run --elastic` for a parameter-server framework: a dead worker
     restarts alone and rejoins through the servers (runtime/rejoin.py)."""
-    """TROUPE_INCARNATION: how many times `troupe run --elastic` has restarted this rank."""
+    evict_after: float = 5.0
+    """TROUPE_EVICT_AFTER (`troupe run --elastic --evict-after` under Sandblaster): seconds a server waits
+    for a worker whose group mates have sent their update and whose beat has stopped (it is frozen)
+    before the group goes on without it; after SIGCONT it restarts and rejoins."""
     cluster: str | None = None
     """TROUPE_CLUSTER: JSON, a framework name or a cluster file (parameter servers)."""
     stats: str | None = None
@@ -81,7 +85,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         for name in ("timeout", "join_timeout", "heartbeat", "stall_seconds", "peer_timeout", "ps_timeout",
-                     "store_timeout"):
+                     "store_timeout", "evict_after"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"TROUPE_{name.upper()} must be > 0 seconds, got {value}")

@@ -296,6 +296,10 @@ def main() -> None:
 
     for module in PRELOAD:
         importlib.import_module(module)
+    torch = sys.modules["torch"]
+    if torch.cuda.is_initialized():  # a forked child could not use CUDA: let the launcher start ranks afresh
+        print("troupe zygote: CUDA was initialized while importing; ranks start afresh", file=sys.stderr, flush=True)
+        return
     # What is imported now lives as long as any rank: out of the collector's sight, it is neither walked by
     # each collection nor torn down object by object at each rank's exit (0.6 s of a rank's 0.9 s exit here),
     # and forked pages stay shared.

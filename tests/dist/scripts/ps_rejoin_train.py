@@ -8,6 +8,8 @@ MODE (faults in first incarnations only):
   ok
   kill        the highest-numbered worker SIGKILLs itself at step FAULT_AT (after that step's record)
   kill-twice  the same, and again 5 steps after it is back
+  stop        the highest-numbered worker writes OUT/stopped (its pid) and SIGSTOPs itself at step FAULT_AT
+              (the test sends SIGCONT)
 Every worker takes STEPS steps of its own shard; each writes OUT/rank{r}.json (its last incarnation:
 where it resumed, the batches it took) and OUT/rank{r}.pt (its parameters after its last step, i.e.
 the servers' values after its last update).
@@ -56,7 +58,10 @@ def main(out: Path, mode: str) -> None:
             fatal = rank == workers - 1 and incarnation == 0 and opt.step_count == FAULT_AT and mode != "ok"
             again = mode == "kill-twice" and rank == workers - 1 and incarnation == 1 and \
                 opt.step_count == back_at + 5
-            if fatal or again:
+            if fatal and mode == "stop":
+                (out / "stopped").write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif fatal or again:
                 os.kill(os.getpid(), signal.SIGKILL)
             x, y = next(batches)
             F.cross_entropy(model(x), y).backward()

@@ -95,6 +95,8 @@ class Server:
         sync: ServerSync | None = None,
         on_exit: Callable[[], None] | None = None,
         links: Links | None = None,
+        evict_after: float | None = None,
+        beats: Callable[[int], int] | None = None,
     ):
         self.comm = links if links is not None else comm
         self.shard = shard
@@ -141,6 +143,12 @@ class Server:
         fails is waited for until it dials again, restarted (None: the job's group carries the messages)."""
         self.returning: set[int] = set()
         """With links: workers that died and will be back (their launcher restarts them)."""
+        self.evict_after, self.beats = evict_after, beats
+        """With links: a worker its group waits for whose beat (`beats(rank)`, a counter its process keeps
+        counting up) has not moved for `evict_after` seconds is frozen: it is evicted (`_evict_frozen`)."""
+        self.evicted = 0
+        self._notices: list = []
+        """Evicted headers sent to frozen workers (delivered when they wake; never waited for)."""
         self.returns = 0
         if links is not None:
             links.on_link = self._linked
@@ -155,6 +163,9 @@ class Server:
             threading.Thread(target=self._watch, name="troupe-ps-watch", daemon=True).start()
         else:
             self.links.listen(self.live, empty_header)
+            if self.evict_after is not None and self.beats is not None \
+                    and any(len(m) > 1 for m in self.shard.members.values()):  # only a group of several waits
+                threading.Thread(target=self._evict_frozen, name="troupe-ps-evict", daemon=True).start()
         while self.live or self.returning:
             raw = empty_header()
             src = self.comm.recv(raw, tag=HEADER_TAG)
@@ -452,6 +463,44 @@ class Server:
               file=sys.stderr, flush=True)
         self.dead.append(worker)
         self._forget(worker)
+
+    def _evict_frozen(self) -> None:
+        """With links: evict a worker its group waits for (its mates' updates of a step are in, its own is not)
+        whose beat has not moved for `evict_after` seconds: frozen (SIGSTOP), not slow. The group goes on
+        without it at once; an Evicted header waits in its link, the first thing it reads when it wakes: it
+        exits, and its launcher restarts it, to rejoin as a dead worker does."""
+        seen: dict[int, tuple[int, float]] = {}  # late worker -> (its beat, since when that beat)
+        while True:
+            time.sleep(WATCH_INTERVAL)
+            with self._lock:
+                if not (self.live or self.returning):
+                    return
+                late = set().union(*self.shard.missing().values()) & self.live
+                now = time.monotonic()
+                for worker in list(seen):
+                    if worker not in late:
+                        del seen[worker]
+                for worker in sorted(late):
+                    try:
+                        beat = self.beats(worker)
+                    except (RuntimeError, ConnectionError, OSError):  # the launcher's store is gone: the job ends
+                        return
+                    if seen.get(worker, (None,))[0] != beat:
+                        seen[worker] = (beat, now)
+                    elif now - seen[worker][1] > self.evict_after:
+                        del seen[worker]
+                        self._evict(worker)
+                self._progress()
+
+    def _evict(self, worker: int) -> None:
+        self.evicted += 1
+        try:  # isend: a frozen worker posts no receive until it wakes, and this thread must not wait for it
+            self._notices.append(self.comm.isend(Header(Op.EVICTED, 0, 0, self.rank, 0).encode(), worker,
+                                                 tag=HEADER_TAG))
+        except RuntimeError:
+            pass
+        self._lost(worker, f"its group waited {self.evict_after:g} s for its update and its beat had stopped "
+                           "(frozen): evicted, it restarts when it wakes")
 
     def _forget(self, worker: int) -> None:
         self.live.discard(worker)

@@ -66,6 +66,9 @@ class Op(IntEnum):
     last Merge has left (`slice_id`: my server group)."""
     FINAL = 17
     """Master copy -> server: the part's value once every server group has finished (no more merges)."""
+    EVICTED = 18
+    """Server -> worker (`troupe run --elastic`): your group went on without you (you were frozen); what you
+    read next from me is this. The worker exits, and its launcher restarts it to rejoin."""
 
 
 WITH_PAYLOAD = {Op.PUT, Op.UPDATE, Op.PUSH, Op.REPLY, Op.LR, Op.SYNC, Op.SPARSE_UPDATE, Op.SPARSE_PUSH,

@@ -18,9 +18,12 @@ one server leave as one frame, and its replies come back as one (`troupe.cluster
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NoReturn
 
 import torch
 from torch import Tensor
@@ -38,6 +41,7 @@ from troupe.compress.feedback import ErrorFeedback, residual_norm
 from troupe.compress.fp16 import half_dtype
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator, Handle
+from troupe.runtime.quorum import REJOIN_EXIT
 from troupe.sync.bucket import Bucket
 from troupe.sync.hooks.send import SendBuckets
 from troupe.sync.reducer import GradReducer
@@ -51,6 +55,16 @@ SPARSE_OF = {dense: op for op, dense in SPARSE.items()}
 def finite(flats: Sequence[Tensor]) -> bool:
     """Every element finite (one sum per tensor; an overflowing sum is confirmed element by element)."""
     return all_finite(flats) or all(bool(torch.isfinite(t).all()) for t in flats)
+
+
+def _leave_evicted(rank: int, server: int) -> NoReturn:
+    """A server left this worker out of its group's updates while it was frozen (`troupe run --elastic`): end
+    the process now, as a crash would (its sends to the server will never be taken, and a goodbye would wait
+    for them); its launcher restarts it, and it rejoins from its record."""
+    print(f"troupe: worker rank {rank} was evicted by server rank {server}: its group went on without it while "
+          "it was frozen; exiting, to be restarted and rejoin", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(REJOIN_EXIT)  # its launcher starts it again at once (not a failure: no restart spent)
 
 
 class PSClient:
@@ -416,6 +430,8 @@ class PSClient:
         replies = []
         for server in sorted(expected):
             for header, frame in self._inbox_of.messages(server, expected[server]):
+                if header.op is Op.EVICTED and header.sender == server:
+                    _leave_evicted(self.rank, server)
                 s = self._slice_of(header, server)
                 check(header, src=server, expected_length=s.numel, allowed={Op.REPLY, Op.ACK})
                 value = None
