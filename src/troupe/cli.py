@@ -465,8 +465,8 @@ def _check_elastic(args: argparse.Namespace) -> None:
 
 def _check_elastic_downpour(args: argparse.Namespace, framework: str) -> None:
     """Downpour or Sandblaster under --elastic: no quorum (each worker talks to the servers alone), so the
-    quorum's flags mean nothing there; one node (its launcher hosts the store the restarted workers find
-    the job by)."""
+    quorum's flags mean nothing there (`--evict-after`: how long a Sandblaster server waits for a frozen
+    worker)."""
     for flag, value in (("--min-groups", args.min_groups), ("--max-groups", args.max_groups),
                         ("--elastic-batch", args.elastic_batch), ("--elastic-timeout", args.elastic_timeout)):
         if value is not None:
@@ -530,6 +530,20 @@ class _Starter:
         # rendezvous on the next port after troupe's (every node computes the same one).
         self.master_port = ticket.port + 1 if args.master else _reserved(ticket.addr)
         self.output = getattr(args, "output", None)
+        self.started: set[int] = set()
+        """The pids of every process this launcher started (ranks, spares): the orphans it inherits are the rest."""
+        self._reaped_at = 0.0
+
+    def reap_orphans(self) -> None:
+        """At most every 2 s: reap the exited orphans the launcher inherits as its forked ranks' subreaper."""
+        from troupe.runtime import zygote
+
+        now = time.monotonic()
+        house = zygote.current()
+        if house is None or now - self._reaped_at < 2.0:
+            return
+        self._reaped_at = now
+        zygote.reap_orphans(self.started | {house.proc.pid})
 
     def env(self, rank: int | None, **more: str) -> dict[str, str]:
         """The environment of rank `rank` (None: what every rank shares, a spare's)."""
@@ -605,7 +619,9 @@ class _Starter:
     def spare(self) -> subprocess.Popen:
         """A process that imports torch now and runs the script as the rank it is handed later."""
         cmd = [sys.executable, "-m", "troupe.runtime.spare", self.args.script, *self.args.args]
-        return self._popen(cmd, self.env(None), stdin=subprocess.PIPE)
+        proc = self._popen(cmd, self.env(None), stdin=subprocess.PIPE)
+        self.started.add(proc.pid)
+        return proc
 
     def from_spare(self, spares, rank: int, **more: str) -> subprocess.Popen:
         """Rank `rank` started in a waiting spare (then a new spare starts), else afresh."""
@@ -620,6 +636,7 @@ class _Starter:
         return subprocess.Popen(cmd, env=env, start_new_session=True, **pipes, **kwargs)
 
     def _attach(self, rank: int, proc: subprocess.Popen) -> subprocess.Popen:
+        self.started.add(proc.pid)
         if self.output is not None:
             self.output.attach(rank, proc)
         return proc
@@ -690,6 +707,7 @@ def _supervise_restarting(args: argparse.Namespace, start: _Starter, house, spar
         # Forked ranks start in milliseconds: spares only where ranks start afresh (TROUPE_FORK=0, not Linux).
         if spares is None and spare_count and house.formed_once and not start.forks:
             spares = Spares(spare_count, start.spare)
+        start.reap_orphans()
         also_poll()
 
     def terminated(*_sig):

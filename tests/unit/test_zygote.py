@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -137,3 +138,25 @@ def test_a_job_under_troupe_run_forks_its_ranks_and_says_the_same_as_afresh(tmp_
         assert done.returncode == 0, done.stderr
         outputs.append(sorted(done.stdout.splitlines()))
     assert outputs == [["0 ['x'] 1 forked", "1 ['x'] 1 forked"], ["0 ['x'] 1 afresh", "1 ['x'] 1 afresh"]]
+
+
+def test_the_orphans_a_forked_rank_leaves_are_reaped_and_nothing_else(house, tmp_path):
+    """A rank that dies before its own child: the child is re-parented to this process (the subreaper); once
+    it has exited, `reap_orphans` reaps it, and never a process this process started itself."""
+    z, _ = house
+    script = tmp_path / "parent.py"
+    script.write_text("import os, sys, time\npid = os.fork()\nif pid == 0:\n    time.sleep(0.5)\n    os._exit(0)\n"
+                      "print(pid, flush=True)\nos._exit(0)\n")
+    out_r, out_w = os.pipe()
+    rank = z.spawn([str(script)], dict(os.environ), stdout=out_w)
+    os.close(out_w)
+    orphan = int(os.fdopen(out_r).readline())
+    assert rank.wait(30) == 0
+    deadline = time.monotonic() + 10
+    reaped: list[int] = []
+    while orphan not in reaped and time.monotonic() < deadline:
+        time.sleep(0.1)
+        reaped += zygote.reap_orphans({z.proc.pid, rank.pid})
+    # (earlier tests' ranks nobody waited for are this process's unknown zombies too: reaped as well)
+    assert orphan in reaped and rank.pid not in reaped and z.proc.pid not in reaped
+    assert z.alive(), "the zygote (a known child) was left alone"

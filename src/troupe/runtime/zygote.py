@@ -184,10 +184,41 @@ def shared(env: dict[str, str], say=None) -> Zygote | None:
     return zygote
 
 
+def current() -> Zygote | None:
+    """This process's zygote if it has started one (without starting it)."""
+    return _shared.get("zygote")
+
+
 def forget(zygote: Zygote) -> None:
     """Stop using `zygote` (a request failed): later ranks start afresh."""
     if _shared.get("zygote") is zygote:
         _shared["zygote"] = None
+
+
+def reap_orphans(known: set[int]) -> list[int]:
+    """Reap this process's exited children that it did not start (`known`: the pids it did): as the child
+    subreaper it inherits its ranks' orphans (a DataLoader worker of a killed rank exits once it sees its
+    parent gone, and would stay a zombie until the launcher ends). Returns the pids reaped."""
+    me, reaped = os.getpid(), []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return reaped
+    for entry in entries:
+        if not entry.isdigit() or int(entry) in known:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, IndexError, ValueError):
+            continue
+        if state == "Z" and int(ppid) == me:
+            try:
+                os.waitpid(int(entry), os.WNOHANG)
+                reaped.append(int(entry))
+            except ChildProcessError:
+                pass
+    return reaped
 
 
 def _own(fd: int) -> int:
