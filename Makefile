@@ -10,9 +10,12 @@ PIP    := $(BIN)/python -m pip -q --disable-pip-version-check
 # mpiexec as root, and more ranks than cores, for the MPI launcher tests
 MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 # Tests run in this many pytest workers (pytest-xdist): much of a multi-process test is waiting
-# (timeouts, process starts), which a second worker fills. Simulated hosts (troupe.bench.netns)
-# exist one set at a time (a file lock), whoever asks. TEST_WORKERS=0 runs them in one process.
-TEST_WORKERS ?= 2
+# (timeouts, eviction bounds, jobs on simulated hosts), which other workers fill; since troupe run
+# forks its ranks from one process (runtime/zygote.py) the suite uses half the CPU it did, and a
+# third worker on 2 cores took it from 602 s to 540 s (two runs back to back, 2026-11-27).
+# Simulated hosts (troupe.bench.netns) exist one set at a time (a file lock), whoever asks.
+# TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= 3
 
 .PHONY: setup train test test-fast docs docs-check clean
 
