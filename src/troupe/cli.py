@@ -583,8 +583,10 @@ class _Starter:
 
     @property
     def forks(self) -> bool:
-        """Whether ranks are forked from a zygote (then restarts need no warm spares)."""
-        return self._zygote() is not None
+        """Whether this launcher's ranks were forked from a zygote (then restarts need no warm spares)."""
+        from troupe.runtime import zygote
+
+        return zygote.current() is not None
 
     def _zygote(self):
         from troupe.runtime import zygote

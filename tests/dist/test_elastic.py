@@ -25,6 +25,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
 sys.path.insert(0, str(SCRIPT.parent))
 import elastic_train as job  # noqa: E402
 
+from tests.dist.world import run_nodes  # noqa: E402
 from troupe.script.sampling import DistributedSampler  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.process]
@@ -357,23 +358,14 @@ def test_on_two_nodes_each_launcher_restarts_its_own_ranks(tmp_path):
     port = free_port("127.0.0.1")
     slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
              "SLURM_STEP_NODELIST": "127.0.0.1", "TROUPE_MASTER_PORT": str(port), "TROUPE_TOKEN": "elastic-nodes-test"}
-    nodes = []
+    launches = []
     for node in (0, 1):
         where = (["--nnodes", "2", "--node-rank", "0", "--master", f"127.0.0.1:{port}", "--token", "elastic-nodes-test"]
                  if node == 0 else ["--slurm"])
         cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "2", *where, "--elastic", str(SCRIPT), str(tmp_path),
                "nodes-kill"]
-        err = open(tmp_path / f"node{node}.txt", "w")
-        env = ENV if node == 0 else {**ENV, **slurm}
-        nodes.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err), err))
-    try:
-        codes = [proc.wait(timeout=180) for proc, _ in nodes]
-    finally:
-        for proc, err in nodes:
-            if proc.poll() is None:  # never leave a job behind
-                proc.kill()
-            err.close()
-    said = [(tmp_path / f"node{node}.txt").read_text() for node in (0, 1)]
+        launches.append((cmd, ENV if node == 0 else {**ENV, **slurm}))
+    codes, said = run_nodes(launches, tmp_path, ROOT, timeout=180)
     assert codes == [0, 0], said
     assert "rank 3 exited with signal 9 (SIGKILL); restarting it alone" in said[1]
     assert "rank 0 exited with code 1; restarting it alone" in said[0]

@@ -27,6 +27,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
 sys.path.insert(0, str(SCRIPT.parent))
 import ps_rejoin_train as job  # noqa: E402
 
+from tests.dist.world import run_nodes  # noqa: E402
 from troupe.cluster.serving.shard import plan_slices  # noqa: E402
 from troupe.script.sampling import DistributedSampler  # noqa: E402
 
@@ -139,22 +140,11 @@ def test_on_two_nodes_a_worker_restarts_on_its_own_node_and_the_job_ends_on_both
     from troupe.runtime.ticket import free_port
 
     port = free_port("127.0.0.1")
-    nodes = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "3", "--nnodes", "2", "--node-rank", str(node),
-               "--master", f"127.0.0.1:{port}", "--token", "elastic-ps-nodes", "--elastic", "--framework", "downpour",
-               "--nworker-groups", "4", "--nworkers-per-group", "1", "--nserver-groups", "2",
-               "--nservers-per-group", "1", str(SCRIPT), str(tmp_path), "kill"]
-        err = open(tmp_path / f"node{node}.txt", "w")
-        nodes.append((subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err), err))
-    try:
-        codes = [proc.wait(timeout=150) for proc, _ in nodes]
-    finally:
-        for proc, err in nodes:
-            if proc.poll() is None:  # never leave a job behind
-                proc.kill()
-            err.close()
-    said = [(tmp_path / f"node{node}.txt").read_text() for node in (0, 1)]
+    launches = [([sys.executable, "-m", "troupe.cli", "run", "-n", "3", "--nnodes", "2", "--node-rank", str(node),
+                  "--master", f"127.0.0.1:{port}", "--token", "elastic-ps-nodes", "--elastic", "--framework",
+                  "downpour", "--nworker-groups", "4", "--nworkers-per-group", "1", "--nserver-groups", "2",
+                  "--nservers-per-group", "1", str(SCRIPT), str(tmp_path), "kill"], ENV) for node in (0, 1)]
+    codes, said = run_nodes(launches, tmp_path, ROOT, timeout=150)
     assert codes == [0, 0], said
     assert "troupe run: rank 3 exited with signal 9 (SIGKILL); restarting it alone" in said[1]
     runs = [report(tmp_path, r) for r in range(4)]

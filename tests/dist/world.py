@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from troupe.runtime.spawn import RankFailed, rank_entry, run_ranks
 
-__all__ = ["RankFailed", "run_world"]
+__all__ = ["RankFailed", "run_nodes", "run_world"]
 
 _entry = rank_entry
 """For a test that starts the ranks by hand (one is meant to die): rank_entry(fn, rank, world_size, ticket,
@@ -52,3 +54,22 @@ def run_world(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on `world_size` ranks; return results by rank."""
     return run_ranks(fn, world_size, *args, timeout=timeout, env={**ENV, **(env or {})}, context=_context())
+
+
+def run_nodes(launches: list[tuple[list[str], dict[str, str]]], out: Path, cwd: Path,
+              timeout: float) -> tuple[list[int], list[str]]:
+    """One launcher per node, all at once (each a command and its environment; stdout dropped, stderr to
+    ``out/node{i}.txt``); wait for every one, killing those still running at `timeout` (a test never leaves
+    a job behind). Returns their exit codes and what each wrote to stderr."""
+    nodes = []
+    for i, (cmd, env) in enumerate(launches):
+        err = open(out / f"node{i}.txt", "w")  # noqa: SIM115  (closed below)
+        nodes.append((subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=err), err))
+    try:
+        codes = [proc.wait(timeout=timeout) for proc, _ in nodes]
+    finally:
+        for proc, err in nodes:
+            if proc.poll() is None:
+                proc.kill()
+            err.close()
+    return codes, [(out / f"node{i}.txt").read_text() for i in range(len(launches))]

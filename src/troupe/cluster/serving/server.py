@@ -146,7 +146,6 @@ class Server:
         self.evict_after, self.beats = evict_after, beats
         """With links: a worker its group waits for whose beat (`beats(rank)`, a counter its process keeps
         counting up) has not moved for `evict_after` seconds is frozen: it is evicted (`_evict_frozen`)."""
-        self.evicted = 0
         self._notices: list = []
         """Evicted headers sent to frozen workers (delivered when they wake; never waited for)."""
         self.returns = 0
@@ -493,7 +492,6 @@ class Server:
                 self._progress()
 
     def _evict(self, worker: int) -> None:
-        self.evicted += 1
         try:  # isend: a frozen worker posts no receive until it wakes, and this thread must not wait for it
             self._notices.append(self.comm.isend(Header(Op.EVICTED, 0, 0, self.rank, 0).encode(), worker,
                                                  tag=HEADER_TAG))
