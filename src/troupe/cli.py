@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     elastic.add_argument("--elastic", action="store_true",
                          help="every process is a worker group of one (with --nworker-groups G: G groups of -n/G "
                               "processes); a dead process restarts with its group, which rejoins. With --framework "
-                              "downpour or sandblaster: a dead worker restarts alone and rejoins through the servers")
+                              "downpour or sandblaster: a dead worker restarts alone and rejoins through the servers; "
+                              "with --framework hogwild: a dead group restarts and copies a live group's state")
     elastic.add_argument("--min-groups", type=int, default=None,
                          help="--elastic: steps need at least K groups present (default 2)")
     elastic.add_argument("--max-groups", type=int, default=None,
@@ -318,12 +319,13 @@ def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
         return {}
     if args.elastic and cluster.framework == "diloco":  # elastic DiLoCo's groups are a quorum's
         cluster = dataclasses.replace(cluster, elastic=True)
-    elif args.elastic:  # Downpour: its workers restart alone
+    elif args.elastic:  # Downpour, Sandblaster, Hogwild: their workers restart alone
         from troupe.cluster.bootstrap import rejoining_problem
 
         problem = rejoining_problem(cluster)
         if problem:
             raise ValueError(problem)
+        args.rejoining = True
     if cluster.nprocs % args.nnodes:
         raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {args.nnodes}")
     args.nproc = cluster.nprocs // args.nnodes
@@ -425,13 +427,13 @@ def _check_elastic(args: argparse.Namespace) -> None:
     if args.max_restarts:
         raise ValueError("--elastic restarts a dead rank alone; --max-restarts restarts the whole job: give one")
     cluster_flags = {k: v for k, v in given(args).items() if v is not None and k != "nworker_groups"}
-    diloco, downpour = args.framework == "diloco", args.framework in ("downpour", "sandblaster")
+    diloco, downpour = args.framework == "diloco", args.framework in ("downpour", "sandblaster", "hogwild")
     block = getattr(args, "elastic_servers", None)  # a cluster block's elastic: true beside separate servers
     downpour = downpour or bool(block)
     if (args.framework and not (diloco or downpour)) or (args.cluster and not block) \
             or (cluster_flags and not (diloco or downpour)) or settings.current().cluster:
         raise ValueError("--elastic runs data parallelism over worker groups, --framework diloco, or --framework "
-                         "downpour or sandblaster (their workers restart alone); not Hogwild, AllReduce or "
+                         "downpour, sandblaster or hogwild (their workers restart alone); not AllReduce or "
                          "partition yet (--framework/--cluster/cluster flags other than --nworker-groups)")
     if downpour:
         _check_elastic_downpour(args, args.framework or block)
@@ -464,9 +466,9 @@ def _check_elastic(args: argparse.Namespace) -> None:
 
 
 def _check_elastic_downpour(args: argparse.Namespace, framework: str) -> None:
-    """Downpour or Sandblaster under --elastic: no quorum (each worker talks to the servers alone), so the
-    quorum's flags mean nothing there (`--evict-after`: how long a Sandblaster server waits for a frozen
-    worker)."""
+    """Downpour, Sandblaster or Hogwild under --elastic: no quorum (each worker talks to the servers, or the
+    other groups, alone), so the quorum's flags mean nothing there (`--evict-after`: how long a Sandblaster
+    server, or a Hogwild group, waits for a frozen worker)."""
     for flag, value in (("--min-groups", args.min_groups), ("--max-groups", args.max_groups),
                         ("--elastic-batch", args.elastic_batch), ("--elastic-timeout", args.elastic_timeout)):
         if value is not None:
@@ -646,7 +648,7 @@ class _Starter:
 
 def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     """Start the ranks of an elastic job, keep its quorum here, and restart a dead rank alone."""
-    if getattr(args, "servers", None):
+    if getattr(args, "rejoining", False):
         return _run_rejoining(args, extra_env)
     # The launcher's own store, quiet: c10d warns on every connection where the hostname does not
     # resolve (a host without DNS for itself) and logs a page of C++ frames when node 0's store does
@@ -733,9 +735,10 @@ def _supervise_restarting(args: argparse.Namespace, start: _Starter, house, spar
 
 
 def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
-    """--elastic over a parameter-server job (Downpour, Sandblaster): node 0's launcher hosts the job's store;
-    a dead worker restarts alone, on its node, and rejoins through the servers (runtime/rejoin.py); a dead
-    server ends the job, on every node."""
+    """--elastic over a parameter-server job (Downpour, Sandblaster, Hogwild): node 0's launcher hosts the job's
+    store; a dead worker restarts alone, on its node, and rejoins through the servers (runtime/rejoin.py) or,
+    under Hogwild, by copying a live group (cluster/serving/groupsync.py); a dead separate server ends the
+    job, on every node."""
     from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT
     from troupe.runtime.lighthouse import Keeper
     from troupe.runtime.rejoin import ENV_VAR
@@ -761,11 +764,13 @@ def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
             say(f"troupe run: another node stopped the job (code {code}); stopping this node's ranks")
             raise _EndedElsewhere(code)
 
+    left_out = "was evicted by its server while it was frozen" if args.servers else \
+        "was frozen past --evict-after: the other groups went on without it"
     code = 1
     try:
         code = _supervise_restarting(args, start, keeper, 1 if args.spares is None else args.spares,
                                      list(range(first, first + args.nproc)), say, fixed=fixed, finish_closes=False,
-                                     also_poll=ended_elsewhere, left_out="was evicted by its server while it was frozen")
+                                     also_poll=ended_elsewhere, left_out=left_out)
         return code
     except _EndedElsewhere as e:
         code = e.code

@@ -385,17 +385,19 @@ def test_on_two_nodes_each_launcher_restarts_its_own_ranks(tmp_path):
     (["--min-groups", "4"], "min_groups (4) is larger than the job's 3 worker groups"),
     (["--min-groups", "1"], "min_groups must be >= 2"),
     (["--max-restarts", "2", "--checkpoint-dir", "ck"], "--elastic restarts a dead rank alone; --max-restarts"),
-    (["--framework", "hogwild"], "--elastic runs data parallelism over worker groups, --framework diloco, or "
-                                 "--framework downpour or sandblaster (their workers restart alone); not Hogwild"),
+    (["--framework", "allreduce"], "--elastic runs data parallelism over worker groups, --framework diloco, or "
+                                   "--framework downpour, sandblaster or hogwild (their workers restart alone); "
+                                   "not AllReduce"),
     (["--framework", "downpour", "--min-groups", "2"], "--min-groups is for synchronous elastic groups (a quorum)"),
-    (["--framework", "downpour", "--nworker-groups", "3", "--nworkers-per-group", "1", "--nserver-groups", "3",
-      "--nservers-per-group", "1", "--no-server-worker-separate"],
-     "--elastic runs a parameter-server job whose servers are separate (Downpour, Sandblaster), without partition"),
+    (["--framework", "hogwild", "-n", "4", "--nworker-groups", "2", "--nworkers-per-group", "2", "--nserver-groups",
+      "2", "--nservers-per-group", "2"],
+     "--elastic runs a parameter-server job whose servers are separate (Downpour, Sandblaster), or Distributed "
+     "Hogwild over groups of one process each (--framework hogwild); got 2 worker group(s) of 2 worker(s)"),
     (["--spares", "-1"], "--spares must be >= 0, got -1"),
     (["--nworker-groups", "1"], "--elastic --nworker-groups needs at least 2 worker groups"),
     (["-n", "4", "--nworker-groups", "3"],
      "-n 4 processes do not split into --nworker-groups 3 groups of equal size"),
-    (["--nworker-groups", "2", "--nserver-groups", "2"], "not Hogwild, AllReduce or partition yet"),
+    (["--nworker-groups", "2", "--nserver-groups", "2"], "not AllReduce or partition yet"),
     (["--framework", "diloco", "--sync-freq", "4", "--delay", "1"], "elastic DiLoCo needs delay 0, got 1"),
     (["--framework", "diloco", "--elastic-batch", "constant"], "--elastic-batch constant weighs each step's"),
     (["--max-groups", "4"], "max_groups (4) must be from min_groups (2) to the job's 3 worker groups"),

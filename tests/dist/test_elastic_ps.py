@@ -35,11 +35,11 @@ pytestmark = [pytest.mark.dist, pytest.mark.process]
 ONE_WORKER = ["-n", "2", "--nworker-groups", "1", "--nworkers-per-group", "1", "--nservers-per-group", "1"]
 
 
-def troupe_run(out: Path, mode: str, *flags: str, framework: str = "downpour", timeout: float = 120
+def troupe_run(out: Path, mode: str, *flags: str, framework: str = "downpour", timeout: float = 120, **env: str
                ) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "troupe.cli", "run", "--elastic", "--framework", framework, *flags, str(SCRIPT),
            str(out), mode]
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, env={**ENV, **env}, capture_output=True, text=True, timeout=timeout)
 
 
 def replay(steps: int) -> list[torch.Tensor]:
@@ -188,3 +188,66 @@ def test_a_frozen_sandblaster_worker_is_evicted_then_restarts_and_rejoins_after_
     assert survivor["incarnation"] == 0 and survivor["steps"] == job.STEPS
     assert restarted["incarnation"] == 1 and restarted["resumed_at"] == job.FAULT_AT
     assert restarted["steps"] == job.STEPS
+
+
+@pytest.mark.timeout(150)
+def test_a_hogwild_group_killed_twice_copies_a_live_groups_state_and_rejoins_while_the_others_train_on(tmp_path):
+    """Distributed Hogwild, 3 groups of one process, syncing every 2 steps: group 2 is killed at step 7 and
+    again 5 steps after it is back. Each new life takes a live group's replica and its own part of the
+    master copy, the survivors dial it back and sync with it again; nobody else restarts."""
+    proc = troupe_run(tmp_path, "kill-twice", "-n", "3", "--sync-freq", "2", framework="hogwild", PAUSE="0.2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stderr
+    runs = [report(tmp_path, r) for r in range(3)]
+    assert [r["incarnation"] for r in runs] == [0, 0, 2] and all(r["steps"] == job.STEPS for r in runs)
+    resumed = runs[2]["resumed_at"]
+    assert resumed == job.FAULT_AT + 5  # its second life resumed where its first had got to
+    per_epoch = job.SAMPLES // 3 // job.BATCH
+    assert [e * per_epoch + b for e, b in runs[2]["log"]] == list(range(resumed, job.STEPS))
+    assert text.count("troupe run: rank 2 exited with signal 9 (SIGKILL); restarting it alone") == 2
+    assert text.count("troupe group sync rank 2: took the replica of rank 0 and this group's part of the master "
+                      "copy at version") == 2
+    for survivor in (0, 1):
+        for life in (1, 2):
+            assert f"troupe group sync rank {survivor}: rank 2 is back (life {life}); syncing with its group again" \
+                in text, text[-3000:]
+        assert re.search(rf"troupe group sync rank {survivor}: \d+ merges .* 0 message\(s\) rejected, groups gone "
+                         r"without stopping: none, 2 new life\(s\) of other groups synced with again", text), text[-3000:]
+    # The new life's first values were taken from the others, not its own fresh (random) ones.
+    fetched = torch.load(tmp_path / "rank2.pt")["fetched"]
+    torch.manual_seed(1000 + 2)
+    model, _ = job.model_and_optimizer()
+    for got, fresh in zip(fetched, model.parameters()):
+        assert not torch.allclose(got, fresh.detach().normal_())
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_hogwild_group_is_counted_gone_then_restarts_and_rejoins_after_sigcont(tmp_path):
+    """3 groups, --evict-after 2: group 2 SIGSTOPs itself at step 7; the others see its beat stop and go on
+    without it; after SIGCONT it finds itself frozen past the bound, exits with the rejoin code, and its new
+    life rejoins at step 7 (no restart spent)."""
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "--elastic", "--framework", "hogwild", "-n", "3", "--sync-freq",
+           "2", "--evict-after", "2", str(SCRIPT), str(tmp_path), "stop"]
+    err = open(tmp_path / "stderr.txt", "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "PAUSE": "0.2"}, stdout=subprocess.DEVNULL, stderr=err)
+    said = lambda: (tmp_path / "stderr.txt").read_text()  # noqa: E731
+    try:
+        deadline = time.monotonic() + 90
+        while not all(f"troupe group sync rank {r}: rank 2 is gone (its beat stopped" in said() for r in (0, 1)):
+            assert time.monotonic() < deadline and proc.poll() is None, f"group 2 was never counted gone:\n{said()}"
+            time.sleep(0.2)
+        os.kill(int((tmp_path / "stopped").read_text()), signal.SIGCONT)
+        assert proc.wait(timeout=90) == 0, said()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        err.close()
+    text = said()
+    assert "troupe group sync rank 2: this process was stopped for" in text
+    assert "troupe run: rank 2 was frozen past --evict-after: the other groups went on without it; starting it again" \
+        in text, text[-3000:]
+    assert "restart 1 of" not in text  # leaving frozen is not a failure
+    runs = [report(tmp_path, r) for r in range(3)]
+    assert [r["incarnation"] for r in runs] == [0, 0, 1] and all(r["steps"] == job.STEPS for r in runs)
+    assert runs[2]["resumed_at"] == job.FAULT_AT
+    assert all(f"troupe group sync rank {r}: rank 2 is back (life 1)" in text for r in (0, 1)), text[-3000:]

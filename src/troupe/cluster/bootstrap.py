@@ -39,13 +39,15 @@ from troupe.cluster.configuration.roles import Role, expendable_ranks, roles
 from troupe.cluster.configuration.sources import from_env
 from troupe.cluster.configuration.spec import TrainingSpec
 from troupe.cluster.serving.server import Server, ServerStats, process_alive
+from troupe.cluster.serving.groupsync import SyncChannels
+from troupe.cluster.serving.lives import FORM_SECONDS, Lives
 from troupe.cluster.serving.mastercopies import MasterCopies
 from troupe.cluster.serving.serversync import ServerSync
 from troupe.cluster.serving.shard import ParamShard, plan_slices
 from troupe.cluster.workers import layout
 from troupe.cluster.workers.layout import Layout, trainable
 from troupe.compress.fp16 import half_dtype
-from troupe.cluster.wire.links import Links
+from troupe.cluster.wire.links import LINK_FORM_SECONDS, Links
 from troupe.runtime.comm import Communicator, Outside
 from troupe.runtime.rejoin import Rejoining, beat_key
 from troupe.runtime.launch import DistInfo
@@ -58,9 +60,6 @@ log = logging.getLogger("troupe.cluster.bootstrap")
 
 SPEC_KEY = "ps/spec"
 """`troupe run --elastic`: worker 0's description of the job, for workers that restart."""
-
-LINK_FORM_SECONDS = 30.0
-"""How long a server waits for a dialling worker's side of their link (it may die while dialling)."""
 
 DEFAULT_PS_TIMEOUT = 7 * 24 * 3600.0
 """Seconds a parameter-server message may wait (``TROUPE_PS_TIMEOUT``); a dead peer fails at once anyway."""
@@ -79,7 +78,7 @@ class Job:
     workers: list[int]
     workers_comm: Communicator
     group_comms: list[Communicator]
-    sync_channels: tuple[Communicator, Communicator] | None
+    sync_channels: SyncChannels | None
     processes_comms: list[Communicator]
     timeout: float
     processes: list[tuple[str, int]] = dataclasses.field(default_factory=list)
@@ -93,6 +92,12 @@ class Job:
     restarted worker opens again (`troupe.cluster.wire.links`; None: they travel in `world`)."""
     rejoined: bool = False
     """This process restarts a worker that died: it joined the running job alone, through its servers."""
+
+    @property
+    def restarts_alone(self) -> bool:
+        """`troupe run --elastic` over a parameter-server job: a dead worker restarts alone; the workers
+        share no collective after the job's start."""
+        return isinstance(self.runtime.membership, Rejoining)
 
     @property
     def channel(self) -> Communicator | Links:
@@ -169,7 +174,7 @@ def worker_layout(job: Job, params: list, param_group_of: list[int]) -> Layout:
     cluster = job.cluster
     k = cluster.nworkers_per_group
     mine = layout.entries(params, param_group_of, k, len(job.workers))
-    if job.links is not None:  # every worker holds the whole model (partition is refused under --elastic)
+    if job.restarts_alone:  # every worker holds the whole model (partition is refused under --elastic)
         return layout.build([mine] * len(job.workers), k, job.workers.index(job.role.rank))
     every = job.workers_comm.all_gather_object(mine) if len(job.workers) > 1 else [mine]
     arranged = layout.build(every, k, job.workers.index(job.role.rank))
@@ -223,8 +228,8 @@ def join(cluster: ClusterConfig, runtime: World) -> Job:
     # the ranks that sync (every worker; with in-memory Hogwild the first worker of each process).
     syncing = [r.rank for r in everyone if r.server] if cluster.in_memory else workers
     several = not cluster.server_worker_separate and len(syncing) > 1 and cluster.nserver_groups > 1
-    sync_channels = (world.new_group(syncing), world.new_group(syncing)) if several and not cluster.groups_wait \
-        else None
+    sync_channels = SyncChannels.pair(world.new_group(syncing), world.new_group(syncing)) \
+        if several and not cluster.groups_wait else None
     # DiLoCo: the outer step all-reduces among the workers with the same place in their groups.
     k_group = cluster.nworkers_per_group
     place_comms = [world.new_group([g * k_group + j for g in range(cluster.nworker_groups)])
@@ -242,10 +247,15 @@ def join(cluster: ClusterConfig, runtime: World) -> Job:
 
 def rejoining_problem(cluster: ClusterConfig) -> str | None:
     """Why `cluster`'s workers cannot restart alone (`troupe run --elastic`), or None."""
-    if cluster.partition_dim is not None or not cluster.server_worker_separate:
-        return ("--elastic runs a parameter-server job whose servers are separate (Downpour, Sandblaster), without "
-                f"partition; got server_worker_separate {cluster.server_worker_separate}, partition_dim "
-                f"{cluster.partition_dim!r}")
+    if cluster.partition_dim is not None:
+        return f"--elastic runs a parameter-server job without partition; got partition_dim {cluster.partition_dim!r}"
+    if cluster.server_worker_separate:
+        return None
+    if cluster.nworker_groups < 2 or cluster.groups_wait or cluster.in_memory or cluster.nworkers_per_group != 1:
+        return ("--elastic runs a parameter-server job whose servers are separate (Downpour, Sandblaster), or "
+                "Distributed Hogwild over groups of one process each (--framework hogwild); got "
+                f"{cluster.nworker_groups} worker group(s) of {cluster.nworkers_per_group} worker(s), "
+                f"nworkers_per_procs {cluster.nworkers_per_procs}, co-located servers")
     return None
 
 
@@ -262,22 +272,36 @@ def _rejoining_job(cluster: ClusterConfig, runtime: World, membership: Rejoining
     workers = [r.rank for r in everyone if r.worker]
     if runtime.watchdog is not None:
         runtime.watchdog.unwatched = set(workers)
-    links = Links(membership.store, role.rank, timeout, connect=lambda: membership.connect(LINK_FORM_SECONDS))
     if role.worker is not None:
         membership.data_place = (workers.index(role.rank), len(workers))
-        membership.start_beating()  # its servers tell it frozen from slow by this
+        membership.start_beating()  # its servers (or the other Hogwild groups) tell it frozen from slow by this
+    links, sync_channels = None, None
+    if cluster.server_worker_separate:
+        links = Links(membership.store, role.rank, timeout, connect=lambda: membership.connect(LINK_FORM_SECONDS))
+    else:
+        sync_channels = _relinking(membership, runtime, role, timeout)
     if membership.rejoined:
         solo = runtime.job  # a group of this process alone
-        return Job(cluster, runtime, role, everyone, solo, workers, solo, _own_group(cluster, role, solo), None, [],
-                   timeout, links=links, rejoined=True)
+        return Job(cluster, runtime, role, everyone, solo, workers, solo, _own_group(cluster, role, solo),
+                   sync_channels, [], timeout, links=links, rejoined=True)
     world = runtime.job.new_group(range(runtime.info.world_size), timeout=timeout)
     solo = Communicator(dist.new_group([role.rank], use_local_synchronization=True), watchdog=runtime.watchdog,
                         recorder=runtime.recorder, totals=runtime.traffic)
     server_channel = world.new_group([r.rank for r in everyone if r.worker is None]) \
-        if cluster.nserver_groups > 1 else None
+        if cluster.server_worker_separate and cluster.nserver_groups > 1 else None
     log.info("troupe: %s (restarts alone)", role.describe())
-    return Job(cluster, runtime, role, everyone, world, workers, solo, _own_group(cluster, role, solo), None, [],
-               timeout, server_channel=server_channel, links=links)
+    return Job(cluster, runtime, role, everyone, world, workers, solo, _own_group(cluster, role, solo),
+               sync_channels, [], timeout, server_channel=server_channel, links=links)
+
+
+def _relinking(membership: Rejoining, runtime: World, role: Role, timeout: float) -> SyncChannels:
+    """Distributed Hogwild's group sync on links a new life of a group opens again (`troupe.cluster.serving.lives`)."""
+    connect = lambda: membership.connect(LINK_FORM_SECONDS)  # noqa: E731
+    serving = Links(membership.store, role.rank, timeout, connect=connect, form=FORM_SECONDS)
+    asking = Links(membership.store, role.rank, timeout, connect=connect, form=FORM_SECONDS)
+    settings = runtime.settings
+    lives = Lives(serving, asking, connect, role.rank, settings.incarnation, settings.evict_after)
+    return SyncChannels.relinking(serving, asking, lives)
 
 
 def _own_group(cluster: ClusterConfig, role: Role, solo: Communicator) -> list:
@@ -295,7 +319,7 @@ def _dial(job: Job) -> None:
 
 def _spec_from_store(job: Job) -> TrainingSpec:
     """A restarted worker's copy of worker 0's description of the job (written at the job's start)."""
-    return TrainingSpec.from_json(job.links.store.get(SPEC_KEY).decode())
+    return TrainingSpec.from_json(job.runtime.membership.store.get(SPEC_KEY).decode())
 
 
 def exchange(job: Job, describe: Callable[[], TrainingSpec] | None = None) -> TrainingSpec:
@@ -311,8 +335,8 @@ def exchange(job: Job, describe: Callable[[], TrainingSpec] | None = None) -> Tr
         except ValueError as e:
             text = json.dumps({"error": str(e)})
     text = _broadcast_text(job.world, text)
-    if job.links is not None and job.role.rank == 0:  # for a worker that restarts later
-        job.links.store.set(SPEC_KEY, text)
+    if job.restarts_alone and job.role.rank == 0:  # for a worker that restarts later
+        job.runtime.membership.store.set(SPEC_KEY, text)
     spec, error = None, None
     try:
         data = json.loads(text)

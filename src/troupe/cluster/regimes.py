@@ -87,8 +87,10 @@ class CoLocatedServers(ClusterWorker):
         from troupe.cluster.workers.colocated import CoLocated
 
         job, role = ctx.job, ctx.job.role
+        first = job.world if job.restarts_alone and not job.rejoined else None  # no data-parallel group to broadcast in
         return CoLocated(ctx.cluster, role, job.group_comms[role.worker[0]], ctx.optimizer, ctx.bucket_size,
-                         job.sync_channels, job.alive, job.timeout, layout=ctx.layout)
+                         job.sync_channels, job.alive, job.timeout, layout=ctx.layout, first=first,
+                         rejoined=job.rejoined)
 
 
 @register

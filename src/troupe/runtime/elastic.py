@@ -58,6 +58,9 @@ class Fixed:
     def track(self, objects: dict[str, Any]) -> int | None:
         return None
 
+    def close(self) -> None:
+        pass
+
 
 class Elastic:
     """This worker's place in an elastic job: its worker group (`options.group_size` processes) is a

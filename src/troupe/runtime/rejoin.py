@@ -65,20 +65,30 @@ class Rejoining:
         self.objects: dict[str, Any] = {}
         self.records = 0
         self._warned = False
+        self._stop = threading.Event()
+        self._beating: threading.Thread | None = None
 
     def start_beating(self) -> None:
         """Count up this worker's beat in the store every BEAT_SECONDS, in a thread, on a connection of its own."""
         store = self.connect(BEAT_SECONDS * 20)
 
         def beat() -> None:
-            while True:
+            while not self._stop.is_set():
                 try:
                     store.add(beat_key(self.rank), 1)
                 except (RuntimeError, ConnectionError, OSError):  # the launcher's store is gone: the job is over
                     return
-                time.sleep(BEAT_SECONDS)
+                self._stop.wait(BEAT_SECONDS)
 
-        threading.Thread(target=beat, name="troupe-ps-beat", daemon=True).start()
+        self._beating = threading.Thread(target=beat, name="troupe-ps-beat", daemon=True)
+        self._beating.start()
+
+    def close(self) -> None:
+        """Stop beating, and wait for the beat thread (one inside a store call when the interpreter ends
+        aborts the process: Python ends such a thread by unwinding through pybind11's frames)."""
+        self._stop.set()
+        if self._beating is not None:
+            self._beating.join(BEAT_SECONDS * 4)
 
     @property
     def rejoined(self) -> bool:

@@ -119,8 +119,7 @@ class World:
             hook()
         if self.watchdog is not None:
             self.watchdog.stop()
-        if self.membership.elastic:
-            self.membership.close()
+        self.membership.close()  # an elastic quorum's connection, a rejoining worker's beat
         if self.recorder is not None:
             self.recorder.close()
         if dist.is_initialized():

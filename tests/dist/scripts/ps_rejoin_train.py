@@ -29,6 +29,8 @@ from elastic_train import data, model_and_optimizer  # the same data and model a
 import troupe
 
 STEPS, BATCH, SAMPLES, FAULT_AT = 24, 8, 720, 7
+PAUSE = float(os.environ.get("PAUSE", "0.01"))
+"""Seconds each step sleeps (Hogwild's test gives its survivors time to see a new life come back)."""
 
 
 def main(out: Path, mode: str) -> None:
@@ -68,7 +70,7 @@ def main(out: Path, mode: str) -> None:
             opt.step()
             opt.zero_grad()
             log.append([epoch, b])
-            time.sleep(0.01)
+            time.sleep(PAUSE)
         epoch += 1
     torch.save({"params": [p.detach() for p in model.parameters()], "fetched": fetched}, out / f"rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps({

@@ -13,7 +13,11 @@ since its last sync into the master copy of every part and adopts the result::
 A thread in each process answers the other groups' requests for the parts it is master of,
 so a group never waits for another beyond one message round trip: a slow group does not
 hold the others back, and a dead one is forgotten. Its own parts' master copy it updates in
-place, the same way. With "mean" and groups that sync in turn, the master copy is the
+place, the same way. Under ``troupe run --elastic`` a dead group comes back (`troupe.cluster.serving.lives`):
+its new life asks every live group for a snapshot (`Op.SNAPSHOT`), takes the first one's replica and
+optimizer state, and its own part of the master copy from the group that adopted it last (the highest
+version: every change folded in before that group's adoption is in it; a change whose answer was lost
+with the dead master is sent again, since its sender never adopted it). With "mean" and groups that sync in turn, the master copy is the
 average of the groups' models (local SGD); "sum" adds every group's full change, G times a
 single group's step, which diverges at a learning rate one group trains well with
 (docs/clusters.md).
@@ -21,16 +25,22 @@ single group's step, which diverges at a learning rate one group trains well wit
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
+from troupe.cluster.serving.lives import FixedLives, Lives
 from troupe.cluster.serving.mastercopies import MasterCopies
+from troupe.cluster.wire.links import Links
 from troupe.cluster.wire.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
 from troupe.runtime.comm import Communicator, Handle
 
@@ -41,41 +51,73 @@ WATCH_INTERVAL = 0.5
 """Seconds between checks that the peer groups' processes still exist and beat."""
 
 
+@dataclass(frozen=True)
+class SyncChannels:
+    """Where each kind of group-sync message travels: the serving thread receives the requests (from
+    any peer) on `inbox` and sends its answers on `answer`; the training thread sends its requests on
+    `ask` and receives their answers on `hear`. `lives`: peers that come back (None: they never do)."""
+
+    inbox: Communicator | Links
+    answer: Communicator | Links
+    ask: Communicator | Links
+    hear: Communicator | Links
+    lives: Lives | None = None
+
+    @classmethod
+    def pair(cls, requests: Communicator, replies: Communicator) -> SyncChannels:
+        """In the job's process group: requests on one channel, their answers on the other (a receive
+        from a peer on one channel cannot take the wrong kind of message)."""
+        return cls(requests, replies, requests, replies)
+
+    @classmethod
+    def relinking(cls, serving: Links, asking: Links, lives: Lives) -> SyncChannels:
+        """On links a new life opens again: the peers' requests on the links they dial to this process,
+        this process's own on the links it dials to theirs."""
+        return cls(serving, serving, asking, asking, lives)
+
+
 class GroupSync:
     """One worker's side of the group synchronisation: its requests, and the master copy it serves.
 
     `copies` holds the arithmetic and this group's replica (`MasterCopies`, started here);
     `rank_of(k)` is the global rank of the worker with this worker's index in group k;
-    requests travel on `requests` (this process's thread only receives there), replies on
-    `replies` (only the thread sends there), so each direction has its own channel.
+    `channels` says where each kind of message travels.
     """
 
     def __init__(
         self,
-        requests: Communicator,
-        replies: Communicator,
+        channels: SyncChannels,
         copies: MasterCopies,
         rank_of: Callable[[int], int],
         alive: Callable[[int], bool] = lambda rank: True,
     ):
-        self.requests, self.replies = requests, replies
+        self.channels = channels
+        self.lives = channels.lives or FixedLives(alive)
         self.copies = copies
         self.group, self.ngroups = copies.group, copies.ngroups
         self.parts, self.sizes = copies.parts, copies.sizes
         """Per group k, the (slice, start, stop) ranges whose master copy group k holds, and their sizes."""
         self.rank = rank_of(self.group)
         self.peers = {k: rank_of(k) for k in range(self.ngroups) if k != self.group}
-        self.alive = alive
         self.lock = threading.Lock()
         """Held while the master copy, its version or the set of live peers change (both threads)."""
+        self.replica_lock = threading.Lock()
+        """Held while the replica changes (the training thread) or is read for a snapshot (the serving thread)."""
         copies.start()
         self.seen = {k: 0 for k in range(self.ngroups)}
         """Version of each master copy this worker last adopted."""
         self.rejected = 0
         self.gone: set[int] = set()
+        self.returned = 0
+        """Peers' new lives this group synced with again (``troupe run --elastic``)."""
         self._live = set(self.peers.values())
         self._done = threading.Condition(self.lock)
         self._thread: threading.Thread | None = None
+        self._watching: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._closed = False
+        self.ready = threading.Event()
+        """Set once this group has its replica (at once, unless a new life still copies one from the others)."""
 
     @property
     def master(self) -> torch.Tensor:
@@ -87,16 +129,25 @@ class GroupSync:
     _active: dict[int, GroupSync] = {}
     """The one GroupSync answering on each pair of sync channels (by the requests channel's id)."""
 
-    def start(self) -> None:
-        """Start answering the other groups (call on every worker before the first sync)."""
-        other = GroupSync._active.setdefault(id(self.requests), self)
+    def start(self, rejoining: bool = False) -> None:
+        """Start answering the other groups (call on every worker before the first sync). `rejoining`: this
+        process is a new life of a group that died; its replica comes from the others (`rejoin`)."""
+        other = GroupSync._active.setdefault(id(self.channels.inbox), self)
         if other is not self:  # its thread would take this one's requests: the job would hang at a sync
             raise ValueError("Distributed Hogwild: this process already has a DistOpt syncing with the other "
                              "groups; use one DistOpt per process (close() the first before making another)")
+        if not rejoining:
+            self.ready.set()
         if self.peers:
+            self.lives.start(self.peers.values(), on_link=self._linked, on_lost=self._lose, on_back=self._back)
             self._thread = threading.Thread(target=self._serve, name="troupe-group-sync", daemon=True)
             self._thread.start()
-            threading.Thread(target=self._watch, name="troupe-group-sync-watch", daemon=True).start()
+            self._watching = threading.Thread(target=self._watch, name="troupe-group-sync-watch", daemon=True)
+            self._watching.start()
+
+    def holding(self) -> contextlib.AbstractContextManager:
+        """Hold while the training thread changes the replica (a snapshot never sees half a step)."""
+        return self.replica_lock
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -105,65 +156,76 @@ class GroupSync:
         Adopting adds what the master copy brings (`master - cur`, cur as sent), so updates other
         workers make meanwhile to the shared values (in-memory Hogwild) are kept.
         """
+        self.lives.awake()
         copies = self.copies
         sends: list[tuple[int, Handle]] = []
         asked: list[int] = []
+        lives = {peer: self.lives.life(peer) for peer in self.peers.values()}
         for k, peer in self.peers.items():
-            if peer in self.gone or not copies.sizes[k]:
+            if peer in self.gone or not copies.sizes[k] or not self.lives.ready(peer):
                 continue
             delta = copies.request(k)
             header = Header(Op.SYNC, self.group, self.seen[k], self.rank, copies.sizes[k])
             try:
-                sends.append((peer, self.requests.isend(header.encode(), peer, tag=HEADER_TAG)))
-                sends.append((peer, self.requests.isend(delta, peer, tag=PAYLOAD_TAG)))
+                sends.append((peer, self.channels.ask.isend(header.encode(), peer, tag=HEADER_TAG)))
+                sends.append((peer, self.channels.ask.isend(delta, peer, tag=PAYLOAD_TAG)))
                 asked.append(k)
             except RuntimeError as e:
-                self._lose(peer, str(e))
+                self._lose(peer, str(e), lives[peer])
                 copies.forget(k)
-        with self.lock:
+        with self.lock, self.replica_lock:
             copies.fold_own()
             self.seen[self.group] = copies.version
         for k in asked:
-            got = self._receive(k)
+            got = self._receive(k, lives[self.peers[k]])
             if got is None:
                 copies.forget(k)
             else:
                 version, value = got
                 self.seen[k] = version
-                copies.adopt(k, value)
+                with self.replica_lock:
+                    copies.adopt(k, value)
         for peer, h in sends:
             try:
                 self._unless_gone(peer, h.wait)
-            except RuntimeError as e:
-                log.warning("troupe group sync: a request was not delivered: %s", e)
+            except RuntimeError as e:  # its process died after it answered, or before
+                self._lose(peer, str(e), lives[peer])
 
     def close(self, timeout: float) -> None:
         """Say stop to every peer, then serve until every peer has stopped or died (at most `timeout` s)."""
+        self.lives.finished()
         for peer in self.peers.values():
-            if peer not in self.gone:
+            if peer not in self.gone and self.lives.ready(peer):
                 try:
-                    self.requests.send(Header(Op.STOP, self.group, 0, self.rank, 0).encode(), peer, tag=HEADER_TAG)
+                    self.channels.ask.send(Header(Op.STOP, self.group, 0, self.rank, 0).encode(), peer,
+                                           tag=HEADER_TAG)
                 except RuntimeError as e:
-                    self._lose(peer, str(e))
+                    self._lose(peer, str(e), self.lives.life(peer))
         with self._done:
             if not self._done.wait_for(lambda: not self._live, timeout=timeout):
                 log.warning("troupe group sync rank %d: peers %s did not stop within %.0fs",
                             self.rank, sorted(self._live), timeout)
-        if GroupSync._active.get(id(self.requests)) is self:
-            del GroupSync._active[id(self.requests)]
+            self._closed = True
+        self._wake.set()
+        if self._watching is not None and self.lives.returns:  # its store calls must end before the interpreter
+            self._watching.join(WATCH_INTERVAL * 4)
+        self.lives.close()
+        if GroupSync._active.get(id(self.channels.inbox)) is self:
+            del GroupSync._active[id(self.channels.inbox)]
 
     def stats(self) -> str:
         merges = self.copies.merges
         mean = sum(merges) / len(merges) if merges else 0.0
+        back = f", {self.returned} new life(s) of other groups synced with again" if self.lives.returns else ""
         return (f"{self.copies.version} merges into its master copies (staleness mean {mean:.2f} max {max(merges, default=0)}), "
                 f"{self.rejected} message(s) rejected, groups gone without stopping: "
-                f"{sorted(self.gone & set(self.peers.values())) or 'none'}")
+                f"{sorted(self.gone & set(self.peers.values())) or 'none'}{back}")
 
     # --- internals ---------------------------------------------------------------------------------
 
-    def _receive(self, k: int) -> tuple[int, Tensor] | None:
+    def _receive(self, k: int, life: int) -> tuple[int, Tensor] | None:
         """Peer k's reply, or None once it is gone."""
-        return self._unless_gone(self.peers[k], lambda: self._receive_now(k))
+        return self._unless_gone(self.peers[k], lambda: self._receive_now(k, life))
 
     def _unless_gone(self, peer: int, call: Callable[[], T]) -> T | None:
         """`call()` (a blocking exchange with `peer`), or None once the peer is gone. A peer cut off
@@ -189,30 +251,30 @@ class GroupSync:
             raise value
         return value
 
-    def _receive_now(self, k: int) -> tuple[int, Tensor] | None:
+    def _receive_now(self, k: int, life: int) -> tuple[int, Tensor] | None:
         peer = self.peers[k]
         try:
             raw = empty_header()
-            self.replies.recv(raw, peer, tag=HEADER_TAG)
+            self.channels.hear.recv(raw, peer, tag=HEADER_TAG)
             header = Header.decode(raw)
             check(header, src=peer, expected_length=self.copies.sizes[k], allowed={Op.REPLY})
             value = torch.empty(self.copies.sizes[k], dtype=self.master.dtype)
-            self.replies.recv(value, peer, tag=PAYLOAD_TAG)
+            self.channels.hear.recv(value, peer, tag=PAYLOAD_TAG)
             return header.version, value
         except MessageError as e:
             raise MessageError(f"group sync reply from rank {peer}: {e}") from None
         except RuntimeError as e:  # Gloo: the peer's process is gone
-            self._lose(peer, str(e))
+            self._lose(peer, str(e), life)
             return None
 
     def _serve(self) -> None:
         while True:
             with self.lock:
-                if not self._live:
+                if self._closed or (not self._live and not self.lives.returns):
                     return
             raw = empty_header()
             try:
-                src = self.requests.recv(raw, tag=HEADER_TAG)
+                src = self.channels.inbox.recv(raw, tag=HEADER_TAG)
             except RuntimeError as e:
                 log.warning("troupe group sync rank %d: stopped serving: %s", self.rank, e)
                 return
@@ -227,45 +289,163 @@ class GroupSync:
         if src not in self._live:
             raise MessageError(f"{header.op.name} from rank {src}, which is not a live peer of this master copy")
         expected = self.copies.sizes[self.group]
-        check(header, src=src, expected_length=expected, allowed={Op.SYNC, Op.STOP})
+        check(header, src=src, expected_length=expected, allowed={Op.SYNC, Op.STOP, Op.SNAPSHOT})
         if header.op is Op.STOP:
+            self.lives.stopped(src)
             with self._done:
                 self._live.discard(src)
                 self._done.notify_all()
             return
+        if header.op is Op.SNAPSHOT:
+            self._snapshot_for(src)
+            return
+        self.ready.wait()  # a new life answers once it has its part of the master copy
         if header.slice_id != next((k for k, r in self.peers.items() if r == src), None) or header.length != expected:
             if 0 < header.length <= expected:  # consume the payload so the next message lines up
-                self.requests.recv(torch.empty(header.length, dtype=self.master.dtype), src, tag=PAYLOAD_TAG)
+                self.channels.inbox.recv(torch.empty(header.length, dtype=self.master.dtype), src, tag=PAYLOAD_TAG)
             raise MessageError(f"SYNC from rank {src} names group {header.slice_id} and {header.length} elements; "
                                f"expected its group and {expected}")
         delta = torch.empty(expected, dtype=self.master.dtype)
-        self.requests.recv(delta, src, tag=PAYLOAD_TAG)
+        self.channels.inbox.recv(delta, src, tag=PAYLOAD_TAG)
         with self.lock:
             version, value = self.copies.fold(delta, header.version)
             reply = Header(Op.REPLY, self.group, version, self.rank, expected)
         try:
-            self.replies.send(reply.encode(), src, tag=HEADER_TAG)
-            self.replies.send(value, src, tag=PAYLOAD_TAG)
+            self.channels.answer.send(reply.encode(), src, tag=HEADER_TAG)
+            self.channels.answer.send(value, src, tag=PAYLOAD_TAG)
         except RuntimeError as e:
             self._lose(src, str(e))
 
-    def _lose(self, peer: int, why: str) -> None:
+    def _lose(self, peer: int, why: str, life: int | None = None) -> None:
+        """`peer` is gone (`life`: the life whose link failed; an older life's failure is old news)."""
+        if life is not None and life < self.lives.life(peer):
+            return
         with self._done:
             if peer in self.gone:
                 return
             self.gone.add(peer)
             self._live.discard(peer)
             self._done.notify_all()
+        then = "until it comes back" if self.lives.returns else "going on without its group"
         print(f"troupe group sync rank {self.rank}: rank {peer} is gone ({why.splitlines()[0] if why else why}); "
-              "going on without its group", file=sys.stderr, flush=True)
+              f"{then}", file=sys.stderr, flush=True)
+
+    def _linked(self, peer: int) -> None:
+        """A peer's life dialled this process (at the start, or a new life): serve it until it says stop."""
+        with self._done:
+            self._live.add(peer)
+
+    def _back(self, peer: int) -> None:
+        """This process's link to a peer's new life has formed: sync with it again."""
+        with self._done:
+            if peer in self.gone:
+                self.gone.discard(peer)
+                self.returned += 1
+                print(f"troupe group sync rank {self.rank}: rank {peer} is back (life {self.lives.life(peer)}); "
+                      "syncing with its group again", file=sys.stderr, flush=True)
 
     def _watch(self) -> None:
         while True:
             with self.lock:
-                live = sorted(self._live)
-            if not live:
-                return
+                if self._closed or (not self._live and not self.lives.returns):
+                    return
+                live = sorted(set(self.peers.values()) - self.gone)
+            for peer, why in self.lives.look():
+                self._lose(peer, why)
             for peer in live:
-                if not self.alive(peer):
-                    self._lose(peer, "its process ended or its heartbeat stopped")
-            threading.Event().wait(WATCH_INTERVAL)
+                why = self.lives.lost(peer)
+                if why is not None:
+                    self._lose(peer, why)
+            self._wake.wait(WATCH_INTERVAL)
+
+    # --- a new life of a group that died (troupe run --elastic) ---------------------------------
+
+    def _snapshot_for(self, src: int) -> None:
+        """Answer a new life's SNAPSHOT: this replica (last adopted values and optimizer state) and the
+        last value adopted of its part, or NO_STATE while this process is a new life itself."""
+        if not self.ready.is_set():
+            self._answer(src, Header(Op.NO_STATE, self.group, 0, self.rank, 0), None)
+            return
+        k = next(k for k, r in self.peers.items() if r == src)
+        shard = self.copies.shard
+        with self.replica_lock:
+            state = shard.state_dict()
+            state["values"] = {i: v.clone() for i, v in shard.last_sync.items()}  # its unsynced change is its own
+            version = self.seen[k]
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        self._answer(src, Header(Op.STATE, self.group, version, self.rank, payload.numel()), payload)
+
+    def _answer(self, src: int, header: Header, payload: Tensor | None) -> None:
+        try:
+            self.channels.answer.send(header.encode(), src, tag=HEADER_TAG)
+            if payload is not None:
+                self.channels.answer.send(payload, src, tag=PAYLOAD_TAG)
+        except RuntimeError as e:
+            self._lose(src, str(e))
+
+    def rejoin(self, wait: float) -> bool:
+        """A new life of this group: take a live group's replica and the freshest value of this group's part
+        of the master copy (see the module's docstring). Waits up to `wait` s for the links to the groups
+        that beat. False when no group had state to give: every other group has finished (this group's
+        work is done), or is a new life too (raises: the job's state is gone)."""
+        deadline = time.monotonic() + wait
+        peers = list(self.peers.values())
+        while time.monotonic() < deadline and not all(self.lives.ready(p) or p in self.gone for p in peers):
+            time.sleep(0.02)
+        answers: list[tuple[int, int, bytes]] = []
+        for peer in peers:
+            if peer in self.gone or not self.lives.ready(peer):
+                continue
+            life = self.lives.life(peer)
+            try:
+                self.channels.ask.send(Header(Op.SNAPSHOT, self.group, 0, self.rank, 0).encode(), peer,
+                                       tag=HEADER_TAG)
+            except RuntimeError as e:
+                self._lose(peer, str(e), life)
+                continue
+            got = self._unless_gone(peer, lambda: self._state_from(peer, life))
+            if got is not None:
+                answers.append((peer, *got))
+        if not answers:
+            if self.lives.all_finished(peers):
+                return False
+            raise RuntimeError(f"troupe group sync rank {self.rank}: this group started again, but no other group "
+                               "had state to give (each is gone or starting again itself): the job's model is lost")
+        self._take(answers)
+        self.ready.set()
+        return True
+
+    def _state_from(self, peer: int, life: int) -> tuple[int, bytes] | None:
+        try:
+            raw = empty_header()
+            self.channels.hear.recv(raw, peer, tag=HEADER_TAG)
+            header = Header.decode(raw)
+            check(header, src=peer, expected_length=header.length, allowed={Op.STATE, Op.NO_STATE})
+            if header.op is Op.NO_STATE:
+                return None
+            payload = torch.empty(header.length, dtype=torch.uint8)
+            self.channels.hear.recv(payload, peer, tag=PAYLOAD_TAG)
+            return header.version, payload.numpy().tobytes()
+        except MessageError as e:
+            raise MessageError(f"group sync snapshot from rank {peer}: {e}") from None
+        except RuntimeError as e:
+            self._lose(peer, str(e), life)
+            return None
+
+    def _take(self, answers: list[tuple[int, int, bytes]]) -> None:
+        """The first answer's replica and optimizer state; this group's part from the highest version."""
+        states: list[tuple[int, int, Any]] = [(peer, version, torch.load(io.BytesIO(blob), weights_only=False))
+                                              for peer, version, blob in answers]
+        copies = self.copies
+        with self.lock, self.replica_lock:
+            copies.shard.load_state_dict(states[0][2])
+            _, version, freshest = max(states, key=lambda a: a[1])
+            copies.settle(self.group, copies.gather(self.group, freshest["values"]))
+            copies.master = copies.gather(self.group).clone()
+            copies.version = version
+            self.seen[self.group] = version
+        print(f"troupe group sync rank {self.rank}: took the replica of rank {states[0][0]} and this group's part "
+              f"of the master copy at version {version} (rank {max(states, key=lambda a: a[1])[0]})",
+              file=sys.stderr, flush=True)

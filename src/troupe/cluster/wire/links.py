@@ -3,9 +3,12 @@
 Under `troupe run --elastic --framework downpour` a parameter-server job's messages do not travel
 in the job's process group: a restarted worker cannot enter a group made without it. Each
 (server, worker) pair has a Gloo group of its own, two ranks, made through the job's store when
-the worker *dials*: it writes its incarnation under ``ps/knock/<server>/<worker>`` and both sides
-make the pair under a prefix of that incarnation. A worker that restarts dials again and gets a
-fresh pair; the server takes it at its next receive (`Links.on_link`) and drops the old one.
+the worker *dials*: it writes a token under ``ps/knock/<server>/<worker>`` (its incarnation and the
+server's, "3.1"; "3" for a server's first life) and both sides make the pair under a prefix of that token. A worker that restarts
+dials again and gets a fresh pair; the server takes it at its next receive (`Links.on_link`) and drops
+the old one. A server that restarts (Distributed Hogwild's groups are each other's servers) listens
+for tokens that name its own incarnation only, so an older life's knock is never taken, and the pair
+of two lives is never the pair of two others.
 
 `Links` is the part of `troupe.runtime.comm.Communicator` the messages use: ``send``, ``isend``
 and ``recv`` with a tag, ``recv`` from any worker on the server. A server receives "from any
@@ -38,6 +41,9 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.02
 """How often a server looks for workers dialling it."""
 
+LINK_FORM_SECONDS = 30.0
+"""How long a server waits for a dialling worker's side of their link (it may die while dialling)."""
+
 
 def reason(error: BaseException) -> str:
     """A failed link's error in a few words: Gloo's first sentence without its source location."""
@@ -50,10 +56,26 @@ def knock_key(server: int, worker: int) -> str:
     return f"ps/knock/{server}/{worker}"
 
 
-def _pair(store: dist.Store, server: int, worker: int, token: str, me: int, timeout: float) -> dist.ProcessGroup:
-    """The Gloo group of two (server 0, worker 1) of this incarnation of `worker`."""
-    prefixed = dist.PrefixStore(f"ps/pair/{server}/{worker}/{token}/", store)
-    return dist.ProcessGroupGloo(prefixed, me, 2, datetime.timedelta(seconds=timeout))
+def token(dialer: int, server: int) -> str:
+    """A pair's name: the incarnations of the worker that dials and of the server it dials ("3.1"; "3" for a
+    server's first life, which is every separate server's only one)."""
+    return f"{dialer}.{server}" if server else str(dialer)
+
+
+def _order(name: str) -> tuple[int, int]:
+    """(the dialler's life, the server's life) named by a token."""
+    dialer, _, server = name.partition(".")
+    return int(dialer), int(server or 0)
+
+
+def _pair(store: dist.Store, server: int, worker: int, name: str, me: int, timeout: float, form: float
+          ) -> dist.ProcessGroup:
+    """The Gloo group of two (server 0, worker 1) of these lives of `server` and `worker` (`name`, a token):
+    it forms within `form` seconds or fails (the other end died meanwhile), then a message waits `timeout`."""
+    prefixed = dist.PrefixStore(f"ps/pair/{server}/{worker}/{name}/", store)
+    group = dist.ProcessGroupGloo(prefixed, me, 2, datetime.timedelta(seconds=form))
+    group.set_timeout(datetime.timedelta(seconds=timeout))
+    return group
 
 
 @dataclass
@@ -64,6 +86,9 @@ class _Link:
     other: int
     """The peer's rank in the pair (1 on the server, 0 on the worker)."""
     lost: bool = False
+    retired: bool = False
+    """Its peer said it is done: its reader posts no further receive (one left pending when the process
+    ends can abort it inside Gloo)."""
     next_header: threading.Event = field(default_factory=threading.Event)
     """Set by the loop when it has read the rest of this link's last message."""
 
@@ -71,8 +96,13 @@ class _Link:
 class Links:
     """One process's links to its peers (a worker's to its servers, or a server's to its workers)."""
 
-    def __init__(self, store: dist.Store, rank: int, timeout: float, connect: Callable[[], dist.Store] | None = None):
-        self.store, self.rank, self.timeout = store, rank, timeout
+    def __init__(self, store: dist.Store, rank: int, timeout: float, connect: Callable[[], dist.Store] | None = None,
+                 form: float = LINK_FORM_SECONDS):
+        self.store, self.rank, self.timeout, self.form = store, rank, timeout, form
+        """`form`: how long a link may take to form (both ends alive, it takes milliseconds)."""
+        self._accepting: threading.Thread | None = None
+        self._forming: set[threading.Thread] = set()
+        """Threads forming a link now (a process must not end inside one: `close` waits for them)."""
         """`timeout`: how long one message may wait (the job's parameter-server timeout: a worker computes
         between two messages as long as it likes); a dead peer fails a receive at once anyway."""
         self._connect = connect or (lambda: store)
@@ -88,23 +118,66 @@ class Links:
 
     # --- a worker's side ------------------------------------------------------------------
 
-    def dial(self, server: int, incarnation: int) -> None:
+    def dial(self, server: int, incarnation: int, server_incarnation: int = 0) -> None:
         """Open this worker's link to `server` (blocks until the server has made its side)."""
-        token = str(incarnation)
-        self.store.set(knock_key(server, self.rank), token)
-        self.store.add(f"ps/knocks/{server}", 1)
-        self._links[server] = _Link(server, token, _pair(self.store, server, self.rank, token, 1, self.timeout), 0)
+        name = token(incarnation, server_incarnation)
+        self._knock(server, name)
+        group = _pair(self.store, server, self.rank, name, 1, self.timeout, self.form)
+        self._links[server] = _Link(server, name, group, 0)
+
+    def dial_later(self, server: int, incarnation: int, server_incarnation: int,
+                   on_ready: Callable[[int], None] = lambda server: None,
+                   on_failed: Callable[[int, int], None] = lambda server, life: None) -> None:
+        """Open this worker's link to `server` in a thread (the server may be dead or starting again);
+        once it forms, it replaces any link to an older life of either end and `on_ready(server)` runs;
+        if it does not form within `form` seconds, `on_failed(server, server_incarnation)` runs."""
+        name = token(incarnation, server_incarnation)
+
+        def make() -> None:
+            try:
+                store = self._connect()
+                self._knock(server, name, store)
+                group = _pair(store, server, self.rank, name, 1, self.timeout, self.form)
+            except (RuntimeError, ConnectionError, OSError) as e:  # it died meanwhile, or is slow: dialled again
+                log.info("troupe rank %d: the link to rank %d (%s) did not form: %s", self.rank, server, name, reason(e))
+                on_failed(server, server_incarnation)
+                return
+            current = self._links.get(server)
+            if current is not None and _order(current.token) > _order(name):
+                return  # a later dial formed first
+            self._links[server] = _Link(server, name, group, 0)
+            on_ready(server)
+
+        self._start_forming(make, f"troupe-dial-{server}")
+
+    def _start_forming(self, target: Callable[[], None], name: str) -> None:
+        """Run `target` (it forms a link) in a thread that `close` waits for."""
+        def run() -> None:
+            try:
+                target()
+            finally:
+                self._forming.discard(threading.current_thread())
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        self._forming.add(thread)
+        thread.start()
+
+    def _knock(self, server: int, name: str, store: dist.Store | None = None) -> None:
+        store = store or self.store
+        store.set(knock_key(server, self.rank), name)
+        store.add(f"ps/knocks/{server}", 1)
 
     # --- a server's side ------------------------------------------------------------------
 
-    def listen(self, workers: Iterable[int], header: Callable[[], Tensor]) -> None:
-        """Take the links `workers` dial (again, after a restart), in a thread; `header()` makes the
-        tensor a message's header is received into."""
+    def listen(self, workers: Iterable[int], header: Callable[[], Tensor], incarnation: int = 0) -> None:
+        """Take the links `workers` dial (again, after a restart) to this life (`incarnation`) of this
+        process, in a thread; `header()` makes the tensor a message's header is received into."""
         self._header = header
-        threading.Thread(target=self._accept, args=(sorted(workers),), name="troupe-ps-links",
-                         daemon=True).start()
+        self._accepting = threading.Thread(target=self._accept, args=(sorted(workers), incarnation),
+                                           name="troupe-ps-links", daemon=True)
+        self._accepting.start()
 
-    def _accept(self, workers: list[int]) -> None:
+    def _accept(self, workers: list[int], incarnation: int) -> None:
         store, seen, tokens = self._connect(), -1, {}
         while not self._stop.is_set():
             try:
@@ -114,24 +187,23 @@ class Links:
                     for w in workers:
                         key = knock_key(self.rank, w)
                         if store.check([key]):
-                            token = store.get(key).decode()
-                            if tokens.get(w) != token:
-                                tokens[w] = token
-                                threading.Thread(target=self._make, args=(w, token), daemon=True,
-                                                 name=f"troupe-ps-link-{w}").start()
+                            name = store.get(key).decode()
+                            if tokens.get(w) != name and _order(name)[-1] == incarnation:  # not on an older life's door
+                                tokens[w] = name
+                                self._start_forming(lambda w=w, name=name: self._make(w, name), f"troupe-ps-link-{w}")
             except (RuntimeError, ConnectionError, OSError) as e:  # the launcher's store is gone: the job is over
                 log.debug("troupe server %d: stopped taking links: %s", self.rank, e)
                 return
             time.sleep(POLL_SECONDS)
 
-    def _make(self, worker: int, token: str) -> None:
+    def _make(self, worker: int, name: str) -> None:
         try:
-            group = _pair(self._connect(), self.rank, worker, token, 0, self.timeout)
+            group = _pair(self._connect(), self.rank, worker, name, 0, self.timeout, self.form)
         except (RuntimeError, ConnectionError, OSError) as e:  # it died while dialling; its next life dials again
-            log.warning("troupe server %d: worker %d's link (incarnation %s) did not form: %s", self.rank, worker,
-                        token, reason(e))
+            log.warning("troupe server %d: worker %d's link (incarnations %s) did not form: %s", self.rank, worker,
+                        name, reason(e))
             return
-        link = _Link(worker, token, group, 1)
+        link = _Link(worker, name, group, 1)
         self._inbox.put(("link", link))
 
     def _read(self, link: _Link) -> None:
@@ -146,6 +218,8 @@ class Links:
             link.next_header.clear()
             self._inbox.put(("message", link, raw))
             link.next_header.wait()
+            if link.retired:
+                return
 
     # --- messages -------------------------------------------------------------------------
 
@@ -177,11 +251,11 @@ class Links:
             what, link, *more = self._inbox.get()
             current = self._links.get(link.peer)
             if what == "link":
-                if current is not None and int(link.token) < int(current.token):
+                if current is not None and _order(link.token) < _order(current.token):
                     continue  # an older life's link that formed late (it died meanwhile): never used
                 if current is not None and not current.lost:
                     current.lost = True  # an older incarnation, its loss not seen yet: it is gone
-                    self.on_lost(link.peer, f"it started again (incarnation {link.token})")
+                    self.on_lost(link.peer, f"it started again (incarnation {link.token.split('.')[0]})")
                 self._links[link.peer] = link
                 self.on_link(link.peer)
                 threading.Thread(target=self._read, args=(link,), daemon=True,
@@ -205,6 +279,12 @@ class Links:
             if tell:
                 self.on_lost(peer, why)
 
+    def retire(self, peer: int) -> None:
+        """`peer` sent its last message on its link (the loop is reading it now): read nothing more there."""
+        link = self._links.get(peer)
+        if link is not None:
+            link.retired = True
+
     def connected(self, peer: int) -> bool:
         link = self._links.get(peer)
         return link is not None and not link.lost
@@ -215,8 +295,15 @@ class Links:
             raise RuntimeError(f"rank {self.rank} has no link to rank {peer} (it died, or never dialled)")
         return link
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
+        """Stop taking links; `wait`: until the thread taking them has stopped and every link forming now has
+        formed or failed, at most `form` seconds (a thread inside a store call or Gloo's making of a group
+        when the interpreter ends aborts the process)."""
         self._stop.set()
-        for link in self._links.values():
+        for link in list(self._links.values()):
             link.next_header.set()
+        deadline = time.monotonic() + self.form
+        threads = ([self._accepting] if self._accepting is not None else []) + list(self._forming)
+        for thread in threads if wait else ():
+            thread.join(max(deadline - time.monotonic(), 0.0))
 

@@ -69,10 +69,18 @@ class Op(IntEnum):
     EVICTED = 18
     """Server -> worker (`troupe run --elastic`): your group went on without you (you were frozen); what you
     read next from me is this. The worker exits, and its launcher restarts it to rejoin."""
+    SNAPSHOT = 19
+    """Group -> group (Distributed Hogwild under `troupe run --elastic`): I started again; send me your
+    replica and the last value you adopted of my part of the master copy."""
+    STATE = 20
+    """Group -> a group that started again: my replica (`length` bytes, `troupe.cluster.serving.groupsync`)
+    and, `version`, the version of your part's master copy I last adopted."""
+    NO_STATE = 21
+    """Group -> a group that started again: I have no state to give (I am starting again myself)."""
 
 
 WITH_PAYLOAD = {Op.PUT, Op.UPDATE, Op.PUSH, Op.REPLY, Op.LR, Op.SYNC, Op.SPARSE_UPDATE, Op.SPARSE_PUSH,
-                Op.MERGE, Op.MERGED, Op.FINAL}
+                Op.MERGE, Op.MERGED, Op.FINAL, Op.STATE}
 """Ops whose header is followed by a payload of `length` elements (pairs, for the sparse ones)."""
 SPARSE = {Op.SPARSE_UPDATE: Op.UPDATE, Op.SPARSE_PUSH: Op.PUSH}
 """The sparse ops, and the dense op each stands for once its pairs are scattered into a slice."""

@@ -20,6 +20,7 @@ of the replicated parameters does.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Sequence
 
@@ -29,10 +30,11 @@ from torch import Tensor
 from troupe.cluster.configuration.config import ClusterConfig
 from troupe.cluster.configuration.roles import Role
 from troupe.cluster.workers import PS_WORKER_STATE
-from troupe.cluster.serving.groupsync import GroupSync
+from troupe.cluster.serving.groupsync import GroupSync, SyncChannels
 from troupe.cluster.serving.mastercopies import MasterCopies
 from troupe.cluster.serving.shard import ParamShard, Slice, plan_slices
 from troupe.cluster.workers.layout import Layout, trainable
+from troupe.cluster.wire.links import LINK_FORM_SECONDS
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
 from troupe.strategies.base import reduced_buckets_finite
@@ -60,8 +62,9 @@ class CoLocated:
     """Workers that host their group's servers: reduce, update own slices, all-gather; groups sync every sync_freq."""
 
     def __init__(self, cluster: ClusterConfig, role: Role, group: Communicator, optimizer: torch.optim.Optimizer,
-                 bucket_size: int, sync_channels: tuple[Communicator, Communicator] | None = None,
-                 alive=lambda rank: True, timeout: float = 7 * 24 * 3600.0, *, layout: Layout | None = None):
+                 bucket_size: int, sync_channels: SyncChannels | None = None,
+                 alive=lambda rank: True, timeout: float = 7 * 24 * 3600.0, *, layout: Layout | None = None,
+                 first: Communicator | None = None, rejoined: bool = False):
         if cluster.nworkers_per_group != cluster.nservers_per_group or cluster.nworker_groups != cluster.nserver_groups:
             raise ValueError(
                 "with server_worker_separate false troupe pairs each worker with one server: needs "
@@ -99,19 +102,38 @@ class CoLocated:
         self.staleness: list[int] = []
         """Per step: updates of this group the other groups have not seen yet (0 with one group)."""
         self.sync_channels, self.alive, self.timeout = sync_channels, alive, timeout
+        self.first, self.rejoined = first, rejoined
+        """`troupe run --elastic`: the job's first processes (worker 0 broadcasts the parameters there; the
+        workers share no data-parallel group), and whether this process is a new life of a group that died."""
         self.groups: GroupSync | None = None
+        self.holding = contextlib.nullcontext()
+        """Held while this worker's step changes its replica (a new life's snapshot is read between steps)."""
         self.closed = False
 
     def start(self) -> None:
-        """Parameters were broadcast from worker 0: they are every server's and every master copy's initial values."""
+        """Parameters were broadcast from worker 0: they are every server's and every master copy's initial
+        values. A new life of a group takes them (and its optimizer state) from the live groups instead."""
+        if self.first is not None:
+            self.first.broadcast_tensors([p.detach() for p in self.params], src=0)
         for s in self.mine:
             self.shard.put(s.id, self._flat(s))
         if self.sync_channels is not None:
             n = self.cluster.nworkers_per_group
             copies = MasterCopies(self.shard, self.me // n, self.cluster.nworker_groups, self.cluster.group_merge)
-            self.groups = GroupSync(*self.sync_channels, copies, rank_of=lambda k: k * n + self.index,
+            self.groups = GroupSync(self.sync_channels, copies, rank_of=lambda k: k * n + self.index,
                                     alive=self.alive)
-            self.groups.start()
+            self.holding = self.groups.holding()
+            self.groups.start(rejoining=self.rejoined)
+            if self.rejoined:
+                self._rejoin()
+
+    def _rejoin(self) -> None:
+        if not self.groups.rejoin(LINK_FORM_SECONDS):
+            print(f"troupe group sync rank {self.me}: started again after every other group had finished "
+                  "training: nothing to rejoin (this group's remaining steps are left out)", file=sys.stderr,
+                  flush=True)
+            raise SystemExit(0)
+        self._all_gather()  # the replica it took, into the model
 
     def _flat(self, s) -> Tensor:
         return self.params[s.param].detach().reshape(-1)[s.start : s.stop]
@@ -176,7 +198,8 @@ class CoLocated:
         pass
 
     def step(self) -> dict:
-        self._apply_own()
+        with self.holding:
+            self._apply_own()
         self.steps += 1
         if self.groups is not None and self.steps % self.cluster.sync_freq == 0:
             self.groups.sync()

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from troupe.cluster.configuration.config import ClusterConfig
 from troupe.cluster.configuration.roles import Role
-from troupe.cluster.serving.groupsync import GroupSync
+from troupe.cluster.serving.groupsync import GroupSync, SyncChannels
 from troupe.cluster.serving.mastercopies import MasterCopies, SliceValues
 from troupe.cluster.serving.shard import plan_slices
 from troupe.reliability.nonfinite import all_finite
@@ -39,7 +39,7 @@ class SharedMemory:
     """A worker whose parameters live in memory shared with the other workers of its process."""
 
     def __init__(self, cluster: ClusterConfig, role: Role, process: Communicator, optimizer: torch.optim.Optimizer,
-                 params: list[Tensor], sync_channels: tuple[Communicator, Communicator] | None, alive, timeout: float):
+                 params: list[Tensor], sync_channels: SyncChannels | None, alive, timeout: float):
         self.cluster, self.role, self.process = cluster, role, process
         self.optimizer = optimizer
         self.params = params
@@ -84,7 +84,7 @@ class SharedMemory:
         if self.lead and self.sync_channels is not None:
             copies = MasterCopies(SliceValues.of(self.slices, self.values), self.role.server[0],
                                   self.cluster.nserver_groups, self.cluster.group_merge)
-            self.groups = GroupSync(*self.sync_channels, copies, rank_of=lambda k: k * self.per_process,
+            self.groups = GroupSync(self.sync_channels, copies, rank_of=lambda k: k * self.per_process,
                                     alive=self.alive)
             self.groups.start()
 
