@@ -87,17 +87,24 @@ def test_a_new_life_takes_a_live_groups_replica_and_its_freshest_part_then_the_o
         for g in groups[:2]:
             train(g, seed=10 * step + g.group)
             g.sync()  # group 2 is left out
+    # Its new life starts from other (random) values. The others dial it at once; a Sync it gets before it
+    # has its state is answered "no state": the sender keeps its change (its last adoption stays as it was).
+    beating.add(2)
+    life = group(store, 2, 1, rejoining=True)
+    assert store.get(life_key(2)) == b"1"
+    wait_for(lambda: 2 not in groups[0].gone, "group 0 dialled the new life")
+    before = groups[0].copies.gather(2, groups[0].copies.shard.last_sync).clone()
+    seen = groups[0].seen[2]
+    groups[0].sync()
+    assert not groups[0].copies.sent and groups[0].seen[2] == seen
+    torch.testing.assert_close(groups[0].copies.gather(2, groups[0].copies.shard.last_sync), before, rtol=0, atol=0)
+
     healthy = groups[0].copies.shard
     freshest = max(groups[:2], key=lambda g: g.seen[2])
     want_part = freshest.copies.gather(2, freshest.copies.shard.last_sync).clone()
     want_values = {k: v.clone() for k, v in healthy.last_sync.items()}
     want_momentum = {k: s["momentum_buffer"].clone() for k, s in healthy.optimizer.state_dict()["state"].items()}
     want_version = freshest.seen[2]
-
-    # Its new life starts from other (random) values and takes the others' state.
-    beating.add(2)
-    life = group(store, 2, 1, rejoining=True)
-    assert store.get(life_key(2)) == b"1"
     assert life.rejoin(20.0)
     shard = life.copies.shard
     for k, want in want_values.items():  # the first answer's replica (rank 0), but for its own part
@@ -117,15 +124,18 @@ def test_a_new_life_takes_a_live_groups_replica_and_its_freshest_part_then_the_o
         torch.testing.assert_close(got_momentum[k], want_momentum[k], rtol=0, atol=0)
 
     # The others dial the new life and sync with it again; its master copy folds their changes in.
-    wait_for(lambda: all(2 not in g.gone for g in groups[:2]), "group 2 back for the others")
+    wait_for(lambda: 2 not in groups[1].gone, "group 2 back for group 1")
     assert all(g.returned == 1 for g in groups[:2])
     version = life.copies.version
     for g in groups[:2]:
         train(g, seed=99 + g.group)
         g.sync()
     assert life.copies.version == version + 2
-    for g in (*groups[:2], life):
-        g.close(timeout=10)
+    closing = [threading.Thread(target=g.close, args=(10,)) for g in (*groups[:2], life)]  # each waits for the others
+    for t in closing:
+        t.start()
+    for t in closing:
+        t.join()
     assert "rank 2 is back (life 1); syncing with its group again" in capsys.readouterr().err
     stop.set()
     dead.lives.close()

@@ -11,6 +11,7 @@ leaves are `chaos_summary`'s: events.jsonl, faults.jsonl, final.jsonl (plus logs
     troupe bench chaos --out runs/kill30 --kill-every 30 --duration 300
     troupe bench chaos --out runs/diloco30 --kill-every 30 --duration 300 --diloco 50
     troupe bench chaos --out runs/downpour30 --kill-every 30 --duration 300 --downpour 2
+    troupe bench chaos --out runs/hogwild30 --kill-every 30 --duration 300 --hogwild 10
     python -m troupe.bench.chaos job OUT     # one worker (what troupe run starts)
 """
 
@@ -100,6 +101,9 @@ class Driver:
             at = cmd.index("--min-groups")
             cmd[at:at + 2] = ["--framework", "downpour", "--nworker-groups", str(args.groups), "--nworkers-per-group",
                               "1", "--nserver-groups", str(args.downpour), "--nservers-per-group", "1"]
+        if args.hogwild:  # the groups sync asynchronously through master copies every H steps, no quorum
+            at = cmd.index("--min-groups")
+            cmd[at:at + 2] = ["--framework", "hogwild", "--sync-freq", str(args.hogwild)]
         env = {**os.environ, "TROUPE_CHAOS_T0": repr(self.t0), "OMP_NUM_THREADS": "1"}
         self.launcher_log = (self.out / "launcher.log").open("w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.launcher_log, stderr=subprocess.STDOUT)
@@ -254,6 +258,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--downpour", type=int, default=None, metavar="S",
                    help="Downpour: the groups are asynchronous workers of S server groups of one server each "
                         "(troupe run --framework downpour; only workers are killed)")
+    p.add_argument("--hogwild", type=int, default=None, metavar="H",
+                   help="Distributed Hogwild: the groups sync through master copies every H steps "
+                        "(troupe run --framework hogwild --sync-freq H)")
 
 
 def main(argv: list[str] | None = None) -> None:

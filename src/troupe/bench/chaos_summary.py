@@ -220,9 +220,13 @@ def summarize(out_dir: str | Path) -> dict[str, Any]:
 
 
 def _asynchronous(out_dir: Path) -> bool:
-    """A run of asynchronous workers (`troupe bench chaos --downpour`): they never hold the same values."""
+    """A run of asynchronous workers (`troupe bench chaos --downpour` or `--hogwild`): they never hold the
+    same values."""
     path = out_dir / "args.json"
-    return path.exists() and bool(json.loads(path.read_text()).get("downpour"))
+    if not path.exists():
+        return False
+    args = json.loads(path.read_text())
+    return bool(args.get("downpour") or args.get("hogwild"))
 
 
 def _yes_no(v: bool | None) -> str:

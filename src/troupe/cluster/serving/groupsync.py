@@ -13,14 +13,16 @@ since its last sync into the master copy of every part and adopts the result::
 A thread in each process answers the other groups' requests for the parts it is master of,
 so a group never waits for another beyond one message round trip: a slow group does not
 hold the others back, and a dead one is forgotten. Its own parts' master copy it updates in
-place, the same way. Under ``troupe run --elastic`` a dead group comes back (`troupe.cluster.serving.lives`):
-its new life asks every live group for a snapshot (`Op.SNAPSHOT`), takes the first one's replica and
-optimizer state, and its own part of the master copy from the group that adopted it last (the highest
-version: every change folded in before that group's adoption is in it; a change whose answer was lost
-with the dead master is sent again, since its sender never adopted it). With "mean" and groups that sync in turn, the master copy is the
+place, the same way. With "mean" and groups that sync in turn, the master copy is the
 average of the groups' models (local SGD); "sum" adds every group's full change, G times a
 single group's step, which diverges at a learning rate one group trains well with
 (docs/clusters.md).
+
+Under ``troupe run --elastic`` a dead group comes back (`troupe.cluster.serving.lives`): its new
+life asks every live group for a snapshot (`Op.SNAPSHOT`), takes the first one's replica and
+optimizer state, and its own part of the master copy from the group that adopted it last (the
+highest version: every change folded in before that adoption is in it; a change whose answer was
+lost with the dead master is sent again, since its sender never adopted it).
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ T = TypeVar("T")
 
 WATCH_INTERVAL = 0.5
 """Seconds between checks that the peer groups' processes still exist and beat."""
+
+SETTLE_SECONDS = 1.0
+"""A new life asks the groups whose links formed within this long of the first one for their state (a
+link takes milliseconds; one that has not formed by then is a group dead or starting again itself)."""
 
 
 @dataclass(frozen=True)
@@ -257,7 +263,9 @@ class GroupSync:
             raw = empty_header()
             self.channels.hear.recv(raw, peer, tag=HEADER_TAG)
             header = Header.decode(raw)
-            check(header, src=peer, expected_length=self.copies.sizes[k], allowed={Op.REPLY})
+            check(header, src=peer, expected_length=self.copies.sizes[k], allowed={Op.REPLY, Op.NO_STATE})
+            if header.op is Op.NO_STATE:  # a new life still taking its state: nothing adopted, nothing lost
+                return None
             value = torch.empty(self.copies.sizes[k], dtype=self.master.dtype)
             self.channels.hear.recv(value, peer, tag=PAYLOAD_TAG)
             return header.version, value
@@ -283,6 +291,8 @@ class GroupSync:
             except MessageError as e:
                 self.rejected += 1
                 log.error("troupe group sync rank %d: rejected a message from rank %d: %s", self.rank, src, e)
+            except RuntimeError as e:  # the rest of its message never came: its process died
+                self._lose(src, str(e))
 
     def _handle(self, src: int, raw: Tensor) -> None:
         header = Header.decode(raw)
@@ -299,7 +309,6 @@ class GroupSync:
         if header.op is Op.SNAPSHOT:
             self._snapshot_for(src)
             return
-        self.ready.wait()  # a new life answers once it has its part of the master copy
         if header.slice_id != next((k for k, r in self.peers.items() if r == src), None) or header.length != expected:
             if 0 < header.length <= expected:  # consume the payload so the next message lines up
                 self.channels.inbox.recv(torch.empty(header.length, dtype=self.master.dtype), src, tag=PAYLOAD_TAG)
@@ -307,6 +316,9 @@ class GroupSync:
                                f"expected its group and {expected}")
         delta = torch.empty(expected, dtype=self.master.dtype)
         self.channels.inbox.recv(delta, src, tag=PAYLOAD_TAG)
+        if not self.ready.is_set():  # a new life without its part yet: the sender keeps its change for later
+            self._answer(src, Header(Op.NO_STATE, self.group, 0, self.rank, 0), None)
+            return
         with self.lock:
             version, value = self.copies.fold(delta, header.version)
             reply = Header(Op.REPLY, self.group, version, self.rank, expected)
@@ -390,9 +402,15 @@ class GroupSync:
         of the master copy (see the module's docstring). Waits up to `wait` s for the links to the groups
         that beat. False when no group had state to give: every other group has finished (this group's
         work is done), or is a new life too (raises: the job's state is gone)."""
-        deadline = time.monotonic() + wait
+        start = time.monotonic()
         peers = list(self.peers.values())
-        while time.monotonic() < deadline and not all(self.lives.ready(p) or p in self.gone for p in peers):
+        first: float | None = None  # when the first link formed: the others get SETTLE_SECONDS more
+        while not all(self.lives.ready(p) or p in self.gone for p in peers):
+            now = time.monotonic()
+            if first is None and any(self.lives.ready(p) for p in peers):
+                first = now
+            if now - start > wait or (first is not None and now - first > SETTLE_SECONDS):
+                break
             time.sleep(0.02)
         answers: list[tuple[int, int, bytes]] = []
         for peer in peers:

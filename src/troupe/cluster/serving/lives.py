@@ -102,6 +102,8 @@ class Lives:
         """Each peer's life this process last dialled."""
         self.beats: dict[int, tuple[int, float]] = {}
         """Each peer's beat count when it last moved, and when (monotonic)."""
+        self.attempts: dict[tuple[int, int], int] = {}
+        """Per (peer, its life): the last attempt at a link to it."""
         self.retry: set[int] = set()
         """Peers whose current life's link did not form in time (dialled again at the next look)."""
         self.on_back: Callable[[int], None] = lambda peer: None
@@ -132,9 +134,11 @@ class Lives:
         return self.store.add(beat_key(peer), 0)
 
     def _dial(self, peer: int, life: int) -> None:
+        attempt = self.attempts.get((peer, life), -1) + 1
+        self.attempts[(peer, life)] = attempt
         self.lives[peer] = life
         self.retry.discard(peer)
-        self.asking.dial_later(peer, self.incarnation, life, on_ready=self.on_back, on_failed=self._failed)
+        self.asking.dial_later(peer, self.incarnation, life, attempt, on_ready=self.on_back, on_failed=self._failed)
 
     def _failed(self, peer: int, life: int) -> None:
         """The link to `peer`'s `life` did not form in time: dial it again at the next look if it is still its life."""

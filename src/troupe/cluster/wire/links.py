@@ -56,16 +56,18 @@ def knock_key(server: int, worker: int) -> str:
     return f"ps/knock/{server}/{worker}"
 
 
-def token(dialer: int, server: int) -> str:
+def token(dialer: int, server: int, attempt: int = 0) -> str:
     """A pair's name: the incarnations of the worker that dials and of the server it dials ("3.1"; "3" for a
-    server's first life, which is every separate server's only one)."""
-    return f"{dialer}.{server}" if server else str(dialer)
+    server's first life, which is every separate server's only one), and which attempt of that dialler at
+    that server it is ("3.1.2": the third; a pair that failed to form leaves its keys in the store)."""
+    name = f"{dialer}.{server}" if server or attempt else str(dialer)
+    return f"{name}.{attempt}" if attempt else name
 
 
-def _order(name: str) -> tuple[int, int]:
-    """(the dialler's life, the server's life) named by a token."""
-    dialer, _, server = name.partition(".")
-    return int(dialer), int(server or 0)
+def _order(name: str) -> tuple[int, int, int]:
+    """(the dialler's life, the server's life, the attempt) named by a token."""
+    parts = [int(p) for p in name.split(".")] + [0, 0]
+    return parts[0], parts[1], parts[2]
 
 
 def _pair(store: dist.Store, server: int, worker: int, name: str, me: int, timeout: float, form: float
@@ -73,9 +75,11 @@ def _pair(store: dist.Store, server: int, worker: int, name: str, me: int, timeo
     """The Gloo group of two (server 0, worker 1) of these lives of `server` and `worker` (`name`, a token):
     it forms within `form` seconds or fails (the other end died meanwhile), then a message waits `timeout`."""
     prefixed = dist.PrefixStore(f"ps/pair/{server}/{worker}/{name}/", store)
-    group = dist.ProcessGroupGloo(prefixed, me, 2, datetime.timedelta(seconds=form))
-    group.set_timeout(datetime.timedelta(seconds=timeout))
-    return group
+    # Gloo waits for the other end with the group's own timeout, which is also every message's (it has no
+    # other for its point-to-point messages): wait for the other end's word first, with `form`.
+    prefixed.set(f"here/{me}", "1")
+    prefixed.wait([f"here/{1 - me}"], datetime.timedelta(seconds=form))
+    return dist.ProcessGroupGloo(prefixed, me, 2, datetime.timedelta(seconds=timeout))
 
 
 @dataclass
@@ -125,13 +129,14 @@ class Links:
         group = _pair(self.store, server, self.rank, name, 1, self.timeout, self.form)
         self._links[server] = _Link(server, name, group, 0)
 
-    def dial_later(self, server: int, incarnation: int, server_incarnation: int,
+    def dial_later(self, server: int, incarnation: int, server_incarnation: int, attempt: int = 0,
                    on_ready: Callable[[int], None] = lambda server: None,
                    on_failed: Callable[[int, int], None] = lambda server, life: None) -> None:
         """Open this worker's link to `server` in a thread (the server may be dead or starting again);
         once it forms, it replaces any link to an older life of either end and `on_ready(server)` runs;
-        if it does not form within `form` seconds, `on_failed(server, server_incarnation)` runs."""
-        name = token(incarnation, server_incarnation)
+        if it does not form within `form` seconds, `on_failed(server, server_incarnation)` runs (a next
+        `attempt` at the same life is dialled under a name of its own)."""
+        name = token(incarnation, server_incarnation, attempt)
 
         def make() -> None:
             try:
@@ -188,7 +193,7 @@ class Links:
                         key = knock_key(self.rank, w)
                         if store.check([key]):
                             name = store.get(key).decode()
-                            if tokens.get(w) != name and _order(name)[-1] == incarnation:  # not on an older life's door
+                            if tokens.get(w) != name and _order(name)[1] == incarnation:  # not on an older life's door
                                 tokens[w] = name
                                 self._start_forming(lambda w=w, name=name: self._make(w, name), f"troupe-ps-link-{w}")
             except (RuntimeError, ConnectionError, OSError) as e:  # the launcher's store is gone: the job is over
@@ -255,7 +260,7 @@ class Links:
                     continue  # an older life's link that formed late (it died meanwhile): never used
                 if current is not None and not current.lost:
                     current.lost = True  # an older incarnation, its loss not seen yet: it is gone
-                    self.on_lost(link.peer, f"it started again (incarnation {link.token.split('.')[0]})")
+                    self.on_lost(link.peer, f"it started again (incarnation {_order(link.token)[0]})")
                 self._links[link.peer] = link
                 self.on_link(link.peer)
                 threading.Thread(target=self._read, args=(link,), daemon=True,

@@ -76,7 +76,8 @@ class Op(IntEnum):
     """Group -> a group that started again: my replica (`length` bytes, `troupe.cluster.serving.groupsync`)
     and, `version`, the version of your part's master copy I last adopted."""
     NO_STATE = 21
-    """Group -> a group that started again: I have no state to give (I am starting again myself)."""
+    """A group starting again -> another group: I have no state yet (to a Snapshot: none to give; to a
+    Sync: your change was not folded in, keep it for your next Sync)."""
 
 
 WITH_PAYLOAD = {Op.PUT, Op.UPDATE, Op.PUSH, Op.REPLY, Op.LR, Op.SYNC, Op.SPARSE_UPDATE, Op.SPARSE_PUSH,
