@@ -251,3 +251,26 @@ def test_a_frozen_hogwild_group_is_counted_gone_then_restarts_and_rejoins_after_
     assert [r["incarnation"] for r in runs] == [0, 0, 1] and all(r["steps"] == job.STEPS for r in runs)
     assert runs[2]["resumed_at"] == job.FAULT_AT
     assert all(f"troupe group sync rank {r}: rank 2 is back (life 1)" in text for r in (0, 1)), text[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_hogwild_groups_on_two_nodes_a_killed_group_restarts_on_its_node_and_rejoins(tmp_path):
+    """Two launchers on loopback, 2 processes each (4 Hogwild groups of one): group 3, on node 1, is killed
+    at step 7 and restarted by node 1's launcher; its new life finds the others through node 0's store,
+    copies their state over links across the nodes, and every group takes its 24 steps."""
+    from troupe.runtime.ticket import free_port
+
+    port = free_port("127.0.0.1")
+    launches = [([sys.executable, "-m", "troupe.cli", "run", "-n", "2", "--nnodes", "2", "--node-rank", str(node),
+                  "--master", f"127.0.0.1:{port}", "--token", "elastic-hogwild-nodes", "--elastic", "--framework",
+                  "hogwild", "--sync-freq", "2", str(SCRIPT), str(tmp_path), "kill"], {**ENV, "PAUSE": "0.2"})
+                for node in (0, 1)]
+    codes, said = run_nodes(launches, tmp_path, ROOT, timeout=150)
+    assert codes == [0, 0], said
+    assert "troupe run: rank 3 exited with signal 9 (SIGKILL); restarting it alone" in said[1]
+    runs = [report(tmp_path, r) for r in range(4)]
+    assert [r["incarnation"] for r in runs] == [0, 0, 0, 1] and all(r["steps"] == job.STEPS for r in runs)
+    assert runs[3]["resumed_at"] == job.FAULT_AT
+    assert "troupe group sync rank 3: took the replica of rank 0" in said[1]
+    for rank, node in ((0, 0), (1, 0), (2, 1)):
+        assert f"troupe group sync rank {rank}: rank 3 is back (life 1)" in said[node], said[node][-2000:]

@@ -207,10 +207,17 @@ class GroupSync:
                                            tag=HEADER_TAG)
                 except RuntimeError as e:
                     self._lose(peer, str(e), self.lives.life(peer))
+        deadline = time.monotonic() + timeout
         with self._done:
-            if not self._done.wait_for(lambda: not self._live, timeout=timeout):
-                log.warning("troupe group sync rank %d: peers %s did not stop within %.0fs",
-                            self.rank, sorted(self._live), timeout)
+            # Serve until every peer has said stop, died, or (where peers come back) said it has finished: its
+            # last Sync is behind it then, even if its Stop has not been read here.
+            while self._live and not self.lives.all_finished(sorted(self._live)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("troupe group sync rank %d: peers %s did not stop within %.0fs",
+                                self.rank, sorted(self._live), timeout)
+                    break
+                self._done.wait(min(left, WATCH_INTERVAL))
             self._closed = True
         self._wake.set()
         if self._watching is not None and self.lives.returns:  # its store calls must end before the interpreter
@@ -297,6 +304,8 @@ class GroupSync:
     def _handle(self, src: int, raw: Tensor) -> None:
         header = Header.decode(raw)
         if src not in self._live:
+            if header.op is Op.SYNC and 0 < header.length <= self.copies.sizes[self.group]:
+                self.channels.inbox.recv(torch.empty(header.length, dtype=self.master.dtype), src, tag=PAYLOAD_TAG)
             raise MessageError(f"{header.op.name} from rank {src}, which is not a live peer of this master copy")
         expected = self.copies.sizes[self.group]
         check(header, src=src, expected_length=expected, allowed={Op.SYNC, Op.STOP, Op.SNAPSHOT})
@@ -328,16 +337,23 @@ class GroupSync:
         except RuntimeError as e:
             self._lose(src, str(e))
 
-    def _lose(self, peer: int, why: str, life: int | None = None) -> None:
-        """`peer` is gone (`life`: the life whose link failed; an older life's failure is old news)."""
+    def _lose(self, peer: int, why: str, life: int | None = None, *, serving: bool | None = None) -> None:
+        """`peer` is gone: this group asks it nothing more until it comes back. `life`: the life whose link
+        failed (an older life's failure is old news). `serving` (default: no `life` given, a failure on the
+        side that serves it, or its beat): it will not say stop either, so closing does not wait for it;
+        where peers come back, a failure of this side's own requests leaves that to the serving side (a new
+        life may have dialled in already)."""
         if life is not None and life < self.lives.life(peer):
             return
+        if serving is None:
+            serving = life is None or not self.lives.returns
         with self._done:
+            if serving:
+                self._live.discard(peer)
+                self._done.notify_all()
             if peer in self.gone:
                 return
             self.gone.add(peer)
-            self._live.discard(peer)
-            self._done.notify_all()
         then = "until it comes back" if self.lives.returns else "going on without its group"
         print(f"troupe group sync rank {self.rank}: rank {peer} is gone ({why.splitlines()[0] if why else why}); "
               f"{then}", file=sys.stderr, flush=True)
@@ -363,7 +379,7 @@ class GroupSync:
                     return
                 live = sorted(set(self.peers.values()) - self.gone)
             for peer, why in self.lives.look():
-                self._lose(peer, why)
+                self._lose(peer, why, serving=False)  # its new life's link, if it dialled in already, stays
             for peer in live:
                 why = self.lives.lost(peer)
                 if why is not None:

@@ -98,6 +98,7 @@ class Lives:
         self.connect = connect
         self.rank, self.incarnation, self.evict_after = rank, incarnation, evict_after
         self.store: dist.Store | None = None
+        self._store: dist.Store | None = None
         self.lives: dict[int, int] = {}
         """Each peer's life this process last dialled."""
         self.beats: dict[int, tuple[int, float]] = {}
@@ -198,12 +199,19 @@ class Lives:
         return self.lives.get(peer, 0)
 
     def finished(self) -> None:
-        """Say that this group has finished training (a life started later finds nobody to copy from)."""
-        self.connect().set(done_key(self.rank), "1")
+        """Say that this group has finished training (a life started later finds nobody to copy from; the
+        others stop serving it)."""
+        self._own_store().set(done_key(self.rank), "1")
 
     def all_finished(self, peers: Iterable[int]) -> bool:
-        store = self.connect()
+        store = self._own_store()
         return all(store.check([done_key(p)]) for p in peers)
+
+    def _own_store(self) -> dist.Store:
+        """The training thread's connection to the store (the watch thread has its own)."""
+        if self._store is None:
+            self._store = self.connect()
+        return self._store
 
     def close(self) -> None:
         self.serving.close(wait=True)
