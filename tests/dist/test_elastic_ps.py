@@ -212,7 +212,8 @@ def test_a_hogwild_group_killed_twice_copies_a_live_groups_state_and_rejoins_whi
             assert f"troupe group sync rank {survivor}: rank 2 is back (life {life}); syncing with its group again" \
                 in text, text[-3000:]
         assert re.search(rf"troupe group sync rank {survivor}: \d+ merges .* 0 message\(s\) rejected, groups gone "
-                         r"without stopping: none, 2 new life\(s\) of other groups synced with again", text), text[-3000:]
+                         r"without stopping: none, 2 new life\(s\) of other groups synced with again", text), \
+            text[-3000:]
     # The new life's first values were taken from the others, not its own fresh (random) ones.
     fetched = torch.load(tmp_path / "rank2.pt")["fetched"]
     torch.manual_seed(1000 + 2)

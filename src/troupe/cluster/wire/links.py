@@ -4,11 +4,11 @@ Under `troupe run --elastic --framework downpour` a parameter-server job's messa
 in the job's process group: a restarted worker cannot enter a group made without it. Each
 (server, worker) pair has a Gloo group of its own, two ranks, made through the job's store when
 the worker *dials*: it writes a token under ``ps/knock/<server>/<worker>`` (its incarnation and the
-server's, "3.1"; "3" for a server's first life) and both sides make the pair under a prefix of that token. A worker that restarts
-dials again and gets a fresh pair; the server takes it at its next receive (`Links.on_link`) and drops
-the old one. A server that restarts (Distributed Hogwild's groups are each other's servers) listens
-for tokens that name its own incarnation only, so an older life's knock is never taken, and the pair
-of two lives is never the pair of two others.
+server's, "3.1"; "3" for a server's first life) and both sides make the pair under a prefix of that
+token. A worker that restarts dials again and gets a fresh pair; the server takes it at its next
+receive (`Links.on_link`) and drops the old one. A server that restarts (Distributed Hogwild's
+groups are each other's servers) listens for tokens that name its own incarnation only, so an older
+life's knock is never taken, and the pair of two lives is never the pair of two others.
 
 `Links` is the part of `troupe.runtime.comm.Communicator` the messages use: ``send``, ``isend``
 and ``recv`` with a tag, ``recv`` from any worker on the server. A server receives "from any
@@ -144,7 +144,8 @@ class Links:
                 self._knock(server, name, store)
                 group = _pair(store, server, self.rank, name, 1, self.timeout, self.form)
             except (RuntimeError, ConnectionError, OSError) as e:  # it died meanwhile, or is slow: dialled again
-                log.info("troupe rank %d: the link to rank %d (%s) did not form: %s", self.rank, server, name, reason(e))
+                log.info("troupe rank %d: the link to rank %d (%s) did not form: %s", self.rank, server, name,
+                         reason(e))
                 on_failed(server, server_incarnation)
                 return
             current = self._links.get(server)
