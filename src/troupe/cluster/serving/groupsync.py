@@ -470,7 +470,7 @@ class GroupSync:
 
     def _take(self, answers: list[tuple[int, int, bytes]]) -> None:
         """The first answer's replica and optimizer state; this group's part from the highest version."""
-        states: list[tuple[int, int, Any]] = [(peer, version, torch.load(io.BytesIO(blob), weights_only=False))
+        states: list[tuple[int, int, Any]] = [(peer, version, torch.load(io.BytesIO(blob), weights_only=True))
                                               for peer, version, blob in answers]
         copies = self.copies
         with self.lock, self.replica_lock:
