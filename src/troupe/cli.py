@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "started once the job has formed; 0: none)")
     elastic.add_argument("--evict-after", type=float, default=None,
                          help="--elastic: seconds without a heartbeat before a worker is left out (default 5; "
-                              "under sandblaster: a frozen worker its group waits for)")
+                              "under sandblaster: a frozen worker its group waits for; under hogwild: a frozen "
+                              "group the others stop syncing with)")
     elastic.add_argument("--elastic-timeout", type=float, default=None,
                          help="--elastic: seconds a step waits for a frozen peer before leaving it out (default 10)")
     _add_cluster_flags(run)
