@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,30 @@ def troupe_run(out: Path, mode: str, *flags: str, framework: str = "downpour", t
     cmd = [sys.executable, "-m", "troupe.cli", "run", "--elastic", "--framework", framework, *flags, str(SCRIPT),
            str(out), mode]
     return subprocess.run(cmd, cwd=ROOT, env={**ENV, **env}, capture_output=True, text=True, timeout=timeout)
+
+
+def run_frozen(out: Path, framework: str, flags: list[str], frozen: Callable[[str], bool], never: str,
+               then_wait: float = 0.0, **env: str) -> str:
+    """The job in mode "stop" under `--evict-after 2`: once `frozen(stderr so far)`, (`then_wait` s later)
+    SIGCONT the stopped worker; the job must end 0. Returns the launcher's stderr."""
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "--elastic", "--framework", framework, "--evict-after", "2",
+           *flags, str(SCRIPT), str(out), "stop"]
+    err = open(out / "stderr.txt", "w")  # noqa: SIM115  (closed below)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, **env}, stdout=subprocess.DEVNULL, stderr=err)
+    said = lambda: (out / "stderr.txt").read_text()  # noqa: E731
+    try:
+        deadline = time.monotonic() + 90
+        while not frozen(said()):
+            assert time.monotonic() < deadline and proc.poll() is None, f"{never}:\n{said()}"
+            time.sleep(0.2)
+        time.sleep(then_wait)
+        os.kill(int((out / "stopped").read_text()), signal.SIGCONT)
+        assert proc.wait(timeout=90) == 0, said()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        err.close()
+    return said()
 
 
 def replay(steps: int) -> list[torch.Tensor]:
@@ -162,25 +187,10 @@ def test_a_frozen_sandblaster_worker_is_evicted_then_restarts_and_rejoins_after_
     """A group of 2 and one server, --evict-after 2: worker 1 SIGSTOPs itself before its update of step 7;
     its server sees its beat stop while worker 0's update waits, evicts it and the group goes on; after
     SIGCONT worker 1 reads the Evicted notice first, exits, is restarted and rejoins at step 7."""
-    cmd = [sys.executable, "-m", "troupe.cli", "run", "--elastic", "--framework", "sandblaster", "--evict-after", "2",
-           "--nworker-groups", "1", "--nworkers-per-group", "2", "--nservers-per-group", "1", str(SCRIPT),
-           str(tmp_path), "stop"]
-    err = open(tmp_path / "stderr.txt", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err)
-    try:
-        deadline = time.monotonic() + 90
-        said = lambda: (tmp_path / "stderr.txt").read_text()  # noqa: E731
-        while "evicted, it restarts when it wakes" not in said():
-            assert time.monotonic() < deadline and proc.poll() is None, f"worker 1 was never evicted:\n{said()}"
-            time.sleep(0.2)
-        time.sleep(1.0)  # worker 0 trains on meanwhile
-        os.kill(int((tmp_path / "stopped").read_text()), signal.SIGCONT)
-        assert proc.wait(timeout=90) == 0, said()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        err.close()
-    text = said()
+    text = run_frozen(tmp_path, "sandblaster", ["--nworker-groups", "1", "--nworkers-per-group", "2",
+                                                "--nservers-per-group", "1"],
+                      lambda said: "evicted, it restarts when it wakes" in said, "worker 1 was never evicted",
+                      then_wait=1.0)  # worker 0 trains on meanwhile
     assert "troupe server rank 2: worker 1 is gone (its group waited 2 s for its update and its beat had stopped" in text
     assert "was evicted by server rank 2" in text and "troupe run: rank 1 was evicted by its server while it was frozen; starting it again" in text
     assert "troupe server rank 2: worker 1 is back (restarted)" in text
@@ -227,23 +237,10 @@ def test_a_frozen_hogwild_group_is_counted_gone_then_restarts_and_rejoins_after_
     """3 groups, --evict-after 2: group 2 SIGSTOPs itself at step 7; the others see its beat stop and go on
     without it; after SIGCONT it finds itself frozen past the bound, exits with the rejoin code, and its new
     life rejoins at step 7 (no restart spent)."""
-    cmd = [sys.executable, "-m", "troupe.cli", "run", "--elastic", "--framework", "hogwild", "-n", "3", "--sync-freq",
-           "2", "--evict-after", "2", str(SCRIPT), str(tmp_path), "stop"]
-    err = open(tmp_path / "stderr.txt", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "PAUSE": "0.2"}, stdout=subprocess.DEVNULL, stderr=err)
-    said = lambda: (tmp_path / "stderr.txt").read_text()  # noqa: E731
-    try:
-        deadline = time.monotonic() + 90
-        while not all(f"troupe group sync rank {r}: rank 2 is gone (its beat stopped" in said() for r in (0, 1)):
-            assert time.monotonic() < deadline and proc.poll() is None, f"group 2 was never counted gone:\n{said()}"
-            time.sleep(0.2)
-        os.kill(int((tmp_path / "stopped").read_text()), signal.SIGCONT)
-        assert proc.wait(timeout=90) == 0, said()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        err.close()
-    text = said()
+    text = run_frozen(tmp_path, "hogwild", ["-n", "3", "--sync-freq", "2"],
+                      lambda said: all(f"troupe group sync rank {r}: rank 2 is gone (its beat stopped" in said
+                                       for r in (0, 1)),
+                      "group 2 was never counted gone", PAUSE="0.2")
     assert "troupe group sync rank 2: this process was stopped for" in text
     assert "troupe run: rank 2 was frozen past --evict-after: the other groups went on without it; starting it again" \
         in text, text[-3000:]

@@ -40,6 +40,26 @@ def beat_key(rank: int) -> str:
     return f"ps/beat/{rank}"
 
 
+class BeatWatch:
+    """How long each rank's beat (its counter under `beat_key`, read by `read(rank)`) has stood still: a
+    frozen process's beat thread stops with it, a slow one's does not."""
+
+    def __init__(self, read: Callable[[int], int]):
+        self.read = read
+        self._seen: dict[int, tuple[int, float]] = {}
+        """Per rank: its beat when it last moved, and when (monotonic)."""
+
+    def still_for(self, rank: int) -> float:
+        """Seconds since `rank`'s beat last moved (0 the first time it is asked, or when it just moved)."""
+        beat, now = self.read(rank), time.monotonic()
+        if self._seen.get(rank, (None, 0.0))[0] != beat:
+            self._seen[rank] = (beat, now)
+        return now - self._seen[rank][1]
+
+    def forget(self, rank: int) -> None:
+        self._seen.pop(rank, None)
+
+
 BEAT_SECONDS = 0.5
 """How often a worker's beat thread counts up `ps/beat/<rank>` (a frozen process's threads stop with it; a
 slow one's do not: its servers tell frozen from slow by it)."""

@@ -473,13 +473,13 @@ class GroupSync:
         states: list[tuple[int, int, Any]] = [(peer, version, torch.load(io.BytesIO(blob), weights_only=True))
                                               for peer, version, blob in answers]
         copies = self.copies
+        source, version, freshest = max(states, key=lambda a: a[1])
+        part = copies.gather(self.group, freshest["values"])
         with self.lock, self.replica_lock:
             copies.shard.load_state_dict(states[0][2])
-            _, version, freshest = max(states, key=lambda a: a[1])
-            copies.settle(self.group, copies.gather(self.group, freshest["values"]))
-            copies.master = copies.gather(self.group).clone()
+            copies.settle(self.group, part)
+            copies.master = part.clone()
             copies.version = version
             self.seen[self.group] = version
         print(f"troupe group sync rank {self.rank}: took the replica of rank {states[0][0]} and this group's part "
-              f"of the master copy at version {version} (rank {max(states, key=lambda a: a[1])[0]})",
-              file=sys.stderr, flush=True)
+              f"of the master copy at version {version} (rank {source})", file=sys.stderr, flush=True)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from troupe.cluster.wire.links import Links
 from troupe.cluster.wire.messages import empty_header
 from troupe.runtime.quorum import REJOIN_EXIT
-from troupe.runtime.rejoin import beat_key
+from troupe.runtime.rejoin import BeatWatch, beat_key
 
 FORM_SECONDS = 5.0
 """How long a link to a peer's life may take to form (milliseconds when both ends live; a life that died
@@ -101,8 +101,9 @@ class Lives:
         self._store: dist.Store | None = None
         self.lives: dict[int, int] = {}
         """Each peer's life this process last dialled."""
-        self.beats: dict[int, tuple[int, float]] = {}
-        """Each peer's beat count when it last moved, and when (monotonic)."""
+        self.peers: list[int] = []
+        self.beats: BeatWatch | None = None
+        """How long each peer's beat has stood still (the watch thread's store)."""
         self.attempts: dict[tuple[int, int], int] = {}
         """Per (peer, its life): the last attempt at a link to it."""
         self.retry: set[int] = set()
@@ -120,9 +121,10 @@ class Lives:
         self.serving.on_link, self.serving.on_lost = on_link, on_lost
         self.serving.listen(peers, empty_header, self.incarnation)
         self.store.set(life_key(self.rank), str(self.incarnation))
-        now = time.monotonic()
+        self.peers = peers
+        self.beats = BeatWatch(lambda peer: self.store.add(beat_key(peer), 0))
         for peer in peers:
-            self.beats[peer] = (self._beat(peer), now)
+            self.beats.still_for(peer)  # from now
             life = self._life(peer)
             if life is not None:
                 self._dial(peer, life)
@@ -130,9 +132,6 @@ class Lives:
     def _life(self, peer: int) -> int | None:
         key = life_key(peer)
         return int(self.store.get(key)) if self.store.check([key]) else None
-
-    def _beat(self, peer: int) -> int:
-        return self.store.add(beat_key(peer), 0)
 
     def _dial(self, peer: int, life: int) -> None:
         attempt = self.attempts.get((peer, life), -1) + 1
@@ -148,14 +147,9 @@ class Lives:
 
     def lost(self, peer: int) -> str | None:
         """Why `peer`'s life counts as gone (its beat stalled), or None."""
-        count, since = self.beats[peer]
-        now = time.monotonic()
-        current = self._beat(peer)
-        if current != count:
-            self.beats[peer] = (current, now)
-            return None
-        if now - since > self.evict_after:
-            return f"its beat stopped {now - since:.1f} s ago (frozen, or its host is gone)"
+        still = self.beats.still_for(peer)
+        if still > self.evict_after:
+            return f"its beat stopped {still:.1f} s ago (frozen, or its host is gone)"
         return None
 
     def look(self) -> list[tuple[int, str]]:
@@ -164,7 +158,7 @@ class Lives:
         self.awake()
         self._last_look = time.monotonic()
         gone = []
-        for peer in self.beats:
+        for peer in self.peers:
             life, known = self._life(peer), self.lives.get(peer)
             if life is None:
                 continue

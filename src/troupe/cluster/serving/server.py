@@ -32,6 +32,7 @@ from troupe.cluster.wire.messages import (HEADER_TAG, PAYLOAD_TAG, SPARSE, WITH_
 from troupe.cluster.serving.serversync import ServerSync
 from troupe.cluster.serving.shard import ParamShard
 from troupe.cluster.wire.links import Links, reason
+from troupe.runtime.rejoin import BeatWatch
 from troupe.compress.topk import topk_count
 
 log = logging.getLogger(__name__)
@@ -468,26 +469,24 @@ class Server:
         whose beat has not moved for `evict_after` seconds: frozen (SIGSTOP), not slow. The group goes on
         without it at once; an Evicted header waits in its link, the first thing it reads when it wakes: it
         exits, and its launcher restarts it, to rejoin as a dead worker does."""
-        seen: dict[int, tuple[int, float]] = {}  # late worker -> (its beat, since when that beat)
+        watch, watched = BeatWatch(self.beats), set()  # the late workers' beats
         while True:
             time.sleep(WATCH_INTERVAL)
             with self._lock:
                 if not (self.live or self.returning):
                     return
                 late = set().union(*self.shard.missing().values()) & self.live
-                now = time.monotonic()
-                for worker in list(seen):
-                    if worker not in late:
-                        del seen[worker]
+                for worker in watched - late:
+                    watch.forget(worker)
+                watched = set(late)
                 for worker in sorted(late):
                     try:
-                        beat = self.beats(worker)
+                        still = watch.still_for(worker)
                     except (RuntimeError, ConnectionError, OSError):  # the launcher's store is gone: the job ends
                         return
-                    if seen.get(worker, (None,))[0] != beat:
-                        seen[worker] = (beat, now)
-                    elif now - seen[worker][1] > self.evict_after:
-                        del seen[worker]
+                    if still > self.evict_after:
+                        watch.forget(worker)
+                        watched.discard(worker)
                         self._evict(worker)
                 self._progress()
 
