@@ -69,8 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     elastic.add_argument("--elastic", action="store_true",
                          help="every process is a worker group of one (with --nworker-groups G: G groups of -n/G "
                               "processes); a dead process restarts with its group, which rejoins. With --framework "
-                              "downpour or sandblaster: a dead worker restarts alone and rejoins through the servers; "
-                              "with --framework hogwild: a dead group restarts and copies a live group's state")
+                              "downpour or sandblaster: a dead worker restarts alone and rejoins through the servers "
+                              "(Downpour with --nserver-groups >= 2: a dead server's workers fail over to another "
+                              "server group's); with --framework hogwild: a dead group restarts and copies a live "
+                              "group's state")
     elastic.add_argument("--min-groups", type=int, default=None,
                          help="--elastic: steps need at least K groups present (default 2)")
     elastic.add_argument("--max-groups", type=int, default=None,
@@ -100,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="per-step stats as TensorBoard scalars, one run per rank (DIR/rank0, ...)")
     run.add_argument("--prefix", action="store_true", help="put [rankR]: in front of each line a rank prints")
     run.add_argument("--log-dir", metavar="DIR", default=None,
-                     help="also keep each rank's whole output (stdout and stderr) in DIR/rankR.log")
+                     help="also keep each rank's whole output (stdout and stderr) in DIR/rankR.log, and "
+                          "in DIR/pids.txt a line 'RANK PID' each time a rank's process starts")
     run.add_argument("--ranks", metavar="LIST", default=None,
                      help="show only these ranks' output here, e.g. 0 or 0,2 or 0-3 (--log-dir keeps all)")
     run.add_argument("script", help="the training script (a .py file)")
@@ -334,6 +337,8 @@ def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     # Server-only ranks run the cluster bootstrap, not the script: a server learns the parameters'
     # sizes and the optimizer from worker 0 (troupe.cluster.configuration.spec), so it never loads data or a model.
     args.servers = {r.rank for r in roles(cluster) if r.worker is None}
+    args.server_places = {r.rank: r.server for r in roles(cluster) if r.worker is None}
+    args.fails_over = cluster.servers_fail_over  # --elastic: a dead server's workers fail over to another's
     if args.node_rank == 0:
         print(f"troupe run: cluster {cluster.to_json()}", file=sys.stderr)
         for role in roles(cluster):
@@ -739,7 +744,8 @@ def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     """--elastic over a parameter-server job (Downpour, Sandblaster, Hogwild): node 0's launcher hosts the job's
     store; a dead worker restarts alone, on its node, and rejoins through the servers (runtime/rejoin.py) or,
     under Hogwild, by copying a live group (cluster/serving/groupsync.py); a dead separate server ends the
-    job, on every node."""
+    job, on every node, unless its workers can fail over to another server group's (asynchronous groups,
+    several server groups): then the job goes on without it."""
     from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT
     from troupe.runtime.lighthouse import Keeper
     from troupe.runtime.rejoin import ENV_VAR
@@ -753,8 +759,23 @@ def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
 
     def fixed(rank: int) -> str | None:
-        return "a server cannot restart alone (its slices have no live copy to take over yet)" \
-            if rank in args.servers else None
+        if rank not in args.servers:
+            return None
+        if args.fails_over:  # let_go said no: every copy of its slices is gone
+            return f"server {args.server_places[rank][1]} of every server group is gone: no copy of its slices is left"
+        return "a server cannot restart alone (its slices have no live copy to take over while it starts)"
+
+    def let_go(rank: int) -> str | None:
+        """A dead server whose workers fail over to the same server of another server group (the job goes on)."""
+        if rank not in args.servers or not args.fails_over:
+            return None
+        keeper.server_gone(rank)
+        group, index = args.server_places[rank]
+        copies = [r for r, (_, j) in args.server_places.items() if j == index]
+        if keeper.gone(copies) >= set(copies):
+            return None
+        return (f"it was server {index} of server group {group}, which is not restarted: its workers fail over to "
+                f"server {index} of the next server group")
 
     def ended_elsewhere() -> None:  # another node stopped the job (a server died there): stop this node's ranks
         if nodes == 1:
@@ -771,7 +792,7 @@ def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     try:
         code = _supervise_restarting(args, start, keeper, 1 if args.spares is None else args.spares,
                                      list(range(first, first + args.nproc)), say, fixed=fixed, finish_closes=False,
-                                     also_poll=ended_elsewhere, left_out=left_out)
+                                     also_poll=ended_elsewhere, left_out=left_out, let_go=let_go)
         return code
     except _EndedElsewhere as e:
         code = e.code

@@ -29,6 +29,7 @@ sys.path.insert(0, str(SCRIPT.parent))
 import ps_rejoin_train as job  # noqa: E402
 
 from tests.dist.world import run_nodes  # noqa: E402
+from troupe.cluster.serving.mastercopies import parts  # noqa: E402
 from troupe.cluster.serving.shard import plan_slices  # noqa: E402
 from troupe.script.sampling import DistributedSampler  # noqa: E402
 
@@ -272,3 +273,37 @@ def test_hogwild_groups_on_two_nodes_a_killed_group_restarts_on_its_node_and_rej
     assert "troupe group sync rank 3: took the replica of rank 0" in said[1]
     for rank, node in ((0, 0), (1, 0), (2, 1)):
         assert f"troupe group sync rank {rank}: rank 3 is back (life 1)" in said[node], said[node][-2000:]
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_server_s_workers_fail_over_to_another_server_group_and_the_job_goes_on(tmp_path):
+    # 3 workers (groups of one), 3 server groups of one server: worker g's server is rank 3 + g. Worker 2 kills
+    # rank 5 before its step 8 (that step's update dies with it); from then on its slices go to rank 3, also
+    # after worker 2 itself is killed 5 steps later and restarts (it does not dial rank 5 again). The job runs
+    # on past the heartbeat timeout (2 s; 0.25 s a step): a dead server's silence ends nobody. Ranks 3 and 4 keep syncing with each other: the parts whose master copies
+    # they hold end equal (the dead one's part, whose master died with it, each keeps its own values of).
+    proc = troupe_run(tmp_path, "kill-server", "--nworker-groups", "3", "--nworkers-per-group", "1",
+                      "--nserver-groups", "3", "--nservers-per-group", "1", PAUSE="0.25", TROUPE_PEER_TIMEOUT="2",
+                      TROUPE_CHECKPOINT_DIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [report(tmp_path, r) for r in range(3)]
+    assert [r["incarnation"] for r in runs] == [0, 0, 1] and all(r["steps"] == job.STEPS for r in runs)
+    assert [r["failovers"] for r in runs] == [[], [], []]  # worker 2's second life was sent to rank 3 at once
+    assert runs[2]["resumed_at"] == job.FAULT_AT + 5 and [r["servers"] for r in runs] == [[3], [4], [3]]
+    assert ("troupe run: rank 5 exited with signal 9 (SIGKILL); it was server 0 of server group 2, which is not "
+            "restarted") in proc.stderr
+    assert f"troupe worker rank 2: server rank(s) [5] gone at step {job.FAULT_AT + 1}" in proc.stderr
+    assert "troupe server rank 3: serving worker group 2 too" in proc.stderr
+    # Each survivor applied every update of its workers once: rank 3 worker 0's 24 and worker 2's 16 after the
+    # one that died with rank 5, rank 4 worker 1's 24.
+    model, _ = job.model_and_optimizer()
+    slices = len(plan_slices([p.numel() for p in model.parameters()], 1))
+    updates = {int(r): int(n) for r, n in re.findall(r"troupe server rank (\d): (\d+) slice updates", proc.stderr)}
+    assert updates == {3: (2 * job.STEPS - job.FAULT_AT - 1) * slices, 4: job.STEPS * slices}, proc.stderr[-2000:]
+    assert "took over worker group(s) [2]" in proc.stderr
+    for rank in (0, 1, 3, 4):  # alive all along: each said so once, and went on
+        assert proc.stderr.count(f"troupe: rank {rank}: rank 5 sent no heartbeat for") == 1, rank
+    states = [torch.load(tmp_path / f"ps-server-{rank}.pt", weights_only=True)["values"] for rank in (3, 4)]
+    for k in (0, 1):  # parts mastered by server groups 0 and 1 (ranks 3 and 4)
+        for s, lo, hi in parts(plan_slices([p.numel() for p in model.parameters()], 1), 3)[k]:
+            torch.testing.assert_close(states[0][s.id][lo:hi], states[1][s.id][lo:hi], atol=1e-6, rtol=0)

@@ -57,6 +57,15 @@ def test_recovery_and_stall_of_each_kill(tmp_path):
     assert s["stall_p50"] == s["stall_p99"] == 2.0
 
 
+def test_a_killed_server_counts_until_every_group_has_committed_again(tmp_path):
+    # a server killed at 3.2: group 0 commits at 6, group 1 at 5, group 2 (killed at 3.5) at 8
+    s = one_kill_run(tmp_path, extra_faults=[{"t": 3.2, "group": -1, "kind": "kill-server", "rank": 4}])
+    assert s["per_server_kill"] == [{"t": 3.2, "rank": 4, "all_back_s": pytest.approx(4.8), "slowest_group": 2}]
+    assert s["kills"] == 2  # a server's kill is not a worker's
+    s = one_kill_run(tmp_path, extra_faults=[{"t": 10.2, "group": -1, "kind": "kill-server", "rank": 4}])
+    assert s["per_server_kill"] == [{"t": 10.2, "rank": 4, "all_back_s": None, "slowest_group": 0}]
+
+
 def test_a_stall_shorter_than_a_step_is_zero(tmp_path):
     events = steps(0, [0, 1, 2, 3, 4]) + steps(1, [0, 1, 2, 3, 4]) + steps(2, [0, 1, 3, 4])
     write(tmp_path / "events.jsonl", events)

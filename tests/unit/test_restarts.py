@@ -64,6 +64,16 @@ def test_asynchronous_workers_restart_after_another_has_finished_and_a_fixed_ran
     assert lines[-1] == "troupe run: rank 1 exited with signal 9 (SIGKILL); a server cannot restart alone: stopped the job"
 
 
+def test_a_rank_let_go_is_not_restarted_and_the_others_finish_with_code_0():
+    # A server whose workers fail over (let_go) is not restarted, spends no budget and does not stop the job;
+    # asked first, let_go wins over fixed.
+    code, spawns, lines, _ = supervise({0: [Proc(0, alive=20)], 1: [Proc(-9, alive=2)]}, budget=0,
+                                       let_go=lambda rank: "its workers fail over" if rank == 1 else None,
+                                       fixed=lambda rank: "never asked", finish_closes=False)
+    assert code == 0 and spawns == [(0, 0), (1, 0)]
+    assert lines == ["troupe run: rank 1 exited with signal 9 (SIGKILL); its workers fail over; the others train on"]
+
+
 def test_a_dead_rank_restarts_alone_with_the_next_incarnation_and_the_job_ends_when_all_finish():
     code, spawns, lines, house = supervise({0: [Proc(0, alive=5)], 1: [Proc(-9), Proc(0)]}, budget=2)
     assert code == 0

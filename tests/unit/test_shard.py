@@ -112,6 +112,25 @@ def test_asynchronous_groups_share_the_learning_rate():
     assert shard.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
 
 
+def test_a_server_that_takes_over_a_group_waits_for_its_workers_and_shares_the_rate_among_all_groups():
+    # `troupe run --elastic`: group 1's server died; its workers 1 and 2 fail over to this server, which served
+    # group 0 alone at the full rate ("mean" over 1 group); from then on each of the 2 groups counts 1/2.
+    w = torch.zeros(4)
+    shard = ParamShard(plan_slices([4], 1), torch.optim.SGD([w], lr=0.1), [0], {0: {0}}, lr_scale=1.0, group_size=2)
+    shard.put(0, torch.zeros(4))
+    with pytest.raises(KeyError):
+        shard.update(0, 1, torch.ones(4))  # not served here yet
+    shard.set_lr([0.2])
+    shard.serve_group(1, {1, 2}, {1, 2}, lr_scale=0.5)
+    assert shard.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # the workers' last lr, 0.2, times 1/2
+    assert shard.update(0, 1, torch.ones(4)) == []  # the group's update waits for its other worker
+    assert shard.update(0, 2, 3 * torch.ones(4)) == [1, 2]
+    torch.testing.assert_close(shard.values[0], torch.full((4,), -0.2))  # their mean, 2, at lr 0.1
+    shard.remove_worker(2)
+    shard.add_worker(2)  # restarted: its group waits for it again
+    assert shard.update(0, 1, torch.ones(4)) == []
+
+
 def test_group_sync_parts_cover_every_slice_once_balanced():
     slices = plan_slices([1000, 10, 7, 3000, 1, 2], 2)
     for ngroups in (1, 2, 3, 5):

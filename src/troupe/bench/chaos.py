@@ -11,6 +11,7 @@ leaves are `chaos_summary`'s: events.jsonl, faults.jsonl, final.jsonl (plus logs
     troupe bench chaos --out runs/kill30 --kill-every 30 --duration 300
     troupe bench chaos --out runs/diloco30 --kill-every 30 --duration 300 --diloco 50
     troupe bench chaos --out runs/downpour30 --kill-every 30 --duration 300 --downpour 2
+    troupe bench chaos --out runs/failover --kill-every 30 --duration 300 --downpour 2 --kill-server-at 100
     troupe bench chaos --out runs/hogwild30 --kill-every 30 --duration 300 --hogwild 10
     python -m troupe.bench.chaos job OUT     # one worker (what troupe run starts)
 """
@@ -86,6 +87,7 @@ class Driver:
         self.faults = (self.out / "faults.jsonl").open("a")
         self.stopped: dict[int, float] = {}
         self.killed_pids: set[int] = set()
+        self.server_killed = False
         self.log_seen = 0
         cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(args.groups), "--elastic", "--min-groups",
                str(args.min_groups), "--restarts-per-rank", "1000", "--spares", str(args.spares), "--log-dir", str(self.out / "logs"),
@@ -95,7 +97,7 @@ class Driver:
         if args.diloco:  # troupe run's flags, before the script
             at = cmd.index("--ranks")
             cmd[at:at] = ["--framework", "diloco", "--sync-freq", str(args.diloco)]
-        if args.downpour:  # the workers are the groups; the servers (never killed) come on top, no quorum
+        if args.downpour:  # the workers are the groups; the servers (killed only at --kill-server-at) come on top
             at = cmd.index("-n")
             cmd[at:at + 2] = []
             at = cmd.index("--min-groups")
@@ -157,6 +159,8 @@ class Driver:
                 self.killed_pids.add(live[group])
                 self.record(group, "kill")
                 next_kill += a.kill_every
+            if a.kill_server_at is not None and a.kill_server_at <= self.now() and not self.server_killed:
+                self._kill_server()
             if next_stop <= self.now() and live:
                 group = self.rng.choice(sorted(live))
                 os.kill(live[group], signal.SIGSTOP)
@@ -165,6 +169,15 @@ class Driver:
                 next_stop += a.stop_every
         for group in list(self.stopped):
             self._cont(group)
+
+    def _kill_server(self) -> None:
+        """SIGKILL the server of the last server group (its workers fail over to the other groups' servers)."""
+        rank = self.args.groups + self.args.downpour - 1  # the workers come first, then the servers
+        starts = [line.split() for line in (self.out / "logs" / "pids.txt").read_text().splitlines()]
+        pid = int([p for r, p in starts if int(r) == rank][-1])
+        os.kill(pid, signal.SIGKILL)
+        self.server_killed = True
+        self.record(-1, "kill-server", rank=rank, pid=pid)
 
     def _cont(self, group: int) -> None:
         pid = json.loads(self._last_fault(group, "stop"))["pid"]
@@ -218,6 +231,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out} is not empty: give a new folder for each run")
+    if args.kill_server_at is not None and (args.downpour or 0) < 2:
+        raise ValueError("--kill-server-at needs --downpour S with S >= 2 (a server group to fail over to)")
     (out / "pids").mkdir(parents=True, exist_ok=True)
     (out / "events.jsonl").touch()
     (out / "faults.jsonl").touch()
@@ -258,6 +273,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--downpour", type=int, default=None, metavar="S",
                    help="Downpour: the groups are asynchronous workers of S server groups of one server each "
                         "(troupe run --framework downpour; only workers are killed)")
+    p.add_argument("--kill-server-at", type=float, default=None, metavar="T",
+                   help="with --downpour S >= 2: SIGKILL the last server group's server T s in (once); its "
+                        "workers fail over to another server group's")
     p.add_argument("--hogwild", type=int, default=None, metavar="H",
                    help="Distributed Hogwild: the groups sync through master copies every H steps "
                         "(troupe run --framework hogwild --sync-freq H)")

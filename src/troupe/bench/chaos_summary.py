@@ -6,8 +6,8 @@ writes into one folder:
 * ``events.jsonl``  one line per step per group:
   ``{"t": s since the job started, "group": g, "step": n, "committed": bool, "samples": 64}``;
 * ``faults.jsonl``  ``{"t", "group", "kind"}`` with kind ``kill``, ``restart``, ``stop``,
-  ``cont``, ``crash`` (a group exited non-zero without being killed) or ``hang`` (a live
-  group made no step for 60 s);
+  ``cont``, ``kill-server`` (group -1, with the server's ``rank``), ``crash`` (a group exited
+  non-zero without being killed) or ``hang`` (a live group made no step for 60 s);
 * ``final.jsonl``   ``{"group", "eval_acc", "params_sha256", "exit_code"}`` per group.
 
 `summarize` turns them into throughput, recovery and stall times, crashes, hangs, progress
@@ -130,6 +130,18 @@ def _kill_figures(times: dict[int, list[float]], faults: Sequence[dict[str, Any]
     return out
 
 
+def _server_kill_figures(times: dict[int, list[float]], faults: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per server killed (`--kill-server-at`): how long after it every group had committed again (its
+    workers once they failed over), and which group took longest."""
+    out = []
+    for f in sorted((f for f in faults if f["kind"] == "kill-server"), key=lambda f: f["t"]):
+        back = {g: recovery_s(times, g, f["t"]) for g in times}
+        slowest = max(back, key=lambda g: float("inf") if back[g] is None else back[g], default=None)
+        out.append({"t": f["t"], "rank": f.get("rank"), "all_back_s": None if None in back.values() else
+                    max(back.values(), default=None), "slowest_group": slowest})
+    return out
+
+
 def _stop_figures(times: dict[int, list[float]], faults: Sequence[dict[str, Any]],
                   median_step: float | None) -> list[dict[str, Any]]:
     """Per SIGSTOP: how long after its SIGCONT the group commits again, and the survivors' stall."""
@@ -215,6 +227,7 @@ def summarize(out_dir: str | Path) -> dict[str, Any]:
         "bad_event_lines": bad_events,
         "per_kill": kills,
         "per_stop": stops,
+        "per_server_kill": _server_kill_figures(times, faults),
         **_final_figures(finals, asynchronous=_asynchronous(out_dir)),
     }
 

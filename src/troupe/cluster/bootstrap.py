@@ -38,7 +38,7 @@ from troupe.cluster.configuration.config import ClusterConfig
 from troupe.cluster.configuration.roles import Role, expendable_ranks, roles
 from troupe.cluster.configuration.sources import from_env
 from troupe.cluster.configuration.spec import TrainingSpec
-from troupe.cluster.serving.server import Server, ServerStats, process_alive
+from troupe.cluster.serving.server import Server, ServerStats, TakeOver, process_alive
 from troupe.cluster.serving.groupsync import SyncChannels
 from troupe.cluster.serving.lives import FORM_SECONDS, Lives
 from troupe.cluster.serving.mastercopies import MasterCopies
@@ -49,7 +49,7 @@ from troupe.cluster.workers.layout import Layout, trainable
 from troupe.compress.fp16 import half_dtype
 from troupe.cluster.wire.links import LINK_FORM_SECONDS, Links
 from troupe.runtime.comm import Communicator, Outside
-from troupe.runtime.rejoin import Rejoining, beat_key
+from troupe.runtime.rejoin import Rejoining, beat_key, gone_key
 from troupe.runtime.launch import DistInfo
 from troupe.runtime.world import World, init, shutdown
 from troupe.strategies import registry
@@ -92,6 +92,14 @@ class Job:
     restarted worker opens again (`troupe.cluster.wire.links`; None: they travel in `world`)."""
     rejoined: bool = False
     """This process restarts a worker that died: it joined the running job alone, through its servers."""
+    gone: set[int] = dataclasses.field(default_factory=set)
+    """`troupe run --elastic`: the separate servers that had died when this worker dialled them."""
+
+    @property
+    def fails_over(self) -> bool:
+        """`troupe run --elastic` over asynchronous groups and several server groups: a dead server's workers
+        go on with the same server of another server group (none is restarted)."""
+        return self.links is not None and self.cluster.servers_fail_over
 
     @property
     def restarts_alone(self) -> bool:
@@ -272,6 +280,8 @@ def _rejoining_job(cluster: ClusterConfig, runtime: World, membership: Rejoining
     workers = [r.rank for r in everyone if r.worker]
     if runtime.watchdog is not None:
         runtime.watchdog.unwatched = set(workers)
+        if cluster.servers_fail_over:  # a dead server's silence is its workers' failover, not the job's end
+            runtime.watchdog.expendable = {r.rank for r in everyone if r.worker is None}
     if role.worker is not None:
         membership.data_place = (workers.index(role.rank), len(workers))
         membership.start_beating()  # its servers (or the other Hogwild groups) tell it frozen from slow by this
@@ -312,9 +322,14 @@ def _own_group(cluster: ClusterConfig, role: Role, solo: Communicator) -> list:
 
 
 def _dial(job: Job) -> None:
-    """A worker opens its links to every server (its Updates go to its group's; its Stop to all)."""
-    for rank in sorted(r.rank for r in job.everyone if r.server):
-        job.links.dial(rank, job.runtime.settings.incarnation)
+    """A worker opens its links to every server (its Updates go to its group's; its Stop to all) but those
+    that died (a restarted worker's, `Job.fails_over`)."""
+    servers = sorted(r.rank for r in job.everyone if r.server)
+    if job.fails_over:
+        job.gone = {rank for rank in servers if job.runtime.membership.store.check([gone_key(rank)])}
+    for rank in servers:
+        if rank not in job.gone:
+            job.links.dial(rank, job.runtime.settings.incarnation)
 
 
 def _spec_from_store(job: Job) -> TrainingSpec:
@@ -417,7 +432,7 @@ def serve(job: Job, spec: TrainingSpec) -> ServerStats:
                     fail_on_death=job.cluster.synchronous, wire_dtype=wire_dtype(job.cluster, shard.dtype),
                     wire_topk=job.cluster.wire_topk, sync=_server_sync(job, shard),
                     on_exit=None if path is None else lambda: _save(shard, path), links=job.links,
-                    **_eviction(job))
+                    take_over=_take_over(job), **_eviction(job))
     if path is not None and job.runtime.settings.resume in ("yes", "auto") and os.path.isfile(path):
         shard.load_state_dict(torch.load(path, weights_only=True))
         print(f"troupe server rank {job.role.rank}: resumed {len(shard.slices)} slice(s) from {path}",
@@ -426,6 +441,14 @@ def serve(job: Job, spec: TrainingSpec) -> ServerStats:
     if path is not None:
         _save(shard, path)
     return stats
+
+
+def _take_over(job: Job) -> TakeOver | None:
+    """`Job.fails_over`: this server serves the worker groups whose server dies, once they fail over here."""
+    if not job.fails_over:
+        return None
+    group_of = {r.rank: r.worker[0] for r in job.everyone if r.worker}
+    return TakeOver(group_of, mean=job.cluster.group_merge == "mean")
 
 
 def _eviction(job: Job) -> dict:

@@ -73,7 +73,8 @@ class SeparateServers(ClusterWorker):
         agree = group if ctx.layout.partitioned and ctx.cluster.nworkers_per_group > 1 else None
         return PSClient(ctx.cluster, role, job.everyone, job.channel, ctx.params, ctx.bucket_size, ctx.optimizer,
                         ctx.nan_policy, layout=ctx.layout, agree=agree, rejoined=job.rejoined,
-                        alone=job.workers_comm if job.links is not None else None)
+                        alone=job.workers_comm if job.links is not None else None, fail_over=job.fails_over,
+                        gone=sorted(job.gone))
 
 
 @register

@@ -397,6 +397,22 @@ class Keeper:
     def restarted(self, rank: int) -> None:
         pass  # it dials its servers when it is ready
 
+    def server_gone(self, rank: int) -> None:
+        """Separate server `rank` died and is not restarted (its workers fail over to another server group):
+        say so in the store, for every node and for a worker that starts later."""
+        from troupe.runtime.rejoin import gone_key
+
+        try:
+            self.store.set(gone_key(rank), "1")
+        except (RuntimeError, ConnectionError, OSError):
+            pass
+
+    def gone(self, ranks: list[int]) -> set[int]:
+        """Which of these servers died, on any node."""
+        from troupe.runtime.rejoin import gone_key
+
+        return {rank for rank in ranks if self.store.check([gone_key(rank)])}
+
     def beat(self, node: int) -> None:
         """This node's launcher is alive (at most once a second; node 0 reads it in `wait_for_nodes`)."""
         now = time.monotonic()

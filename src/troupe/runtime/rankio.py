@@ -60,6 +60,8 @@ class RankOutput:
         log = None
         if self.log_dir:
             log = self._logs[rank] = open(self._log_path(rank), "ab")  # noqa: SIM115  (closed in drain)
+            with open(os.path.join(self.log_dir, "pids.txt"), "a") as f:  # which process is which rank
+                f.write(f"{rank} {proc.pid}\n")
         shown = self.ranks is None or rank in self.ranks
         tag = f"[rank{rank}]: ".encode() if self.prefix else b""
         for pipe, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):

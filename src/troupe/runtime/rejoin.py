@@ -40,6 +40,12 @@ def beat_key(rank: int) -> str:
     return f"ps/beat/{rank}"
 
 
+def gone_key(rank: int) -> str:
+    """Set by a launcher when separate server `rank` died (never restarted): a worker that starts later
+    sends its slices to the next server group's instead, and does not dial it."""
+    return f"ps/gone/{rank}"
+
+
 class BeatWatch:
     """How long each rank's beat (its counter under `beat_key`, read by `read(rank)`) has stood still: a
     frozen process's beat thread stops with it, a slow one's does not."""

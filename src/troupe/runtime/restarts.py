@@ -57,25 +57,28 @@ def supervise(spawn: Callable[[int, int], subprocess.Popen], ranks: list[int], l
               every_poll: Callable[[], None] = lambda: None, group_size: int = 1,
               kill: Callable[[subprocess.Popen], None] = _kill,
               fixed: Callable[[int], str | None] = lambda rank: None, finish_closes: bool = True,
-              left_out: str = "was left out of the quorum while it was paused") -> int:
+              left_out: str = "was left out of the quorum while it was paused",
+              let_go: Callable[[int], str | None] = lambda rank: None) -> int:
     """Run `ranks` (each `spawn(rank, incarnation)`) until all finish; restart the dead ones alone (with
     `group_size` > 1, with the rest of their worker group, which `kill` stops and waits for).
     `every_poll()` runs at each look at the processes (the launcher starts its spares there).
     `fixed(rank)`: why that rank cannot restart alone (its death stops the job), or None.
+    `let_go(rank)`: asked first, why that rank is not restarted and the job goes on without it (a separate
+    server whose workers fail over to another server group), or None.
     `finish_closes`: the first rank to finish ends the restarts (synchronous groups finish together;
     asynchronous workers do not). `left_out`: what a rank that exits with REJOIN_EXIT went through (it is
     started again at once, not counted as a failure)."""
     state = {r: _Rank(spawn(r, 0)) for r in ranks}
     try:
         return _watch(state, spawn, lighthouse, restarts_per_rank, say, stop_all, every_poll, group_size, kill,
-                      fixed, finish_closes, left_out)
+                      fixed, finish_closes, left_out, let_go)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (troupe run raises it): never leave a worker behind
         stop_all([s.proc for s in state.values()])
         raise
 
 
 def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, say, stop_all, every_poll,
-           group_size: int, kill, fixed, finish_closes: bool, left_out: str) -> int:
+           group_size: int, kill, fixed, finish_closes: bool, left_out: str, let_go) -> int:
     closing = False
     while True:
         now = time.monotonic()
@@ -104,6 +107,11 @@ def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, s
             if code == REJOIN_EXIT:  # left out while paused: started afresh to catch up (not a failure)
                 s.due = now
                 say(f"troupe run: rank {rank} {left_out}; starting it again to rejoin")
+                continue
+            gone = let_go(rank)
+            if gone is not None:
+                s.finished = True
+                say(f"troupe run: rank {rank} exited with {why(code)}; {gone}; the others train on")
                 continue
             reason = fixed(rank)
             if reason is not None:

@@ -10,6 +10,8 @@ MODE (faults in first incarnations only):
   kill-twice  the same, and again 5 steps after it is back
   stop        the highest-numbered worker writes OUT/stopped (its pid) and SIGSTOPs itself at step FAULT_AT
               (the test sends SIGCONT)
+  kill-server the highest-numbered worker SIGKILLs its server at step FAULT_AT (and waits until it is gone),
+              then itself 5 steps later
 Every worker takes STEPS steps of its own shard; each writes OUT/rank{r}.json (its last incarnation:
 where it resumed, the batches it took) and OUT/rank{r}.pt (its parameters after its last step, i.e.
 the servers' values after its last update).
@@ -60,7 +62,11 @@ def main(out: Path, mode: str) -> None:
             fatal = rank == workers - 1 and incarnation == 0 and opt.step_count == FAULT_AT and mode != "ok"
             again = mode == "kill-twice" and rank == workers - 1 and incarnation == 1 and \
                 opt.step_count == back_at + 5
-            if fatal and mode == "stop":
+            if fatal and mode == "kill-server":
+                kill_my_server(opt)
+            elif mode == "kill-server" and rank == workers - 1 and incarnation == 0 and opt.step_count == FAULT_AT + 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fatal and mode == "stop":
                 (out / "stopped").write_text(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif fatal or again:
@@ -75,7 +81,20 @@ def main(out: Path, mode: str) -> None:
     torch.save({"params": [p.detach() for p in model.parameters()], "fetched": fetched}, out / f"rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "incarnation": incarnation, "resumed_at": resumed, "steps": opt.step_count, "log": log,
-        "warm": os.environ.get("TROUPE_WARM_START") == "1"}))
+        "warm": os.environ.get("TROUPE_WARM_START") == "1", "failovers": getattr(opt.strategy, "failovers", []),
+        "servers": sorted(set(getattr(opt.strategy, "server_of", {}).values()))}))
+
+
+def kill_my_server(opt) -> None:
+    """SIGKILL the server of this worker's first slice (on this host) and wait until its process has ended."""
+    from troupe.cluster.serving.server import process_alive
+    from troupe.runtime.world import current
+
+    server = opt.strategy.server_of[0]
+    host, pid = current().cluster_job.processes[server]
+    os.kill(pid, signal.SIGKILL)
+    while process_alive(host, pid):
+        time.sleep(0.01)
 
 
 if __name__ == "__main__":

@@ -398,6 +398,12 @@ class ClusterConfig:
         """One worker group: every update waits for the whole group."""
         return self.nworker_groups == 1
 
+    @property
+    def servers_fail_over(self) -> bool:
+        """Under `troupe run --elastic`: a dead separate server's workers fail over to the same server of
+        another server group (asynchronous groups, several server groups) instead of the job ending."""
+        return self.server_worker_separate and not self.synchronous and self.nserver_groups > 1
+
     def server_group_of(self, worker_group: int) -> int:
         """The server group that worker group `worker_group` talks to."""
         return worker_group // (self.nworker_groups // self.nserver_groups)

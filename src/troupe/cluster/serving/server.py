@@ -57,6 +57,8 @@ class ServerStats:
     """With several server groups: what the synchronisation with the neighbour servers did."""
     returns: int = 0
     """`troupe run --elastic`: restarted workers that dialled back in."""
+    took_over: tuple[int, ...] = ()
+    """`troupe run --elastic`: the worker groups this server took over when their server died."""
 
     @property
     def updates_per_second(self) -> float:
@@ -69,7 +71,21 @@ class ServerStats:
             f"{self.rejected} message(s) rejected, workers gone without stopping: {self.dead_workers or 'none'}"
             + (f"; {self.sync}" if self.sync else "")
             + (f"; {self.returns} worker restart(s) taken back" if self.returns else "")
+            + (f"; took over worker group(s) {list(self.took_over)}" if self.took_over else "")
         )
+
+
+@dataclass(frozen=True)
+class TakeOver:
+    """`troupe run --elastic` over an asynchronous cluster of several server groups: a server is never
+    restarted; when one dies, the workers it served fail over to the server with its index in the next
+    live server group (`troupe.cluster.workers.ps_client`), whose replica of the same slices they then
+    step. That server serves their groups from their first Get on."""
+
+    group_of: dict[int, int]
+    """Every worker's worker group."""
+    mean: bool
+    """group_merge "mean": each group's update counts 1/G of the G groups the server serves, then too."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +114,7 @@ class Server:
         links: Links | None = None,
         evict_after: float | None = None,
         beats: Callable[[int], int] | None = None,
+        take_over: TakeOver | None = None,
     ):
         self.comm = links if links is not None else comm
         self.shard = shard
@@ -150,6 +167,8 @@ class Server:
         self._notices: list = []
         """Evicted headers sent to frozen workers (delivered when they wake; never waited for)."""
         self.returns = 0
+        self.take_over = take_over
+        self.took_over: list[int] = []
         if links is not None:
             links.on_link = self._linked
             links.on_lost = self._link_lost
@@ -209,6 +228,7 @@ class Server:
             dead_workers=sorted(self.dead),
             sync="" if self.sync is None else self.sync.stats(),
             returns=self.returns,
+            took_over=tuple(self.took_over),
         )
 
     # --- messages ----------------------------------------------------------------------
@@ -349,6 +369,8 @@ class Server:
             for worker, _ in self.waiting_gets.pop(header.slice_id, []):
                 self._reply(worker, header.slice_id)
         elif header.op is Op.GET:
+            if src not in self.shard.group_of and self.take_over is not None:
+                self._take_over(src)
             if header.slice_id in self.shard.initialised:
                 self._reply(src, header.slice_id)
             else:
@@ -364,6 +386,24 @@ class Server:
             self._replies(header.slice_id, done)
         elif header.op is Op.STOP:
             self._forget(src)
+
+    def _take_over(self, worker: int) -> None:
+        """A worker of another server group's worker groups Gets here: its server died and it failed over.
+        Serve its whole group from now on (its other workers fail over here too)."""
+        group = self.take_over.group_of.get(worker)
+        if group is None:
+            return
+        workers = {w for w, g in self.take_over.group_of.items() if g == group}
+        scale = 1.0 / len(set(self.shard.members) | {group}) if self.take_over.mean else None
+        self.shard.serve_group(group, workers, workers & self.live, scale)
+        if self.sync is not None:
+            self.sync.own_workers |= workers
+        self.took_over.append(group)
+        late = self.sync is not None and self.sync.finishing
+        print(f"troupe server rank {self.rank}: serving worker group {group} too (worker {worker} failed over "
+              "to this server: its own is gone)" + ("; this server's own workers have finished and so has its "
+              "sync with the other server groups: what the group does from now on stays on this server" if late
+              else ""), file=sys.stderr, flush=True)
 
     def _drain(self, header: Header, src: int) -> None:
         # Consume the payload a rejected header announces, so the next message from src lines up.

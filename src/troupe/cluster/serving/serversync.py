@@ -14,18 +14,19 @@ The server adopts it, keeping the updates its workers made meanwhile::
     cur = master + (cur - sent)           sent: the part's value when the Merge left
     last_sync = master
 
-Why a thread and a channel of their own (a process group of the servers, as groupsync has), not
-more messages in the server's loop: the first version handled them in that loop, which is simpler,
-but Gloo's receive from any rank fails for good once one peer's connection is reset, and a server
-killed with a neighbour's Merge unread in its socket resets it: the survivor could then serve its
-own workers no more (seen in 2 of 6 runs of the dead-neighbour test). On a channel of their own such
-a reset breaks only the neighbours' receive; the workers' loop sees a clean close, as it does for a
-worker that dies. The thread changes the shard under the server's lock, and never blocks on a
-neighbour's answer: Merges and answers leave with isend, and an answer is one more message the
+Why a channel of their own (a process group of the servers, as groupsync has) and a receiving thread
+per neighbour, not more messages in the server's loop: the first version handled them in that loop,
+which is simpler, but Gloo's receive from any rank fails for good once one peer's connection is reset,
+and a server killed with a neighbour's Merge unread in its socket resets it: the survivor could then
+serve its own workers no more (seen in 2 of 6 runs of the dead-neighbour test). On a channel of their
+own, received from one neighbour at a time, such a reset breaks only the dead neighbour's thread: the
+workers' loop sees a clean close, as it does for a worker that dies, and the other neighbours keep
+syncing (under `troupe run --elastic` a dead server's workers fail over, and three server groups or
+more go on with two). The threads change the shard under the server's lock, and never block on a
+neighbour's answer: Merges and answers leave with isend, and an answer is one more message a
 thread receives (two servers that send each other a Merge at the same moment each find the other's).
 A server has at most one Merge per part in flight; a sync due meanwhile skips that part (the change
-is carried by the next one). If the neighbours' receive fails, the server forgets every neighbour
-and finishes alone; they see its process end and forget it.
+is carried by the next one). A neighbour whose receive fails is forgotten; it ends its thread.
 
 The end: once every worker of its groups has stopped, a server folds its own part in, sends each
 part's master a last Merge (when the one in flight has been answered) and then Finished, and goes on
@@ -49,6 +50,7 @@ import torch
 from torch import Tensor
 
 from troupe.cluster.serving.mastercopies import MasterCopies
+from troupe.cluster.wire.links import reason
 from troupe.cluster.wire.messages import HEADER_TAG, PAYLOAD_TAG, Header, MessageError, Op, check, empty_header
 from troupe.runtime.comm import Communicator, Handle
 
@@ -106,8 +108,8 @@ class ServerSync:
     def start(self, alive: Callable[[int], bool]) -> None:
         """Start receiving the neighbours' messages; `alive(rank)` tells a dead neighbour from a slow one."""
         self.alive = alive
-        if self.peers:
-            threading.Thread(target=self._serve, name="troupe-server-sync", daemon=True).start()
+        for peer in sorted(self.peers.values()):
+            threading.Thread(target=self._serve, args=(peer,), name=f"troupe-server-sync-{peer}", daemon=True).start()
 
     def wait_done(self) -> None:
         """Wait (lock held; released while waiting) until every server group has finished or died."""
@@ -231,26 +233,30 @@ class ServerSync:
 
     # --- internals ----------------------------------------------------------------------------------
 
-    def _serve(self) -> None:
-        """The neighbours' messages, until every server group has finished (this thread only receives)."""
+    def _serve(self, peer: int) -> None:
+        """`peer`'s messages, until its last one (this thread only receives): its Final, or its Finished when
+        it masters an empty part (nothing of ours goes to it, so it answers nothing). A receive from this
+        peer alone: its connection reset fails this thread only, and the others keep syncing."""
         while True:
             with self.lock:
-                if self.done():
+                if peer in self.gone or (peer in self.finished and peer not in self.awaiting):
                     return
             raw = empty_header()
             try:
-                src = self.comm.recv(raw, tag=HEADER_TAG)
-            except RuntimeError as e:  # Gloo: a neighbour's connection was reset; no receive works any more
+                self.comm.recv(raw, peer, tag=HEADER_TAG)
+            except RuntimeError as e:  # Gloo: its connection was reset (its process died)
                 with self.lock:
-                    for peer in self.watching():
-                        self.lose(peer, f"receiving from the server groups failed: {str(e).splitlines()[0][:120]}")
+                    self.lose(peer, f"receiving from it failed: {reason(e)}")
                 return
             with self.lock:
                 try:
-                    self.handle(src, Header.decode(raw))
+                    self.handle(peer, Header.decode(raw))
                 except MessageError as e:
                     self.rejected += 1
-                    log.error("troupe server rank %d: rejected a message from server rank %d: %s", self.rank, src, e)
+                    log.error("troupe server rank %d: rejected a message from server rank %d: %s", self.rank, peer, e)
+                except RuntimeError as e:  # its payload did not come
+                    self.lose(peer, f"receiving from it failed: {reason(e)}")
+                    return
                 self._cv.notify_all()
 
     def _validate(self, src: int, header: Header) -> None:
@@ -318,7 +324,7 @@ class ServerSync:
                 self._sends[peer].append((self._sent[peer], self.comm.isend(tensor, peer, tag=tag), tensor))
                 self._sent[peer] += 1
         except RuntimeError as e:  # Gloo: the peer's connection is closed
-            self.lose(peer, str(e).splitlines()[0] if str(e) else "send failed")
+            self.lose(peer, reason(e))
             return
         if header.op is Op.MERGE:
             self._merge_mark[peer] = self._sent[peer]

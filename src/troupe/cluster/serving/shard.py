@@ -121,6 +121,7 @@ class ParamShard:
         self.staleness_lr = staleness_lr
         """"inverse": an update computed on values tau versions old steps with lr / max(1, tau)."""
         """The server steps with the workers' learning rate times this (1/G: G asynchronous groups, "mean")."""
+        self._lrs = list(spec.lrs)
         self.set_lr(spec.lrs)
         self.steps_ahead = steps_ahead
         """How many steps a worker may send beyond its group's oldest incomplete update of a slice
@@ -192,6 +193,18 @@ class ParamShard:
         of another server group's groups only says Stop here)."""
         if worker in self.group_of:
             self.members[self.group_of[worker]].add(worker)
+
+    def serve_group(self, group: int, workers: set[int], live: set[int], lr_scale: float | None = None) -> None:
+        """Serve worker group `group` too (`troupe run --elastic`: its own server group's server is gone and
+        its workers fail over here): `workers` are all of its workers, `live` those that count now. With
+        `lr_scale` every group's updates step at the workers' learning rate times it from now on
+        (group_merge "mean": 1/G for the G groups served)."""
+        for worker in workers:
+            self.group_of[worker] = group
+        self.members[group] = set(live)
+        if lr_scale is not None and lr_scale != self.lr_scale:
+            self.lr_scale = lr_scale
+            self.set_lr(self._lrs)
 
     def missing(self) -> dict[tuple[int, int], set[int]]:
         """For each incomplete (group, slice): the live workers its oldest incomplete update still waits for."""
@@ -336,6 +349,7 @@ class ParamShard:
         if len(lrs) != self.ngroups:
             raise ValueError(f"expected {self.ngroups} learning rates (one per param group), got {len(lrs)}")
         self.flush()  # the updates completed so far step at the learning rate they were sent with
+        self._lrs = list(lrs)
         if self.optimizer is not None:
             for group, i in zip(self.optimizer.param_groups, self._group_of_server_group):
                 group["lr"] = float(lrs[i]) * self.lr_scale

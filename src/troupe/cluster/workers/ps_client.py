@@ -36,7 +36,7 @@ from troupe.cluster.wire import sparse
 from troupe.cluster.wire.frames import HEADER_BYTES, Inbox, pack
 from troupe.cluster.wire.messages import HEADER_TAG, PAYLOAD_TAG, SPARSE, Header, MessageError, Op, check
 from troupe.cluster.workers.layout import Layout
-from troupe.cluster.wire.links import Links
+from troupe.cluster.wire.links import Links, reason
 from troupe.compress.feedback import ErrorFeedback, residual_norm
 from troupe.compress.fp16 import half_dtype
 from troupe.reliability.nonfinite import all_finite
@@ -91,12 +91,16 @@ class PSClient:
     def __init__(self, cluster: ClusterConfig, role: Role, everyone: Sequence[Role], world: Communicator | Links,
                  params: Sequence[Tensor], bucket_size: int, optimizer: torch.optim.Optimizer,
                  nan_policy: str = "raise", *, layout: Layout | None = None, agree: Communicator | None = None,
-                 rejoined: bool = False, alone: Communicator | None = None):
+                 rejoined: bool = False, alone: Communicator | None = None, fail_over: bool = False,
+                 gone: Sequence[int] = ()):
         self.cluster, self.role, self.world = cluster, role, world
         self.rejoined = rejoined
         """A restarted worker (`troupe run --elastic`): the servers hold the values, it only Gets them.
         `alone`: with links for messages (`troupe run --elastic`), the communicator of this worker alone that
-        the gradient buckets are packed on (nothing is all-reduced among the workers)."""
+        the gradient buckets are packed on (nothing is all-reduced among the workers).
+        `fail_over` (`troupe run --elastic`, several server groups, asynchronous): a server whose link fails is
+        gone for good (none is restarted), and this worker's slices it held go to the same server of the
+        next live server group (`_fail_over`); `gone`: the servers known gone when this worker starts."""
         self.rank = role.rank
         self.params = list(params)
         # The job parameters the servers hold: this worker's own, or a partitioned model's union.
@@ -115,9 +119,13 @@ class PSClient:
         """A partitioned model's worker group: its workers agree on the step's nan verdict."""
         servers = sorted((r.server, r.rank) for r in everyone if r.server)
         self.all_servers = [rank for _, rank in servers]
-        group = cluster.server_group_of(role.worker[0])
-        mine = [rank for (sg, _), rank in servers if sg == group]
-        self.server_of = {s.id: mine[s.server] for s in self.slices}
+        self.server_group = cluster.server_group_of(role.worker[0])
+        self.fail_over = fail_over
+        self.gone = set(gone)
+        """Servers that died (`fail_over`): their slices are served by the next live server group's."""
+        self.failovers: list[dict] = []
+        """Per failover: the step, the servers gone and the servers their slices went to."""
+        self.server_of = {s.id: self._route(s.server) for s in self.slices}
         self.version = {s.id: 0 for s in self.mine}
         self.nan_policy = nan_policy
         self.wire = None if cluster.wire_dtype == "fp32" else half_dtype(cluster.wire_dtype)
@@ -132,7 +140,7 @@ class PSClient:
         # Nothing is all-reduced among the workers: the reducer only packs (and maybe sends) buckets.
         self.reducer = GradReducer(self.params, alone or world, bucket_size, hook_for_step=self._open_step,
                                    describe_step=lambda: self.name, agreement=False)
-        self._sends: list[Handle] = []
+        self._sends: list[tuple[int, Handle]] = []  # (server, its send)
         self._outbox: dict[int, list[tuple[Header, Tensor | None]]] = defaultdict(list)
         """Per server: the messages posted since the last flush, to leave as one frame."""
         self._max_frame = 4 * sum(HEADER_BYTES + 8 * s.numel for s in self.mine)
@@ -181,7 +189,7 @@ class PSClient:
             for s in self.mine:
                 owner = self.owners[s.param] if self.owners else None
                 if (s.id % self.cluster.nworkers_per_group if owner is None else owner) == index:
-                    for server in self._replicas(s):
+                    for server in set(self._replicas(s)) - self.gone:
                         self._post(Op.PUT, s, server, self._flat(s))
         for s in self.mine:
             self._post(Op.GET, s, self.server_of[s.id])
@@ -267,11 +275,15 @@ class PSClient:
         finally:
             if self._fetcher is not None:
                 self._fetcher.shutdown(wait=False)
-        try:
-            for server in self.all_servers:
+        for server in self.all_servers:
+            if server in self.gone:
+                continue
+            try:
                 self.world.send(Header(Op.STOP, -1, 0, self.rank, 0).encode(), server, tag=HEADER_TAG)
-        except Exception as e:  # at interpreter exit the process group may be gone already
-            log.warning("troupe worker %d: could not say stop to the servers: %s", self.rank, e)
+            except Exception as e:  # at interpreter exit the process group may be gone already
+                # (with fail_over: a server this worker never talked to since it died)
+                log.log(logging.INFO if self.fail_over else logging.WARNING,
+                        "troupe worker %d: could not say stop to server %d: %s", self.rank, server, reason(e))
 
     # --- one step ---------------------------------------------------------------------------
 
@@ -385,6 +397,45 @@ class PSClient:
     def _my_servers(self) -> list[int]:
         return sorted(set(self.server_of.values()))
 
+    def _route(self, index: int) -> int:
+        """The server that holds this worker's slices of server index `index`: its own server group's, or
+        (that one gone) the same server of the next live server group."""
+        n, groups = self.cluster.nservers_per_group, self.cluster.nserver_groups
+        for k in range(groups):
+            rank = self.all_servers[(self.server_group + k) % groups * n + index]
+            if rank not in self.gone:
+                return rank
+        raise RuntimeError(f"worker {self.rank}: server {index} of every server group is gone (ranks "
+                           f"{sorted(self.gone)}): no copy of its slices is left")
+
+    @torch.no_grad()
+    def _fail_over(self, lost: set[int]) -> None:
+        """Servers whose links failed (`fail_over`) are gone: send their slices to the same server of the next
+        live server group from now on, and Get that server's values of them (what this worker's update in
+        flight to a dead server did died with it). Runs in the training thread, between two steps."""
+        lost = lost - self.gone
+        while lost:
+            self.gone |= lost
+            moved = [s for s in self.mine if self.server_of[s.id] in lost]
+            for s in self.slices:
+                if self.server_of[s.id] in lost:
+                    self.server_of[s.id] = self._route(s.server)
+            to = sorted({self.server_of[s.id] for s in moved})
+            self.failovers.append({"step": self.steps, "gone": sorted(lost), "to": to})
+            print(f"troupe worker rank {self.rank}: server rank(s) {sorted(lost)} gone at step {self.steps}; their "
+                  f"slices go to server rank(s) {to} of the next server group from now on", file=sys.stderr,
+                  flush=True)
+            self._sent_lrs = None  # the next step tells the learning rates to every server it talks to
+            pending = self._expected, self._sends  # this step's, under background fetch: the thread's
+            self._expected, self._sends = Counter(), []
+            for s in moved:
+                self._post(Op.GET, s, self.server_of[s.id])
+            self._flush()
+            replies, lost = self._receive(self._expected, self._sends)
+            self._expected, self._sends = pending
+            self._take(replies, count_staleness=False)
+            lost -= self.gone
+
     def _replicas(self, s) -> list[int]:
         """The server of slice s in every server group (all need initial values)."""
         n = self.cluster.nservers_per_group
@@ -412,41 +463,68 @@ class PSClient:
                 # its way while the next backward writes them: send a copy.
                 header, payload = messages[0]
                 messages = [(header, payload.clone())]
-            for tensor, tag in pack(messages):
-                self._sends.append(self.world.isend(tensor, server, tag=tag))
+            try:
+                for tensor, tag in pack(messages):
+                    self._sends.append((server, self.world.isend(tensor, server, tag=tag)))
+            except RuntimeError as e:  # its link failed: the replies' receive finds it gone
+                if not self.fail_over:
+                    raise
+                log.info("troupe worker %d: a send to server %d failed: %s", self.rank, server, reason(e))
         self._outbox.clear()
 
     @torch.no_grad()
     def _collect(self, count_staleness: bool) -> None:
         """Receive every reply owed to this worker and copy the fresh slices into the parameters."""
-        replies = self._receive(self._expected, self._sends)
+        replies, lost = self._receive(self._expected, self._sends)
         self._expected, self._sends = Counter(), []
         self._take(replies, count_staleness)
+        self._fail_over(lost)
 
-    def _receive(self, expected: Counter[int], sends: list[Handle],
-                 into: dict[int, Tensor] | None = None) -> list[tuple[int, int, Tensor | None]]:
+    def _receive(self, expected: Counter[int], sends: list[tuple[int, Handle]],
+                 into: dict[int, Tensor] | None = None) -> tuple[list[tuple[int, int, Tensor | None]], set[int]]:
         """Receive the replies `expected` of each server: (slice, version, fresh values or None for an Ack).
-        Then wait for this step's sends. Runs in the fetch thread under background fetch."""
-        replies = []
+        Then wait for this step's sends. Runs in the fetch thread under background fetch. Also returns the
+        servers whose links failed (`fail_over`; else their error is raised)."""
+        replies, lost = [], set()
         for server in sorted(expected):
-            for header, frame in self._inbox_of.messages(server, expected[server]):
-                if header.op is Op.EVICTED and header.sender == server:
-                    _leave_evicted(self.rank, server)
-                s = self._slice_of(header, server)
-                check(header, src=server, expected_length=s.numel, allowed={Op.REPLY, Op.ACK})
-                value = None
-                if header.op is Op.REPLY:
-                    dtype = self.wire or self.local[s.param].dtype
-                    if frame is not None:
-                        value = frame.take(header.length, dtype)
-                        value = into[s.id].copy_(value) if into is not None else value
-                    else:
-                        value = into[s.id] if into is not None else torch.empty(header.length, dtype=dtype)
-                        self.world.recv(value, server, tag=PAYLOAD_TAG)
-                replies.append((s.id, header.version, value))
-        for h in sends:
-            h.wait()
-        return replies
+            if server in self.gone:
+                continue
+            try:
+                self._replies_of(server, expected[server], into, replies)
+            except RuntimeError as e:  # Gloo: its process died
+                if not self.fail_over:
+                    raise
+                log.info("troupe worker %d: receiving from server %d failed: %s", self.rank, server, reason(e))
+                lost.add(server)
+        for server, h in sends:
+            if server in self.gone or server in lost:
+                continue  # a send to a dead server may never complete
+            try:
+                h.wait()
+            except RuntimeError:
+                if not self.fail_over:
+                    raise
+                lost.add(server)
+        return replies, lost - self.gone
+
+    def _replies_of(self, server: int, count: int, into: dict[int, Tensor] | None,
+                    replies: list[tuple[int, int, Tensor | None]]) -> None:
+        """Receive `count` replies of `server` into `replies`."""
+        for header, frame in self._inbox_of.messages(server, count):
+            if header.op is Op.EVICTED and header.sender == server:
+                _leave_evicted(self.rank, server)
+            s = self._slice_of(header, server)
+            check(header, src=server, expected_length=s.numel, allowed={Op.REPLY, Op.ACK})
+            value = None
+            if header.op is Op.REPLY:
+                dtype = self.wire or self.local[s.param].dtype
+                if frame is not None:
+                    value = frame.take(header.length, dtype)
+                    value = into[s.id].copy_(value) if into is not None else value
+                else:
+                    value = into[s.id] if into is not None else torch.empty(header.length, dtype=dtype)
+                    self.world.recv(value, server, tag=PAYLOAD_TAG)
+            replies.append((s.id, header.version, value))
 
     def _slice_of(self, header: Header, server: int):
         """The slice a reply is about, if this worker holds it and `server` serves it."""
@@ -477,7 +555,9 @@ class PSClient:
         this step's own update per parameter, under "predict")."""
         inbox, self._inbox = self._inbox, None
         if inbox is not None:
-            self._take(inbox.result(), count_staleness=True, own=own)
+            replies, lost = inbox.result()
+            self._take(replies, count_staleness=True, own=own)
+            self._fail_over(lost)
 
     @torch.no_grad()
     def _own_step(self) -> dict[int, Tensor]:
