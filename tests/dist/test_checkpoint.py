@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -105,9 +106,17 @@ def _example(*args, timeout=180, launcher=None):
 
 
 def test_restart_after_a_crash_matches_an_uninterrupted_run(tmp_path):
-    clean = _example(["--checkpoint-dir", str(tmp_path / "a")], [])
+    # The three runs are independent: they run side by side (each mostly waits on its own two ranks).
+    torchrun_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    "--max-restarts", "1"]
+    with ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(_example, ["--checkpoint-dir", str(tmp_path / "a")], []),
+                pool.submit(_example, ["--checkpoint-dir", str(tmp_path / "b"), "--max-restarts", "1"],
+                            ["--crash-at-step", "35"]),
+                pool.submit(_example, [], ["--checkpoint-dir", str(tmp_path / "c"), "--crash-at-step", "35"],
+                            launcher=torchrun_cmd)]
+        clean, crashed, torchrun = (run.result() for run in runs)
     assert clean.returncode == 0, clean.stderr
-    crashed = _example(["--checkpoint-dir", str(tmp_path / "b"), "--max-restarts", "1"], ["--crash-at-step", "35"])
     assert crashed.returncode == 0, crashed.stderr
     assert "rank 1 exited with code 17" in crashed.stderr and "restart 1 of 1" in crashed.stderr
     assert "Resumed from" in crashed.stdout and "step-00000030" in crashed.stdout
@@ -120,9 +129,6 @@ def test_restart_after_a_crash_matches_an_uninterrupted_run(tmp_path):
 
     # torchrun --max-restarts: the restarted attempt resumes by itself and reproduces the epoch too
     # (torch reuses its agent's store across attempts; troupe prefixes each attempt's keys).
-    torchrun = _example([], ["--checkpoint-dir", str(tmp_path / "c"), "--crash-at-step", "35"],
-                        launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  "--nproc-per-node", "2", "--max-restarts", "1"])
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
     assert "Resumed from" in torchrun.stdout and "step-00000030" in torchrun.stdout
     assert epoch_lines(torchrun.stdout)[-1] == epoch_lines(clean.stdout)[-1]
