@@ -48,7 +48,9 @@ def test_prefix_ranks_and_log_dir(tmp_path):
     done = troupe_run("--prefix", "--ranks", "1", "--log-dir", str(tmp_path / "logs"))
     assert ranks_of(done.stdout.splitlines(), r"\[rank(\d)\]: rank \d line (\d+) ok") == {1: list(range(100))}
     assert "[rank1]: rank 1 on stderr" in done.stderr and "rank 0 on stderr" not in done.stderr
-    assert sorted(os.listdir(tmp_path / "logs")) == ["rank0.log", "rank1.log"]
+    assert sorted(os.listdir(tmp_path / "logs")) == ["pids.txt", "rank0.log", "rank1.log"]
+    starts = [line.split() for line in (tmp_path / "logs" / "pids.txt").read_text().splitlines()]
+    assert [rank for rank, _ in starts] == ["0", "1"] and all(pid.isdigit() for _, pid in starts)
     for rank in (0, 1):  # every line of every rank, shown or not, without the prefix
         log = (tmp_path / "logs" / f"rank{rank}.log").read_text().splitlines()
         assert f"rank {rank} on stderr" in log
