@@ -128,7 +128,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Load scheduling, but one work unit per SHARED_WORLDS module (pytest-xdist's own loadgroup
-    cannot group under pytest 9: it renames `item._nodeid`, which pytest no longer reads)."""
+    cannot group under pytest 9: it renames `item._nodeid`, which pytest no longer reads), and one for
+    all the netns tests: simulated hosts exist one set at a time (a file lock), so on several workers
+    they took turns while holding a worker each (the throughput harness's test took 20 s in one run of
+    the suite and 89 s in another)."""
     if config.getvalue("dist") != "load":  # an explicit --dist loadfile, loadscope, ... as asked
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -136,6 +139,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     class SharedWorldScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::")[0]
+            if nodeid.startswith(FAMILIES["netns"]):
+                return "netns"
             return module if module in SHARED_WORLDS else nodeid
 
     return SharedWorldScheduling(config, log)
