@@ -87,6 +87,31 @@ def report(out: Path, rank: int) -> dict:
     return json.loads((out / f"rank{rank}.json").read_text())
 
 
+def model_slices() -> list:
+    """The job's model cut for one server per group (every test here has one)."""
+    model, _ = job.model_and_optimizer()
+    return plan_slices([p.numel() for p in model.parameters()], 1)
+
+
+def on_two_nodes(out: Path, token: str, nproc: int, flags: list[str], env: dict[str, str]) -> list[str]:
+    """The job in mode "kill" under two launchers on loopback (`nproc` processes each, node 0's hosting the job's
+    store); the highest worker, rank 3 on node 1, is killed and restarted there. Both must end 0 with every
+    worker's 24 steps, rank 3 in its second life from step 7. Returns each node's stderr."""
+    from troupe.runtime.ticket import free_port
+
+    port = free_port("127.0.0.1")
+    launches = [([sys.executable, "-m", "troupe.cli", "run", "-n", str(nproc), "--nnodes", "2", "--node-rank",
+                  str(node), "--master", f"127.0.0.1:{port}", "--token", token, "--elastic", *flags, str(SCRIPT),
+                  str(out), "kill"], env) for node in (0, 1)]
+    codes, said = run_nodes(launches, out, ROOT, timeout=150)
+    assert codes == [0, 0], said
+    assert "troupe run: rank 3 exited with signal 9 (SIGKILL); restarting it alone" in said[1]
+    runs = [report(out, r) for r in range(4)]
+    assert [r["incarnation"] for r in runs] == [0, 0, 0, 1] and all(r["steps"] == job.STEPS for r in runs)
+    assert runs[3]["resumed_at"] == job.FAULT_AT
+    return said
+
+
 @pytest.mark.timeout(150)
 def test_a_lone_worker_killed_mid_run_rejoins_and_ends_where_the_fault_free_run_does(tmp_path):
     proc = troupe_run(tmp_path, "kill", *ONE_WORKER)
@@ -136,9 +161,7 @@ def test_a_worker_killed_twice_rejoins_each_time_while_the_other_trains_on_under
     assert proc.stderr.count("troupe run: rank 1 exited with signal 9 (SIGKILL); restarting it alone") == 2
     # Every update of each worker reached its server group once: none lost, none taken twice.
     updates = [int(n) for n in re.findall(r"troupe server rank \d: (\d+) slice updates", proc.stderr)]
-    model, _ = job.model_and_optimizer()
-    slices = plan_slices([p.numel() for p in model.parameters()], 1)
-    assert updates == [job.STEPS * len(slices)] * 2, proc.stderr[-2000:]
+    assert updates == [job.STEPS * len(model_slices())] * 2, proc.stderr[-2000:]
     assert proc.stderr.count("2 worker restart(s) taken back") == 1  # worker 1's server group only
     assert proc.stderr.count("worker 1 is back (restarted)") == 2
 
@@ -163,24 +186,12 @@ def test_on_two_nodes_a_worker_restarts_on_its_own_node_and_the_job_ends_on_both
     """Two launchers on loopback, 3 processes each (4 workers, 2 server groups of one): node 0's launcher
     hosts the job's store; worker 3, on node 1 beside both servers, is killed and restarted by node 1's
     launcher, fetches the servers' values through node 0's store and goes on; both launchers end 0."""
-    from troupe.runtime.ticket import free_port
-
-    port = free_port("127.0.0.1")
-    launches = [([sys.executable, "-m", "troupe.cli", "run", "-n", "3", "--nnodes", "2", "--node-rank", str(node),
-                  "--master", f"127.0.0.1:{port}", "--token", "elastic-ps-nodes", "--elastic", "--framework",
-                  "downpour", "--nworker-groups", "4", "--nworkers-per-group", "1", "--nserver-groups", "2",
-                  "--nservers-per-group", "1", str(SCRIPT), str(tmp_path), "kill"], ENV) for node in (0, 1)]
-    codes, said = run_nodes(launches, tmp_path, ROOT, timeout=150)
-    assert codes == [0, 0], said
-    assert "troupe run: rank 3 exited with signal 9 (SIGKILL); restarting it alone" in said[1]
-    runs = [report(tmp_path, r) for r in range(4)]
-    assert [r["incarnation"] for r in runs] == [0, 0, 0, 1] and all(r["steps"] == job.STEPS for r in runs)
-    assert runs[3]["resumed_at"] == job.FAULT_AT
+    said = on_two_nodes(tmp_path, "elastic-ps-nodes", 3, ["--framework", "downpour", "--nworker-groups", "4",
+                                                          "--nworkers-per-group", "1", "--nserver-groups", "2",
+                                                          "--nservers-per-group", "1"], ENV)
     # every update of each worker reached its server group once (2 workers per group)
     updates = [int(n) for n in re.findall(r"troupe server rank \d: (\d+) slice updates", said[1])]
-    model, _ = job.model_and_optimizer()
-    slices = plan_slices([p.numel() for p in model.parameters()], 1)
-    assert updates == [2 * job.STEPS * len(slices)] * 2, said[1][-2000:]
+    assert updates == [2 * job.STEPS * len(model_slices())] * 2, said[1][-2000:]
 
 
 @pytest.mark.timeout(180)
@@ -257,19 +268,8 @@ def test_hogwild_groups_on_two_nodes_a_killed_group_restarts_on_its_node_and_rej
     """Two launchers on loopback, 2 processes each (4 Hogwild groups of one): group 3, on node 1, is killed
     at step 7 and restarted by node 1's launcher; its new life finds the others through node 0's store,
     copies their state over links across the nodes, and every group takes its 24 steps."""
-    from troupe.runtime.ticket import free_port
-
-    port = free_port("127.0.0.1")
-    launches = [([sys.executable, "-m", "troupe.cli", "run", "-n", "2", "--nnodes", "2", "--node-rank", str(node),
-                  "--master", f"127.0.0.1:{port}", "--token", "elastic-hogwild-nodes", "--elastic", "--framework",
-                  "hogwild", "--sync-freq", "2", str(SCRIPT), str(tmp_path), "kill"], {**ENV, "PAUSE": "0.2"})
-                for node in (0, 1)]
-    codes, said = run_nodes(launches, tmp_path, ROOT, timeout=150)
-    assert codes == [0, 0], said
-    assert "troupe run: rank 3 exited with signal 9 (SIGKILL); restarting it alone" in said[1]
-    runs = [report(tmp_path, r) for r in range(4)]
-    assert [r["incarnation"] for r in runs] == [0, 0, 0, 1] and all(r["steps"] == job.STEPS for r in runs)
-    assert runs[3]["resumed_at"] == job.FAULT_AT
+    said = on_two_nodes(tmp_path, "elastic-hogwild-nodes", 2, ["--framework", "hogwild", "--sync-freq", "2"],
+                           {**ENV, "PAUSE": "0.2"})
     assert "troupe group sync rank 3: took the replica of rank 0" in said[1]
     for rank, node in ((0, 0), (1, 0), (2, 1)):
         assert f"troupe group sync rank {rank}: rank 3 is back (life 1)" in said[node], said[node][-2000:]
@@ -296,8 +296,7 @@ def test_a_killed_server_s_workers_fail_over_to_another_server_group_and_the_job
     assert "troupe server rank 3: serving worker group 2 too" in proc.stderr
     # Each survivor applied every update of its workers once: rank 3 worker 0's 24 and worker 2's 16 after the
     # one that died with rank 5, rank 4 worker 1's 24.
-    model, _ = job.model_and_optimizer()
-    slices = len(plan_slices([p.numel() for p in model.parameters()], 1))
+    slices = len(model_slices())
     updates = {int(r): int(n) for r, n in re.findall(r"troupe server rank (\d): (\d+) slice updates", proc.stderr)}
     assert updates == {3: (2 * job.STEPS - job.FAULT_AT - 1) * slices, 4: job.STEPS * slices}, proc.stderr[-2000:]
     assert "took over worker group(s) [2]" in proc.stderr
@@ -305,5 +304,5 @@ def test_a_killed_server_s_workers_fail_over_to_another_server_group_and_the_job
         assert proc.stderr.count(f"troupe: rank {rank}: rank 5 sent no heartbeat for") == 1, rank
     states = [torch.load(tmp_path / f"ps-server-{rank}.pt", weights_only=True)["values"] for rank in (3, 4)]
     for k in (0, 1):  # parts mastered by server groups 0 and 1 (ranks 3 and 4)
-        for s, lo, hi in parts(plan_slices([p.numel() for p in model.parameters()], 1), 3)[k]:
+        for s, lo, hi in parts(model_slices(), 3)[k]:
             torch.testing.assert_close(states[0][s.id][lo:hi], states[1][s.id][lo:hi], atol=1e-6, rtol=0)

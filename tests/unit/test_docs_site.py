@@ -52,8 +52,8 @@ def test_link_check_catches_a_missing_page_and_anchor(tmp_path):
 
 
 @pytest.mark.skipif(not os.environ.get("TROUPE_DOCS_BROWSER"),
-                    reason="23 s of the suite's time: .ci/run checks the whole site in Chromium after the suite "
-                           "(make docs-check); TROUPE_DOCS_BROWSER=1 runs it here")
+                    reason="`make docs-check` loads every page in Chromium (.ci/run runs it after the suite); "
+                           "TROUPE_DOCS_BROWSER=1 runs it here too (23 s)")
 def test_every_page_renders_in_headless_chromium(site):
     pytest.importorskip("playwright", reason="playwright is not installed (the docs extra installs it)")
     check = _tool("check_docs")
