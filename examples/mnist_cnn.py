@@ -106,7 +106,7 @@ def parse_args(argv=None):
                         "measured in the step)")
     p.add_argument("--workers-per-group", type=int, default=None,
                    help="--partition hybrid/model: ranks that compute one model replica (default: all; "
-                        "under --cluster its nworkers_per_group)")
+                        "under --cluster its nworkers_per_group, under --elastic the worker group's size)")
     p.add_argument("--crash-at-step", type=int, default=None, help=argparse.SUPPRESS)  # fault injection for tests
     args = p.parse_args(argv)
     if args.graph and (args.loop != "singa" or args.dist_option not in ("plain", "fp32", "fp16", "bf16")):
@@ -124,7 +124,8 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
     if args.partition != "data":
         world = troupe.init(ticket, local_rank, world_size)
         plan = PARTITIONS[args.partition] if args.partition else None  # None: the cluster's partition_dim, if any
-        k = args.workers_per_group or (None if world.settings.cluster else world.world_size)
+        # under a cluster its nworkers_per_group, under --elastic the elastic worker group's size
+        k = args.workers_per_group or (None if world.settings.cluster or world.membership.elastic else world.world_size)
         # "auto" profiles the model on a batch of this shape (its values do not matter)
         troupe.partition(model, plan, k, sample=torch.zeros(args.batch_size, 1, 28, 28), link=args.link)
         rows = troupe.partition.describe(model)

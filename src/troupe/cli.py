@@ -440,7 +440,9 @@ def _check_elastic(args: argparse.Namespace) -> None:
             or (cluster_flags and not (diloco or downpour)) or settings.current().cluster:
         raise ValueError("--elastic runs data parallelism over worker groups, --framework diloco, or --framework "
                          "downpour, sandblaster or hogwild (their workers restart alone); not AllReduce or "
-                         "partition yet (--framework/--cluster/cluster flags other than --nworker-groups)")
+                         "partition yet by cluster flags (--framework/--cluster/cluster flags other than "
+                         "--nworker-groups; to partition inside elastic worker groups, call "
+                         "troupe.partition(model, plan) in the script)")
     if downpour:
         _check_elastic_downpour(args, args.framework or block)
         return

@@ -105,6 +105,8 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         self._names: dict[int, str] = {}
         self._pending: list[Handle] = []
         self._synced = False
+        self._lost: BaseException | None = None
+        """An elastic job's peer lost in a `synchronize()` the script called: the step leaves itself out."""
         self._last_stats: dict[str, Any] = {}
         setup = registry.Setup(world=self.world, optimizer=optimizer, bucket_size=bucket_size,
                                first_bucket_size=first_bucket_size, compression=compression or CompressionConfig(),
@@ -156,7 +158,10 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         """Leave in ``p.grad`` what `step()` will apply: the mean over ranks (waits for the
         reductions of the last backward; reduces gradients that arrived without one)."""
         if not self._synced:
-            self.strategy.synchronize()
+            try:
+                self.strategy.synchronize()
+            except self.world.membership.lost as e:  # an elastic job's lost peer: the step's vote hears of it
+                self._lost = e
             self._synced = True
 
     @torch.no_grad()
@@ -171,11 +176,13 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         if error is None:
             try:
                 self.synchronize()
+                error, self._lost = self._lost, None
                 ahead = getattr(self.strategy, "ahead_of_vote", None)  # the part of its step a strategy takes before
-                if ahead is not None:                                  # the vote (elastic DiLoCo's exchange)
+                if ahead is not None and error is None:                # the vote (elastic DiLoCo's exchange)
                     ahead()
             except membership.lost as e:
                 error = e
+        self._lost = None
         if error is not None:
             self._abandon_open_step()
             if self.reducer is not None:
@@ -195,7 +202,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._abandon_open_step()
-        self._synced = False
+        self._synced, self._lost = False, None
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

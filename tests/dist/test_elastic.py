@@ -67,10 +67,11 @@ def committed_steps(logs: list[list]) -> dict[tuple[int, int], list[int]]:
     return steps
 
 
-def replay(logs: list[list], group_size: int = 1, constant: bool = False) -> list[torch.Tensor]:
+def replay(logs: list[list], group_size: int = 1, constant: bool = False, clip: float = 0.0) -> list[torch.Tensor]:
     """The steps the job committed, in one process: each the mean of the gradients of every process
     of the present groups (rank r = g * group_size + place reads its own shard of all processes');
-    `constant`: of every process of the job (the fault-free run's step), whoever was present."""
+    `constant`: of every process of the job (the fault-free run's step), whoever was present; `clip`:
+    the mean clipped to that total norm (torch's clip_grad_norm_)."""
     steps = committed_steps(logs)
     x, y = job.data()
     n = len(logs)
@@ -82,6 +83,8 @@ def replay(logs: list[list], group_size: int = 1, constant: bool = False) -> lis
         for r in (g * group_size + place for g in members for place in range(group_size)):
             idx = samplers[r].indices(epoch)[b * job.BATCH:(b + 1) * job.BATCH]
             (F.cross_entropy(model(x[idx]), y[idx]) / (len(members) * group_size)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         sgd.step()
     return [p.detach() for p in model.parameters()]
 
@@ -325,6 +328,33 @@ def test_a_killed_process_restarts_its_whole_group_which_heals_place_by_place(tm
     for r in (2, 3):
         healed = torch.load(tmp_path / f"rank{r}.pt")["healed"]
         assert healed["steps"] == runs[r]["resumed_at"] and healed["momentum"]
+
+
+@pytest.mark.timeout(240)
+def test_a_partitioned_model_s_group_restarts_heals_its_slices_and_replays(tmp_path):
+    """troupe.partition inside elastic groups: 3 groups of 2, the first layer's outputs split over each
+    group's two processes (dim 1), the second layer on each group's process 0 (dim -1), a constant global
+    batch. Rank 1 dies: its partner leaves with it (one line, no traceback), groups 1 and 2 train on at
+    quorum places that are not their ranks, taking group 0's batches too; group 0 comes back, each
+    process heals its own slice from its counterpart, and every process's whole model (its group's
+    slices put together) equals the one-process replay of the fault-free run's steps."""
+    proc = troupe_run(tmp_path, "kill-once", "--nworker-groups", "3", "--elastic-batch", "constant", n=6,
+                      env={"ELASTIC_TEST_PARTITION": json.dumps({"0": 1, "2": -1}), "ELASTIC_TEST_CLIP": "0.2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 1 exited with signal 9 (SIGKILL); stopped its worker group 0's other ranks [0]" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    runs = reports(tmp_path, n=6)
+    assert [r["incarnation"] for r in runs] == [1, 1, 0, 0, 0, 0], "a survivor was restarted, or group 0 not whole"
+    assert len({r["sha256"] for r in runs}) == 1, "the groups' whole models differ"
+    assert runs[0]["resumed_at"] == runs[1]["resumed_at"] > job.FAULT_AT
+    survivor = runs[2]["log"]
+    assert [1, 2] in [m for _, _, m in survivor] and survivor[-1][2] == [0, 1, 2]
+    params = torch.load(tmp_path / "rank2.pt")["params"]
+    for got, want in zip(params, replay([r["log"] for r in runs], group_size=2, constant=True, clip=0.2),
+                         strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    unclipped = replay([r["log"] for r in runs], group_size=2, constant=True)
+    assert any(not torch.allclose(g, u, rtol=1e-5, atol=1e-6) for g, u in zip(params, unclipped)), "the clip never bit"
 
 
 @pytest.mark.timeout(240)

@@ -223,3 +223,81 @@ def test_clip_grad_norm_equals_torchs_on_the_gradients_device(device, norm_type)
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-6, atol=0)
     for a, b in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+
+
+# --- under troupe run --elastic (the processes stand by alone when they partition) ------------
+
+
+class _Link:
+    """A group communicator of one process whose exchanges fail, as when a partner died."""
+
+    world_size, rank = 2, 0
+
+    def all_gather_into(self, out, x):
+        raise RuntimeError("Connection reset by peer")
+
+
+def _elastic_world(monkeypatch, group_size=2, place=1, group=1):
+    from types import SimpleNamespace
+
+    from troupe.partition import partitioner
+
+    lost = []
+    membership = SimpleNamespace(elastic=True, options=SimpleNamespace(group_size=group_size, groups=3), place=place,
+                                 group=group, partner_lost=lost.append)
+    fake = SimpleNamespace(membership=membership, partitioned=False, comm=None,
+                           replica_comms=lambda escape: (_Link(), None))
+    monkeypatch.setattr(partitioner.world, "init", lambda: fake)
+    monkeypatch.delenv("TROUPE_CLUSTER", raising=False)
+    return fake, lost
+
+
+def test_elastic_partition_slices_by_the_groups_place_and_labels_the_job_s_ranks(monkeypatch):
+    fake, lost = _elastic_world(monkeypatch)
+    model = tp.partition(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), {"0": 1, "2": -1})
+    assert fake.partitioned
+    assert tuple(model[0].weight.shape) == (8, 8) and model[2].weight is None  # slice 1 of 2; worker 0's layer
+    assert getattr(model[0].weight, tp.HOLDERS) == (1, 3, 5)  # place 1 of each of the 3 groups of 2
+    with pytest.raises(RuntimeError, match="Connection reset"):
+        model(torch.randn(2, 8))
+    assert len(lost) == 1 and "Connection reset" in str(lost[0])  # the membership decides what a lost partner means
+
+
+def test_elastic_partition_refuses_another_group_size_and_the_auto_plan(monkeypatch):
+    _elastic_world(monkeypatch)
+    with pytest.raises(ValueError, match="workers_per_group 3 differs from the elastic job's worker groups of 2"):
+        tp.partition(nn.Sequential(nn.Linear(8, 16)), 1, workers_per_group=3)
+    with pytest.raises(ValueError, match="plan 'auto' cannot run under troupe run --elastic"):
+        tp.partition(nn.Sequential(nn.Linear(8, 16)), "auto")
+
+
+def test_elastic_groups_of_one_leave_the_model_whole(monkeypatch):
+    fake, _ = _elastic_world(monkeypatch, group_size=1, place=0, group=2)
+    model = tp.partition(nn.Sequential(nn.Linear(8, 16)), 1)
+    assert not fake.partitioned and tuple(model[0].weight.shape) == (16, 8)
+    assert getattr(model[0].weight, tp.HOLDERS) == (0, 1, 2)
+
+
+def test_holders_by_place_weigh_sum_over_the_place_and_divide_by_the_processes_present():
+    from types import SimpleNamespace
+
+    from troupe.strategies.partitioned import HolderGroups
+
+    class Place:
+        def all_reduce(self, t, op):
+            t.mul_(2)  # two holders at this place with the same gradient
+
+    job = SimpleNamespace(world_size=4)
+    w = torch.nn.Parameter(torch.zeros(3))
+    w.grad = torch.tensor([1.0, 2.0, 3.0])
+    holders = HolderGroups.by_place(job, Place(), {(1, 3, 5): [w]})
+    holders.weight = lambda: 1.5
+    holders.reduce()
+    torch.testing.assert_close(w.grad, torch.tensor([1.0, 2.0, 3.0]) * 1.5 * 2 / 4, rtol=0, atol=0)
+    job.world_size = 6  # another quorum: the divisor follows it
+    w.grad = torch.ones(3)
+    holders.weight = None
+    holders.reduce()
+    torch.testing.assert_close(w.grad, torch.full((3,), 2 / 6), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="found 2 sets of holders"):
+        HolderGroups.by_place(job, Place(), {(0, 2): [w], (1, 3): [w]})

@@ -148,7 +148,6 @@ class ElasticDiLoCoWorker(ClusterWorker):
     @classmethod
     def choose(cls, setup: Setup) -> Fixed:
         from troupe.cluster.workers.diloco import ElasticDiLoCo
-        from troupe.runtime.comm import Communicator
         from troupe.strategies.allreduce import AllReduce
         from troupe.strategies.choice import params_of
         from troupe.sync.reducer import GradReducer
@@ -164,20 +163,7 @@ class ElasticDiLoCoWorker(ClusterWorker):
         if k == 1:  # a group of one process: nothing to reduce inside it; the quorum's processes are the groups
             inner = AllReduce(name="plain", comm=world.comm, reducer=None, optimizer=setup.optimizer, params=params)
             return Fixed(cls, ElasticDiLoCo(setup.cluster, inner, world.comm, params, setup.step_count))
-        group, place = (Communicator(watchdog=world.watchdog, recorder=world.recorder, totals=world.traffic)
-                        for _ in range(2))
-        for comm in (group, place):
-            comm.escape = membership.interrupted
-
-        def regroup() -> None:
-            quorum, timeout = membership.quorum, membership.options.timeout
-            groups = [world.job.new_group(range(i * k, (i + 1) * k), timeout=timeout)
-                      for i in range(len(quorum.members))]
-            places = [world.job.new_group(range(j, quorum.size, k), timeout=timeout) for j in range(k)]
-            group.adopt(groups[quorum.members.index(membership.group)])
-            place.adopt(places[membership.place])
-
-        membership.on_reconfigure.append(regroup)  # before the first step: troupe.track joins the first quorum
+        group, place = world.replica_comms()  # made anew for every quorum, adopted by these objects
         reducer = GradReducer(params, group, setup.bucket_size, setup.first_bucket_size) if params else None
         inner = AllReduce(name="plain", comm=group, reducer=reducer, optimizer=setup.optimizer, params=params)
         return Fixed(cls, ElasticDiLoCo(setup.cluster, inner, place, params, setup.step_count))

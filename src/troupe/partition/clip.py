@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from troupe.partition.partitioner import HOLDERS, _job_comm
+from troupe.runtime import world
 from troupe.runtime.comm import Communicator
 
 
@@ -26,7 +27,8 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float, norm
     """Clip the gradients of `parameters` (every rank's, together) to total norm `max_norm`; return the norm.
 
     Equals ``torch.nn.utils.clip_grad_norm_`` on the whole unpartitioned model, on every rank;
-    on a model without partitioned layers it is torch's (one 8-byte all-reduce more).
+    on a model without partitioned layers it is torch's (one 8-byte all-reduce more). Under
+    ``troupe run --elastic`` the norm is agreed inside the worker group (no exchange for a whole model).
     """
     if isinstance(parameters, Tensor):
         parameters = [parameters]
@@ -36,10 +38,19 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float, norm
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
     job = _job_comm(comm)
     everyone = job.world_size
+    shares = lambda p: len(getattr(p, HOLDERS, ())) or everyone  # noqa: E731
+    w = world.init() if comm is None else None
+    if w is not None and w.membership.elastic:
+        # Every group present holds the same reduced gradients, so one group's norm is the job's: agreed
+        # on inside the group (its partitioned model's communicator; none for a whole model), which a
+        # group lost meanwhile cannot fail. A slice has one holder in the group, the rest all k.
+        job, k = w.replica_group, w.membership.options.group_size
+        everyone = 1 if job is None else k
+        shares = lambda p: everyone if len(getattr(p, HOLDERS, ())) in (0, w.world_size) else 1  # noqa: E731
     # on the gradients' device (a CUDA rank's norms stay there; the communicator stages as needed)
     local = torch.zeros(1, dtype=torch.float64, device=params[0].grad.device if params else "cpu")
     for p in params:
-        holders = len(getattr(p, HOLDERS, ())) or everyone
+        holders = shares(p)
         g = p.grad.detach().double()
         if norm_type == math.inf:
             local = torch.maximum(local, g.abs().max().reshape(1))

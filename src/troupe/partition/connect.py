@@ -64,28 +64,33 @@ class WorkerGroup:
 
     # --- row exchanges with worker 0 (point-to-point) ----------------------------------
     # Communicator.gather/scatter compare the group rank with the global root, which fails on
-    # every group but the first; send/recv take global ranks and work on any group.
+    # every group but the first; send/recv take ranks of the default group, which under an elastic
+    # job are places in the quorum (`peer`), not the labels above.
+
+    def peer(self, index: int) -> int:
+        """Worker `index` of this group, as send and recv address it."""
+        return self.comm.global_rank(index)
 
     def gather_rows(self, x: Tensor) -> Tensor:
         """On worker 0 every worker's rows in worker order; elsewhere an empty tensor."""
         if not self.is_root:
-            self.comm.send(x.contiguous(), self.root)
+            self.comm.send(x.contiguous(), self.peer(0))
             return x.new_empty(0)
         out = x.new_empty((self.workers_per_group * x.shape[0], *x.shape[1:]))
         chunks = out.chunk(self.workers_per_group)
         chunks[0].copy_(x)
-        for rank, chunk in zip(self.ranks[1:], chunks[1:]):
-            self.comm.recv(chunk, src=rank)
+        for j, chunk in enumerate(chunks[1:], start=1):
+            self.comm.recv(chunk, src=self.peer(j))
         return out
 
     def scatter_rows(self, full: Tensor | None, shape: Sequence[int], like: Tensor) -> Tensor:
         """Worker j's rows of worker 0's `full` (shape[0] rows each, worker order) on worker j."""
         if not self.is_root:
             out = like.new_empty(shape)
-            self.comm.recv(out, src=self.root)
+            self.comm.recv(out, src=self.peer(0))
             return out
         chunks = full.chunk(self.workers_per_group)
-        handles = [self.comm.isend(c.contiguous(), rank) for rank, c in zip(self.ranks[1:], chunks[1:])]
+        handles = [self.comm.isend(c.contiguous(), self.peer(j)) for j, c in enumerate(chunks[1:], start=1)]
         for h in handles:
             h.wait()
         return chunks[0].clone()

@@ -148,7 +148,7 @@ class OnOneWorker(PartitionedLayer):
             t = getattr(self, name).detach().clone() if self.group.is_root else torch.empty(shape, dtype=dtype,
                                                                                              device=device)
             if self.workers_per_group > 1:
-                self.group.comm.broadcast(t, src=self.group.root)
+                self.group.comm.broadcast(t, src=self.group.peer(0))
             out[name] = t
         return out
 

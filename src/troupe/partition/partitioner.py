@@ -9,6 +9,7 @@ the `_troupe_holders` labels; it never reduces gradients (DistOpt does, over the
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor, nn
@@ -79,6 +80,10 @@ def partition(
                              f"({cluster.nworkers_per_group}): under a cluster a worker group computes one replica")
         workers_per_group = cluster.nworkers_per_group
         resolve_plan(model, plan if plan != "auto" else 0, workers_per_group, default=default)  # before joining
+        if cluster.elastic:
+            raise ValueError(f"troupe.partition cannot run under framework {cluster.framework} with troupe run "
+                             "--elastic yet: partition inside elastic worker groups runs without a framework "
+                             "(troupe run --elastic --nworker-groups N)")
         from troupe.cluster import bootstrap  # the cluster's worker groups (its heavier modules load here only)
 
         cluster_job = bootstrap.joined(cluster, world.init())
@@ -88,9 +93,11 @@ def partition(
     else:
         if plan is None:
             return model
+        job = _job_comm(comm)
+        if comm is None and world.init().membership.elastic:
+            return _partition_elastic(model, plan, workers_per_group, default)
         if workers_per_group is None:
             raise ValueError("partition needs workers_per_group (the workers computing one replica)")
-        job = _job_comm(comm)
     if isinstance(plan, str) and plan == "auto":
         from troupe.partition.planner.auto import auto_plan  # only "auto" needs the planner and its profiling
 
@@ -106,10 +113,61 @@ def partition(
                             ngroups)
     else:
         group = _make_group(job, workers_per_group, ngroups)
-    everyone = tuple(range(job.world_size))
+    return _slice(model, dims, group)
+
+
+def _partition_elastic(model: nn.Module, plan: Plan, workers_per_group: int | None, default: int | None) -> nn.Module:
+    """Under `troupe run --elastic`: the worker group computing one replica is the elastic group
+    (`--nworker-groups`), whose communicator is made anew for every quorum. Nothing is broadcast:
+    the process stands by alone until `troupe.track`, whose heal gives every group the source
+    group's values place by place (process j of a group holds slice j, as its counterparts do)."""
+    w = world.init()
+    membership = w.membership
+    k = membership.options.group_size
+    if workers_per_group not in (None, k):
+        raise ValueError(f"workers_per_group {workers_per_group} differs from the elastic job's worker groups of {k} "
+                         "processes (troupe run --elastic --nworker-groups): under --elastic a worker group "
+                         "computes one replica")
+    if isinstance(plan, str) and plan == "auto":
+        raise ValueError("plan 'auto' cannot run under troupe run --elastic (each process stands by alone when it "
+                         "partitions, so nobody can hand it rank 0's plan): run `troupe plan` once and pass its plan")
+    dims = resolve_plan(model, plan, k, default=default)
+    _check_untied(model, [name for name, dim in dims.items() if dim != 0])
+    comm = None
+    if k > 1:  # (a group of one holds every slice: nothing to exchange, nothing partitioned)
+        comm = _GroupLink(w.replica_comms(escape=False)[0], membership.partner_lost)
+        w.partitioned, w.replica_group = True, comm
+    return _slice(model, dims, WorkerGroup(comm, k, membership.place, membership.group, membership.options.groups))
+
+
+class _GroupLink:
+    """An elastic worker group's communicator, as its partitioned layers use it: an exchange that fails
+    means a partner process is gone (the group restarts as a whole), which `lost(error)` handles."""
+
+    def __init__(self, comm: Communicator, lost: Callable[[BaseException], None]):
+        self._comm, self._lost = comm, lost
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._comm, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            except RuntimeError as e:
+                self._lost(e)
+                raise
+
+        return call
+
+
+def _slice(model: nn.Module, dims: dict[str, int], group: WorkerGroup) -> nn.Module:
+    """Replace every layer of dim 1 or -1 by its partitioned layer and label every parameter with its holders."""
+    everyone = tuple(range(group.ngroups * group.workers_per_group))
     for p in model.parameters():
         setattr(p, HOLDERS, everyone)
-    for name in moved:
+    for name in (name for name, dim in dims.items() if dim != 0):
         layer = model.get_submodule(name)
         new = FeatureSplit(layer, group) if dims[name] == 1 else OnOneWorker(layer, group)
         holders = group.holders(group.index) if dims[name] == 1 else group.holders(0)

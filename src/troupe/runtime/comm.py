@@ -150,6 +150,10 @@ class Communicator:
         its counters: an elastic job makes its subgroups anew for every quorum."""
         self._group, self.rank, self.world_size, self.backend = other._group, other.rank, other.world_size, other.backend
 
+    def global_rank(self, rank: int) -> int:
+        """The rank in the default group (what send and recv take) of this group's `rank`."""
+        return rank if self._group is None else dist.get_global_rank(self.group, rank)
+
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The process group (None: the whole job)."""

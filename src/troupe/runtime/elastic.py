@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import io
 import logging
+import os
 import sys
 import threading
 import time
@@ -36,6 +37,8 @@ import torch.distributed as dist
 from troupe.runtime.quorum import REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready, round_key
 
 log = logging.getLogger("troupe.elastic")
+PARTNER_GRACE = 2.0
+"""Seconds a process whose group lost a partner waits to be stopped by its launcher before it leaves."""
 
 
 
@@ -298,6 +301,17 @@ class Elastic:
         else:
             _unpack(self.store.get(key), self.objects)
             self.heals += 1
+
+    def partner_lost(self, error: BaseException) -> None:
+        """An exchange inside this worker group failed outside the step's reduction (a partitioned
+        model's forward or backward): a partner process died or froze, and the group cannot compute.
+        Wait for the launcher, which stops a dead process's whole group; if it does not (the partner
+        is frozen: the lighthouse leaves the group out), leave with the rejoin code, as a process
+        left out does. Never returns."""
+        log.warning("troupe: rank %d: a process of its worker group %d was lost mid-step (%s); the group restarts "
+                    "and rejoins", self.rank, self.group, str(error).splitlines()[0][:160])
+        time.sleep(PARTNER_GRACE)
+        os._exit(REJOIN_EXIT)
 
     # --- liveness ------------------------------------------------------------------------
 

@@ -56,6 +56,12 @@ class World:
         self.closed = False
         self.membership = joined.membership or Fixed()
         """Which processes step together: `Fixed` (never changes) or an elastic job's quorum."""
+        self.partitioned = False
+        """`troupe.partition` sliced this rank's model (an elastic DistOpt reduces the slices by place)."""
+        self.replica_group: Communicator | None = None
+        """An elastic job's partitioned model: the communicator over this process's worker group that its
+        layers exchange through (`replica_comms(escape=False)`'s group)."""
+        self._replicas: list[tuple[Communicator, Communicator]] = []
         if self.membership.elastic:
             self.membership.on_reconfigure.append(self._rebind)
             self.job.escape = self.membership.interrupted
@@ -88,6 +94,39 @@ class World:
             raise ValueError(f"a group named {name!r} already exists")
         self.groups[name] = self.job.new_group(ranks, timeout=timeout)
         return self.groups[name]
+
+    def replica_comms(self, *, escape: bool = True) -> tuple[Communicator, Communicator]:
+        """An elastic job of worker groups of several processes: (group, place), the communicators over
+        this process's own group and over the processes at its place in every group present.
+
+        They are made anew for every quorum (as its process group forms, every member makes every
+        group's and every place's subgroup, in order) and adopted by the same two objects, so a
+        strategy or layer may hold them. `escape`: a wait gives up once the step was decided without
+        this rank (the step's reductions); without it a wait is for its peers alone (a partitioned
+        model's forward, which another group's loss must not interrupt). Every rank calls this in
+        the same order."""
+        membership = self.membership
+        if not membership.elastic:
+            raise RuntimeError("replica_comms is an elastic job's (troupe run --elastic)")
+        pair = tuple(Communicator(watchdog=self.watchdog, recorder=self.recorder, totals=self.traffic)
+                     for _ in range(2))
+        for comm in pair:
+            comm.escape = membership.interrupted if escape else None
+        if not self._replicas:
+            membership.on_reconfigure.append(self._regroup)  # troupe.track joins the first quorum after this
+        self._replicas.append(pair)
+        if membership.joined:
+            self._regroup()
+        return pair
+
+    def _regroup(self) -> None:
+        membership = self.membership
+        quorum, k, timeout = membership.quorum, membership.options.group_size, membership.options.timeout
+        groups = [self.job.new_group(range(i * k, (i + 1) * k), timeout=timeout) for i in range(len(quorum.members))]
+        places = [self.job.new_group(range(j, quorum.size, k), timeout=timeout) for j in range(k)]
+        for group, place in self._replicas:
+            group.adopt(groups[quorum.members.index(membership.group)])
+            place.adopt(places[membership.place])
 
     def _rebind(self) -> None:
         """A new quorum's process group is the default one: the whole-job communicators re-read it."""

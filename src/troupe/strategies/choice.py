@@ -67,15 +67,22 @@ class OptionSwitch:
         self.elastic = setup.world.membership.elastic
         self.comm, self.bucket_size, self.first_bucket_size = comm, setup.bucket_size, setup.first_bucket_size
         params = params_of(setup.optimizer)
-        everyone, partitioned = split_by_holders(params, comm.world_size)
+        # Holders are the job's ranks; an elastic job's communicator holds the processes present.
+        self._ranks = setup.world.world_size if self.elastic else comm.world_size
+        everyone, partitioned = split_by_holders(params, self._ranks)
         self._partitioned = {h: [id(p) for p in ps] for h, ps in partitioned.items()}
-        if self.elastic and partitioned:
-            # A rejoining group would need its slices healed holder by holder, and a joiner builds alone.
-            raise ValueError("a partitioned model (troupe.partition) cannot run under troupe run --elastic yet: "
-                             "elastic worker groups run data parallelism only")
-        # An elastic job's joiner builds its DistOpt alone while the others train: no collective here.
-        self.holders = HolderGroups.make(comm, partitioned) if setup.world.membership.builds_together else None
+        self.holders: HolderGroups | None = None
         """A partitioned model's parameters that only some ranks hold (troupe.partition)."""
+        if setup.world.membership.builds_together:
+            self.holders = HolderGroups.make(comm, partitioned)
+        elif setup.world.partitioned:  # a joiner builds alone while the others train: no collective here
+            membership = setup.world.membership
+            self.holders = HolderGroups.by_place(comm, setup.world.replica_comms()[1], partitioned)
+            if membership.constant_batch:  # the slices are weighed as the reducer weighs the rest
+                self.holders.weight = membership.grad_weight
+        elif partitioned:
+            raise ValueError("under troupe run --elastic, partition the model with troupe.partition(model, plan) "
+                             "(its worker group is the elastic group), not with an explicit comm")
         self.reducer = self._make_reducer(everyone)
         self.ctx = registry.Context(comm, self.reducer, setup.optimizer, everyone, setup.compression,
                                     setup.step_count, setup.name_of)
@@ -120,7 +127,7 @@ class OptionSwitch:
 
     def add_params(self, params: Sequence[Tensor]) -> GradReducer | None:
         """Rebuild the reducer over `params` (all of them, old and new); the current option is remade."""
-        everyone, partitioned = split_by_holders(params, self.comm.world_size)
+        everyone, partitioned = split_by_holders(params, self._ranks)
         if {h: [id(p) for p in ps] for h, ps in partitioned.items()} != self._partitioned:
             raise ValueError("add_param_group cannot add partitioned parameters: partition the whole model "
                              "before creating the DistOpt")

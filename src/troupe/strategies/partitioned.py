@@ -16,7 +16,7 @@ reduces the rest, one fused all-reduce per holder group, right after the reducer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -60,17 +60,41 @@ class HolderGroups:
         every = sorted({h for theirs in job.all_gather_object(mine) for h in theirs}) if job.world_size > 1 else mine
         return cls(job, partitioned, every) if every else None
 
+    @classmethod
+    def by_place(cls, job: Communicator, place: Communicator,
+                 partitioned: dict[tuple[int, ...], list[Tensor]]) -> HolderGroups:
+        """An elastic job's (no collective: a joiner builds alone): a rank's slices are held by the
+        processes at its place in every group, so the holders present in a step are `place`'s members
+        (the World's place communicator, made anew for every quorum)."""
+        if len(partitioned) > 1:
+            raise ValueError(f"under troupe run --elastic a rank's slices must all be held at its own place in every "
+                             f"worker group, found {len(partitioned)} sets of holders: {sorted(partitioned)}")
+        return cls(job, partitioned, made={h: place for h in partitioned})
+
     def __init__(self, job: Communicator, partitioned: dict[tuple[int, ...], list[Tensor]],
-                 every: list[tuple[int, ...]]):
-        self.world_size = job.world_size
+                 every: list[tuple[int, ...]] = (), made: dict[tuple[int, ...], Communicator] | None = None):
+        self.job = job
+        """Whose size divides the sums (an elastic job's quorum: the processes present)."""
+        self.weight: Callable[[], float] | None = None
+        """This rank's gradients enter the sums times it (an elastic job's constant global batch, as the reducer's)."""
         mine = sorted(partitioned)
-        # Every rank creates every group, in the same order (torch.distributed's rule).
-        made = {h: job.new_group(list(h)) if len(h) > 1 else None for h in every}
+        if made is None:  # every rank creates every group, in the same order (torch.distributed's rule)
+            made = {h: job.new_group(list(h)) if len(h) > 1 else None for h in every}
         self.groups: list[tuple[Communicator | None, list[Tensor]]] = [(made[h], partitioned[h]) for h in mine]
         self.params = [p for _, ps in self.groups for p in ps]
         # Each group's gradients live in one flat buffer, as the buckets' do (`troupe.sync.bucket`):
         # ``p.grad`` becomes a view of it, so the next backward accumulates where the reduction reads.
         self.flats = [_flat_slots(params) for _, params in self.groups]
+
+    @property
+    def world_size(self) -> int:
+        return self.job.world_size
+
+    def _weigh(self, flat: Tensor) -> None:
+        """This rank's share before the sum (under a constant global batch; else nothing to do)."""
+        w = 1.0 if self.weight is None else self.weight()
+        if w != 1.0:
+            flat.mul_(w)
 
     def reduce(self) -> None:
         """Sum each partitioned gradient over its holders and divide by the world size (in place)."""
@@ -81,6 +105,7 @@ class HolderGroups:
             flat, slots = flat_slots
             for p, slot in zip(params, slots):
                 _take(p, slot)
+            self._weigh(flat)
             if comm is not None:
                 comm.all_reduce(flat, "sum")
             flat.div_(self.world_size)
@@ -89,6 +114,7 @@ class HolderGroups:
         """A group of mixed dtypes or devices has no one flat buffer: pack, reduce, copy back."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = pack(grads)
+        self._weigh(flat)
         if comm is not None:
             comm.all_reduce(flat, "sum")
         flat.div_(self.world_size)
@@ -128,6 +154,8 @@ class Partitioned:
         self.inner, self.holders, self.job = inner, holders, job
         self.reducer = reducer
         self.name = inner.name
+        self._finite: bool | None = None
+        """The verdict agreed on in the last `synchronize`, until `all_finite` reads it."""
 
     def describe(self) -> str:
         return self.inner.describe()
@@ -139,13 +167,20 @@ class Partitioned:
         self.inner.synchronize()  # with a reducer, its also_reduce reduces the slices too
         if self.reducer is None:
             self.holders.reduce()
+        # The verdict's collective belongs to the reduction, before an elastic job's vote: a group
+        # lost in it costs the step, where a collective after the vote would fail the survivors.
+        self._finite = self._agree_finite()
 
-    def all_finite(self) -> bool:
-        # The partitioned gradients differ from group to group: agree on one verdict.
+    def _agree_finite(self) -> bool:
+        # The partitioned gradients differ from place to place: agree on one verdict.
         verdict = torch.tensor([0.0 if self.inner.all_finite() and all_finite(
             [p.grad for p in self.holders.params if p.grad is not None]) else 1.0])
         self.job.all_reduce(verdict, "max")
         return verdict.item() == 0.0
+
+    def all_finite(self) -> bool:
+        verdict, self._finite = self._finite, None
+        return self._agree_finite() if verdict is None else verdict
 
     def step(self) -> StepStats:
         return self.inner.step()

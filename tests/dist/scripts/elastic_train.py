@@ -16,6 +16,8 @@ MODE (faults in first incarnations only, unless said otherwise):
   group-kill    rank 3 (group 1's second process) SIGKILLs itself at step 6: its whole group restarts
   nodes-kill    on 2 nodes of 2: rank 3 (node 1) SIGKILLs itself at step 6; once it is back, rank 0 raises
   group-stop    rank 3 (group 1's second process) SIGSTOPs itself at step 6 and writes OUT/stopped
+ELASTIC_TEST_PARTITION (a JSON troupe.partition plan, e.g. {"0": 1, "2": -1}) partitions the model inside each
+worker group; OUT/rank{r}.pt then holds the whole model, put together from the group's slices.
 The job trains until it has taken MIN_STEPS steps and the last FULL_STREAK of them had every group (or
 --max-groups of them)
 (the same verdict on every member: they commit the same steps); under DiLoCo, until such a step is
@@ -40,6 +42,8 @@ import troupe
 EPOCHS, BATCH, SAMPLES, MIN_STEPS, FULL_STREAK = 100, 8, 720, 30, 8
 FAULT_AT = int(os.environ.get("ELASTIC_TEST_FAULT_AT", "6"))
 """The step count at which the faults come (a test may move it, e.g. into an outer step)."""
+CLIP = float(os.environ.get("ELASTIC_TEST_CLIP", "0"))
+"""Clip each step's gradients to this total norm (troupe.clip_grad_norm_; 0: no clipping)."""
 
 
 def fault(mode: str, rank: int, incarnation: int, step: int, log: list, out: Path, groups: int) -> None:
@@ -71,16 +75,20 @@ def data():
     return torch.randn(SAMPLES, 8, generator=g), torch.randint(0, 4, (SAMPLES,), generator=g)
 
 
-def model_and_optimizer():
+def model_and_optimizer(plan=None):
+    """The model (partitioned inside the worker group by `plan`, a troupe.partition plan) and its optimizer."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    if plan is not None:
+        model = troupe.partition(model, plan)
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
 def main(out: Path, mode: str, dist_option: str = "plain") -> None:
     torch.set_num_threads(1)
     incarnation = int(os.environ.get("TROUPE_INCARNATION", "0"))
-    model, sgd = model_and_optimizer()
+    plan = json.loads(os.environ["ELASTIC_TEST_PARTITION"]) if os.environ.get("ELASTIC_TEST_PARTITION") else None
+    model, sgd = model_and_optimizer(plan)
     if incarnation:
         torch.manual_seed(1000 + incarnation)  # a restart starts from other values: the heal must overwrite them
         for p in model.parameters():
@@ -106,6 +114,9 @@ def main(out: Path, mode: str, dist_option: str = "plain") -> None:
             x, y = next(batches)
             fault(mode, rank, incarnation, opt.step_count, log, out, membership.options.groups)
             F.cross_entropy(model(x), y).backward()
+            if CLIP:
+                opt.synchronize()
+                troupe.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
             opt.zero_grad()
             members = list(membership.stepped_with) if membership.stepped_with else None
@@ -117,7 +128,8 @@ def main(out: Path, mode: str, dist_option: str = "plain") -> None:
         else:
             continue
         break
-    params = [p.detach() for p in model.parameters()]
+    params = [p.detach() for p in model.parameters()] if plan is None else \
+        list(troupe.partition.full_state_dict(model).values())  # the group's slices put together
     digest = hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest()
     torch.save({"params": params, "healed": healed}, out / f"rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps({
