@@ -156,7 +156,6 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
     num_test_batch = max(len(test_x) // bs, 1)
     if num_train_batch == 0:
         raise ValueError(f"--batch-size {bs} is larger than this rank's {len(train.sampler)} training samples")
-    model.compile([train_x[:bs].to(dev)], is_train=True, use_graph=args.graph, sequential=True)
     if main:
         print(f"{sgd}: {len(train.sampler)} training samples per rank, batch {bs}", flush=True)
 
@@ -184,6 +183,8 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
         step, start_epoch, resumed_at = rejoined, where["epoch"], rejoined
         start_batch = where["position"] // (sgd.world_size * bs)
         print(f"rank {sgd.global_rank} rejoined at step {step} (epoch {start_epoch}, batch {start_batch})", flush=True)
+    # After troupe.track: under --elastic a partitioned model's group computes only once it has joined the job
+    model.compile([train_x[:bs].to(dev)], is_train=True, use_graph=args.graph, sequential=True)
 
     history = []
     for epoch in range(start_epoch, args.epochs):

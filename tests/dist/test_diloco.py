@@ -1,7 +1,8 @@
 """DiLoCo (framework diloco) in one real world of 2 worker groups x 2 workers, against a single
 process that simulates the groups with plain torch.optim: SGD and AdamW inner optimizers, the
-outer Nesterov SGD; the groups bit-identical after each outer step; and a resume from
-DistOpt.state_dict() in the middle of an outer period equal to the uninterrupted run."""
+outer Nesterov SGD; the groups bit-identical after each outer step; a resume from
+DistOpt.state_dict() in the middle of an outer period equal to the uninterrupted run; Streaming
+DiLoCo; and a model partitioned inside the groups."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def train(rank: int, world_size: int, streaming_clusters: list[str]):
+def train(rank: int, world_size: int, streaming_clusters: list[str], cluster: str):
     import troupe
 
     out = {}
@@ -90,7 +91,31 @@ def train(rank: int, world_size: int, streaming_clusters: list[str]):
                      "strategy": opt.strategy.name}
     out["wire"] = quantised_means(opt.strategy.place, rank // PER_GROUP)
     out["streaming"] = [streaming(c) for c in streaming_clusters]
+    out["partitioned"] = partitioned(cluster)
     return out
+
+
+PLAN = {"0": -1}
+"""Inside each group: the first layer on worker 0 (its 5 outputs do not split in two), the second replicated."""
+
+
+def partitioned(cluster: str) -> list[torch.Tensor]:
+    """DiLoCo over a model partitioned inside each worker group (SGD inner): the whole model (the group's
+    slices put together) after every step."""
+    import os
+
+    import troupe
+
+    os.environ["TROUPE_CLUSTER"] = cluster
+    model = troupe.partition(make_model(), PLAN)
+    opt = troupe.DistOpt(INNER["sgd"](model.parameters()))
+    every_step = []
+    for t in range(STEPS):
+        loss_of(model, *batch(t, opt.global_rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        every_step.append(torch.cat([v.reshape(-1) for v in troupe.partition.full_state_dict(model).values()]))
+    return every_step
 
 
 def streaming(cluster: str) -> list[torch.Tensor]:
@@ -202,7 +227,7 @@ def test_diloco_groups_match_a_single_process_simulation_and_resume_mid_period()
                             outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
     streaming_clusters = [dataclasses.replace(cluster, fragments=FRAGMENTS, **overlap).to_json()
                           for overlap in OVERLAP]
-    ranks = run_world(train, GROUPS * PER_GROUP, streaming_clusters, timeout=90,
+    ranks = run_world(train, GROUPS * PER_GROUP, streaming_clusters, cluster.to_json(), timeout=90,
                       env={"TROUPE_CLUSTER": cluster.to_json()})
     for name in INNER:
         after_outer, finals, _ = reference(name)
@@ -230,6 +255,19 @@ def test_diloco_groups_match_a_single_process_simulation_and_resume_mid_period()
                 assert sent == (GROUPS - 1) * wire_size(sum(DELTA_SIZES), dtype), (dtype, sent, fp32_bytes)
         assert (want - exact).abs().max() < bound, dtype
     check_streaming(ranks)
+    check_partitioned(ranks)
+
+
+def check_partitioned(ranks: list[dict]) -> None:
+    """A model partitioned inside the groups trains as the unpartitioned one does: after every step each
+    group's whole model equals its simulation, and after an outer step every group's is the same bits."""
+    _, _, want = reference("sgd")
+    for t in range(STEPS):
+        for rank, r in enumerate(ranks):
+            torch.testing.assert_close(r["partitioned"][t], want[t][rank // PER_GROUP], rtol=0, atol=1e-5,
+                                       msg=lambda m: f"partitioned, step {t}, rank {rank}: {m}")
+            if (t + 1) % H == 0:
+                assert torch.equal(r["partitioned"][t], ranks[0]["partitioned"][t]), (t, rank)
 
 
 def check_streaming(ranks: list[dict]) -> None:

@@ -244,7 +244,7 @@ def _elastic_world(monkeypatch, group_size=2, place=1, group=1):
 
     lost = []
     membership = SimpleNamespace(elastic=True, options=SimpleNamespace(group_size=group_size, groups=3), place=place,
-                                 group=group, partner_lost=lost.append)
+                                 group=group, partner_lost=lost.append, joined=False)
     fake = SimpleNamespace(membership=membership, partitioned=False, comm=None,
                            replica_comms=lambda escape: (_Link(), None))
     monkeypatch.setattr(partitioner.world, "init", lambda: fake)
@@ -258,6 +258,10 @@ def test_elastic_partition_slices_by_the_groups_place_and_labels_the_job_s_ranks
     assert fake.partitioned
     assert tuple(model[0].weight.shape) == (8, 8) and model[2].weight is None  # slice 1 of 2; worker 0's layer
     assert getattr(model[0].weight, tp.HOLDERS) == (1, 3, 5)  # place 1 of each of the 3 groups of 2
+    with pytest.raises(RuntimeError, match=r"call troupe.track\(model=..., optimizer=...\) before the first forward"):
+        model(torch.randn(2, 8))  # standing by: the group forms when it joins the job
+    assert not lost
+    fake.membership.joined = True
     with pytest.raises(RuntimeError, match="Connection reset"):
         model(torch.randn(2, 8))
     assert len(lost) == 1 and "Connection reset" in str(lost[0])  # the membership decides what a lost partner means
@@ -287,7 +291,8 @@ def test_holders_by_place_weigh_sum_over_the_place_and_divide_by_the_processes_p
         def all_reduce(self, t, op):
             t.mul_(2)  # two holders at this place with the same gradient
 
-    job = SimpleNamespace(world_size=4)
+    verdicts = []
+    job = SimpleNamespace(world_size=4, all_reduce=lambda t, op: verdicts.append((t.item(), op)))
     w = torch.nn.Parameter(torch.zeros(3))
     w.grad = torch.tensor([1.0, 2.0, 3.0])
     holders = HolderGroups.by_place(job, Place(), {(1, 3, 5): [w]})
@@ -299,5 +304,9 @@ def test_holders_by_place_weigh_sum_over_the_place_and_divide_by_the_processes_p
     holders.weight = None
     holders.reduce()
     torch.testing.assert_close(w.grad, torch.full((3,), 2 / 6), rtol=0, atol=0)
+    assert verdicts == [(0.0, "max")] * 2 and holders.finite  # agreed on with each reduction, before any vote
+    w.grad = torch.tensor([1.0, float("nan"), 0.0])
+    holders.reduce()
+    assert verdicts[-1] == (1.0, "max")
     with pytest.raises(ValueError, match="found 2 sets of holders"):
         HolderGroups.by_place(job, Place(), {(0, 2): [w], (1, 3): [w]})

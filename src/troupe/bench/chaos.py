@@ -1,7 +1,8 @@
 """`troupe bench chaos`: an elastic job under a kill schedule, for troupe's own elastic mode.
 
 The job is the chaos benchmark's (the MNIST CNN, 4 worker groups of one process, batch 64 per
-group, group g reads shard g; the same as `chaos_torchft`'s, so the figures compare): run under
+group, group g reads shard g; the same as `chaos_torchft`'s, so the figures compare; `--group-size k`:
+groups of k processes, each reading its own shard, the model partitioned inside them with `--partition`): run under
 `troupe run --elastic`, which restarts a killed worker and heals it from a live one. This
 driver only injects the faults (SIGKILL a random worker every `--kill-every` seconds; SIGSTOP
 one every `--stop-every` for `--stop-for`), watches the launcher's log for workers that died
@@ -13,6 +14,7 @@ leaves are `chaos_summary`'s: events.jsonl, faults.jsonl, final.jsonl (plus logs
     troupe bench chaos --out runs/downpour30 --kill-every 30 --duration 300 --downpour 2
     troupe bench chaos --out runs/failover --kill-every 30 --duration 300 --downpour 2 --kill-server-at 100
     troupe bench chaos --out runs/hogwild30 --kill-every 30 --duration 300 --hogwild 10
+    troupe bench chaos --out runs/hybrid30 --kill-every 30 --duration 300 --groups 3 --group-size 2 --partition hybrid
     python -m troupe.bench.chaos job OUT     # one worker (what troupe run starts)
 """
 
@@ -39,9 +41,14 @@ EXIT_S = 120.0
 """After the stop step is written: how long the job may take to end."""
 
 
-def job(out: Path, batch_size: int, lr: float, seed: int, dist_option: str = "plain", spars: float | None = None
-        ) -> None:
-    """One worker group: train until the stop step, then evaluate and hash the parameters."""
+PLANS = {"hybrid": {"conv*": 0, "linear*": 1}, "model": {"*": 1}}
+"""`--partition`: the CNN's partition plans inside a worker group (examples/mnist_cnn.py's)."""
+
+
+def job(out: Path, batch_size: int, lr: float, seed: int, dist_option: str = "plain", spars: float | None = None,
+        partition: str | None = None) -> None:
+    """One process: train until the stop step, then evaluate and hash the parameters. Each process of a
+    worker group reads its own shard; the group's process 0 writes the group's events and result."""
     import torch
     import torch.nn.functional as F
 
@@ -51,13 +58,17 @@ def job(out: Path, batch_size: int, lr: float, seed: int, dist_option: str = "pl
     torch.manual_seed(seed)
     t0 = float(os.environ["TROUPE_CHAOS_T0"])
     model = build_cnn()
+    if partition:
+        model = troupe.partition(model, PLANS[partition])  # inside the elastic worker group
     sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), dist_option=dist_option,
                          spars=spars)
-    group, groups = sgd.global_rank, sgd.world_size
+    options = getattr(sgd.world.membership, "options", None)  # Downpour's rejoining workers: groups of one
+    rank, k = sgd.global_rank, 1 if options is None else options.group_size
+    group, place = divmod(rank, k)
     x, y, test_x, test_y = troupe.data.load_mnist()
-    shard = Shard(x, y, group, groups, batch_size, seed)
+    shard = Shard(x, y, rank, sgd.world_size, batch_size, seed)
     troupe.track(model=model, optimizer=sgd)  # a restarted group copies a live one's state here
-    (out / "pids" / str(group)).write_text(str(os.getpid()))
+    (out / "pids" / str(rank)).write_text(str(os.getpid()))
     with open(out / "events.jsonl", "a") as events:
         while True:
             stop = stop_step(out)
@@ -68,13 +79,19 @@ def job(out: Path, batch_size: int, lr: float, seed: int, dist_option: str = "pl
             before = sgd.step_count
             sgd.step()
             sgd.zero_grad()
-            events.write(json.dumps({"t": time.time() - t0, "group": group, "step": sgd.step_count,
-                                     "committed": sgd.step_count > before, "samples": batch_size}) + "\n")
-            events.flush()
+            if place == 0:
+                events.write(json.dumps({"t": time.time() - t0, "group": group, "step": sgd.step_count,
+                                         "committed": sgd.step_count > before, "samples": batch_size * k}) + "\n")
+                events.flush()
     with torch.no_grad():
         acc = float((model(test_x).argmax(1) == test_y).float().mean())
-    (out / f"final.{group}.json").write_text(json.dumps({"group": group, "eval_acc": acc,
-                                                         "params_sha256": params_sha256(model)}))
+        whole = model
+        if partition:  # the group's slices put together (every process of the group takes part)
+            whole = build_cnn()
+            whole.load_state_dict(troupe.partition.full_state_dict(model))
+    if place == 0:
+        (out / f"final.{group}.json").write_text(json.dumps({"group": group, "eval_acc": acc,
+                                                             "params_sha256": params_sha256(whole)}))
 
 
 class Driver:
@@ -85,15 +102,21 @@ class Driver:
         self.rng = random.Random(args.seed)
         self.t0 = time.time()
         self.faults = (self.out / "faults.jsonl").open("a")
+        self.k = args.group_size
         self.stopped: dict[int, float] = {}
+        """Rank -> when it gets SIGCONT."""
         self.killed_pids: set[int] = set()
         self.server_killed = False
         self.log_seen = 0
-        cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(args.groups), "--elastic", "--min-groups",
+        cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(args.groups * self.k), "--elastic", "--min-groups",
                str(args.min_groups), "--restarts-per-rank", "1000", "--spares", str(args.spares), "--log-dir", str(self.out / "logs"),
                "--ranks", "0", __file__, "job", str(self.out), "--batch-size", str(args.batch_size),
                "--lr", str(args.lr), "--seed", str(args.seed), "--dist-option", args.dist_option,
-               *(["--spars", str(args.spars)] if args.spars is not None else [])]
+               *(["--spars", str(args.spars)] if args.spars is not None else []),
+               *(["--partition", args.partition] if args.partition else [])]
+        if self.k > 1:  # worker groups of several processes
+            at = cmd.index("--min-groups")
+            cmd[at:at] = ["--nworker-groups", str(args.groups)]
         if args.diloco:  # troupe run's flags, before the script
             at = cmd.index("--ranks")
             cmd[at:at] = ["--framework", "diloco", "--sync-freq", str(args.diloco)]
@@ -118,7 +141,7 @@ class Driver:
         self.faults.flush()
 
     def pids(self) -> dict[int, int]:
-        """The live worker of each group that has started training."""
+        """The live process of each rank that has started training."""
         live = {}
         for path in (self.out / "pids").iterdir():
             pid = int(path.read_text() or 0)
@@ -136,7 +159,8 @@ class Driver:
         for line in lines[self.log_seen:]:
             m = re.search(r"troupe run: rank (\d+) exited with code (\d+)", line)
             if m:
-                self.record(int(m.group(1)), "crash", exit_code=int(m.group(2)))
+                rank = int(m.group(1))
+                self.record(rank // self.k, "crash", rank=rank, exit_code=int(m.group(2)))
         self.log_seen = len(lines)
 
     def fault_phase(self) -> None:
@@ -149,48 +173,48 @@ class Driver:
                 raise RuntimeError(f"the job ended during the fault phase (code {self.proc.returncode}); "
                                    f"see {self.out / 'launcher.log'}")
             self.watch()
-            for group, until in list(self.stopped.items()):
+            for rank, until in list(self.stopped.items()):
                 if self.now() >= until:
-                    self._cont(group)
-            live = {g: p for g, p in self.pids().items() if g not in self.stopped}
+                    self._cont(rank)
+            live = {r: p for r, p in self.pids().items() if r not in self.stopped}
             if next_kill <= self.now() and live:
-                group = self.rng.choice(sorted(live))
-                os.kill(live[group], signal.SIGKILL)
-                self.killed_pids.add(live[group])
-                self.record(group, "kill")
+                rank = self.rng.choice(sorted(live))
+                os.kill(live[rank], signal.SIGKILL)
+                self.killed_pids.add(live[rank])
+                self.record(rank // self.k, "kill", rank=rank)
                 next_kill += a.kill_every
             if a.kill_server_at is not None and a.kill_server_at <= self.now() and not self.server_killed:
                 self._kill_server()
             if next_stop <= self.now() and live:
-                group = self.rng.choice(sorted(live))
-                os.kill(live[group], signal.SIGSTOP)
-                self.stopped[group] = self.now() + a.stop_for
-                self.record(group, "stop", pid=live[group])
+                rank = self.rng.choice(sorted(live))
+                os.kill(live[rank], signal.SIGSTOP)
+                self.stopped[rank] = self.now() + a.stop_for
+                self.record(rank // self.k, "stop", rank=rank, pid=live[rank])
                 next_stop += a.stop_every
-        for group in list(self.stopped):
-            self._cont(group)
+        for rank in list(self.stopped):
+            self._cont(rank)
 
     def _kill_server(self) -> None:
         """SIGKILL the server of the last server group (its workers fail over to the other groups' servers)."""
-        rank = self.args.groups + self.args.downpour - 1  # the workers come first, then the servers
+        rank = self.args.groups * self.k + self.args.downpour - 1  # the workers come first, then the servers
         starts = [line.split() for line in (self.out / "logs" / "pids.txt").read_text().splitlines()]
         pid = int([p for r, p in starts if int(r) == rank][-1])
         os.kill(pid, signal.SIGKILL)
         self.server_killed = True
         self.record(-1, "kill-server", rank=rank, pid=pid)
 
-    def _cont(self, group: int) -> None:
-        pid = json.loads(self._last_fault(group, "stop"))["pid"]
+    def _cont(self, rank: int) -> None:
+        pid = json.loads(self._last_fault(rank, "stop"))["pid"]
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
-        del self.stopped[group]
-        self.record(group, "cont")
+        del self.stopped[rank]
+        self.record(rank // self.k, "cont", rank=rank)
 
-    def _last_fault(self, group: int, kind: str) -> str:
+    def _last_fault(self, rank: int, kind: str) -> str:
         lines = (self.out / "faults.jsonl").read_text().splitlines()
-        return next(line for line in reversed(lines) if json.loads(line)["group"] == group
+        return next(line for line in reversed(lines) if json.loads(line).get("rank") == rank
                     and json.loads(line)["kind"] == kind)
 
     def finish(self) -> None:
@@ -233,6 +257,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--out {out} is not empty: give a new folder for each run")
     if args.kill_server_at is not None and (args.downpour or 0) < 2:
         raise ValueError("--kill-server-at needs --downpour S with S >= 2 (a server group to fail over to)")
+    if args.group_size < 1:
+        raise ValueError(f"--group-size must be >= 1, got {args.group_size}")
+    if args.group_size > 1 and (args.downpour or args.hogwild):
+        raise ValueError("--group-size runs data parallelism or DiLoCo over worker groups of several processes, "
+                         "not --downpour or --hogwild")
+    if args.partition and args.group_size < 2:
+        raise ValueError("--partition splits the model inside a worker group: give --group-size 2 or more")
+    if args.partition and args.diloco:
+        raise ValueError("--partition runs without --diloco (troupe.partition inside elastic groups runs without a "
+                         "framework)")
     (out / "pids").mkdir(parents=True, exist_ok=True)
     (out / "events.jsonl").touch()
     (out / "faults.jsonl").touch()
@@ -256,6 +290,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="a new folder for this run's files")
     p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=1, help="processes per worker group (troupe run "
+                   "--nworker-groups); a kill takes a random process, its group restarts")
+    p.add_argument("--partition", choices=sorted(PLANS), default=None,
+                   help="partition the CNN inside each worker group (troupe.partition; needs --group-size >= 2)")
     p.add_argument("--min-groups", type=int, default=2)
     p.add_argument("--duration", type=float, default=300.0, help="seconds of the fault phase")
     p.add_argument("--kill-every", type=float, default=30.0, help="SIGKILL a random worker every T s (0: never)")
@@ -291,8 +329,9 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--dist-option", default="plain")
         p.add_argument("--spars", type=float, default=None)
+        p.add_argument("--partition", choices=sorted(PLANS), default=None)
         a = p.parse_args(argv[1:])
-        job(a.out, a.batch_size, a.lr, a.seed, a.dist_option, a.spars)
+        job(a.out, a.batch_size, a.lr, a.seed, a.dist_option, a.spars, a.partition)
         return
     p = argparse.ArgumentParser(prog="troupe bench chaos")
     add_arguments(p)

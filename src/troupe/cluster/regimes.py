@@ -119,17 +119,11 @@ class DiLoCoWorker(ClusterWorker):
 
     @classmethod
     def build(cls, ctx: WorkerContext) -> Any:
-        from troupe.cluster.workers.diloco import DiLoCo
-        from troupe.strategies.allreduce import AllReduce
-        from troupe.sync.reducer import GradReducer
+        from troupe.cluster.workers.diloco import DiLoCo, group_step
 
-        if ctx.layout.partitioned:
-            raise ValueError("framework diloco does not run a partitioned model yet (troupe.partition): "
-                             "leave partition_dim unset")
         job, role = ctx.job, ctx.job.role
-        group = job.group_comms[role.worker[0]]
-        reducer = GradReducer(ctx.params, group, ctx.bucket_size) if group.world_size > 1 and ctx.params else None
-        inner = AllReduce(name="plain", comm=group, reducer=reducer, optimizer=ctx.optimizer, params=ctx.params)
+        inner = group_step(ctx.params, job.group_comms[role.worker[0]], ctx.optimizer, ctx.bucket_size,
+                           workers=ctx.cluster.nworkers, partitioned_model=ctx.layout.partitioned)
         return DiLoCo(ctx.cluster, inner, job.place_comms[role.worker[1]], ctx.params, ctx.step_count)
 
 
@@ -147,10 +141,9 @@ class ElasticDiLoCoWorker(ClusterWorker):
 
     @classmethod
     def choose(cls, setup: Setup) -> Fixed:
-        from troupe.cluster.workers.diloco import ElasticDiLoCo
+        from troupe.cluster.workers.diloco import ElasticDiLoCo, group_step
         from troupe.strategies.allreduce import AllReduce
         from troupe.strategies.choice import params_of
-        from troupe.sync.reducer import GradReducer
 
         world, membership = setup.world, setup.world.membership
         if not membership.elastic:
@@ -164,6 +157,7 @@ class ElasticDiLoCoWorker(ClusterWorker):
             inner = AllReduce(name="plain", comm=world.comm, reducer=None, optimizer=setup.optimizer, params=params)
             return Fixed(cls, ElasticDiLoCo(setup.cluster, inner, world.comm, params, setup.step_count))
         group, place = world.replica_comms()  # made anew for every quorum, adopted by these objects
-        reducer = GradReducer(params, group, setup.bucket_size, setup.first_bucket_size) if params else None
-        inner = AllReduce(name="plain", comm=group, reducer=reducer, optimizer=setup.optimizer, params=params)
+        inner = group_step(params, group, setup.optimizer, setup.bucket_size, workers=world.world_size,
+                           partitioned_model=world.partitioned, elastic=True,
+                           first_bucket_size=setup.first_bucket_size)
         return Fixed(cls, ElasticDiLoCo(setup.cluster, inner, place, params, setup.step_count))

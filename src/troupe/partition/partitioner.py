@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import Tensor, nn
 
@@ -79,11 +79,9 @@ def partition(
             raise ValueError(f"workers_per_group {workers_per_group} differs from the cluster's nworkers_per_group "
                              f"({cluster.nworkers_per_group}): under a cluster a worker group computes one replica")
         workers_per_group = cluster.nworkers_per_group
+        if cluster.elastic:  # elastic DiLoCo: its worker groups are the elastic groups
+            return _partition_elastic(model, plan, workers_per_group, default)
         resolve_plan(model, plan if plan != "auto" else 0, workers_per_group, default=default)  # before joining
-        if cluster.elastic:
-            raise ValueError(f"troupe.partition cannot run under framework {cluster.framework} with troupe run "
-                             "--elastic yet: partition inside elastic worker groups runs without a framework "
-                             "(troupe run --elastic --nworker-groups N)")
         from troupe.cluster import bootstrap  # the cluster's worker groups (its heavier modules load here only)
 
         cluster_job = bootstrap.joined(cluster, world.init())
@@ -135,17 +133,17 @@ def _partition_elastic(model: nn.Module, plan: Plan, workers_per_group: int | No
     _check_untied(model, [name for name, dim in dims.items() if dim != 0])
     comm = None
     if k > 1:  # (a group of one holds every slice: nothing to exchange, nothing partitioned)
-        comm = _GroupLink(w.replica_comms(escape=False)[0], membership.partner_lost)
+        comm = _GroupLink(w.replica_comms(escape=False)[0], membership)
         w.partitioned, w.replica_group = True, comm
     return _slice(model, dims, WorkerGroup(comm, k, membership.place, membership.group, membership.options.groups))
 
 
 class _GroupLink:
     """An elastic worker group's communicator, as its partitioned layers use it: an exchange that fails
-    means a partner process is gone (the group restarts as a whole), which `lost(error)` handles."""
+    means a partner process is gone (the group restarts as a whole), which the membership handles."""
 
-    def __init__(self, comm: Communicator, lost: Callable[[BaseException], None]):
-        self._comm, self._lost = comm, lost
+    def __init__(self, comm: Communicator, membership: Any):
+        self._comm, self._membership = comm, membership
 
     def __getattr__(self, name: str):
         attr = getattr(self._comm, name)
@@ -153,10 +151,14 @@ class _GroupLink:
             return attr
 
         def call(*args, **kwargs):
+            if not self._membership.joined:
+                raise RuntimeError("under troupe run --elastic a partitioned model computes with its worker group, "
+                                   "which forms when the group joins the job: call troupe.track(model=..., "
+                                   "optimizer=...) before the first forward")
             try:
                 return attr(*args, **kwargs)
             except RuntimeError as e:
-                self._lost(e)
+                self._membership.partner_lost(e)
                 raise
 
         return call

@@ -60,6 +60,8 @@ from troupe.cluster.workers.pseudograd import PendingMean, start_mean
 from troupe.runtime.comm import Communicator
 from troupe.strategies.allreduce import AllReduce
 from troupe.strategies.base import StepStats
+from troupe.strategies.partitioned import HolderGroups, Partitioned, split_by_holders
+from troupe.sync.reducer import GradReducer
 
 DILOCO_STATE = "DiLoCo worker (between outer steps each worker group's parameters and inner optimizer state are its own)"
 """Why a DiLoCo worker's checkpoint cannot move to another number of ranks (`per_rank_state`)."""
@@ -156,6 +158,31 @@ class OuterStep:
             o.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["steps"])
+
+
+def group_step(params: Sequence[Tensor], group: Communicator, optimizer: torch.optim.Optimizer, bucket_size: int,
+               *, workers: int, partitioned_model: bool, elastic: bool = False, **reducer_args: Any
+               ) -> AllReduce | Partitioned:
+    """A worker group's synchronous inner step: the mean of its processes' gradients, then the inner optimizer.
+
+    A model partitioned inside the group (`troupe.partition`; `workers`: the job's workers, whom a
+    replicated parameter's holders name) has slices held by one process of the group, whose gradient
+    already sums the whole group's samples (the connection layers' backward adds them): divided by
+    the group's size, it is the group's mean too. The outer step then treats every parameter alike:
+    process j of every group holds the same tensors, and the place communicator averages them.
+    `partitioned_model` must be the same on every process of the group (one may hold no slice: the
+    others' verdict on theirs still needs it); `elastic`: the group communicator follows the quorum
+    (its size is 1 until the group joins)."""
+    everyone, partitioned = split_by_holders(params, workers)
+    reducer = GradReducer(everyone, group, bucket_size, **reducer_args) \
+        if everyone and (elastic or group.world_size > 1) else None
+    inner = AllReduce(name="plain", comm=group, reducer=reducer, optimizer=optimizer, params=everyone)
+    if not partitioned_model:
+        return inner
+    holders = HolderGroups(group, partitioned, made={h: None for h in partitioned})  # nothing to sum over
+    if reducer is not None:  # the slices are divided whenever the buckets are reduced, in the same place
+        reducer.also_reduce = holders.reduce
+    return Partitioned(inner, holders, group, reducer)
 
 
 class DiLoCo:
