@@ -183,6 +183,12 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
             except membership.lost as e:
                 error = e
         self._lost = None
+        finite = True
+        if error is None and self.nan_policy != "ignore":
+            try:  # before the vote: a verdict agreed on among ranks is a collective, which a lost peer fails
+                finite = self.strategy.all_finite()
+            except membership.lost as e:
+                error = e
         if error is not None:
             self._abandon_open_step()
             if self.reducer is not None:
@@ -193,7 +199,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
             undo = getattr(self.strategy, "left_out", None)  # a strategy that took part of the step ahead of the vote
             if undo is not None:
                 undo()
-        elif self.nan_policy != "ignore" and not self.strategy.all_finite():
+        elif not finite:
             self._skip()
         else:
             self._finish_step(self.strategy.step())

@@ -291,8 +291,7 @@ def test_holders_by_place_weigh_sum_over_the_place_and_divide_by_the_processes_p
         def all_reduce(self, t, op):
             t.mul_(2)  # two holders at this place with the same gradient
 
-    verdicts = []
-    job = SimpleNamespace(world_size=4, all_reduce=lambda t, op: verdicts.append((t.item(), op)))
+    job = SimpleNamespace(world_size=4)
     w = torch.nn.Parameter(torch.zeros(3))
     w.grad = torch.tensor([1.0, 2.0, 3.0])
     holders = HolderGroups.by_place(job, Place(), {(1, 3, 5): [w]})
@@ -304,9 +303,5 @@ def test_holders_by_place_weigh_sum_over_the_place_and_divide_by_the_processes_p
     holders.weight = None
     holders.reduce()
     torch.testing.assert_close(w.grad, torch.full((3,), 2 / 6), rtol=0, atol=0)
-    assert verdicts == [(0.0, "max")] * 2 and holders.finite  # agreed on with each reduction, before any vote
-    w.grad = torch.tensor([1.0, float("nan"), 0.0])
-    holders.reduce()
-    assert verdicts[-1] == (1.0, "max")
     with pytest.raises(ValueError, match="found 2 sets of holders"):
         HolderGroups.by_place(job, Place(), {(0, 2): [w], (1, 3): [w]})

@@ -75,8 +75,6 @@ class HolderGroups:
                  every: list[tuple[int, ...]] = (), made: dict[tuple[int, ...], Communicator] | None = None):
         self.job = job
         """Whose size divides the sums (an elastic job's quorum: the processes present)."""
-        self.finite: bool | None = None
-        """The verdict agreed on in the last `reduce`, until the step reads it."""
         self.weight: Callable[[], float] | None = None
         """This rank's gradients enter the sums times it (an elastic job's constant global batch, as the reducer's)."""
         mine = sorted(partitioned)
@@ -99,10 +97,7 @@ class HolderGroups:
             flat.mul_(w)
 
     def reduce(self) -> None:
-        """Sum each partitioned gradient over its holders and divide by the world size (in place), then
-        agree on whether they are finite (`finite`): that collective belongs to the reduction, before an
-        elastic job's vote, where a group lost in it costs the step (after the vote it would fail the
-        survivors)."""
+        """Sum each partitioned gradient over its holders and divide by the world size (in place)."""
         for (comm, params), flat_slots in zip(self.groups, self.flats):
             if flat_slots is None:
                 self._reduce_copied(comm, params)
@@ -114,13 +109,6 @@ class HolderGroups:
             if comm is not None:
                 comm.all_reduce(flat, "sum")
             flat.div_(self.world_size)
-        self.finite = self.agree_finite()
-
-    def agree_finite(self) -> bool:
-        """Are every rank's slices' gradients finite? (One verdict for all: the slices differ by place.)"""
-        verdict = torch.tensor([0.0 if all_finite([p.grad for p in self.params if p.grad is not None]) else 1.0])
-        self.job.all_reduce(verdict, "max")
-        return verdict.item() == 0.0
 
     def _reduce_copied(self, comm: Communicator | None, params: list[Tensor]) -> None:
         """A group of mixed dtypes or devices has no one flat buffer: pack, reduce, copy back."""
@@ -184,10 +172,11 @@ class Partitioned:
             self.holders.reduce()
 
     def all_finite(self) -> bool:
-        # The replicated gradients are the same everywhere; the slices' verdict was agreed on as they
-        # were reduced (or now, when they were not reduced this step).
-        slices, self.holders.finite = self.holders.finite, None
-        return self.inner.all_finite() and (self.holders.agree_finite() if slices is None else slices)
+        # The partitioned gradients differ from group to group: agree on one verdict.
+        verdict = torch.tensor([0.0 if self.inner.all_finite() and all_finite(
+            [p.grad for p in self.holders.params if p.grad is not None]) else 1.0])
+        self.job.all_reduce(verdict, "max")
+        return verdict.item() == 0.0
 
     def step(self) -> StepStats:
         return self.inner.step()
