@@ -245,8 +245,8 @@ def _elastic_world(monkeypatch, group_size=2, place=1, group=1):
     lost = []
     membership = SimpleNamespace(elastic=True, options=SimpleNamespace(group_size=group_size, groups=3), place=place,
                                  group=group, partner_lost=lost.append, joined=False)
-    fake = SimpleNamespace(membership=membership, partitioned=False, comm=None,
-                           replica_comms=lambda escape: (_Link(), None))
+    fake = SimpleNamespace(membership=membership, partitioned=False, comm=None, rank=group * group_size + place,
+                           world_size=3 * group_size, replica_comms=lambda escape: (_Link(), None))
     monkeypatch.setattr(partitioner.world, "init", lambda: fake)
     monkeypatch.delenv("TROUPE_CLUSTER", raising=False)
     return fake, lost
@@ -267,12 +267,52 @@ def test_elastic_partition_slices_by_the_groups_place_and_labels_the_job_s_ranks
     assert len(lost) == 1 and "Connection reset" in str(lost[0])  # the membership decides what a lost partner means
 
 
-def test_elastic_partition_refuses_another_group_size_and_the_auto_plan(monkeypatch):
+def test_elastic_partition_refuses_another_group_size_and_an_auto_plan_timed_in_the_job(monkeypatch):
     _elastic_world(monkeypatch)
     with pytest.raises(ValueError, match="workers_per_group 3 differs from the elastic job's worker groups of 2"):
         tp.partition(nn.Sequential(nn.Linear(8, 16)), 1, workers_per_group=3)
-    with pytest.raises(ValueError, match="plan 'auto' cannot run under troupe run --elastic"):
+    with pytest.raises(ValueError, match="plan 'auto' with link 'job' cannot run under troupe run --elastic"):
+        tp.partition(nn.Sequential(nn.Linear(8, 16)), "auto", sample=torch.zeros(4, 8), link="job")
+    with pytest.raises(ValueError, match="plan 'auto' needs sample="):
         tp.partition(nn.Sequential(nn.Linear(8, 16)), "auto")
+
+
+class _Store:
+    """The launcher's store, as a dict; `get` of a missing key is a bug here (it would wait)."""
+
+    def __init__(self):
+        self.data = {}
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.data[key]
+
+
+def test_elastic_auto_plan_is_rank_0_s_for_every_process_and_every_restart(monkeypatch):
+    from troupe.partition import partitioner
+    from troupe.partition.planner import auto
+
+    store, made = _Store(), []
+    real = auto.plan_here
+    monkeypatch.setattr(auto, "plan_here", lambda *a, **kw: made.append(a[2]) or real(*a, **kw))
+    model = lambda: nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))  # noqa: E731
+    plans = []
+    for group, place in ((1, 1), (0, 0), (2, 1), (0, 0)):  # rank 3 waits for rank 0's; rank 0 again: a restart
+        fake, _ = _elastic_world(monkeypatch, place=place, group=group)
+        fake.membership.store = store
+        if (group, place) == (1, 1):
+            with pytest.raises(KeyError):  # nothing posted yet: a real store would wait for rank 0
+                tp.partition(model(), "auto", sample=torch.zeros(4, 8), link="1gbit")
+            continue
+        m = tp.partition(model(), "auto", sample=torch.zeros(4, 8), link="1gbit")
+        plans.append([r.partition_dim for r in tp.describe(m) if r.type == "Linear"])
+    assert made == [6]  # rank 0 planned once, for the job's 6 processes; nobody else planned
+    assert plans[0] == plans[1] == plans[2] and partitioner.AUTO_PLAN_KEY in store.data
 
 
 def test_elastic_groups_of_one_leave_the_model_whole(monkeypatch):

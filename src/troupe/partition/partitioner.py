@@ -80,7 +80,7 @@ def partition(
                              f"({cluster.nworkers_per_group}): under a cluster a worker group computes one replica")
         workers_per_group = cluster.nworkers_per_group
         if cluster.elastic:  # elastic DiLoCo: its worker groups are the elastic groups
-            return _partition_elastic(model, plan, workers_per_group, default)
+            return _partition_elastic(model, plan, workers_per_group, default, sample, link)
         resolve_plan(model, plan if plan != "auto" else 0, workers_per_group, default=default)  # before joining
         from troupe.cluster import bootstrap  # the cluster's worker groups (its heavier modules load here only)
 
@@ -93,7 +93,7 @@ def partition(
             return model
         job = _job_comm(comm)
         if comm is None and world.init().membership.elastic:
-            return _partition_elastic(model, plan, workers_per_group, default)
+            return _partition_elastic(model, plan, workers_per_group, default, sample, link)
         if workers_per_group is None:
             raise ValueError("partition needs workers_per_group (the workers computing one replica)")
     if isinstance(plan, str) and plan == "auto":
@@ -114,7 +114,8 @@ def partition(
     return _slice(model, dims, group)
 
 
-def _partition_elastic(model: nn.Module, plan: Plan, workers_per_group: int | None, default: int | None) -> nn.Module:
+def _partition_elastic(model: nn.Module, plan: Plan, workers_per_group: int | None, default: int | None,
+                       sample: Tensor | None = None, link: str | Link = "loopback") -> nn.Module:
     """Under `troupe run --elastic`: the worker group computing one replica is the elastic group
     (`--nworker-groups`), whose communicator is made anew for every quorum. Nothing is broadcast:
     the process stands by alone until `troupe.track`, whose heal gives every group the source
@@ -127,8 +128,7 @@ def _partition_elastic(model: nn.Module, plan: Plan, workers_per_group: int | No
                          "processes (troupe run --elastic --nworker-groups): under --elastic a worker group "
                          "computes one replica")
     if isinstance(plan, str) and plan == "auto":
-        raise ValueError("plan 'auto' cannot run under troupe run --elastic (each process stands by alone when it "
-                         "partitions, so nobody can hand it rank 0's plan): run `troupe plan` once and pass its plan")
+        plan = _shared_auto_plan(w, model, k, sample, link)
     dims = resolve_plan(model, plan, k, default=default)
     _check_untied(model, [name for name, dim in dims.items() if dim != 0])
     comm = None
@@ -136,6 +136,36 @@ def _partition_elastic(model: nn.Module, plan: Plan, workers_per_group: int | No
         comm = _GroupLink(w.replica_comms(escape=False)[0], membership)
         w.partitioned, w.replica_group = True, comm
     return _slice(model, dims, WorkerGroup(comm, k, membership.place, membership.group, membership.options.groups))
+
+
+AUTO_PLAN_KEY = "partition/auto-plan"
+"""Where an elastic job keeps its plan "auto" in the launcher's store, for every process and every restart."""
+
+
+def _shared_auto_plan(w: world.World, model: nn.Module, k: int, sample: Tensor | None, link: str | Link) -> Plan:
+    """Plan "auto" under --elastic: every process stands by alone when it partitions, so rank 0 plans for the
+    whole job in its own process and posts the plan in the launcher's store; every other process waits for
+    it there, and a process started again later takes the same plan (the groups must compute one replica)."""
+    import json
+
+    from troupe.partition.planner.auto import plan_here
+    from troupe.partition.planner.link import Link as LinkType
+    from troupe.partition.planner.link import parse_link
+
+    if isinstance(link, str) and link.strip().lower() == "job":
+        raise ValueError("plan 'auto' with link 'job' cannot run under troupe run --elastic (it times the job's "
+                         "collectives, and a process stands by alone when it partitions): give a named link")
+    if sample is None:
+        raise ValueError("plan 'auto' needs sample=: one batch of this worker's input, for profiling")
+    store = w.membership.store
+    if not store.check([AUTO_PLAN_KEY]) and w.rank == 0:
+        status, value = plan_here(model, k, w.world_size, sample, link if isinstance(link, LinkType)
+                                  else parse_link(link))
+        store.set(AUTO_PLAN_KEY, json.dumps([status, value]))
+    status, value = json.loads(store.get(AUTO_PLAN_KEY))  # waits for rank 0's
+    if status != "ok":
+        raise ValueError(f"plan 'auto' failed on rank 0: {value}")
+    return value
 
 
 class _GroupLink:

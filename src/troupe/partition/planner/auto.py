@@ -56,23 +56,30 @@ def auto_plan(
     measured = _calibrate(model, sample, job) if in_job else None
     result: tuple[str, object] | None = None
     if job.rank == 0:
-        try:
-            profile = profile_model(model, sample, [workers_per_group], reps=AUTO_REPS)
-            if measured is not None:
-                profile = measured.scaled(profile)
-                setup = measured.apply(Setup(world_size=job.world_size, workers_per_group=workers_per_group,
-                                             link=measured.reduce))
-            else:
-                setup = Setup(world_size=job.world_size, workers_per_group=workers_per_group, link=link)
-            result = ("ok", plan_for(profile, setup))
-        except Exception as e:  # raised below on every rank, not only here (the others would wait)
-            result = ("error", f"{type(e).__name__}: {e}")
+        result = plan_here(model, workers_per_group, job.world_size, sample, link, measured)
     if job.world_size > 1:
         result = job.all_gather_object(result)[0]
     status, value = result
     if status != "ok":
         raise ValueError(f"plan 'auto' failed on rank 0: {value}")
     return value
+
+
+def plan_here(model: nn.Module, workers_per_group: int, world_size: int, sample: Tensor, link: Link,
+              measured: InStep | None = None) -> tuple[str, object]:
+    """("ok", {layer name: dim}) planned in this process for a job of `world_size`, or ("error", why): the
+    caller hands either to the other processes (which would otherwise wait for a plan that never comes)."""
+    try:
+        profile = profile_model(model, sample, [workers_per_group], reps=AUTO_REPS)
+        if measured is not None:
+            profile = measured.scaled(profile)
+            setup = measured.apply(Setup(world_size=world_size, workers_per_group=workers_per_group,
+                                         link=measured.reduce))
+        else:
+            setup = Setup(world_size=world_size, workers_per_group=workers_per_group, link=link)
+        return ("ok", plan_for(profile, setup))
+    except Exception as e:  # noqa: BLE001  (raised on every process by the caller)
+        return ("error", f"{type(e).__name__}: {e}")
 
 
 def _calibrate(model: nn.Module, sample: Tensor, job: Communicator) -> InStep | None:
