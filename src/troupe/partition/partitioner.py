@@ -9,7 +9,6 @@ the `_troupe_holders` labels; it never reduces gradients (DistOpt does, over the
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from torch import Tensor, nn
