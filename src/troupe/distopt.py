@@ -176,7 +176,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         if error is None:
             try:
                 self.synchronize()
-                error, self._lost = self._lost, None
+                error = self._lost
                 ahead = getattr(self.strategy, "ahead_of_vote", None)  # the part of its step a strategy takes before
                 if ahead is not None and error is None:                # the vote (elastic DiLoCo's exchange)
                     ahead()

@@ -102,39 +102,31 @@ PLAN = {"0": -1}
 def partitioned(cluster: str) -> list[torch.Tensor]:
     """DiLoCo over a model partitioned inside each worker group (SGD inner): the whole model (the group's
     slices put together) after every step."""
-    import os
-
-    import troupe
-
-    os.environ["TROUPE_CLUSTER"] = cluster
-    model = troupe.partition(make_model(), PLAN)
-    opt = troupe.DistOpt(INNER["sgd"](model.parameters()))
-    every_step = []
-    for t in range(STEPS):
-        loss_of(model, *batch(t, opt.global_rank)).backward()
-        opt.step()
-        opt.zero_grad()
-        every_step.append(torch.cat([v.reshape(-1) for v in troupe.partition.full_state_dict(model).values()]))
-    return every_step
+    return sgd_every_step(cluster, PLAN)
 
 
 def streaming(cluster: str) -> list[torch.Tensor]:
-    """Streaming DiLoCo (fragments) with the SGD inner optimizer: the parameters after every step.
+    """Streaming DiLoCo (fragments) with the SGD inner optimizer: the parameters after every step."""
+    return sgd_every_step(cluster)
 
-    A second DistOpt in the same world: it reads the cluster when it is made."""
+
+def sgd_every_step(cluster: str, plan: dict | None = None) -> list[torch.Tensor]:
+    """A second DistOpt in the same world (it reads the cluster when it is made), SGD inner, over the model
+    (partitioned by `plan` inside each group when given): the whole model after every step."""
     import os
 
     import troupe
 
     os.environ["TROUPE_CLUSTER"] = cluster
-    model = make_model()
+    model = make_model() if plan is None else troupe.partition(make_model(), plan)
     opt = troupe.DistOpt(INNER["sgd"](model.parameters()))
     every_step = []
     for t in range(STEPS):
         loss_of(model, *batch(t, opt.global_rank)).backward()
         opt.step()
         opt.zero_grad()
-        every_step.append(flat(model))
+        every_step.append(flat(model) if plan is None else
+                          torch.cat([v.reshape(-1) for v in troupe.partition.full_state_dict(model).values()]))
     return every_step
 
 
