@@ -81,6 +81,7 @@ def parse_args(argv=None):
                    help="--dist-option powerSGD: plain all-reduce steps before compression starts (default 0)")
     p.add_argument("--max-steps", type=int, default=None, help="stop each epoch after this many steps")
     p.add_argument("--train-size", type=int, default=None, help="use only the first N training samples")
+    p.add_argument("--test-size", type=int, default=None, help="evaluate on only the first N test samples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads per process")
     p.add_argument("--graph", action="store_true",
@@ -145,6 +146,8 @@ def train_mnist_cnn(args, ticket=None, local_rank=None, world_size=None):
     train_x, train_y, test_x, test_y = troupe.data.load_mnist(args.data)
     if args.train_size:
         train_x, train_y = train_x[: args.train_size], train_y[: args.train_size]
+    if args.test_size:
+        test_x, test_y = test_x[: args.test_size], test_y[: args.test_size]
     bs = args.batch_size
     # Each rank its share of one fresh permutation per epoch; rank and world size are the DistOpt's
     # data-parallel ones (under --partition every worker of a group still feeds its own share).

@@ -233,6 +233,19 @@ def _add_plan_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from troupe.runtime.zygote import RunRank
+
+    try:
+        return _main(argv)
+    except RunRank as rank:  # a rank forked from the zygote this launcher forked from itself (`_fork_zygote`)
+        request = rank.request
+    from troupe.runtime.zygote import run_rank
+
+    run_rank(request)  # outside the except block: the program's exceptions are its own, unchained
+    return 0
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "info":
         print(describe_machine())
@@ -654,6 +667,30 @@ class _Starter:
         return proc
 
 
+def _fork_zygote(args: argparse.Namespace, start: _Starter, say: Callable[[str], None]) -> None:
+    """Node 0's elastic launcher keeps the job's store, so it imports torch anyway: it does so with what the
+    ranks share as its environment and forks its zygote from itself (`zygote.fork_shared`), before any
+    thread of its own starts, instead of starting a second interpreter that imports torch again (2.5-3 s of
+    CPU at every such job's start here). Another node's launcher loads torch quieter than its ranks (below)."""
+    if args.node_rank == 0:
+        from troupe.runtime import zygote
+
+        zygote.fork_shared(start.env(None), say=say)
+
+
+def _quiet_torch() -> None:
+    """Import torch (the launcher's store), if not yet, with c10's C++ logging at FATAL: c10d warns on every
+    connection where the hostname does not resolve (a host without DNS for itself) and logs a page of C++
+    frames when node 0's store does not answer (one line says so here). It reads the variable as torch loads;
+    the ranks get the environment as it was."""
+    quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ and "torch" not in sys.modules
+    if quiet:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    importlib.import_module("torch")
+    if quiet:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
 def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     """Start the ranks of an elastic job, keep its quorum here, and restart a dead rank alone."""
     if getattr(args, "rejoining", False):
@@ -662,14 +699,6 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     # resolve (a host without DNS for itself) and logs a page of C++ frames when node 0's store does
     # not answer (one line says so here). Its C++ logging reads the variable as torch loads; the
     # ranks get the environment as it was.
-    quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
-    if quiet:
-        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
-    importlib.import_module("torch")  # loaded now, with the variable set
-
-    if quiet:
-        del os.environ["TORCH_CPP_LOG_LEVEL"]
-    from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT
     from troupe.runtime.lighthouse import Lighthouse, Reporter
     from troupe.runtime.quorum import ENV_VAR, ElasticOptions
 
@@ -681,10 +710,14 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     options = ElasticOptions(groups=groups, group_size=total // groups, min_groups=args.min_groups or 2,
                              **{k: v for k, v in given.items() if v is not None})
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    start = _Starter(args, {**extra_env, ENV_VAR: options.encode()}, ticket)
+    _fork_zygote(args, start, say)
+    _quiet_torch()
+    from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT
+
     # The quorum lives in node 0's launcher; another node's tells it what it sees of its own ranks.
     lighthouse = Lighthouse(ticket, options, say=say).start() if args.node_rank == 0 \
         else Reporter(ticket, settings.current().join_timeout or DEFAULT_JOIN_TIMEOUT)
-    start = _Starter(args, {**extra_env, ENV_VAR: options.encode()}, ticket)
     # Spares start once the first quorum has formed, not before: their imports would slow the ranks' start.
     count = options.group_size if args.spares is None else args.spares  # default: a whole group's worth
     first = args.node_rank * args.nproc
@@ -748,17 +781,20 @@ def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     under Hogwild, by copying a live group (cluster/serving/groupsync.py); a dead separate server ends the
     job, on every node, unless its workers can fail over to another server group's (asynchronous groups,
     several server groups): then the job goes on without it."""
-    from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT
     from troupe.runtime.lighthouse import Keeper
-    from troupe.runtime.rejoin import ENV_VAR
+    from troupe.runtime.quorum import REJOIN_VAR
 
     ticket = _ticket(args)
     first, nodes = args.node_rank * args.nproc, args.nnodes
+    evict = {} if args.evict_after is None else {"TROUPE_EVICT_AFTER": str(args.evict_after)}  # Sandblaster's servers
+    start = _Starter(args, {**extra_env, REJOIN_VAR: "1", **evict}, ticket)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    _fork_zygote(args, start, say)
+    _quiet_torch()
+    from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT
+
     keeper = Keeper(ticket, args.nproc * nodes, host=args.node_rank == 0,
                     timeout=settings.current().join_timeout or DEFAULT_JOIN_TIMEOUT)
-    evict = {} if args.evict_after is None else {"TROUPE_EVICT_AFTER": str(args.evict_after)}  # Sandblaster's servers
-    start = _Starter(args, {**extra_env, ENV_VAR: "1", **evict}, ticket)
-    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
 
     def fixed(rank: int) -> str | None:
         if rank not in args.servers:

@@ -101,7 +101,8 @@ def _example(*args, timeout=180, launcher=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_JOIN_TIMEOUT": "30", "TROUPE_TIMEOUT": "60"}
     launcher = launcher or [sys.executable, "-m", "troupe.cli", "run", "-n", "2"]
     cmd = [*launcher, *args[0], "examples/mnist_cnn.py",
-           "--epochs", "2", "--train-size", "3200", "--checkpoint-every", "10", "--quiet", *args[1]]
+           "--epochs", "2", "--train-size", "3200", "--test-size", "1000", "--checkpoint-every", "10", "--quiet",
+           *args[1]]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 

@@ -47,14 +47,23 @@ def start(launcher: list[str], script: Path, cwd: Path, *args: str) -> subproces
                             text=True, env=ENV, cwd=cwd)
 
 
-def finish(proc: subprocess.Popen, timeout: float = 120) -> str:
+TEARDOWN_ABORT = "terminate called without an active exception"
+"""What a plain DDP rank under torchrun printed once in ~40 runs of the suite when it aborted (SIGABRT) in
+PyTorch's Gloo teardown, after its last snapshot and inside ``destroy_process_group()`` (pytorch/pytorch#179291
+describes the finalization race)."""
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120, *, pytorch_teardown_may_abort: bool = False) -> str:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
         raise AssertionError(f"{proc.args} ran past {timeout}s\n{out}\n{err}") from None
-    assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}\n{out}\n{err}"
+    # The reference is PyTorch alone: an abort in its teardown after the last epoch is PyTorch's, not what
+    # this test compares (its snapshot is checked below: 4 epochs run); anything else fails.
+    torn_down = pytorch_teardown_may_abort and TEARDOWN_ABORT in err and "Epoch 3 | Training snapshot saved" in out
+    assert proc.returncode == 0 or torn_down, f"{proc.args} exited {proc.returncode}\n{out}\n{err}"
     return out
 
 
@@ -82,7 +91,7 @@ def test_three_lines_from_ddp_to_troupe(tmp_path):
     out = finish(start(TORCHRUN, SCRIPT, tmp_path / "troupe", "4", "1"))
     assert out.count("Resuming training from snapshot at Epoch 2") == 2, out
     assert re.findall(r"\[rank 0\] Epoch (\d+)", out) == ["2", "3"], out
-    finish(reference)
+    finish(reference, pytorch_teardown_may_abort=True)
 
     ours, theirs = snapshot(tmp_path / "troupe"), snapshot(tmp_path / "ddp")
     assert ours["EPOCHS_RUN"] == theirs["EPOCHS_RUN"] == 4

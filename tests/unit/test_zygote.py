@@ -160,3 +160,21 @@ def test_the_orphans_a_forked_rank_leaves_are_reaped_and_nothing_else(house, tmp
     # (earlier tests' ranks nobody waited for are this process's unknown zombies too: reaped as well)
     assert orphan in reaped and rank.pid not in reaped and z.proc.pid not in reaped
     assert z.alive(), "the zygote (a known child) was left alone"
+
+
+def test_an_elastic_launcher_forks_its_zygote_from_itself_and_a_rank_is_still_its_script(tmp_path):
+    """Node 0's elastic launcher imports torch for the job's store anyway: its zygote is forked from it (no
+    second interpreter importing torch). A rank is still what ``python SCRIPT`` would be: its argv and
+    ``__main__``, its own traceback and exit code; the launcher's frames it was forked inside do not catch
+    its exception (the launcher says "troupe run: X" of a ValueError of its own)."""
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys\nprint(os.environ['RANK'], sys.argv[1:], __name__, 'troupe.cli' in sys.modules, "
+                      "flush=True)\nif os.environ['RANK'] == '1':\n    raise ValueError('boom')\n")
+    done = subprocess.run([sys.executable, "-m", "troupe", "run", "-n", "2", "--elastic", "--restarts-per-rank", "0",
+                           str(script), "x"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    # forked from the launcher: its modules (troupe.cli) are there, as a zygote started afresh's are not
+    assert sorted(done.stdout.splitlines()) == ["0 ['x'] __main__ True", "1 ['x'] __main__ True"]
+    assert 'job.py", line 4, in <module>' in done.stderr and "ValueError: boom" in done.stderr
+    assert "During handling" not in done.stderr and "troupe run: boom" not in done.stderr
+    assert "troupe run: rank 1 exited with code 1" in done.stderr

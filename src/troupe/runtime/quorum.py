@@ -41,6 +41,8 @@ REJOIN_EXIT = 75
 """The exit code of a worker that was left out of the quorum and asks its launcher to start it again."""
 ENV_VAR = "TROUPE_ELASTIC"
 """JSON `ElasticOptions`, set by `troupe run --elastic` for every worker."""
+REJOIN_VAR = "TROUPE_REJOIN"
+"""Set ("1") by `troupe run --elastic` for a parameter-server framework (`troupe.runtime.rejoin`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,9 +28,6 @@ import torch.distributed as dist
 
 log = logging.getLogger("troupe.elastic")
 
-ENV_VAR = "TROUPE_REJOIN"
-"""Set ("1") by `troupe run --elastic` for a parameter-server framework."""
-
 
 def place_key(rank: int) -> str:
     return f"ps/place/{rank}"
