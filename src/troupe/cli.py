@@ -670,8 +670,9 @@ class _Starter:
 def _fork_zygote(args: argparse.Namespace, start: _Starter, say: Callable[[str], None]) -> None:
     """Node 0's elastic launcher keeps the job's store, so it imports torch anyway: it does so with what the
     ranks share as its environment and forks its zygote from itself (`zygote.fork_shared`), before any
-    thread of its own starts, instead of starting a second interpreter that imports torch again (2.5-3 s of
-    CPU at every such job's start here). Another node's launcher loads torch quieter than its ranks (below)."""
+    thread of its own starts, instead of starting a second interpreter that imports torch again (1 CPU-s
+    less at every such job's start here). Its C++ logging is then the ranks' (ERROR unless set), which hides
+    c10d's warnings as FATAL did; another node's launcher loads torch at FATAL (`_quiet_torch`)."""
     if args.node_rank == 0:
         from troupe.runtime import zygote
 
@@ -695,10 +696,6 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     """Start the ranks of an elastic job, keep its quorum here, and restart a dead rank alone."""
     if getattr(args, "rejoining", False):
         return _run_rejoining(args, extra_env)
-    # The launcher's own store, quiet: c10d warns on every connection where the hostname does not
-    # resolve (a host without DNS for itself) and logs a page of C++ frames when node 0's store does
-    # not answer (one line says so here). Its C++ logging reads the variable as torch loads; the
-    # ranks get the environment as it was.
     from troupe.runtime.lighthouse import Lighthouse, Reporter
     from troupe.runtime.quorum import ENV_VAR, ElasticOptions
 

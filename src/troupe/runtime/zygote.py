@@ -156,6 +156,8 @@ class Zygote:
             os.environ.update(saved)
         if sys.modules["torch"].cuda.is_initialized():
             raise OSError("CUDA was initialized while importing")
+        if threading.active_count() > 1:
+            raise OSError("importing torch started a thread: a fork would copy its locks")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         sys.stdout.flush()
         sys.stderr.flush()
