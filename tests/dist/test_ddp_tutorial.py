@@ -48,7 +48,7 @@ def start(launcher: list[str], script: Path, cwd: Path, *args: str) -> subproces
 
 
 TEARDOWN_ABORT = "terminate called without an active exception"
-"""What a plain DDP rank under torchrun printed once in ~40 runs of the suite when it aborted (SIGABRT) in
+"""What a plain DDP rank under torchrun printed in one of stop 40's six runs of the suite, aborting (SIGABRT) in
 PyTorch's Gloo teardown, after its last snapshot and inside ``destroy_process_group()`` (pytorch/pytorch#179291
 describes the finalization race)."""
 
