@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return _main(argv)
-    except RunRank as rank:  # a rank forked from the zygote this launcher forked from itself (`_fork_zygote`)
+    except RunRank as rank:  # a rank forked from the zygote this launcher forked from itself (`_load_torch`)
         request = rank.request
     from troupe.runtime.zygote import run_rank
 
@@ -667,23 +667,20 @@ class _Starter:
         return proc
 
 
-def _fork_zygote(args: argparse.Namespace, start: _Starter, say: Callable[[str], None]) -> None:
-    """Node 0's elastic launcher keeps the job's store, so it imports torch anyway: it does so with what the
-    ranks share as its environment and forks its zygote from itself (`zygote.fork_shared`), before any
-    thread of its own starts, instead of starting a second interpreter that imports torch again (1 CPU-s
-    less at every such job's start here). Its C++ logging is then the ranks' (ERROR unless set), which hides
-    c10d's warnings as FATAL did; another node's launcher loads torch at FATAL (`_quiet_torch`)."""
+def _load_torch(args: argparse.Namespace, start: _Starter, say: Callable[[str], None]) -> None:
+    """An elastic launcher keeps (node 0) or reaches the job's store, so it imports torch itself.
+
+    Node 0's does so with what the ranks share as its environment and forks its zygote from itself
+    (`zygote.fork_shared`), before any thread of its own starts, instead of starting a second interpreter
+    that imports torch again (1 CPU-s less at every such job's start here); its C++ logging is then the
+    ranks' (ERROR unless set), which hides c10d's warnings as FATAL does. Another node's launcher loads
+    torch with c10's C++ logging at FATAL: c10d warns on every connection where the hostname does not
+    resolve (a host without DNS for itself) and logs a page of C++ frames when node 0's store does not
+    answer (one line says so here); its ranks get the environment as it was."""
     if args.node_rank == 0:
         from troupe.runtime import zygote
 
         zygote.fork_shared(start.env(None), say=say)
-
-
-def _quiet_torch() -> None:
-    """Import torch (the launcher's store), if not yet, with c10's C++ logging at FATAL: c10d warns on every
-    connection where the hostname does not resolve (a host without DNS for itself) and logs a page of C++
-    frames when node 0's store does not answer (one line says so here). It reads the variable as torch loads;
-    the ranks get the environment as it was."""
     quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ and "torch" not in sys.modules
     if quiet:
         os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
@@ -708,8 +705,7 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
                              **{k: v for k, v in given.items() if v is not None})
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     start = _Starter(args, {**extra_env, ENV_VAR: options.encode()}, ticket)
-    _fork_zygote(args, start, say)
-    _quiet_torch()
+    _load_torch(args, start, say)
     from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT
 
     # The quorum lives in node 0's launcher; another node's tells it what it sees of its own ranks.
@@ -786,8 +782,7 @@ def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     evict = {} if args.evict_after is None else {"TROUPE_EVICT_AFTER": str(args.evict_after)}  # Sandblaster's servers
     start = _Starter(args, {**extra_env, REJOIN_VAR: "1", **evict}, ticket)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    _fork_zygote(args, start, say)
-    _quiet_torch()
+    _load_torch(args, start, say)
     from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT
 
     keeper = Keeper(ticket, args.nproc * nodes, host=args.node_rank == 0,

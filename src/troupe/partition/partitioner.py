@@ -147,24 +147,20 @@ def _shared_auto_plan(w: world.World, model: nn.Module, k: int, sample: Tensor |
     it there, and a process started again later takes the same plan (the groups must compute one replica)."""
     import json
 
-    from troupe.partition.planner.auto import plan_here
+    from troupe.partition.planner.auto import check_sample, plan_here, plan_of
     from troupe.partition.planner.link import Link as LinkType
     from troupe.partition.planner.link import parse_link
 
     if isinstance(link, str) and link.strip().lower() == "job":
         raise ValueError("plan 'auto' with link 'job' cannot run under troupe run --elastic (it times the job's "
                          "collectives, and a process stands by alone when it partitions): give a named link")
-    if sample is None:
-        raise ValueError("plan 'auto' needs sample=: one batch of this worker's input, for profiling")
+    check_sample(sample)
     store = w.membership.store
     if not store.check([AUTO_PLAN_KEY]) and w.rank == 0:
         status, value = plan_here(model, k, w.world_size, sample, link if isinstance(link, LinkType)
                                   else parse_link(link))
         store.set(AUTO_PLAN_KEY, json.dumps([status, value]))
-    status, value = json.loads(store.get(AUTO_PLAN_KEY))  # waits for rank 0's
-    if status != "ok":
-        raise ValueError(f"plan 'auto' failed on rank 0: {value}")
-    return value
+    return plan_of(json.loads(store.get(AUTO_PLAN_KEY)))  # waits for rank 0's
 
 
 class _GroupLink:

@@ -245,11 +245,6 @@ class RunRank(BaseException):
         self.request = request
 
 
-def run_rank(request: dict[str, Any]) -> None:
-    """Run a forked rank's program (see `RunRank`)."""
-    _run(request)
-
-
 def current() -> Zygote | None:
     """This process's zygote if it has started one (without starting it)."""
     return _shared.get("zygote")
@@ -369,8 +364,9 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
         torch.set_num_threads(int(threads))
 
 
-def _run(request: dict[str, Any]) -> None:
-    """Run the rank's program as ``python`` would, in this (top-level) frame's interpreter."""
+def run_rank(request: dict[str, Any]) -> None:
+    """Run the rank's program as ``python`` would, in this (top-level) frame's interpreter (the zygote's
+    `main`, or `troupe.cli.main` for a rank of a zygote forked from the launcher: see `RunRank`)."""
     import runpy
 
     argv = request["argv"]
@@ -398,18 +394,29 @@ def _forked_zygote(sock: socket.socket) -> None:
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):  # a launcher's handlers are not a rank's
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `main`
-        gc.freeze()
-        request = _serve(sock)
+        request = _live(sock)
     except BaseException:  # never back into the launcher's code
         import traceback
 
         traceback.print_exc()
         os._exit(1)
+    raise RunRank(request)
+
+
+def _live(sock: socket.socket) -> dict[str, Any]:
+    """A zygote's life once it has imported: fork a rank per request. Returns only in a forked rank, with its
+    request; the zygote itself exits here once its launcher is done, with ``os._exit`` (no module-by-module
+    teardown of torch: 0.2-0.3 s of CPU at the end of every job here; it holds nothing needing finalizers)."""
+    # What is imported now lives as long as any rank: out of the collector's sight, it is neither walked by
+    # each collection nor torn down object by object at each rank's exit (0.6 s of a rank's 0.9 s exit here),
+    # and forked pages stay shared.
+    gc.freeze()
+    request = _serve(sock)
     if request is None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    raise RunRank(request)
+    return request
 
 
 def main() -> None:
@@ -422,19 +429,7 @@ def main() -> None:
     if torch.cuda.is_initialized():  # a forked child could not use CUDA: let the launcher start ranks afresh
         print("troupe zygote: CUDA was initialized while importing; ranks start afresh", file=sys.stderr, flush=True)
         return
-    # What is imported now lives as long as any rank: out of the collector's sight, it is neither walked by
-    # each collection nor torn down object by object at each rank's exit (0.6 s of a rank's 0.9 s exit here),
-    # and forked pages stay shared.
-    gc.freeze()
-    request = _serve(sock)
-    if request is not None:
-        _run(request)
-        return
-    # The launcher is done with it: leave without tearing torch down module by module (0.2-0.3 s of CPU
-    # at the end of every job here; the zygote holds nothing that needs its finalizers).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_rank(_live(sock))
 
 
 if __name__ == "__main__":

@@ -46,10 +46,7 @@ def auto_plan(
             measure this job's costs in the step (`instep`); every rank runs the model's
             forward and backward on its `sample` (a copy of the model; the model is untouched).
     """
-    if sample is None:
-        raise ValueError("plan 'auto' needs sample=: one batch of this worker's input, for profiling")
-    if not isinstance(sample, Tensor):
-        raise TypeError(f"sample must be a Tensor (one batch of this worker's input), got {type(sample).__name__}")
+    check_sample(sample)
     in_job = isinstance(link, str) and link.strip().lower() == "job"
     link = link if isinstance(link, Link) or in_job else parse_link(link)
     check_world(job.world_size, workers_per_group)
@@ -59,10 +56,23 @@ def auto_plan(
         result = plan_here(model, workers_per_group, job.world_size, sample, link, measured)
     if job.world_size > 1:
         result = job.all_gather_object(result)[0]
+    return plan_of(result)
+
+
+def check_sample(sample: object) -> None:
+    """Plan "auto" profiles one batch: a clear error without one."""
+    if sample is None:
+        raise ValueError("plan 'auto' needs sample=: one batch of this worker's input, for profiling")
+    if not isinstance(sample, Tensor):
+        raise TypeError(f"sample must be a Tensor (one batch of this worker's input), got {type(sample).__name__}")
+
+
+def plan_of(result: tuple[str, object]) -> dict[str, int]:
+    """The plan in `plan_here`'s result, as every process reads it; its error raised where it failed."""
     status, value = result
     if status != "ok":
         raise ValueError(f"plan 'auto' failed on rank 0: {value}")
-    return value
+    return value  # type: ignore[return-value]
 
 
 def plan_here(model: nn.Module, workers_per_group: int, world_size: int, sample: Tensor, link: Link,
