@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     elastic.add_argument("--evict-after", type=float, default=None,
                          help="--elastic: seconds without a heartbeat before a worker is left out (default 5; "
                               "under sandblaster: a frozen worker its group waits for; under hogwild: a frozen "
-                              "group the others stop syncing with)")
+                              "group the others stop syncing with; with several server groups: a frozen server, "
+                              "killed so that its workers fail over)")
     elastic.add_argument("--elastic-timeout", type=float, default=None,
                          help="--elastic: seconds a step waits for a frozen peer before leaving it out (default 10)")
     _add_cluster_flags(run)
@@ -816,13 +817,29 @@ def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
             say(f"troupe run: another node stopped the job (code {code}); stopping this node's ranks")
             raise _EndedElsewhere(code)
 
+    mine = [r for r in range(first, first + args.nproc) if r in args.servers] if args.fails_over else []
+    evict_after = args.evict_after or settings.current().evict_after
+
+    def frozen() -> dict[int, str]:
+        """This node's separate servers frozen past --evict-after (SIGSTOP, a hang), while another copy of
+        their slices lives: killed, so that their workers fail over (a frozen server cannot come back as a
+        frozen worker does: nothing would take its place while it restarts)."""
+        out = {}
+        for rank, still in keeper.frozen(mine, evict_after).items():
+            group, index = args.server_places[rank]
+            copies = [r for r, (_, j) in args.server_places.items() if j == index and r != rank]
+            if keeper.gone(copies) < set(copies):
+                out[rank] = (f"(server {index} of server group {group}) has not beaten for {still:.1f} s, past "
+                             f"--evict-after {evict_after:g} s: frozen or hung")
+        return out
+
     left_out = "was evicted by its server while it was frozen" if args.servers else \
         "was frozen past --evict-after: the other groups went on without it"
     code = 1
     try:
         code = _supervise_restarting(args, start, keeper, 1 if args.spares is None else args.spares,
                                      list(range(first, first + args.nproc)), say, fixed=fixed, finish_closes=False,
-                                     also_poll=ended_elsewhere, left_out=left_out, let_go=let_go)
+                                     also_poll=ended_elsewhere, left_out=left_out, let_go=let_go, frozen=frozen)
         return code
     except _EndedElsewhere as e:
         code = e.code

@@ -306,3 +306,27 @@ def test_a_killed_server_s_workers_fail_over_to_another_server_group_and_the_job
     for k in (0, 1):  # parts mastered by server groups 0 and 1 (ranks 3 and 4)
         for s, lo, hi in parts(model_slices(), 3)[k]:
             torch.testing.assert_close(states[0][s.id][lo:hi], states[1][s.id][lo:hi], atol=1e-6, rtol=0)
+
+
+@pytest.mark.timeout(150)
+def test_a_frozen_server_is_killed_past_evict_after_and_its_workers_fail_over(tmp_path):
+    # 2 workers over 2 server groups of one server (worker g's server is rank 2 + g), --evict-after 2: worker 1
+    # SIGSTOPs rank 3 before its step 8 and trains on. That step's update waits in the frozen server's socket
+    # until rank 3's launcher sees its beat stand still for 2 s and kills it (a frozen server would otherwise be
+    # waited for until SIGCONT); worker 1 then fails over to rank 2, and nobody restarts.
+    proc = troupe_run(tmp_path, "stop-server", "--nworker-groups", "2", "--nworkers-per-group", "1",
+                      "--nserver-groups", "2", "--nservers-per-group", "1", "--evict-after", "2",
+                      TROUPE_PEER_TIMEOUT="3", TROUPE_CHECKPOINT_DIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [report(tmp_path, r) for r in range(2)]
+    assert [r["incarnation"] for r in runs] == [0, 0] and all(r["steps"] == job.STEPS for r in runs)
+    assert re.search(r"troupe run: rank 3 \(server 0 of server group 1\) has not beaten for [0-9.]+ s, past "
+                     r"--evict-after 2 s: frozen or hung; killing it", proc.stderr), proc.stderr[-3000:]
+    assert ("troupe run: rank 3 exited with signal 9 (SIGKILL); it was server 0 of server group 1, which is not "
+            "restarted") in proc.stderr
+    assert f"troupe worker rank 1: server rank(s) [3] gone at step {job.FAULT_AT + 1}" in proc.stderr
+    assert runs[1]["servers"] == [2] and proc.stderr.count("; killing it") == 1
+    # Rank 2 applied every update of worker 0 and every one of worker 1's after the one the frozen server held.
+    slices = len(model_slices())
+    updates = {int(r): int(n) for r, n in re.findall(r"troupe server rank (\d): (\d+) slice updates", proc.stderr)}
+    assert updates == {2: (2 * job.STEPS - job.FAULT_AT - 1) * slices}, proc.stderr[-2000:]

@@ -387,3 +387,31 @@ def test_elastic_parameter_servers_keepers_tell_each_other_how_their_node_ended(
     Keeper(ticket, 6, host=False, timeout=5.0).beat(2)
     host.wait_for_nodes(3, silence=30.0, say=said.append)
     assert said == ["troupe run: node 2's launcher has said nothing for 30 s; the job's store (this node's) closes"]
+
+
+def test_a_keeper_finds_a_server_frozen_once_its_beat_stood_still_past_evict_after_never_one_starting_or_leaving(
+        monkeypatch):
+    from troupe.runtime import lighthouse
+    from troupe.runtime.lighthouse import Keeper
+    from troupe.runtime.rejoin import beat_key, closing_key
+
+    keeper = Keeper(Ticket(), 4, host=True)
+    clock = [0.0]
+    monkeypatch.setattr(lighthouse.time, "monotonic", lambda: clock[0])
+
+    def look(dt: float) -> dict[int, float]:
+        clock[0] += dt
+        return keeper.frozen([1, 2, 3], evict_after=2.0)
+
+    keeper.store.add(beat_key(2), 1)
+    keeper.store.add(beat_key(3), 1)
+    assert look(0.0) == {}
+    assert look(0.125) == {}  # looked at most every BEAT_SECONDS: nothing read
+    keeper.store.add(beat_key(2), 1)  # rank 2 beats on; rank 3 stops; rank 1 never started beating
+    assert look(1.0) == {}
+    keeper.store.set(closing_key(3), "1")
+    assert look(1.5) == {}  # rank 3 stood still 2.625 s, but it said it is leaving
+    keeper.store.add(beat_key(3), 1)  # (a process that said so and beats again: the mark stays, it is let be)
+    assert look(0.5) == {2: 2.0}  # rank 2 stood still since its beat seen at 1.125 s: frozen
+    keeper.store.delete_key(closing_key(3))
+    assert look(2.0) == {2: 4.0, 3: 2.0}  # rank 1: still starting (no beat yet), never frozen

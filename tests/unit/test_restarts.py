@@ -74,6 +74,27 @@ def test_a_rank_let_go_is_not_restarted_and_the_others_finish_with_code_0():
     assert lines == ["troupe run: rank 1 exited with signal 9 (SIGKILL); its workers fail over; the others train on"]
 
 
+def test_a_frozen_rank_is_killed_once_and_its_death_is_let_go():
+    # A frozen separate server (frozen() names it) is killed at that look; its death then goes the way of any
+    # other: let_go (its workers fail over), no restart, no budget. Asked again, a dead rank is not killed twice.
+    server, killed, looks = Killable(), [], []
+
+    def frozen():
+        looks.append(1)
+        return {1: "has not beaten for 2.0 s"} if len(looks) >= 3 else {}
+
+    def kill(proc):
+        killed.append(proc)
+        proc.kill()
+
+    code, spawns, lines, _ = supervise({0: [Proc(0, alive=20)], 1: [server]}, budget=0, finish_closes=False,
+                                       let_go=lambda rank: "its workers fail over" if rank == 1 else None,
+                                       frozen=frozen, kill=kill)
+    assert code == 0 and spawns == [(0, 0), (1, 0)] and killed == [server]
+    assert lines == ["troupe run: rank 1 has not beaten for 2.0 s; killing it",
+                     "troupe run: rank 1 exited with signal 9 (SIGKILL); its workers fail over; the others train on"]
+
+
 def test_a_dead_rank_restarts_alone_with_the_next_incarnation_and_the_job_ends_when_all_finish():
     code, spawns, lines, house = supervise({0: [Proc(0, alive=5)], 1: [Proc(-9), Proc(0)]}, budget=2)
     assert code == 0

@@ -285,6 +285,8 @@ def _rejoining_job(cluster: ClusterConfig, runtime: World, membership: Rejoining
     if role.worker is not None:
         membership.data_place = (workers.index(role.rank), len(workers))
         membership.start_beating()  # its servers (or the other Hogwild groups) tell it frozen from slow by this
+    elif cluster.servers_fail_over:
+        membership.start_beating()  # its launcher kills it once frozen, and its workers fail over
     links, sync_channels = None, None
     if cluster.server_worker_separate:
         links = Links(membership.store, role.rank, timeout, connect=lambda: membership.connect(LINK_FORM_SECONDS))

@@ -382,7 +382,8 @@ class Keeper:
         self.store = dist.PrefixStore(f"troupe/{ticket.token}/", self._base)
         self.ranks = ranks
         self._formed = False
-        self._beaten = float("-inf")
+        self._beaten = self._looked = float("-inf")
+        self._beats = None  # a BeatWatch over the separate servers' beats, from the first look (`frozen`)
 
     @property
     def formed_once(self) -> bool:
@@ -412,6 +413,29 @@ class Keeper:
         from troupe.runtime.rejoin import gone_key
 
         return {rank for rank in ranks if self.store.check([gone_key(rank)])}
+
+    def frozen(self, ranks: list[int], evict_after: float) -> dict[int, float]:
+        """Of these processes (separate servers whose workers fail over), those whose beat has stood still
+        for `evict_after` seconds: {rank: seconds}. Looked at every BEAT_SECONDS at most. A process not yet
+        beating (still starting) or leaving (`closing_key`) is never frozen."""
+        from troupe.runtime.rejoin import BEAT_SECONDS, BeatWatch, beat_key, closing_key
+
+        now = time.monotonic()
+        if now - self._looked < BEAT_SECONDS:
+            return {}
+        self._looked = now
+        if self._beats is None:
+            self._beats = BeatWatch(lambda rank: self.store.add(beat_key(rank), 0))
+        out = {}
+        try:
+            for rank in ranks:
+                still = self._beats.still_for(rank)
+                if still >= evict_after and self.store.add(beat_key(rank), 0) and \
+                        not self.store.check([closing_key(rank)]):
+                    out[rank] = still
+        except (RuntimeError, ConnectionError, OSError):  # node 0's store is gone: the job is over
+            return {}
+        return out
 
     def beat(self, node: int) -> None:
         """This node's launcher is alive (at most once a second; node 0 reads it in `wait_for_nodes`)."""

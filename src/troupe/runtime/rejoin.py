@@ -37,6 +37,11 @@ def beat_key(rank: int) -> str:
     return f"ps/beat/{rank}"
 
 
+def closing_key(rank: int) -> str:
+    """Set by a process whose beat stops because it is leaving (not frozen): its launcher lets it be."""
+    return f"ps/closing/{rank}"
+
+
 def gone_key(rank: int) -> str:
     """Set by a launcher when separate server `rank` died (never restarted): a worker that starts later
     sends its slices to the next server group's instead, and does not dial it."""
@@ -108,7 +113,13 @@ class Rejoining:
 
     def close(self) -> None:
         """Stop beating, and wait for the beat thread (one inside a store call when the interpreter ends
-        aborts the process: Python ends such a thread by unwinding through pybind11's frames)."""
+        aborts the process: Python ends such a thread by unwinding through pybind11's frames). A beat that
+        stops here is this process leaving, not freezing: said in the store first, for the launcher."""
+        if self._beating is not None:
+            try:
+                self.store.set(closing_key(self.rank), "1")
+            except (RuntimeError, ConnectionError, OSError):
+                pass  # the launcher's store is gone: the job is over
         self._stop.set()
         if self._beating is not None:
             self._beating.join(BEAT_SECONDS * 4)

@@ -58,7 +58,8 @@ def supervise(spawn: Callable[[int, int], subprocess.Popen], ranks: list[int], l
               kill: Callable[[subprocess.Popen], None] = _kill,
               fixed: Callable[[int], str | None] = lambda rank: None, finish_closes: bool = True,
               left_out: str = "was left out of the quorum while it was paused",
-              let_go: Callable[[int], str | None] = lambda rank: None) -> int:
+              let_go: Callable[[int], str | None] = lambda rank: None,
+              frozen: Callable[[], dict[int, str]] = dict) -> int:
     """Run `ranks` (each `spawn(rank, incarnation)`) until all finish; restart the dead ones alone (with
     `group_size` > 1, with the rest of their worker group, which `kill` stops and waits for).
     `every_poll()` runs at each look at the processes (the launcher starts its spares there).
@@ -67,21 +68,27 @@ def supervise(spawn: Callable[[int, int], subprocess.Popen], ranks: list[int], l
     server whose workers fail over to another server group), or None.
     `finish_closes`: the first rank to finish ends the restarts (synchronous groups finish together;
     asynchronous workers do not). `left_out`: what a rank that exits with REJOIN_EXIT went through (it is
-    started again at once, not counted as a failure)."""
+    started again at once, not counted as a failure). `frozen()`: at each look, running ranks to kill now
+    ({rank: why}; a frozen separate server: its death is then handled as any other, by `let_go`)."""
     state = {r: _Rank(spawn(r, 0)) for r in ranks}
     try:
         return _watch(state, spawn, lighthouse, restarts_per_rank, say, stop_all, every_poll, group_size, kill,
-                      fixed, finish_closes, left_out, let_go)
+                      fixed, finish_closes, left_out, let_go, frozen)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (troupe run raises it): never leave a worker behind
         stop_all([s.proc for s in state.values()])
         raise
 
 
 def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, say, stop_all, every_poll,
-           group_size: int, kill, fixed, finish_closes: bool, left_out: str, let_go) -> int:
+           group_size: int, kill, fixed, finish_closes: bool, left_out: str, let_go, frozen) -> int:
     closing = False
     while True:
         now = time.monotonic()
+        for rank, reason in frozen().items():
+            s = state[rank]
+            if not closing and not s.finished and s.due is None and s.proc.poll() is None:
+                say(f"troupe run: rank {rank} {reason}; killing it")
+                kill(s.proc)  # seen dead at this look, below
         for rank, s in state.items():
             if s.finished:
                 continue

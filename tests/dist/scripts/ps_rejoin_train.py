@@ -12,6 +12,7 @@ MODE (faults in first incarnations only):
               (the test sends SIGCONT)
   kill-server the highest-numbered worker SIGKILLs its server at step FAULT_AT (and waits until it is gone),
               then itself 5 steps later
+  stop-server the highest-numbered worker SIGSTOPs its server at step FAULT_AT, and trains on
 Every worker takes STEPS steps of its own shard; each writes OUT/rank{r}.json (its last incarnation:
 where it resumed, the batches it took) and OUT/rank{r}.pt (its parameters after its last step, i.e.
 the servers' values after its last update).
@@ -63,7 +64,9 @@ def main(out: Path, mode: str) -> None:
             again = mode == "kill-twice" and rank == workers - 1 and incarnation == 1 and \
                 opt.step_count == back_at + 5
             if fatal and mode == "kill-server":
-                kill_my_server(opt)
+                signal_my_server(opt, signal.SIGKILL)
+            elif fatal and mode == "stop-server":
+                signal_my_server(opt, signal.SIGSTOP)
             elif mode == "kill-server" and rank == workers - 1 and incarnation == 0 and opt.step_count == FAULT_AT + 5:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fatal and mode == "stop":
@@ -85,15 +88,16 @@ def main(out: Path, mode: str) -> None:
         "servers": sorted(set(getattr(opt.strategy, "server_of", {}).values()))}))
 
 
-def kill_my_server(opt) -> None:
-    """SIGKILL the server of this worker's first slice (on this host) and wait until its process has ended."""
+def signal_my_server(opt, sig: signal.Signals) -> None:
+    """Send `sig` to the server of this worker's first slice (on this host); after a SIGKILL wait until its
+    process has ended."""
     from troupe.cluster.serving.server import process_alive
     from troupe.runtime.world import current
 
     server = opt.strategy.server_of[0]
     host, pid = current().cluster_job.processes[server]
-    os.kill(pid, signal.SIGKILL)
-    while process_alive(host, pid):
+    os.kill(pid, sig)
+    while sig == signal.SIGKILL and process_alive(host, pid):
         time.sleep(0.01)
 
 
