@@ -280,8 +280,8 @@ def test_a_killed_server_s_workers_fail_over_to_another_server_group_and_the_job
     # 3 workers (groups of one), 3 server groups of one server: worker g's server is rank 3 + g. Worker 2 kills
     # rank 5 before its step 8 (that step's update dies with it); from then on its slices go to rank 3, also
     # after worker 2 itself is killed 5 steps later and restarts (it does not dial rank 5 again). The job runs
-    # on past the heartbeat timeout (3 s; 0.3 s a step): a dead server's silence ends nobody. Ranks 3 and 4 keep syncing with each other: the parts whose master copies
-    # they hold end equal (the dead one's part, whose master died with it, each keeps its own values of).
+    # on past the heartbeat timeout (3 s; 0.3 s a step): a dead server's silence ends nobody. Ranks 3 and 4 keep syncing with each other,
+    # and the dead one's part gets a new master (server group 0, the next live one after 2): all three parts end equal.
     proc = troupe_run(tmp_path, "kill-server", "--nworker-groups", "3", "--nworkers-per-group", "1",
                       "--nserver-groups", "3", "--nservers-per-group", "1", PAUSE="0.3", TROUPE_PEER_TIMEOUT="3",
                       TROUPE_CHECKPOINT_DIR=str(tmp_path))
@@ -303,9 +303,10 @@ def test_a_killed_server_s_workers_fail_over_to_another_server_group_and_the_job
     for rank in (3, 4):  # serving until worker 2's second life ends: each said so once, and went on
         assert proc.stderr.count(f"troupe: rank {rank}: rank 5 sent no heartbeat for") == 1, rank
     states = [torch.load(tmp_path / f"ps-server-{rank}.pt", weights_only=True)["values"] for rank in (3, 4)]
-    for k in (0, 1):  # parts mastered by server groups 0 and 1 (ranks 3 and 4)
+    for k in (0, 1, 2):  # parts mastered by server groups 0 and 1 (ranks 3 and 4), and part 2, taken over by rank 3
         for s, lo, hi in parts(model_slices(), 3)[k]:
             torch.testing.assert_close(states[0][s.id][lo:hi], states[1][s.id][lo:hi], atol=1e-6, rtol=0)
+    assert "part 2's master copy is server group 0's (this server) from now on" in proc.stderr
 
 
 @pytest.mark.timeout(150)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 
 import pytest
@@ -98,6 +99,14 @@ class Net:
     def __init__(self):
         self.boxes: dict[int, list[tuple[int, int, torch.Tensor]]] = defaultdict(list)
         self.cv = threading.Condition()
+        self.dead: set[int] = set()
+
+    def kill(self, rank: int) -> None:
+        """`rank`'s process dies: what it sends is lost, its receives fail, and so do the others' receives from
+        it once nothing it sent before is left (a reset connection)."""
+        with self.cv:
+            self.dead.add(rank)
+            self.cv.notify_all()
 
     def comm(self, rank: int) -> Comm:
         return Comm(self, rank)
@@ -109,7 +118,8 @@ class Comm:
 
     def send(self, tensor, dst, tag=0):
         with self.net.cv:
-            self.net.boxes[dst].append((self.rank, tag, tensor.detach().clone()))
+            if not {self.rank, dst} & self.net.dead:
+                self.net.boxes[dst].append((self.rank, tag, tensor.detach().clone()))
             self.net.cv.notify_all()
 
     def isend(self, tensor, dst, tag=0):
@@ -122,7 +132,12 @@ class Comm:
             def first():
                 return next((i for i, (s, t, _) in enumerate(box) if t == tag and src in (None, s)), None)
 
-            self.net.cv.wait_for(lambda: first() is not None, timeout=30)
+            def reset():
+                return self.rank in self.net.dead or (src in self.net.dead and first() is None)
+
+            self.net.cv.wait_for(lambda: first() is not None or reset(), timeout=30)
+            if reset():
+                raise RuntimeError(f"rank {self.rank}: connection reset (rank {src} died)")
             i = first()
             assert i is not None, f"rank {self.rank}: nothing to receive from {src} on tag {tag}"
             s, _, value = box.pop(i)
@@ -200,8 +215,8 @@ def test_a_server_rejects_forged_peer_messages_and_keeps_its_footing():
     forged = [
         (11, 10, Op.MERGED, 1, torch.full((6,), 1e6)),  # an answer to no Merge in flight
         (11, 10, Op.FINAL, 1, torch.full((6,), 1e6)),  # a Final before either finished
-        (11, 10, Op.MERGE, 0, torch.full((5,), 1e6)),  # names the wrong server group
-        (11, 10, Op.MERGE, 1, torch.full((4,), 1e6)),  # wrong length for the part held here
+        (11, 10, Op.MERGE, 1, torch.full((6,), 1e6)),  # names the part the sender's own group masters
+        (11, 10, Op.MERGE, 0, torch.full((4,), 1e6)),  # wrong length for the part held here
         (11, 10, Op.MERGED, 1, torch.full((2,), 1e6)),  # wrong length (drained: the next message lines up)
     ]
     steps = 5
@@ -224,3 +239,73 @@ def test_a_dead_neighbour_is_forgotten():
         assert sync.done() and sync.watching() == [] and "peers gone: [11]" in sync.stats()
         with pytest.raises(MessageError, match="forgotten"):
             sync.handle(11, Header(Op.FINISHED, 1, 0, 11, 0))
+
+
+def test_a_dead_server_group_s_part_gets_a_new_master_and_the_survivors_end_equal_on_every_part():
+    # Three server groups of one server (ranks 10, 11, 12), a worker each (worker 2's gradients are zero). Rank 12
+    # dies after some syncs: its part 2 moves to server group 0 (the next live one after 2), which takes it over
+    # from the value it last adopted; rank 11 Merges part 2 there from then on, and the Finals make ranks 10 and
+    # 11 equal on all three parts. Parts 0 and 1 lose nothing (their masters live): they end where the mean of
+    # every group's change puts them; part 2 loses at most what only the dead master held.
+    servers3, workers3, sync_freq, steps = {0: 10, 1: 11, 2: 12}, {0: 0, 1: 1, 2: 2}, 2, 12
+    grads = {0: torch.linspace(-1, 1, 11), 1: torch.linspace(2, 0.5, 11) ** 2, 2: torch.zeros(11)}
+    net, channel = Net(), Net()
+    slices = plan_slices(NUMELS, 1)
+    shards, servers, stats = {}, {}, {}
+    for g, rank in servers3.items():
+        shards[g] = ParamShard(slices, torch.optim.SGD([torch.zeros(1)], lr=1.0), [0, 0], {g: {workers3[g]}})
+        sync = ServerSync(channel.comm(rank), MasterCopies(shards[g], g, 3), {k: r for k, r in servers3.items()
+                                                                             if k != g}, sync_freq, {workers3[g]})
+        servers[g] = Server(net.comm(rank), shards[g], workers=list(workers3.values()), putters={0}, sync=sync,
+                            alive=lambda r: r not in channel.dead)
+
+    def updates(g: int, n: int) -> None:
+        for _ in range(n):
+            for s in slices:
+                post(net, workers3[g], servers3[g], Op.UPDATE, s.id, grads[g][s.param * 6 + s.start : s.param * 6 + s.stop])
+
+    for rank in servers3.values():
+        for s in slices:
+            post(net, 0, rank, Op.PUT, s.id, W0[s.param * 6 + s.start : s.param * 6 + s.stop])
+    for g in servers3:
+        updates(g, steps // 2)
+
+    def serve(g: int) -> None:
+        try:
+            stats[g] = servers[g].serve()
+        except RuntimeError:  # rank 12, killed
+            pass
+
+    threads = {g: threading.Thread(target=serve, args=(g,), daemon=True) for g in servers3}
+    for t in threads.values():
+        t.start()
+    deadline = time.monotonic() + 30
+    while not (servers[2].sync.copies.version >= 3 and min(servers[g].sync.syncs for g in (0, 1)) >= 2):
+        assert time.monotonic() < deadline, "the three server groups never synced"
+        time.sleep(0.01)
+    net.kill(12)
+    channel.kill(12)
+    for g in (0, 1):
+        updates(g, steps - steps // 2)
+    for worker in workers3.values():
+        for g in (0, 1):
+            post(net, worker, servers3[g], Op.STOP, -1)
+    with net.cv:  # (post() does not wake the servers' loops, which are running now)
+        net.cv.notify_all()
+    for g in (0, 1):
+        threads[g].join(60)
+        assert not threads[g].is_alive() and g in stats, "a surviving server loop did not end"
+    syncs = {g: servers[g].sync for g in (0, 1)}
+    assert syncs[0].master_of == syncs[1].master_of == {0: 0, 1: 1, 2: 0}
+    assert syncs[0].taken_over == [2] and syncs[1].taken_over == [] and "parts taken over: [2]" in str(stats[0])
+    assert all(stats[g].rejected == 0 and syncs[g].rejected == 0 for g in (0, 1))
+    assert torch.equal(flat(shards[0]), flat(shards[1]))  # every part, the dead one's too: one master each
+    expected = W0 - steps * (grads[0] + grads[1]) / 3
+    copies = syncs[0].copies
+    for k in (0, 1):
+        torch.testing.assert_close(part(copies, k, flat(shards[0])), part(copies, k, expected), atol=1e-5, rtol=0)
+    # Part 2: what group 1 folded into the dead master after group 0 last adopted it is lost (a third of each
+    # update under "mean"): at most group 1's updates before the death (group 0 may have run ahead of it), and
+    # whole updates; everything after the death counts.
+    lost = (part(copies, 2, flat(shards[0])) - part(copies, 2, expected)) / (part(copies, 2, grads[1]) / 3)
+    assert torch.allclose(lost, lost[0].round().expand_as(lost), atol=1e-4) and 0 <= lost[0].round() <= steps // 2, lost

@@ -12,6 +12,10 @@ replica took meanwhile (`adopt`). Its own part it folds and adopts at once (`fol
     cur = master + (cur - sent)           sent: the part's value when the request left
     last_sync = master
 
+A group whose master died may take its part over (`take_over`, separate server groups): the new master
+copy starts from the value this group last adopted of it, plus its own change since (as `fold_own`).
+What only the dead master held (the others' changes folded in since this group last adopted) is lost.
+
 No messages, threads or locks here: the callers send, receive and hold their locks.
 """
 
@@ -83,6 +87,9 @@ class MasterCopies:
         """The master copy of part `group` (None until `start`)."""
         self.version = 0
         """Changes folded into the master copy so far (a group's own and the others')."""
+        self.taken: dict[int, Tensor] = {}
+        """Master copies of other groups' parts, taken over when their masters died (`take_over`)."""
+        self.taken_versions: dict[int, int] = {}
         self.sent: dict[int, Tensor] = {}
         """Part -> its value when the request now in flight left (what the answer is adopted against)."""
         self.merges: list[int] = []
@@ -108,20 +115,47 @@ class MasterCopies:
         self.sent[k] = cur
         return cur - self.gather(k, self.shard.last_sync)
 
-    def fold(self, delta: Tensor, seen: int) -> tuple[int, Tensor]:
-        """Another group's change into the master copy (`seen`: the version it last adopted);
-        returns (version, value) to answer with."""
-        self.master.add_(delta.to(self.master.dtype), alpha=self.scale)
-        self.merges.append(max(self.version - seen, 0))
-        self.version += 1
-        return self.version, self.master.clone()
+    @property
+    def mastered(self) -> list[int]:
+        """The parts whose master copy this group holds: its own, and those it took over."""
+        return [self.group, *sorted(self.taken)]
+
+    def fold(self, delta: Tensor, seen: int, part: int | None = None) -> tuple[int, Tensor]:
+        """Another group's change into the master copy of `part` (default: this group's own; `seen`: the
+        version it last adopted); returns (version, value) to answer with."""
+        if part is None or part == self.group:
+            self.master.add_(delta.to(self.master.dtype), alpha=self.scale)
+            self.merges.append(max(self.version - seen, 0))
+            self.version += 1
+            return self.version, self.master.clone()
+        master = self.taken[part]
+        master.add_(delta.to(master.dtype), alpha=self.scale)
+        self.taken_versions[part] += 1
+        return self.taken_versions[part], master.clone()
 
     def fold_own(self) -> None:
-        """This group's own change of its part into the master copy, adopted at once."""
-        cur = self.gather(self.group).clone()
-        self.master.add_(cur - self.gather(self.group, self.shard.last_sync), alpha=self.scale)
-        self.version += 1
-        self._adopt(self.group, self.master, cur)
+        """This group's own change of each part it masters into its master copy, adopted at once."""
+        for k in self.mastered:
+            master = self.master if k == self.group else self.taken[k]
+            cur = self.gather(k).clone()
+            master.add_(cur - self.gather(k, self.shard.last_sync), alpha=self.scale)
+            if k == self.group:
+                self.version += 1
+            else:
+                self.taken_versions[k] += 1
+            self._adopt(k, master, cur)
+
+    def take_over(self, k: int) -> None:
+        """Master part k from now on (its master died): its master copy starts from the value this group
+        last adopted of it, and this group's own change since is folded in (as by `fold_own`)."""
+        if k == self.group or k in self.taken:
+            return
+        self.sent.pop(k, None)  # a request to the dead master: no answer comes
+        self.taken[k] = self.gather(k, self.shard.last_sync).clone()
+        self.taken_versions[k] = 0
+        cur = self.gather(k).clone()
+        self.taken[k].add_(cur - self.taken[k], alpha=self.scale)
+        self._adopt(k, self.taken[k], cur)
 
     def adopt(self, k: int, value: Tensor) -> None:
         """The master's answer to the request of part k in flight: cur += value - sent; last_sync = value."""
@@ -136,10 +170,13 @@ class MasterCopies:
         self._write(k, value, self.shard.values)
         self._write(k, value, self.shard.last_sync)
 
-    def final(self) -> Tensor:
-        """Set this group's own part to its master copy (every change folded in) and return it."""
-        self.settle(self.group, self.master)
-        return self.master.clone()
+    def final(self, part: int | None = None) -> Tensor:
+        """Set this group's own part (or `part`, one it took over) to its master copy (every change folded
+        in) and return it."""
+        part = self.group if part is None else part
+        master = self.master if part == self.group else self.taken[part]
+        self.settle(part, master)
+        return master.clone()
 
     def _adopt(self, k: int, value: Tensor, sent: Tensor) -> None:
         change = value - sent

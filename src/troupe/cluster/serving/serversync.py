@@ -34,8 +34,12 @@ answering. A master that has finished and heard Finished from every neighbour ha
 group's last change: it sets its own part to the master copy and sends it to every neighbour
 (Final), which set the part to it. So when every server group has finished, they hold the same
 values, and a server's checkpoint (``ps-server-<rank>.pt``) holds them with ``last_sync`` equal to
-them. A neighbour that dies is forgotten with a logged line: its master copies go with it, and the
-survivors keep their own values for those parts.
+them. A neighbour that dies is forgotten with a logged line, and its part gets a new master: the next live server group after it (part k: the first of groups k+1, k+2, ... not
+known gone), which takes it over from the value it last adopted plus its own change since
+(`MasterCopies.take_over`); the others send their Merges of that part there from then on, and its Final
+at the end. What only the dead master held (changes folded in since the new master last adopted) is lost,
+as a dead server's own updates are. Every message about a part names it (`slice_id`): a Merge or Final
+that comes from a neighbour who knew of a death before this server did waits until this server knows too.
 """
 
 from __future__ import annotations
@@ -79,6 +83,9 @@ class ServerSync:
         self.alive: Callable[[int], bool] = lambda rank: True
         self.peers = dict(peers)
         self.group_of = {rank: k for k, rank in peers.items()}
+        self.ngroups = copies.ngroups
+        self.master_of = {k: k for k in range(self.ngroups)}
+        """Part -> the server group that holds its master copy now (a dead one's part moves on: `_reassign`)."""
         self.own_workers = set(own_workers)
         """The workers of this server's worker groups: the server finishes when all have stopped."""
         self.every = sync_freq * max(1, len(self.shard.slices))
@@ -87,21 +94,29 @@ class ServerSync:
         self.finishing = False
         self.finals_sent = False
         self.told: set[int] = set()
-        """Peers sent our last Merge and Finished."""
+        """Peers sent our last Merges and Finished."""
         self.finished: set[int] = set()
         """Peers that said Finished."""
-        self.awaiting: set[int] = {r for k, r in peers.items() if copies.sizes[k]}
-        """Peers whose Final has not come (a peer master of an empty part sends none)."""
+        self.awaiting: set[int] = {k for k in peers if copies.sizes[k]}
+        """Parts whose Final has not come (the master of an empty part sends none)."""
+        self.last_due: set[int] = set()
+        """Parts whose last Merge has yet to leave (one of theirs is in flight) once finishing."""
         self.gone: set[int] = set()
         self.rejected = 0
+        self.taken_over: list[int] = []
+        """Parts this server took over from a dead neighbour, in order."""
         self._deferred: list[tuple[int, Header, Tensor]] = []  # Merges that came before our initial values
+        self._early: list[tuple[int, Header, Tensor | None]] = []
+        """Merges and Finals from a neighbour who knew of a death before this server did: handled once it does."""
+        self._receiving: set[int] = set()
+        """Peers a thread receives from now."""
         self._sends: dict[int, deque[tuple[int, Handle, Tensor]]] = {r: deque() for r in peers.values()}
         """Per peer, the sends not yet known to be taken: (sequence number, handle, tensor kept alive)."""
         self._sent = {r: 0 for r in peers.values()}  # sends made to each peer so far
         # A peer has taken every send before the mark once it answers our Merge (sends up to that Merge),
         # or once it Merges again (sends up to our answer to its last Merge).
-        self._merge_mark = {r: 0 for r in peers.values()}
-        self._answer_mark = {r: 0 for r in peers.values()}
+        self._merge_mark: dict[tuple[int, int], int] = {}  # (peer, part) -> sends up to our last Merge of it
+        self._answer_mark: dict[tuple[int, int], int] = {}  # (peer, part) -> sends up to our last answer of it
 
     # --- the server loop's side ---------------------------------------------------------------------
 
@@ -109,7 +124,7 @@ class ServerSync:
         """Start receiving the neighbours' messages; `alive(rank)` tells a dead neighbour from a slow one."""
         self.alive = alive
         for peer in sorted(self.peers.values()):
-            threading.Thread(target=self._serve, args=(peer,), name=f"troupe-server-sync-{peer}", daemon=True).start()
+            self._receive_from(peer)
 
     def wait_done(self) -> None:
         """Wait (lock held; released while waiting) until every server group has finished or died."""
@@ -130,6 +145,9 @@ class ServerSync:
                     self.awaiting.clear()
                 return
             self.copies.start()
+            for k in self._mine():
+                if k != self.copies.group:  # taken over before our initial values came
+                    self.copies.take_over(k)
             for src, header, delta in self._deferred:
                 self._answer(src, header, delta)
             self._deferred.clear()
@@ -139,13 +157,13 @@ class ServerSync:
             self.next_at = self.shard.updates + self.every
             self.syncs += 1
             self.copies.fold_own()
-            for k, peer in self.peers.items():
-                if peer not in self.gone and self.copies.sizes[k] and k not in self.copies.sent:
+            for k in self._theirs():
+                if self.copies.sizes[k] and k not in self.copies.sent:
                     self._merge(k)
 
     def done(self) -> bool:
         """Every server group has finished: this server's values are final."""
-        return self.finals_sent and not (self.awaiting - self.gone)
+        return self.finals_sent and not self.awaiting
 
     def watching(self) -> list[int]:
         """Peers whose death would leave this server waiting."""
@@ -165,37 +183,40 @@ class ServerSync:
         if header.length:
             payload = torch.empty(header.length, dtype=self.shard.dtype)
             self.comm.recv(payload, src, tag=PAYLOAD_TAG)
-        k = self.group_of[src]
-        if header.op is Op.MERGE:
-            self._settle(src, self._answer_mark[src])  # src adopted our last answer before it sent this Merge
-            if self.copies.master is None:
-                self._deferred.append((src, header, payload))
-            else:
-                self._answer(src, header, payload)
-        elif header.op is Op.MERGED:
-            self._settle(src, self._merge_mark[src])  # src took everything we sent up to our Merge
-            self.copies.adopt(k, payload)
-            if self.finishing and src not in self.told:
-                self._last(k)
-        elif header.op is Op.FINISHED:
-            self.finished.add(src)
-        elif header.op is Op.FINAL:
-            self.copies.settle(k, payload)
-            self.awaiting.discard(src)
+        if header.op in (Op.MERGE, Op.FINAL) and self.master_of[header.slice_id] != \
+                (self.copies.group if header.op is Op.MERGE else self.group_of[src]):
+            self._early.append((src, header, payload))  # src knows of a death this server has not seen yet
+            return
+        self._apply(src, header, payload)
         self._maybe_final()
 
     def lose(self, peer: int, why: str) -> None:
-        """Forget a peer server that died: no answer, Finished or Final will come from it."""
+        """Forget a peer server that died: no answer, Finished or Final will come from it; the parts it
+        mastered move to the next live server group (`_reassign`)."""
         if peer in self.gone:
             return
         self.gone.add(peer)
-        self.copies.forget(self.group_of[peer])
         self._sends[peer].clear()
+        moved = self._reassign()
         print(f"troupe server rank {self.rank}: server rank {peer} of server group {self.group_of[peer]} is gone "
-              f"({why}); its master copies go with it, this server keeps its own values of them",
+              f"({why}); " + ", ".join(f"part {k}'s master copy is server group {self.master_of[k]}'s"
+                                       f"{' (this server)' if self.master_of[k] == self.copies.group else ''}"
+                                       for k in moved) + " from now on",
               file=sys.stderr, flush=True)
+        early, self._early = self._early, []
+        for src, header, payload in early:  # what came from those who knew before us
+            if src not in self.gone:
+                self.handle_early(src, header, payload)
         self._maybe_final()
         self._cv.notify_all()
+
+    def handle_early(self, src: int, header: Header, payload: Tensor | None) -> None:
+        """A Merge or Final kept until this server knew of the death its sender knew of (or kept again)."""
+        mine = self.copies.group if header.op is Op.MERGE else self.group_of[src]
+        if self.master_of[header.slice_id] != mine:
+            self._early.append((src, header, payload))
+        else:
+            self._apply(src, header, payload)
 
     def close(self, poll: float = WATCH_INTERVAL) -> None:
         """Wait until every live peer has taken the last Merges, answers and Finals (the process may end then).
@@ -229,23 +250,70 @@ class ServerSync:
         return (f"{self.syncs} syncs with server groups {sorted(self.peers)}, {len(merges)} merges into its master "
                 f"copy (staleness mean {mean:.2f} max {max(merges, default=0)}), max |master - replica| at an "
                 f"adoption {self.copies.drift:.3g}, {self.rejected} peer message(s) rejected, peers gone: "
-                f"{sorted(self.gone) or 'none'}")
+                f"{sorted(self.gone) or 'none'}" + (f", parts taken over: {self.taken_over}" if self.taken_over else ""))
 
     # --- internals ----------------------------------------------------------------------------------
 
+    def _mine(self) -> list[int]:
+        """The parts whose master copy this server holds (its own, and those it took over)."""
+        return [k for k in range(self.ngroups) if self.master_of[k] == self.copies.group]
+
+    def _theirs(self) -> list[int]:
+        """The parts a live neighbour masters: each gets this server's Merges."""
+        return [k for k in range(self.ngroups) if self.master_of[k] != self.copies.group]
+
+    def _rank_of(self, group: int) -> int:
+        return self.rank if group == self.copies.group else self.peers[group]
+
+    def _reassign(self) -> list[int]:
+        """Give every part whose master is gone the first live server group after it (k+1, k+2, ...): the
+        same choice on every server once each knows the same deaths. Returns the parts that moved."""
+        gone = {self.group_of[r] for r in self.gone}
+        moved = []
+        for k in range(self.ngroups):
+            if self.master_of[k] not in gone:
+                continue
+            self.master_of[k] = next(g for g in ((k + i) % self.ngroups for i in range(self.ngroups)) if g not in gone)
+            self.copies.forget(k)
+            self.last_due.discard(k)
+            moved.append(k)
+            if self.master_of[k] == self.copies.group:
+                self.taken_over.append(k)
+                self.awaiting.discard(k)
+                if self.copies.master is not None:
+                    self.copies.take_over(k)
+                    if self.finals_sent and self.copies.sizes[k]:  # the others wait for its Final
+                        self._send_final(k)
+            elif self.copies.sizes[k]:
+                self.awaiting.add(k)  # its Final comes from the new master (even if the dead one's came)
+                peer = self.peers[self.master_of[k]]
+                if self.finishing and peer not in self.told:
+                    self.last_due.add(k)  # our last Merge of it goes to the new master
+                if peer not in self._receiving:  # it finished with us before it held this part
+                    self._receive_from(peer)
+        if self.finishing:
+            self._send_lasts()
+        return moved
+
+    def _receive_from(self, peer: int) -> None:
+        self._receiving.add(peer)
+        threading.Thread(target=self._serve, args=(peer,), name=f"troupe-server-sync-{peer}", daemon=True).start()
+
     def _serve(self, peer: int) -> None:
-        """`peer`'s messages, until its last one (this thread only receives): its Final, or its Finished when
-        it masters an empty part (nothing of ours goes to it, so it answers nothing). A receive from this
-        peer alone: its connection reset fails this thread only, and the others keep syncing."""
+        """`peer`'s messages, until its last one (this thread only receives): the Final of every part it
+        masters, or its Finished when those are empty (nothing of ours goes to it, so it answers nothing). A
+        receive from this peer alone: its connection reset fails this thread only, and the others keep syncing."""
         while True:
             with self.lock:
-                if peer in self.gone or (peer in self.finished and peer not in self.awaiting):
+                if peer in self.gone or (peer in self.finished and not self._awaited_from(peer)):
+                    self._receiving.discard(peer)
                     return
             raw = empty_header()
             try:
                 self.comm.recv(raw, peer, tag=HEADER_TAG)
             except RuntimeError as e:  # Gloo: its connection was reset (its process died)
                 with self.lock:
+                    self._receiving.discard(peer)
                     self.lose(peer, f"receiving from it failed: {reason(e)}")
                 return
             with self.lock:
@@ -255,69 +323,112 @@ class ServerSync:
                     self.rejected += 1
                     log.error("troupe server rank %d: rejected a message from server rank %d: %s", self.rank, peer, e)
                 except RuntimeError as e:  # its payload did not come
+                    self._receiving.discard(peer)
                     self.lose(peer, f"receiving from it failed: {reason(e)}")
                     return
                 self._cv.notify_all()
 
+    def _awaited_from(self, peer: int) -> bool:
+        group = self.group_of[peer]
+        return any(self.master_of[k] == group for k in self.awaiting)
+
     def _validate(self, src: int, header: Header) -> None:
         if src in self.gone:
             raise MessageError(f"{header.op.name} from server rank {src}, which this server has forgotten")
-        k = self.group_of[src]
-        expected = self.copies.sizes[self.copies.group if header.op is Op.MERGE else k]
-        check(header, src=src, expected_length=expected or None,
-              allowed={Op.MERGE, Op.MERGED, Op.FINISHED, Op.FINAL})
-        if header.slice_id != k:
-            raise MessageError(f"{header.op.name} from server rank {src} names server group {header.slice_id}, "
-                               f"the rank is server group {k}'s")
-        if header.op is Op.MERGE and src in self.finished:
-            raise MessageError(f"MERGE from server rank {src} after it said FINISHED")
-        if header.op is Op.MERGED and k not in self.copies.sent:
-            raise MessageError(f"MERGED from server rank {src} without a Merge of part {k} in flight")
-        if header.op is Op.FINISHED and src in self.finished:
-            raise MessageError(f"FINISHED twice from server rank {src}")
-        if header.op is Op.FINAL and (src not in self.finished or not self.finishing or src not in self.awaiting):
-            raise MessageError(f"FINAL from server rank {src} before both had finished, or twice")
+        g, k = self.group_of[src], header.slice_id
+        if header.op is Op.FINISHED:
+            check(header, src=src, expected_length=None, allowed={Op.FINISHED})
+            if k != g:
+                raise MessageError(f"FINISHED from server rank {src} names server group {k}, the rank is server "
+                                   f"group {g}'s")
+            if src in self.finished:
+                raise MessageError(f"FINISHED twice from server rank {src}")
+            return
+        if not 0 <= k < self.ngroups:
+            raise MessageError(f"{header.op.name} from server rank {src} names part {k}: there are {self.ngroups}")
+        check(header, src=src, expected_length=self.copies.sizes[k] or None,
+              allowed={Op.MERGE, Op.MERGED, Op.FINAL})
+        if header.op is Op.MERGE:
+            if self.master_of[k] == g:
+                raise MessageError(f"MERGE from server rank {src} of part {k}, whose master copy server group {g} "
+                                   "holds itself")
+            if src in self.finished:
+                raise MessageError(f"MERGE from server rank {src} after it said FINISHED")
+        elif header.op is Op.MERGED:
+            if self.master_of[k] != g or k not in self.copies.sent:
+                raise MessageError(f"MERGED from server rank {src} without a Merge of part {k} to it in flight")
+        elif src not in self.finished or not self.finishing or (self.master_of[k] == g and k not in self.awaiting):
+            # (a Final from a master this server does not know of yet is kept until it does: `handle`)
+            raise MessageError(f"FINAL of part {k} from server rank {src} before both had finished, or twice")
+
+    def _apply(self, src: int, header: Header, payload: Tensor | None) -> None:
+        k = header.slice_id
+        if header.op is Op.MERGE:
+            self._settle(src, self._answer_mark.get((src, k), 0))  # src adopted our last answer before this Merge
+            if self.copies.master is None:
+                self._deferred.append((src, header, payload))
+            else:
+                self._answer(src, header, payload)
+        elif header.op is Op.MERGED:
+            self._settle(src, self._merge_mark[(src, k)])  # src took everything we sent up to our Merge
+            self.copies.adopt(k, payload)
+            if self.finishing:
+                self._send_lasts()
+        elif header.op is Op.FINISHED:
+            self.finished.add(src)
+        elif header.op is Op.FINAL:
+            self.copies.settle(k, payload)
+            self.awaiting.discard(k)
 
     def _answer(self, src: int, header: Header, delta: Tensor) -> None:
-        version, value = self.copies.fold(delta, header.version)
-        self._send(src, Header(Op.MERGED, self.copies.group, version, self.rank, value.numel()), value)
+        k = header.slice_id
+        version, value = self.copies.fold(delta, header.version, part=k)
+        self._send(src, Header(Op.MERGED, k, version, self.rank, value.numel()), value, part=k)
 
     def _merge(self, k: int) -> None:
         delta = self.copies.request(k)
-        self._send(self.peers[k], Header(Op.MERGE, self.copies.group, self.copies.version, self.rank,
-                                         delta.numel()), delta)
+        self._send(self._rank_of(self.master_of[k]), Header(Op.MERGE, k, self.copies.version, self.rank,
+                                                            delta.numel()), delta, part=k)
 
-    def _last(self, k: int) -> None:
-        """Our last Merge of part k (its master folds in what is left), then Finished."""
-        peer = self.peers[k]
-        if self.copies.sizes[k]:
-            self._merge(k)
-        self._send(peer, Header(Op.FINISHED, self.copies.group, 0, self.rank, 0))
-        self.told.add(peer)
+    def _send_lasts(self) -> None:
+        """Finishing: our last Merge of each part (once the one in flight is answered), then Finished to every
+        live neighbour that masters no part whose last Merge is still due."""
+        for k in sorted(self.last_due):
+            if k not in self.copies.sent:
+                self._merge(k)
+                self.last_due.discard(k)
+        for group, peer in sorted(self.peers.items()):
+            if peer in self.gone or peer in self.told:
+                continue
+            if not any(self.master_of[k] == group for k in self.last_due):
+                self._send(peer, Header(Op.FINISHED, self.copies.group, 0, self.rank, 0))
+                self.told.add(peer)
 
     def _finish(self) -> None:
         self.finishing = True
         self.copies.fold_own()
-        for k, peer in self.peers.items():
-            if peer not in self.gone and k not in self.copies.sent:
-                self._last(k)
+        self.last_due = {k for k in self._theirs() if self.copies.sizes[k]}
+        self._send_lasts()
         self._maybe_final()
 
     def _maybe_final(self) -> None:
-        """Once this server and every live peer have finished, the master copy is final: send it."""
+        """Once this server and every live peer have finished, the master copies it holds are final: send them."""
         live = set(self.peers.values()) - self.gone
         if self.finals_sent or not self.finishing or self.copies.master is None:
             return
         if not live <= self.finished & self.told:  # (a Final must follow our Finished: the peer checks that order)
             return
-        value = self.copies.final()
-        for peer in sorted(live):
-            if value.numel():
-                self._send(peer, Header(Op.FINAL, self.copies.group, self.copies.version, self.rank, value.numel()),
-                           value)
+        for k in self._mine():
+            if self.copies.sizes[k]:
+                self._send_final(k)
         self.finals_sent = True
 
-    def _send(self, peer: int, header: Header, payload: Tensor | None = None) -> None:
+    def _send_final(self, k: int) -> None:
+        value = self.copies.final(k)
+        for peer in sorted(set(self.peers.values()) - self.gone):
+            self._send(peer, Header(Op.FINAL, k, 0, self.rank, value.numel()), value)
+
+    def _send(self, peer: int, header: Header, payload: Tensor | None = None, part: int | None = None) -> None:
         # Never a blocking send: the peer may be sending to us at this moment (it receives in its loop).
         try:
             for tensor, tag in [(header.encode(), HEADER_TAG)] + ([] if payload is None else [(payload, PAYLOAD_TAG)]):
@@ -327,9 +438,9 @@ class ServerSync:
             self.lose(peer, reason(e))
             return
         if header.op is Op.MERGE:
-            self._merge_mark[peer] = self._sent[peer]
+            self._merge_mark[(peer, part)] = self._sent[peer]
         elif header.op is Op.MERGED:
-            self._answer_mark[peer] = self._sent[peer]
+            self._answer_mark[(peer, part)] = self._sent[peer]
 
     def _settle(self, peer: int, upto: int) -> None:
         """Complete the sends before `upto`, which the peer's message shows it has taken (no wait: a peer
