@@ -206,11 +206,11 @@ class ServerSync:
         early, self._early = self._early, []
         for src, header, payload in early:  # what came from those who knew before us
             if src not in self.gone:
-                self.handle_early(src, header, payload)
+                self._handle_early(src, header, payload)
         self._maybe_final()
         self._cv.notify_all()
 
-    def handle_early(self, src: int, header: Header, payload: Tensor | None) -> None:
+    def _handle_early(self, src: int, header: Header, payload: Tensor | None) -> None:
         """A Merge or Final kept until this server knew of the death its sender knew of (or kept again)."""
         mine = self.copies.group if header.op is Op.MERGE else self.group_of[src]
         if self.master_of[header.slice_id] != mine:
@@ -418,10 +418,10 @@ class ServerSync:
             return
         if not live <= self.finished & self.told:  # (a Final must follow our Finished: the peer checks that order)
             return
+        self.finals_sent = True  # first: a part taken over while these leave sends its own Final (`_reassign`)
         for k in self._mine():
             if self.copies.sizes[k]:
                 self._send_final(k)
-        self.finals_sent = True
 
     def _send_final(self, k: int) -> None:
         value = self.copies.final(k)
