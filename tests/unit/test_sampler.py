@@ -7,6 +7,8 @@ import itertools
 import pytest
 import torch
 
+from torch.utils.data import TensorDataset
+
 from troupe.script.data import DistributedSampler, loader
 
 SIZES = [1, 2, 7, 10, 12, 13, 101]
@@ -318,7 +320,52 @@ def test_constant_batch_weight_and_its_errors(monkeypatch):
         m.grad_weight()
     monkeypatch.setattr(sampling, "_constant_batch_membership", lambda: m)
     monkeypatch.setattr(sampling, "_data_parallel_place", lambda rank, world_size: (0, 3))
-    with pytest.raises(ValueError, match="use num_workers=0"):
-        sampling.loader(torch.zeros(12, 2), 2, num_workers=2)
+    data = sampling.loader(torch.zeros(12, 2), 2, num_workers=2)  # workers read the own batches ahead
+    assert isinstance(data, sampling.StepLoader) and isinstance(data.batch_sampler, sampling.OwnBatches)
+    assert isinstance(data.sampler, DistributedSampler) and data.ranks == m.batch_ranks
     data = sampling.loader(torch.zeros(12, 2), 2, drop_last=True)
     assert isinstance(data.sampler, DistributedSampler) and isinstance(data.batch_sampler, sampling.StepBatches)
+
+
+def test_step_loader_with_workers_gives_the_batches_and_position_of_the_loader_without():
+    """`StepLoader` (num_workers=2: the own batches read ahead by workers, the missing groups' read in the
+    loop's process) hands out exactly what `StepBatches` (num_workers=0) does for the same groups per step,
+    and its sampler is where the other's is after each batch (a joiner resumes from it), the resumed epoch
+    and the tail included."""
+    from torch.utils.data import DataLoader
+
+    from troupe.script.sampling import OwnBatches, StepBatches, StepLoader
+
+    world, bs = 3, 4
+    x, y = torch.arange(50.0).repeat_interleave(2).view(50, 2), torch.arange(50)
+    dataset = TensorDataset(x, y)
+    who = [(0,), (0, 1), (0, 2, 1), (0,), (0, 2)]
+    for drop_last, resume in ((True, 0), (False, 9)):
+        a, b = (shares(50, world, seed=3)[0] for _ in range(2))
+        for s in (a, b):
+            s.load_state_dict({**s.state_dict(), "position": resume})
+        plain = DataLoader(dataset, batch_sampler=StepBatches(a, bs, drop_last, iter(who).__next__))
+        ahead = StepLoader(dataset, iter(who).__next__, batch_sampler=OwnBatches(b, bs, drop_last), num_workers=2,
+                           prefetch_factor=2)
+        assert len(plain) == len(ahead)
+        for k, ((xa, ya), (xb, yb)) in enumerate(zip(plain, ahead, strict=True)):
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
+            assert a.state_dict() == b.state_dict()
+            assert len(ya) == bs * len(who[k]) or not drop_last  # (a resumed epoch once ran one batch too many)
+        assert a.state_dict()["position"] == b.state_dict()["position"] > resume
+
+
+def test_collated_batches_are_joined_sample_after_sample_or_refused_in_one_line():
+    from collections import namedtuple
+
+    from troupe.script.sampling import concat_batches
+
+    Pair = namedtuple("Pair", "x y")
+    first = {"x": torch.zeros(2, 3), "names": ["a", "b"], "pair": Pair(torch.ones(2), (torch.zeros(2),))}
+    second = {"x": torch.ones(1, 3), "names": ["c"], "pair": Pair(torch.zeros(1), (torch.ones(1),))}
+    joined = concat_batches(first, second)
+    assert joined["x"].shape == (3, 3) and joined["names"] == ["a", "b", "c"]
+    assert isinstance(joined["pair"], Pair) and joined["pair"].x.tolist() == [1, 1, 0]
+    assert joined["pair"].y[0].tolist() == [0, 0, 1]
+    with pytest.raises(TypeError, match="cannot join two collated batches of type int"):
+        concat_batches(3, 4)

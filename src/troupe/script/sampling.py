@@ -275,8 +275,9 @@ class StepBatches(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         s = self.sampler
+        count = len(self)  # before `_begin`, which moves the resume point into the base
         rest = s._begin()
-        for b in range(len(self)):
+        for b in range(count):
             lo, hi = b * self.batch_size, (b + 1) * self.batch_size
             ranks = self.ranks()  # now: after the previous step chose the quorum of this one
             if ranks[0] != s.rank:
@@ -284,6 +285,72 @@ class StepBatches(Sampler[list[int]]):
             own = rest[s.rank :: s.world_size][lo:hi]
             s._yielded += len(own)
             yield own + [i for r in ranks[1:] for i in rest[r :: s.world_size][lo:hi]]
+
+
+class OwnBatches(Sampler[list[int]]):
+    """A `DistributedSampler`'s own batches, for a DataLoader whose workers read them ahead (`StepLoader`):
+    the position is counted as the loop takes each batch, not as the workers are handed its indices."""
+
+    def __init__(self, sampler: DistributedSampler, batch_size: int, drop_last: bool):
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+        self.rest: list[int] = []
+        """Every rank's indices of this iteration (from the resume point), set as it begins."""
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def batch(self, rank: int, b: int) -> list[int]:
+        """Batch b of `rank`'s share of this iteration."""
+        s = self.sampler
+        return self.rest[rank :: s.world_size][b * self.batch_size : (b + 1) * self.batch_size]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        count = len(self)  # before `_begin`, which moves the resume point into the base
+        self.rest = self.sampler._begin()
+        for b in range(count):
+            yield self.batch(self.sampler.rank, b)
+
+
+class StepLoader(DataLoader):
+    """``troupe run --elastic-batch constant`` with DataLoader workers: the workers read this rank's own
+    batches ahead, as usual; the batches of the missing groups this rank's group takes (`ranks()`, asked
+    as the loop takes each batch, after the previous step chose the quorum) are read here, in the loop's
+    process, and appended (`concat_batches`). With every group present nothing is read here."""
+
+    def __init__(self, dataset: Dataset, ranks: Callable[[], Sequence[int]], **kwargs: Any):
+        super().__init__(dataset, **kwargs)
+        self.ranks = ranks
+
+    def __iter__(self) -> Iterator[Any]:
+        own: OwnBatches = self.batch_sampler  # type: ignore[assignment]
+        s = own.sampler
+        for b, batch in enumerate(super().__iter__()):
+            ranks = self.ranks()
+            if ranks[0] != s.rank:
+                raise ValueError(f"the batch ranks {list(ranks)} must start with this sampler's rank {s.rank}")
+            s._yielded += len(own.batch(s.rank, b))
+            if len(ranks) > 1:
+                extra = [i for r in ranks[1:] for i in own.batch(r, b)]
+                batch = concat_batches(batch, self.collate_fn([self.dataset[i] for i in extra]))
+            yield batch
+
+
+def concat_batches(first: Any, second: Any) -> Any:
+    """Two collated batches as one, sample after sample (what ``default_collate`` makes of tensors, numbers,
+    strings, and tuples, lists and dicts of them)."""
+    if isinstance(first, Tensor):
+        return torch.cat([first, second])
+    if isinstance(first, dict):
+        return type(first)({k: concat_batches(v, second[k]) for k, v in first.items()})
+    if isinstance(first, (list, tuple)) and all(isinstance(x, (str, bytes)) for x in (*first, *second)):
+        return type(first)([*first, *second])  # default_collate's strings: one per sample
+    if isinstance(first, (list, tuple)) and len(first) == len(second):
+        fields = [concat_batches(x, y) for x, y in zip(first, second)]
+        return type(first)(*fields) if hasattr(first, "_fields") else type(first)(fields)
+    raise TypeError(f"troupe run --elastic-batch constant with DataLoader workers appends the missing groups' "
+                    f"batches to this rank's: it cannot join two collated batches of type {type(first).__name__} "
+                    "(a collate_fn of your own must return tensors, or tuples, lists or dicts of them)")
 
 
 _OURS = ("sampler", "batch_sampler", "shuffle")
@@ -319,10 +386,11 @@ def loader(dataset: Dataset | Tensor | Sequence[Tensor], batch_size: int, *, shu
     other keyword arguments (num_workers, drop_last, pin_memory, collate_fn, ...) go to
     the DataLoader. `batch_size` is per rank.
 
-    Under ``troupe run --elastic-batch constant`` each batch is drawn when the loop asks for it and
-    also holds the batches of the missing worker groups this rank's group takes (`StepBatches`):
-    the global batch stays the whole job's (a rank's batch may then be several times
-    `batch_size`); this needs ``num_workers=0`` (workers would draw batches ahead of the quorum).
+    Under ``troupe run --elastic-batch constant`` each batch also holds the batches of the missing
+    worker groups this rank's group takes, chosen as the loop takes it (`StepBatches`): the global
+    batch stays the whole job's (a rank's batch may then be several times `batch_size`). With
+    ``num_workers > 0`` the workers read this rank's own batches ahead and the missing groups' are
+    read in the loop's process when a group is missing (`StepLoader`).
     """
     _int("batch_size", batch_size, 1)
     clash = sorted(set(_OURS) & set(dataloader_kwargs))
@@ -333,12 +401,13 @@ def loader(dataset: Dataset | Tensor | Sequence[Tensor], batch_size: int, *, shu
     membership = _constant_batch_membership() if rank is None else None
     if membership is None:
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **dataloader_kwargs)
-    if dataloader_kwargs.get("num_workers", 0):
-        raise ValueError("troupe run --elastic-batch constant: each step's batch depends on the groups present at "
-                         "that step, so the loader draws it then: use num_workers=0")
     drop_last = bool(dataloader_kwargs.pop("drop_last", False))
-    batches = StepBatches(sampler, batch_size, drop_last, membership.batch_ranks)
-    data = DataLoader(dataset, batch_sampler=batches, **dataloader_kwargs)
+    if dataloader_kwargs.get("num_workers", 0):
+        data = StepLoader(dataset, membership.batch_ranks, batch_sampler=OwnBatches(sampler, batch_size, drop_last),
+                          **dataloader_kwargs)
+    else:
+        batches = StepBatches(sampler, batch_size, drop_last, membership.batch_ranks)
+        data = DataLoader(dataset, batch_sampler=batches, **dataloader_kwargs)
     object.__setattr__(data, "sampler", sampler)  # what `.sampler` means for every troupe loader (DataLoader forbids setting it)
     return data
 

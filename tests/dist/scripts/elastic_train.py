@@ -95,7 +95,8 @@ def main(out: Path, mode: str, dist_option: str = "plain") -> None:
             p.data.normal_()
     opt = troupe.DistOpt(sgd, dist_option=dist_option, spars=0.25 if dist_option.startswith("sparse") else None)
     rank = opt.global_rank
-    train = troupe.data.loader(data(), BATCH, seed=7, tail="drop", drop_last=True)
+    train = troupe.data.loader(data(), BATCH, seed=7, tail="drop", drop_last=True,
+                               num_workers=int(os.environ.get("LOADER_WORKERS", "0")))
     per_epoch = len(train)  # before the heal: a resumed sampler counts what is left of its epoch
     steps = troupe.track(model=model, optimizer=opt, sampler=train.sampler)
     where = train.sampler.state_dict()
