@@ -169,6 +169,19 @@ class TestData:
         assert torch.equal(again[0][:50000].reshape(50000, -1), torch.from_numpy(tx))
         assert torch.equal(again[2].reshape(10000, -1), torch.from_numpy(sx))
 
+    def test_the_mnist_cache_is_named_by_content_and_replaces_the_caches_of_other_copies(self, tmp_path, monkeypatch):
+        copy = tmp_path / "mnist.pkl.gz"
+        copy.write_bytes(b"not really mnist")
+        monkeypatch.setattr(data.settings, "current", lambda: type("S", (), {"cache": tmp_path / "cache"})())
+        target = data._cache_path(copy)
+        copy.touch()  # installed again: same bytes, another time
+        assert data._cache_path(copy) == target and target.parent == tmp_path / "cache" / "mnist"
+        target.parent.mkdir(parents=True)
+        stale, writing = target.parent / "hub-16-1795738749188377267.npz", target.parent / "hub-16-x.123.tmp.npz"
+        stale.write_bytes(b"old"), writing.write_bytes(b"another rank's, being written")
+        data._cache(copy, {"a": np.zeros(3, dtype=np.uint8)})
+        assert sorted(p.name for p in target.parent.iterdir()) == sorted([target.name, writing.name])
+
     def test_cifar10_binary_batches(self, tmp_path):
         rng = np.random.default_rng(0)
         for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
