@@ -34,12 +34,13 @@ answering. A master that has finished and heard Finished from every neighbour ha
 group's last change: it sets its own part to the master copy and sends it to every neighbour
 (Final), which set the part to it. So when every server group has finished, they hold the same
 values, and a server's checkpoint (``ps-server-<rank>.pt``) holds them with ``last_sync`` equal to
-them. A neighbour that dies is forgotten with a logged line, and its part gets a new master: the next live server group after it (part k: the first of groups k+1, k+2, ... not
-known gone), which takes it over from the value it last adopted plus its own change since
-(`MasterCopies.take_over`); the others send their Merges of that part there from then on, and its Final
-at the end. What only the dead master held (changes folded in since the new master last adopted) is lost,
-as a dead server's own updates are. Every message about a part names it (`slice_id`): a Merge or Final
-that comes from a neighbour who knew of a death before this server did waits until this server knows too.
+them. A neighbour that dies is forgotten with a logged line, and its part gets a new master: the
+next live server group after it (part k: the first of groups k+1, k+2, ... not known gone), which
+takes it over from the value it last adopted plus its own change since (`MasterCopies.take_over`);
+the others send their Merges of that part there from then on, and take its Final at the end. What
+only the dead master held (changes folded in since the new master last adopted) is lost, as a dead
+server's own updates are. Every message about a part names it (`slice_id`): a Merge or Final that
+comes from a neighbour who knew of a death before this server did waits until this server knows too.
 """
 
 from __future__ import annotations
@@ -268,11 +269,12 @@ class ServerSync:
     def _reassign(self) -> list[int]:
         """Give every part whose master is gone the first live server group after it (k+1, k+2, ...): the
         same choice on every server once each knows the same deaths. Returns the parts that moved."""
-        gone = {self.group_of[r] for r in self.gone}
         moved = []
-        for k in range(self.ngroups):
-            if self.master_of[k] not in gone:
-                continue
+        while True:  # (a send below may find another neighbour gone: its parts move too, in this loop)
+            gone = {self.group_of[r] for r in self.gone}
+            k = next((k for k in range(self.ngroups) if self.master_of[k] in gone), None)
+            if k is None:
+                break
             self.master_of[k] = next(g for g in ((k + i) % self.ngroups for i in range(self.ngroups)) if g not in gone)
             self.copies.forget(k)
             self.last_due.discard(k)
