@@ -136,6 +136,66 @@ def replay_diloco(runs: list[dict], h: int, group_size: int = 1) -> list[torch.T
     return [p.detach() for p in groups[0][0].parameters()]
 
 
+def replay_partial(runs: list[dict], chunk_size: int) -> list[list[torch.Tensor]]:
+    """partialUpdate's committed steps in one process, every rank's model: each group present steps its own
+    copy on its own gradient (SGD with momentum), then chunk ``counter % K`` of the parameters is averaged over
+    the groups present and the counter moves on. A restarted group first copies the lowest other group
+    present (parameters and optimizer state) at the step count it resumed at."""
+    import copy
+
+    from troupe.strategies.partial import plan_chunks
+
+    steps = committed_steps([r["log"] for r in runs])
+    heals = {r["rank"]: r["resumed_at"] for r in runs if r["incarnation"] > 0}
+    x, y = job.data()
+    n = len(runs)
+    samplers = [DistributedSampler(len(x), rank=r, world_size=n, seed=7, tail="drop") for r in range(n)]
+    ranks = [job.model_and_optimizer() for _ in range(n)]
+    chunks = plan_chunks(list(ranks[0][0].parameters()), chunk_size)
+    for count, ((epoch, b), members) in enumerate(sorted(steps.items())):
+        for g in members:
+            if heals.get(g) == count:  # restarted: healed from the source, live
+                src = min(m for m in members if m != g)
+                ranks[g][0].load_state_dict(ranks[src][0].state_dict())
+                ranks[g][1].load_state_dict(copy.deepcopy(ranks[src][1].state_dict()))
+        for g in members:
+            model, sgd = ranks[g]
+            sgd.zero_grad()
+            idx = samplers[g].indices(epoch)[b * job.BATCH:(b + 1) * job.BATCH]
+            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            sgd.step()
+        with torch.no_grad():
+            for piece in chunks[count % len(chunks)]:
+                views = [list(ranks[g][0].parameters())[piece.param].view(-1)[piece.start:piece.stop] for g in members]
+                mean = sum(views) / len(members)
+                for v in views:
+                    v.copy_(mean)
+    return [[p.detach() for p in model.parameters()] for model, _ in ranks]
+
+
+@pytest.mark.timeout(240)
+def test_partial_update_over_elastic_groups_undoes_a_lost_step_heals_and_replays(tmp_path):
+    """--elastic with dist_option partialUpdate over 2 groups (chunks of 50 of the 212 parameters): each group
+    steps on its own gradient and one chunk is averaged a step, before the vote. Rank 1 dies in its optimizer's
+    step of step 6, when rank 0 has stepped and waits in the chunk's averaging: rank 0 undoes its update
+    (parameters, momentum, counter) and waits (too few groups); rank 1 comes back with rank 0's parameters,
+    momentum and chunk counter. Both ranks' parameters (which differ: only a chunk a step is averaged) equal
+    a one-process replay of the committed steps, bit for bit."""
+    proc = troupe_run(tmp_path, "kill-in-step", n=2, extra=["partialUpdate"], env={"ELASTIC_TEST_CHUNK": "50"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 1 exited with signal 9 (SIGKILL); restarting it alone" in proc.stderr
+    runs = reports(tmp_path, n=2)
+    assert [r["incarnation"] for r in runs] == [0, 1] and runs[1]["heals"] == 1
+    assert [m for _, _, m in runs[0]["log"]][job.FAULT_AT] is None, "the step rank 1 died in was not left out"
+    healed = torch.load(tmp_path / "rank1.pt")["healed"]
+    assert healed["strategy"]["partial_counter"] == healed["steps"] == runs[1]["resumed_at"] > 0
+    assert runs[0]["sha256"] != runs[1]["sha256"]  # partial: the ranks' parameters differ
+    for rank, want in enumerate(replay_partial(runs, 50)):
+        got = torch.load(tmp_path / f"rank{rank}.pt")["params"]
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def cont_once_left(out: Path, group: int):
     """A `troupe_run` wait: once the frozen process's group has left the quorum and the others have
     stepped on for a second, SIGCONT it (its pid is in OUT/stopped)."""

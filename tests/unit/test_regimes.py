@@ -62,7 +62,8 @@ def test_method_args_keep_what_the_builder_takes():
 def test_capabilities_are_declared():
     assert registry.lookup("partialUpdate").supports.partition is False
     assert registry.lookup("sparseTopK").supports == Capabilities(elastic=True)
-    assert registry.lookup("partialUpdate").supports.elastic is False
+    assert registry.lookup("partialUpdate").supports.elastic is True  # its step runs ahead of the vote
+    assert registry.lookup("ps-client", "cluster").supports.elastic is False
     for name in ("ps-client", "co-located", "in-memory-hogwild"):
         caps = registry.lookup(name, "cluster").supports
         assert not (caps.add_param_group or caps.graph_mode or caps.join or caps.per_call)

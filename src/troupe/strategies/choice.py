@@ -85,7 +85,7 @@ class OptionSwitch:
                              "(its worker group is the elastic group), not with an explicit comm")
         self.reducer = self._make_reducer(everyone)
         self.ctx = registry.Context(comm, self.reducer, setup.optimizer, everyone, setup.compression,
-                                    setup.step_count, setup.name_of)
+                                    setup.step_count, setup.name_of, elastic=self.elastic)
         self._made: dict[tuple, UpdateStrategy] = {}
         self._restored: dict[str, Any] = {}  # state from load_state_dict, for strategies made later
         self.current: UpdateStrategy = self.select(option, **args)

@@ -11,6 +11,7 @@ is full, so the chunks are equal (the last may be shorter) and each step sends a
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -118,13 +119,19 @@ class PartialUpdate:
     The first `warmup_steps` steps (and one process) are plain mean all-reduce steps. Ranks
     check that they agree (and whether any gradient is non-finite, for nan_policy) in one
     tiny collective in `synchronize()`, since their gradients are not reduced.
+
+    Under ``troupe run --elastic`` (`elastic`) the local step and the chunk's averaging, the step's
+    collective, run before the members' vote (`ahead_of_vote`): a member lost in it fails the vote,
+    not the job, and a step the vote leaves out is undone (`left_out`: the parameters, the optimizer's
+    state and the chunk counter as they were; a copy of each every step). A restarted group copies a
+    live one's parameters, optimizer state and chunk counter.
     """
 
     name = "partialUpdate"
 
     def __init__(self, *, comm: Communicator, reducer: GradReducer | None, optimizer: torch.optim.Optimizer,
                  params: Sequence[Tensor], chunk_size: int, full_sync_every: int = 0, warmup_steps: int = 0,
-                 step_count: Callable[[], int] = lambda: 0):
+                 step_count: Callable[[], int] = lambda: 0, elastic: bool = False):
         self.comm, self.reducer, self.optimizer = comm, reducer, optimizer
         self.params = list(params)
         self.dense = MeanAllReduce(comm)
@@ -132,10 +139,15 @@ class PartialUpdate:
         self.step_count = step_count
         # chunk_size 0: no rotation, so one chunk of everything serves the full synchronisation.
         size = chunk_size or max(1, sum(p.numel() for p in self.params))
-        self.averager = PartialAverager(self.params, comm, size) if comm.world_size > 1 else None
+        # (an elastic job's communicator holds the groups present: a restarted group builds before it joins)
+        self.averager = PartialAverager(self.params, comm, size) if comm.world_size > 1 or elastic else None
         self.chunk_size = chunk_size
+        self.elastic = elastic
         self._bad = False
         self._bytes_mark = comm.bytes_sent()
+        self._taken: dict[str, Any] | None = None
+        """Under --elastic: the stats of this step, taken ahead of the vote."""
+        self._saved: tuple[list[Tensor], dict[str, Any], int] | None = None
 
     def _local(self) -> bool:
         return self.averager is not None and self.step_count() >= self.warmup_steps
@@ -161,7 +173,33 @@ class PartialUpdate:
         return all_finite([b.data for b in self.reducer.buckets] if self.reducer else
                           [p.grad for p in self.params if p.grad is not None])
 
+    def ahead_of_vote(self) -> None:
+        """Under --elastic, a local step (not a warm-up's, nor a non-finite one): keep the parameters, the
+        optimizer's state and the counter, then step and average the chunk before the vote."""
+        if not self.elastic or not self._local() or self._bad:
+            return
+        self._saved = ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()),
+                       self.averager.counter)
+        self._taken = self._step()
+
+    @torch.no_grad()
+    def left_out(self) -> None:
+        """The vote left this step out: undo what `ahead_of_vote` took."""
+        if self._saved is not None:
+            values, state, counter = self._saved
+            for p, v in zip(self.params, values):
+                p.copy_(v)
+            self.optimizer.load_state_dict(state)
+            self.averager.counter = counter
+        self._taken = self._saved = None
+
     def step(self) -> dict[str, Any]:
+        if self._taken is not None:
+            stats, self._taken, self._saved = self._taken, None, None
+            return stats
+        return self._step()
+
+    def _step(self) -> dict[str, Any]:
         local = self._local()
         self.optimizer.step()
         chunk = None
@@ -202,11 +240,11 @@ class Partial(DistOption):
     """SINGA's backward_and_partial_update (chunk size, full syncs and warm-up from `CompressionConfig`)."""
 
     name, method = "partialUpdate", "backward_and_partial_update"
-    supports = Capabilities(partition=False)
+    supports = Capabilities(partition=False, elastic=True)
 
     @classmethod
     def build(cls, ctx: Context) -> PartialUpdate:
         c = ctx.config
         return PartialUpdate(comm=ctx.comm, reducer=ctx.reducer, optimizer=ctx.optimizer, params=ctx.params,
                              chunk_size=c.chunk_size, full_sync_every=c.full_sync_every,
-                             warmup_steps=c.warmup_steps, step_count=ctx.step_count)
+                             warmup_steps=c.warmup_steps, step_count=ctx.step_count, elastic=ctx.elastic)

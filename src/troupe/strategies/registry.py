@@ -69,6 +69,8 @@ class Context:
     name_of: Callable[[Tensor], str]
     residuals: dict[str, Tensor] = field(default_factory=dict)
     """Error-feedback memory, shared by the sparse options (checkpointed by DistOpt)."""
+    elastic: bool = False
+    """`troupe run --elastic`: a step's collectives run before the members' vote on it."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,6 +8,8 @@ MODE (faults in first incarnations only, unless said otherwise):
   ok
   kill          rank 1 SIGKILLs itself at step 6; once it is back, rank 0 raises
   kill-once     rank 1 SIGKILLs itself at step 6
+  kill-in-step  rank 1 SIGKILLs itself in its optimizer's step of step 6 (after the step's agreement: under
+                partialUpdate, the others have stepped and wait in the chunk's averaging)
   kill-member   the highest-numbered group of the last step's quorum SIGKILLs itself at step 6
   two-down      at step 6 rank 1 SIGKILLs itself and rank 2 raises: too few groups until one is back (the same
                 step: a restart forked from the launcher's zygote is back within a step or two)
@@ -16,7 +18,7 @@ MODE (faults in first incarnations only, unless said otherwise):
   group-kill    rank 3 (group 1's second process) SIGKILLs itself at step 6: its whole group restarts
   nodes-kill    on 2 nodes of 2: rank 3 (node 1) SIGKILLs itself at step 6; once it is back, rank 0 raises
   group-stop    rank 3 (group 1's second process) SIGSTOPs itself at step 6 and writes OUT/stopped
-ELASTIC_TEST_PARTITION (a JSON troupe.partition plan, e.g. {"0": 1, "2": -1}) partitions the model inside each
+ELASTIC_TEST_CHUNK: partialUpdate's chunk size. ELASTIC_TEST_PARTITION (a JSON troupe.partition plan, e.g. {"0": 1, "2": -1}) partitions the model inside each
 worker group; OUT/rank{r}.pt then holds the whole model, put together from the group's slices.
 The job trains until it has taken MIN_STEPS steps and the last FULL_STREAK of them had every group (or
 --max-groups of them)
@@ -93,8 +95,19 @@ def main(out: Path, mode: str, dist_option: str = "plain") -> None:
         torch.manual_seed(1000 + incarnation)  # a restart starts from other values: the heal must overwrite them
         for p in model.parameters():
             p.data.normal_()
-    opt = troupe.DistOpt(sgd, dist_option=dist_option, spars=0.25 if dist_option.startswith("sparse") else None)
+    chunk = int(os.environ.get("ELASTIC_TEST_CHUNK", "0"))  # partialUpdate's chunk size
+    opt = troupe.DistOpt(sgd, dist_option=dist_option, spars=0.25 if dist_option.startswith("sparse") else None,
+                         **({"compression": troupe.CompressionConfig(chunk_size=chunk)} if chunk else {}))
     rank = opt.global_rank
+    if mode == "kill-in-step" and rank == 1 and not incarnation:
+        step = sgd.step
+
+        def dying_step(*args, **kwargs):
+            if opt.step_count == FAULT_AT:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return step(*args, **kwargs)
+
+        sgd.step = dying_step
     train = troupe.data.loader(data(), BATCH, seed=7, tail="drop", drop_last=True,
                                num_workers=int(os.environ.get("LOADER_WORKERS", "0")))
     per_epoch = len(train)  # before the heal: a resumed sampler counts what is left of its epoch
