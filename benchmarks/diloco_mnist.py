@@ -37,6 +37,8 @@ CONTESTANTS: dict[str, list[str]] = {
                          "--pseudo-grad-dtype", "bf16"],
     "diloco H=50 int8": ["--framework", "diloco", "--nworker-groups", "4", "--sync-freq", "50",
                          "--pseudo-grad-dtype", "int8"],
+    "diloco H=50 fp8": ["--framework", "diloco", "--nworker-groups", "4", "--sync-freq", "50",
+                        "--pseudo-grad-dtype", "fp8"],
     "diloco H=50 int4": ["--framework", "diloco", "--nworker-groups", "4", "--sync-freq", "50",
                          "--pseudo-grad-dtype", "int4"],
     "streaming H=50 K=4 int4": ["--framework", "diloco", "--nworker-groups", "4", "--sync-freq", "50",

@@ -214,7 +214,7 @@ def _add_plan_parser(sub) -> None:
                       help="powerSGD ranks to price (default 1 2 4)")
     plan.add_argument("--sync-freqs", nargs="+", default=["20", "50", "100"], metavar="H",
                       help="DiLoCo inner steps per outer step to price (default 20 50 100)")
-    plan.add_argument("--pseudo-grad-dtype", choices=["fp32", "bf16", "int8", "int4"], default="fp32",
+    plan.add_argument("--pseudo-grad-dtype", choices=["fp32", "bf16", "fp8", "int8", "int4"], default="fp32",
                       help="DiLoCo: the dtype its pseudo-gradients travel in, to price (default fp32)")
     plan.add_argument("--fragments", type=int, default=1, metavar="K",
                       help="Streaming DiLoCo: fragments to price (default 1: DiLoCo)")

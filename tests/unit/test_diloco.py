@@ -130,6 +130,23 @@ def test_integer_pseudo_gradients_round_trip_within_half_a_step_of_their_chunks_
     assert torch.equal(decode(encode(torch.zeros(5), dtype), 5, dtype), torch.zeros(5))
 
 
+def test_fp8_pseudo_gradients_round_trip_within_a_sixteenth_of_each_value_or_a_subnormal_step():
+    torch.manual_seed(0)
+    n = 3 * CHUNK + 17
+    x = torch.randn(n) * torch.linspace(1e-3, 10, n)
+    x[5] = 0.0
+    payload = encode(x, "fp8")
+    assert payload.dtype == torch.uint8 and payload.numel() == wire_size(n, "fp8") == wire_size(n, "int8")
+    y = decode(payload, n, "fp8")
+    padded = torch.nn.functional.pad(x, (0, -n % CHUNK)).view(-1, CHUNK)
+    scale = (padded.abs().amax(dim=1, keepdim=True) / 448).expand(-1, CHUNK).reshape(-1)[:n]
+    # e4m3: 3 mantissa bits (half an ulp: 1/16 of the value), subnormals below 2**-6 spaced 2**-9
+    assert ((y - x).abs() <= torch.maximum(x.abs() / 16, scale / 1024) * (1 + 1e-6)).all()
+    assert y[5] == 0 and torch.equal(y.abs().argmax(), x.abs().argmax())  # a chunk's largest stays exact-ish
+    assert (y - x).abs().max() > 0  # lossy: the bound above is not vacuous
+    assert torch.equal(decode(encode(torch.zeros(5), "fp8"), 5, "fp8"), torch.zeros(5))
+
+
 def test_fp32_and_bf16_pseudo_gradients_round_trip_exactly_and_to_bf16():
     x = torch.randn(1000)
     assert torch.equal(decode(encode(x, "fp32"), 1000, "fp32"), x)
@@ -143,8 +160,9 @@ def test_pseudo_grad_dtype_is_a_flag_a_field_and_one_clear_line_when_unknown():
     assert resolve(args.framework, args.cluster, args.nproc, **given(args)).pseudo_grad_dtype == "int4"
     block = parse_cluster_text("cluster {\n  framework: diloco\n  nworker_groups: 2\n  pseudo_grad_dtype: bf16\n}\n")
     assert block.pseudo_grad_dtype == "bf16" and diloco().pseudo_grad_dtype == "fp32"
-    with pytest.raises(ValueError, match="pseudo_grad_dtype must be one of fp32, bf16, int8, int4, got 'fp8'") as e:
-        diloco(pseudo_grad_dtype="fp8")
+    with pytest.raises(ValueError, match="pseudo_grad_dtype must be one of fp32, bf16, fp8, int8, int4, got 'fp4'") as e:
+        diloco(pseudo_grad_dtype="fp4")
+    assert diloco(pseudo_grad_dtype="fp8").pseudo_grad_dtype == "fp8"
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="pseudo_grad_dtype 'int8': only framework diloco"):
         ClusterConfig(nworker_groups=3, nserver_groups=3, pseudo_grad_dtype="int8")

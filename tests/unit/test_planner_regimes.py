@@ -123,8 +123,9 @@ def test_diloco_bad_input():
         diloco_cost(tiny(), dp(), 2, 0)
     with pytest.raises(ValueError, match=r"2 or more worker groups dividing the world size \(4\), got 3"):
         diloco_cost(tiny(), dp(), 3, 10)
-    with pytest.raises(ValueError, match=r"pseudo_grad_dtype must be one of .*, got 'fp8'"):
-        diloco_cost(tiny(), dp(), 2, 10, "fp8")
+    with pytest.raises(ValueError, match=r"pseudo_grad_dtype must be one of .*, got 'fp4'"):
+        diloco_cost(tiny(), dp(), 2, 10, "fp4")
+    assert diloco_cost(tiny(), dp(), 2, 10, "fp8").bytes == diloco_cost(tiny(), dp(), 2, 10, "int8").bytes  # a byte each
     with pytest.raises(ValueError, match=r"delay \(10\) must be smaller than sync_freq \(10\)"):
         diloco_cost(tiny(), dp(), 2, 10, "fp32", 2, 10)
 

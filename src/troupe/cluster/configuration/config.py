@@ -216,10 +216,10 @@ class ClusterConfig:
     outer_momentum: float = option(0.9, keeps_shape=True, check=_check_outer_momentum, flag=Flag(
         "DiLoCo: the outer optimizer's momentum (default 0.9)"))
     """DiLoCo: the outer optimizer's momentum, for an outer optimizer that takes one."""
-    pseudo_grad_dtype: Literal["fp32", "bf16", "int8", "int4"] = option("fp32", keeps_shape=True, flag=Flag(
+    pseudo_grad_dtype: Literal["fp32", "bf16", "fp8", "int8", "int4"] = option("fp32", keeps_shape=True, flag=Flag(
         "DiLoCo: the dtype the pseudo-gradients travel in (default fp32)"))
-    """DiLoCo: the dtype the pseudo-gradients travel in. fp32: one all-reduce. bf16, int8, int4 (absmax
-    scaling per chunk of 1024 elements, int4 two codes a byte): all-gathered, then decoded and summed in
+    """DiLoCo: the dtype the pseudo-gradients travel in. fp32: one all-reduce. bf16, fp8 (e4m3), int8, int4
+    (fp8 and the integers with absmax scaling per chunk of 1024 elements, int4 two codes a byte): all-gathered, then decoded and summed in
     fp32 in group order, so that every group gets the same mean bit for bit
     (`troupe.cluster.workers.pseudograd`)."""
     fragments: int = option(1, keeps_shape=True, flag=Flag(

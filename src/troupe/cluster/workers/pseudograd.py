@@ -1,4 +1,4 @@
-"""DiLoCo's pseudo-gradients on the wire (`pseudo_grad_dtype`): fp32, bf16, int8 or int4.
+"""DiLoCo's pseudo-gradients on the wire (`pseudo_grad_dtype`): fp32, bf16, fp8, int8 or int4.
 
 fp32 travels as one all-reduce (sum). The others are not summed on the wire: a bf16 or
 integer sum rounds differently on every path through the reduction, and the groups must end
@@ -10,10 +10,13 @@ int8 and int4 use absmax scaling per chunk of `CHUNK` consecutive elements of th
 (scale = absmax / 127 or / 7, round to nearest), so a chunk of small values (a bias) keeps its
 precision beside one of large values. Round trip error per element <= scale / 2, that is
 absmax/254 (int8) and absmax/14 (int4) of its chunk. int4 packs two codes (offset by 8) per byte.
+fp8 is float8 e4m3 (3 mantissa bits, largest 448) with the same per-chunk scaling (scale = absmax / 448),
+so its error is relative: |x - round trip| <= max(|x| / 16, scale / 1024) per element (half an ulp of
+the scaled value; below 2**-6, fp8's subnormals, half their spacing 2**-9).
 
 Wire bytes per outer step and worker, for P elements over G groups (all-gather: (G - 1) pieces
 reach each worker): fp32 2(G-1)/G * 4P (ring all-reduce); bf16 (G-1) * 2P; int8 (G-1) * (P + 4P/CHUNK);
-int4 (G-1) * (P/2 + 4P/CHUNK). With 2 groups bf16/int8/int4 send 1/2, 1/4 and 1/8 of fp32; the
+int4 (G-1) * (P/2 + 4P/CHUNK); fp8 as int8. With 2 groups bf16/int8/int4 send 1/2, 1/4 and 1/8 of fp32; the
 all-gather grows with G, so past G = 4 bf16 sends more than the fp32 all-reduce (int8 past G = 8).
 """
 
@@ -27,13 +30,13 @@ from torch import Tensor
 
 from troupe.runtime.comm import Communicator, Handle
 
-PseudoGradDtype = Literal["fp32", "bf16", "int8", "int4"]
+PseudoGradDtype = Literal["fp32", "bf16", "fp8", "int8", "int4"]
 
 CHUNK = 1024
-"""Elements sharing one int8/int4 scale (even, so that int4's codes pair up within a chunk)."""
+"""Elements sharing one fp8/int8/int4 scale (even, so that int4's codes pair up within a chunk)."""
 
-LEVELS = {"int8": 127, "int4": 7}
-"""The largest code magnitude: codes are integers in [-LEVELS, LEVELS]."""
+LEVELS = {"int8": 127, "int4": 7, "fp8": 448}
+"""The largest code magnitude: integer codes in [-LEVELS, LEVELS]; fp8's, float8 e4m3 values up to 448."""
 
 
 def _chunked(flat: Tensor) -> Tensor:
@@ -52,7 +55,11 @@ def encode(flat: Tensor, dtype: PseudoGradDtype) -> Tensor:
     chunks = _chunked(flat.float())
     scale = chunks.abs().amax(dim=1) / levels
     # A chunk of zeros has scale 0; dividing by 1 there keeps its codes 0 (not NaN).
-    codes = torch.round(chunks / torch.where(scale > 0, scale, 1.0).unsqueeze(1)).clamp_(-levels, levels)
+    scaled = chunks / torch.where(scale > 0, scale, 1.0).unsqueeze(1)
+    if dtype == "fp8":  # (x / scale is within [-448, 448]: the cast rounds to nearest, never overflows)
+        return torch.cat([scaled.to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1),
+                          scale.contiguous().view(torch.uint8)])
+    codes = torch.round(scaled).clamp_(-levels, levels)
     if dtype == "int8":
         packed = codes.to(torch.int8).view(torch.uint8).reshape(-1)
     else:
@@ -68,9 +75,11 @@ def decode(payload: Tensor, numel: int, dtype: PseudoGradDtype) -> Tensor:
     if dtype == "bf16":
         return payload.view(torch.bfloat16)[:numel].float()
     nchunks = -(-numel // CHUNK)
-    code_bytes = nchunks * CHUNK if dtype == "int8" else nchunks * CHUNK // 2
+    code_bytes = nchunks * CHUNK // (2 if dtype == "int4" else 1)
     packed, scale = payload[:code_bytes], payload[code_bytes:].view(torch.float32)
-    if dtype == "int8":
+    if dtype == "fp8":
+        codes = packed.view(torch.float8_e4m3fn).float()
+    elif dtype == "int8":
         codes = packed.view(torch.int8).float()
     else:
         codes = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1).float() - 8
@@ -82,7 +91,7 @@ def wire_size(numel: int, dtype: PseudoGradDtype) -> int:
     if dtype in ("fp32", "bf16"):
         return numel * (4 if dtype == "fp32" else 2)
     nchunks = -(-numel // CHUNK)
-    return nchunks * CHUNK // (1 if dtype == "int8" else 2) + 4 * nchunks
+    return nchunks * CHUNK // (2 if dtype == "int4" else 1) + 4 * nchunks
 
 
 class PendingMean:

@@ -65,7 +65,7 @@ OPTIONS = ("plain", "fp16", "bf16", "sparseTopK", "partialUpdate", "powerSGD")
 MIN_COMPRESSION_RATE = 2.0
 """powerSGD compresses an n x m matrix only if (n + m) * r * 2 < n * m: torch's (and troupe's) default."""
 
-PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "int8", "int4")
+PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "fp8", "int8", "int4")
 """The dtypes DiLoCo's pseudo-gradients may travel in (`ClusterConfig.pseudo_grad_dtype`)."""
 
 OUTER_SLOTS = 2
@@ -378,7 +378,7 @@ def diloco_cost(profile: ModelProfile, setup: Setup, groups: int, sync_freq: int
     one outer exchange of every parameter among the groups each `sync_freq` steps, per step.
 
     The exchange is the runtime's (`troupe.cluster.workers.pseudograd`): in fp32 one all-reduce; in
-    bf16, int8 or int4 an all-gather of each group's encoded pseudo-gradient, (G-1) pieces of its
+    bf16, fp8, int8 or int4 an all-gather of each group's encoded pseudo-gradient, (G-1) pieces of its
     wire size sent per worker. Streaming DiLoCo (`fragments` K, `delay` tau): each fragment (1/K of
     the parameters, one message) is exchanged once per H steps; with tau > 0 it overlaps the next
     tau inner steps and only what is longer than them is exposed. The outer optimizer's own
