@@ -178,3 +178,25 @@ def test_an_elastic_launcher_forks_its_zygote_from_itself_and_a_rank_is_still_it
     assert 'job.py", line 4, in <module>' in done.stderr and "ValueError: boom" in done.stderr
     assert "During handling" not in done.stderr and "troupe run: boom" not in done.stderr
     assert "troupe run: rank 1 exited with code 1" in done.stderr
+
+
+def test_a_module_the_zygote_imported_already_runs_as_main_without_runpy_s_warning(tmp_path, monkeypatch):
+    """A zygote forked from its launcher may hold the rank's module already (a server's troupe.cluster.bootstrap):
+    `run_rank` runs it as __main__ again, as `python -m` would, and says nothing about it on the rank's stderr."""
+    import importlib
+    import warnings
+
+    (tmp_path / "already_here").mkdir()
+    (tmp_path / "already_here" / "__init__.py").write_text("")
+    (tmp_path / "already_here" / "job.py").write_text("import sys\nRAN_AS = __name__\nsys.modules['__main__'].ran = RAN_AS\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    importlib.import_module("already_here.job")  # what the launcher had imported before forking
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zygote.run_rank({"module": True, "argv": ["already_here.job"]})
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
+    monkeypatch.delitem(sys.modules, "already_here.job")
+    monkeypatch.delitem(sys.modules, "already_here")

@@ -44,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import IO, Any
 
 ENV_VAR = "TROUPE_FORK"
@@ -373,7 +374,13 @@ def run_rank(request: dict[str, Any]) -> None:
     if request["module"]:
         sys.argv = [argv[0], *argv[1:]]
         sys.path[0] = os.getcwd()
-        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+        with warnings.catch_warnings():
+            # A zygote forked from its launcher (`Zygote.fork`) may have imported the module already (a server
+            # rank's troupe.cluster.bootstrap): it runs again as __main__, as `python -m` would, without
+            # runpy's warning on every such rank's stderr.
+            warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
+                                    category=RuntimeWarning)
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
     else:
         sys.argv = list(argv)
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
