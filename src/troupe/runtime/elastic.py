@@ -197,7 +197,7 @@ class Elastic:
             raise RuntimeError(
                 "troupe run --elastic-batch constant: this step's batch was not drawn by troupe.data.loader after "
                 "the last step (it takes the missing groups' batches too, chosen per step): make the loader with "
-                "troupe.data.loader(..., num_workers=0) and draw each batch after the previous step")
+                "troupe.data.loader(...) and draw each batch after the previous step")
         self._weighed = True
         return self._drawn[2] * len(q.members) / self.options.groups
 
