@@ -796,14 +796,17 @@ def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
             return f"server {args.server_places[rank][1]} of every server group is gone: no copy of its slices is left"
         return "a server cannot restart alone (its slices have no live copy to take over while it starts)"
 
+    def copies(index: int) -> set[int]:
+        """The servers holding server index `index`'s slices: one per server group."""
+        return {r for r, (_, j) in args.server_places.items() if j == index}
+
     def let_go(rank: int) -> str | None:
         """A dead server whose workers fail over to the same server of another server group (the job goes on)."""
         if rank not in args.servers or not args.fails_over:
             return None
         keeper.server_gone(rank)
         group, index = args.server_places[rank]
-        copies = [r for r, (_, j) in args.server_places.items() if j == index]
-        if keeper.gone(copies) >= set(copies):
+        if keeper.gone(copies(index)) >= copies(index):
             return None
         return (f"it was server {index} of server group {group}, which is not restarted: its workers fail over to "
                 f"server {index} of the next server group")
@@ -827,8 +830,8 @@ def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
         out = {}
         for rank, still in keeper.frozen(mine, evict_after).items():
             group, index = args.server_places[rank]
-            copies = [r for r, (_, j) in args.server_places.items() if j == index and r != rank]
-            if keeper.gone(copies) < set(copies):
+            others = copies(index) - {rank}
+            if keeper.gone(others) < others:
                 out[rank] = (f"(server {index} of server group {group}) has not beaten for {still:.1f} s, past "
                              f"--evict-after {evict_after:g} s: frozen or hung")
         return out

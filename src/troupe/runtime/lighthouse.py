@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from troupe.runtime.quorum import Decision, ElasticOptions, Quorum, Ready, round_key
@@ -408,7 +408,7 @@ class Keeper:
         except (RuntimeError, ConnectionError, OSError):
             pass
 
-    def gone(self, ranks: list[int]) -> set[int]:
+    def gone(self, ranks: Iterable[int]) -> set[int]:
         """Which of these servers died, on any node."""
         from troupe.runtime.rejoin import gone_key
 
@@ -430,8 +430,7 @@ class Keeper:
         try:
             for rank in ranks:
                 still = self._beats.still_for(rank)
-                if still >= evict_after and self.store.add(beat_key(rank), 0) and \
-                        not self.store.check([closing_key(rank)]):
+                if still >= evict_after and self._beats.started(rank) and not self.store.check([closing_key(rank)]):
                     out[rank] = still
         except (RuntimeError, ConnectionError, OSError):  # node 0's store is gone: the job is over
             return {}

@@ -64,6 +64,10 @@ class BeatWatch:
             self._seen[rank] = (beat, now)
         return now - self._seen[rank][1]
 
+    def started(self, rank: int) -> bool:
+        """Whether `rank` had beaten at least once when last looked at (a process still starting has not)."""
+        return self._seen.get(rank, (0, 0.0))[0] > 0
+
     def forget(self, rank: int) -> None:
         self._seen.pop(rank, None)
 

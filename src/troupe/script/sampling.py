@@ -256,40 +256,9 @@ class DistributedSampler(Sampler[int]):
                 f"shuffle={self.shuffle}, seed={self.seed}, epoch {self.epoch})")
 
 
-class StepBatches(Sampler[list[int]]):
-    """A `DistributedSampler`'s batches, each drawn as the loop asks for it, holding the batches of
-    every rank `ranks()` names then (its own first) at the same place of their shares.
-
-    `troupe.data.loader` uses it under ``troupe run --elastic-batch constant``: the groups present
-    take the missing groups' batches too (the membership names them per step), so a step's batch is
-    the fault-free run's global batch. The sampler keeps the position (its own indices taken).
-    """
-
-    def __init__(self, sampler: DistributedSampler, batch_size: int, drop_last: bool,
-                 ranks: Callable[[], Sequence[int]]):
-        self.sampler, self.batch_size, self.drop_last, self.ranks = sampler, batch_size, drop_last, ranks
-
-    def __len__(self) -> int:
-        n = len(self.sampler)
-        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        s = self.sampler
-        count = len(self)  # before `_begin`, which moves the resume point into the base
-        rest = s._begin()
-        for b in range(count):
-            lo, hi = b * self.batch_size, (b + 1) * self.batch_size
-            ranks = self.ranks()  # now: after the previous step chose the quorum of this one
-            if ranks[0] != s.rank:
-                raise ValueError(f"the batch ranks {list(ranks)} must start with this sampler's rank {s.rank}")
-            own = rest[s.rank :: s.world_size][lo:hi]
-            s._yielded += len(own)
-            yield own + [i for r in ranks[1:] for i in rest[r :: s.world_size][lo:hi]]
-
-
 class OwnBatches(Sampler[list[int]]):
     """A `DistributedSampler`'s own batches, for a DataLoader whose workers read them ahead (`StepLoader`):
-    the position is counted as the loop takes each batch, not as the workers are handed its indices."""
+    the position is counted as the loop takes each batch (`take`), not as the workers are handed its indices."""
 
     def __init__(self, sampler: DistributedSampler, batch_size: int, drop_last: bool):
         self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
@@ -305,11 +274,44 @@ class OwnBatches(Sampler[list[int]]):
         s = self.sampler
         return self.rest[rank :: s.world_size][b * self.batch_size : (b + 1) * self.batch_size]
 
-    def __iter__(self) -> Iterator[list[int]]:
-        count = len(self)  # before `_begin`, which moves the resume point into the base
+    def _begin(self) -> int:
+        count = len(self)  # before the sampler's `_begin`, which moves the resume point into the base
         self.rest = self.sampler._begin()
-        for b in range(count):
+        return count
+
+    def take(self, b: int, ranks: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The loop takes batch b for `ranks` (this sampler's first): its own indices, counted in the
+        position, and the other ranks' batch b."""
+        s = self.sampler
+        if ranks[0] != s.rank:
+            raise ValueError(f"the batch ranks {list(ranks)} must start with this sampler's rank {s.rank}")
+        own = self.batch(s.rank, b)
+        s._yielded += len(own)
+        return own, [i for r in ranks[1:] for i in self.batch(r, b)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for b in range(self._begin()):
             yield self.batch(self.sampler.rank, b)
+
+
+class StepBatches(OwnBatches):
+    """A `DistributedSampler`'s batches, each drawn as the loop asks for it, holding the batches of
+    every rank `ranks()` names then (its own first) at the same place of their shares.
+
+    `troupe.data.loader` uses it under ``troupe run --elastic-batch constant``: the groups present
+    take the missing groups' batches too (the membership names them per step), so a step's batch is
+    the fault-free run's global batch. The sampler keeps the position (its own indices taken).
+    """
+
+    def __init__(self, sampler: DistributedSampler, batch_size: int, drop_last: bool,
+                 ranks: Callable[[], Sequence[int]]):
+        super().__init__(sampler, batch_size, drop_last)
+        self.ranks = ranks
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for b in range(self._begin()):
+            own, extra = self.take(b, self.ranks())  # now: after the previous step chose the quorum of this one
+            yield own + extra
 
 
 class StepLoader(DataLoader):
@@ -324,14 +326,9 @@ class StepLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         own: OwnBatches = self.batch_sampler  # type: ignore[assignment]
-        s = own.sampler
         for b, batch in enumerate(super().__iter__()):
-            ranks = self.ranks()
-            if ranks[0] != s.rank:
-                raise ValueError(f"the batch ranks {list(ranks)} must start with this sampler's rank {s.rank}")
-            s._yielded += len(own.batch(s.rank, b))
-            if len(ranks) > 1:
-                extra = [i for r in ranks[1:] for i in own.batch(r, b)]
+            _, extra = own.take(b, self.ranks())
+            if extra:
                 batch = concat_batches(batch, self.collate_fn([self.dataset[i] for i in extra]))
             yield batch
 

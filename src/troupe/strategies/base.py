@@ -23,9 +23,11 @@ of ranks. Which regime builds which strategy is `troupe.strategies.registry`'s t
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from troupe.reliability.nonfinite import all_finite
@@ -77,3 +79,20 @@ def reduced_buckets_finite(reducer: GradReducer | None, params: Sequence[Tensor]
     if reducer is not None:
         return all_finite([b.data for b in reducer.buckets])
     return all_finite([p.grad for p in params if p.grad is not None])
+
+
+class StepUndo:
+    """The parameters and optimizer state before a step taken ahead of the members' vote (`troupe run
+    --elastic`: DiLoCo's syncing steps, partialUpdate's every step), to put back if the vote leaves it out.
+    One more copy of the model and its optimizer state while the step is in flight."""
+
+    def __init__(self, params: Sequence[Tensor], optimizer: torch.optim.Optimizer):
+        self.params, self.optimizer = list(params), optimizer
+        self.values = [p.detach().clone() for p in self.params]
+        self.state = copy.deepcopy(optimizer.state_dict())
+
+    @torch.no_grad()
+    def undo(self) -> None:
+        for p, v in zip(self.params, self.values):
+            p.copy_(v)
+        self.optimizer.load_state_dict(self.state)

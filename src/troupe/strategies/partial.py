@@ -11,7 +11,6 @@ is full, so the chunks are equal (the last may be shorter) and each step sends a
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from torch import Tensor
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
 from troupe.strategies.allreduce import dense_bytes
+from troupe.strategies.base import StepUndo
 from troupe.strategies.choice import DistOption
 from troupe.strategies.registry import Capabilities, Context, register
 from troupe.sync.agree import Agreement
@@ -147,7 +147,7 @@ class PartialUpdate:
         self._bytes_mark = comm.bytes_sent()
         self._taken: dict[str, Any] | None = None
         """Under --elastic: the stats of this step, taken ahead of the vote."""
-        self._saved: tuple[list[Tensor], dict[str, Any], int] | None = None
+        self._saved: tuple[StepUndo, int] | None = None
 
     def _local(self) -> bool:
         return self.averager is not None and self.step_count() >= self.warmup_steps
@@ -178,19 +178,14 @@ class PartialUpdate:
         optimizer's state and the counter, then step and average the chunk before the vote."""
         if not self.elastic or not self._local() or self._bad:
             return
-        self._saved = ([p.detach().clone() for p in self.params], copy.deepcopy(self.optimizer.state_dict()),
-                       self.averager.counter)
+        self._saved = StepUndo(self.params, self.optimizer), self.averager.counter
         self._taken = self._step()
 
-    @torch.no_grad()
     def left_out(self) -> None:
         """The vote left this step out: undo what `ahead_of_vote` took."""
         if self._saved is not None:
-            values, state, counter = self._saved
-            for p, v in zip(self.params, values):
-                p.copy_(v)
-            self.optimizer.load_state_dict(state)
-            self.averager.counter = counter
+            undo, self.averager.counter = self._saved
+            undo.undo()
         self._taken = self._saved = None
 
     def step(self) -> dict[str, Any]:

@@ -115,6 +115,10 @@ class MasterCopies:
         self.sent[k] = cur
         return cur - self.gather(k, self.shard.last_sync)
 
+    def copy_of(self, k: int) -> Tensor:
+        """The master copy of part k, this group's own or one it took over."""
+        return self.master if k == self.group else self.taken[k]
+
     @property
     def mastered(self) -> list[int]:
         """The parts whose master copy this group holds: its own, and those it took over."""
@@ -136,7 +140,7 @@ class MasterCopies:
     def fold_own(self) -> None:
         """This group's own change of each part it masters into its master copy, adopted at once."""
         for k in self.mastered:
-            master = self.master if k == self.group else self.taken[k]
+            master = self.copy_of(k)
             cur = self.gather(k).clone()
             master.add_(cur - self.gather(k, self.shard.last_sync), alpha=self.scale)
             if k == self.group:
@@ -174,7 +178,7 @@ class MasterCopies:
         """Set this group's own part (or `part`, one it took over) to its master copy (every change folded
         in) and return it."""
         part = self.group if part is None else part
-        master = self.master if part == self.group else self.taken[part]
+        master = self.copy_of(part)
         self.settle(part, master)
         return master.clone()
 

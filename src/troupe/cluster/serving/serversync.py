@@ -184,8 +184,7 @@ class ServerSync:
         if header.length:
             payload = torch.empty(header.length, dtype=self.shard.dtype)
             self.comm.recv(payload, src, tag=PAYLOAD_TAG)
-        if header.op in (Op.MERGE, Op.FINAL) and self.master_of[header.slice_id] != \
-                (self.copies.group if header.op is Op.MERGE else self.group_of[src]):
+        if self._early_from(src, header):
             self._early.append((src, header, payload))  # src knows of a death this server has not seen yet
             return
         self._apply(src, header, payload)
@@ -205,19 +204,22 @@ class ServerSync:
                                        for k in moved) + " from now on",
               file=sys.stderr, flush=True)
         early, self._early = self._early, []
-        for src, header, payload in early:  # what came from those who knew before us
+        for src, header, payload in early:  # what came from those who knew before us, now (or kept again)
             if src not in self.gone:
-                self._handle_early(src, header, payload)
+                if self._early_from(src, header):
+                    self._early.append((src, header, payload))
+                else:
+                    self._apply(src, header, payload)
         self._maybe_final()
         self._cv.notify_all()
 
-    def _handle_early(self, src: int, header: Header, payload: Tensor | None) -> None:
-        """A Merge or Final kept until this server knew of the death its sender knew of (or kept again)."""
-        mine = self.copies.group if header.op is Op.MERGE else self.group_of[src]
-        if self.master_of[header.slice_id] != mine:
-            self._early.append((src, header, payload))
-        else:
-            self._apply(src, header, payload)
+    def _early_from(self, src: int, header: Header) -> bool:
+        """A Merge of a part this server does not master, or a Final from a neighbour that does not master
+        its part, in this server's view: sent by one who knows of a death this server has not seen yet."""
+        if header.op not in (Op.MERGE, Op.FINAL):
+            return False
+        master = self.copies.group if header.op is Op.MERGE else self.group_of[src]
+        return self.master_of[header.slice_id] != master
 
     def close(self, poll: float = WATCH_INTERVAL) -> None:
         """Wait until every live peer has taken the last Merges, answers and Finals (the process may end then).

@@ -46,7 +46,6 @@ is the UpdateStrategy around the inner `AllReduce`.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
@@ -59,7 +58,7 @@ from troupe.cluster.configuration.config import OUTER_DEFAULT, ClusterConfig, ou
 from troupe.cluster.workers.pseudograd import PendingMean, start_mean
 from troupe.runtime.comm import Communicator
 from troupe.strategies.allreduce import AllReduce
-from troupe.strategies.base import StepStats
+from troupe.strategies.base import StepStats, StepUndo
 from troupe.strategies.partitioned import HolderGroups, Partitioned, split_by_holders
 from troupe.sync.reducer import GradReducer
 
@@ -309,7 +308,7 @@ class ElasticDiLoCo(DiLoCo):
         super().__init__(cluster, inner, place, params, step_count)
         self._ready: list[tuple[int, list[Tensor]]] | None = None
         """This step's exchanged fragments and their mean pseudo-gradients, awaiting the vote."""
-        self._saved: tuple[list[Tensor], dict[str, Any]] | None = None
+        self._saved: StepUndo | None = None
         self._inner_stats: StepStats = {}
 
     def ahead_of_vote(self) -> None:
@@ -318,8 +317,7 @@ class ElasticDiLoCo(DiLoCo):
         syncing = self._syncing()
         if not syncing or not self.inner.all_finite():  # nan_policy "raise" decides a non-finite step
             return
-        optimizer = self.inner.optimizer
-        self._saved = ([p.detach().clone() for p in self.params], copy.deepcopy(optimizer.state_dict()))
+        self._saved = StepUndo(self.params, self.inner.optimizer)
         self._inner_stats = self.inner.step()
         pending = [(j, self._start(j)) for j in syncing]
         self._ready = [(j, flight.wait()) for j, flight in pending]
@@ -338,12 +336,8 @@ class ElasticDiLoCo(DiLoCo):
         return {**self._inner_stats, "outer_step": self.outers[ready[-1][0]].steps,
                 "fragments_synced": [j for j, _ in ready]}
 
-    @torch.no_grad()
     def left_out(self) -> None:
         """The vote left this step out: undo the inner step `ahead_of_vote` took."""
         if self._saved is not None:
-            values, state = self._saved
-            for p, v in zip(self.params, values):
-                p.copy_(v)
-            self.inner.optimizer.load_state_dict(state)
+            self._saved.undo()
         self._ready = self._saved = None
