@@ -373,8 +373,6 @@ def test_an_elastic_cluster_block_is_troupe_run_elastic_over_its_groups(monkeypa
     ({"nworker_groups": 2, "server_worker_separate": True, "elastic": True, "partition_dim": 0},
      "with separate servers runs without partition .*: leave out partition_dim 0"),
     ({"nworker_groups": 2, "partition_dim": 1, "elastic": True}, "leave out partition_dim 1"),
-    ({"nworker_groups": 2, "nserver_groups": 2, "framework": "diloco", "delay": 1, "sync_freq": 4, "elastic": True},
-     "elastic DiLoCo needs delay 0, got 1"),
 ])
 def test_bad_elastic_cluster_blocks_name_their_values(fields, message):
     with pytest.raises(ValueError, match=message):

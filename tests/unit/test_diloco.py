@@ -316,3 +316,79 @@ def test_elastic_diloco_takes_a_syncing_step_ahead_of_the_vote_and_undoes_it_whe
         strategy.ahead_of_vote()
     strategy.left_out()
     assert all(torch.equal(p, o) for p, o in zip(params, strategy.outers[0].outer))
+
+
+class _PeerPlace:
+    """A quorum of two: this group and a peer whose side of each sum is given (its pseudo-gradient, or
+    none: a group that joined after the exchange was taken)."""
+
+    world_size = 2
+
+    def __init__(self, peer_delta):
+        self.peer_delta = peer_delta
+
+    def all_reduce(self, tensor, op):
+        tensor += 0.0 if self.peer_delta is None else 1.0
+
+    def fused_all_reduce(self, tensors, op, async_op=True):
+        for t, d in zip(tensors, self.peer_delta or [torch.zeros_like(t) for t in tensors]):
+            t += d
+
+        class Done:
+            def wait(self):
+                pass
+
+        return Done()
+
+    def bytes_sent(self):
+        return 0
+
+
+def test_elastic_streaming_diloco_redoes_an_exchange_in_flight_over_a_new_quorum():
+    """With delay 1 the exchange taken at count 2 merges at count 3. Over the same quorum it is the plain
+    mean; after `reconfigured()` (a group lost or joined meanwhile) it is redone over the groups that took
+    it: the peer's pseudo-gradient counted when it has one, left out (and not counted) when it joined
+    after; the list in flight goes to a joiner through state_dict, without a pseudo-gradient."""
+    from troupe.cluster.workers.diloco import ElasticDiLoCo
+    from troupe.strategies.allreduce import AllReduce
+
+    cfg = ClusterConfig(framework="diloco", nworker_groups=2, nserver_groups=2, sync_freq=2, delay=1, outer_lr=1.0,
+                        outer_momentum=0.0, outer_optimizer="sgd", elastic=True)
+
+    def run(peer_delta, reconfigure):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        params = list(model.parameters())
+        sgd = torch.optim.SGD(params, lr=0.1)
+        place, count = _PeerPlace(peer_delta), [1]
+        inner = AllReduce(name="plain", comm=place, reducer=None, optimizer=sgd, params=params)
+        strategy = ElasticDiLoCo(cfg, inner, place, params, lambda: count[0])
+        strategy.start()
+        outer = [p.detach().clone() for p in params]
+        for _ in range(2):  # count 1 -> 2 (takes the exchange), 2 -> 3 (merges it)
+            sgd.zero_grad()
+            model(torch.ones(4, 3)).square().sum().backward()
+            strategy.ahead_of_vote()
+            if count[0] == 1:
+                assert strategy.holds_work() and strategy.state_dict()["in_flight"] == [[3, 0]]
+                taken = [o - p.detach() for o, p in zip(outer, params)]
+            strategy.step()
+            if count[0] == 1 and reconfigure:
+                strategy.reconfigured()
+                assert not strategy.holds_work(), "an exchange on a group left behind still counted as held"
+            count[0] += 1
+        assert not strategy.flights and strategy.outers[0].steps == 1
+        return params, outer, taken, strategy
+
+    peer = [torch.full((2, 3), 0.5), torch.full((2,), -0.25)]
+    for reconfigure in (False, True):  # the peer took it: the mean of both, either way
+        params, outer, mine, _ = run(peer, reconfigure)
+        for p, o, d, q in zip(params, outer, mine, peer):
+            torch.testing.assert_close(p, o - (d + q) / 2, rtol=0, atol=1e-7)
+    # the peer joined after it was taken (redone without it): this group's pseudo-gradient alone
+    params, outer, mine, strategy = run(None, True)
+    for p, o, d in zip(params, outer, mine):
+        torch.testing.assert_close(p, o - d, rtol=0, atol=1e-7)
+    joiner = ElasticDiLoCo(cfg, strategy.inner, strategy.place, params, lambda: 2)
+    joiner.load_state_dict({**strategy.state_dict(), "in_flight": [[3, 0]]})
+    assert [(f.merge_at, f.fragment, f.kept) for f in joiner.flights] == [(3, 0, None)]

@@ -155,9 +155,13 @@ class ElasticDiLoCoWorker(ClusterWorker):
         k = setup.cluster.nworkers_per_group
         if k == 1:  # a group of one process: nothing to reduce inside it; the quorum's processes are the groups
             inner = AllReduce(name="plain", comm=world.comm, reducer=None, optimizer=setup.optimizer, params=params)
-            return Fixed(cls, ElasticDiLoCo(setup.cluster, inner, world.comm, params, setup.step_count))
-        group, place = world.replica_comms()  # made anew for every quorum, adopted by these objects
-        inner = group_step(params, group, setup.optimizer, setup.bucket_size, workers=world.world_size,
-                           partitioned_model=world.partitioned, elastic=True,
-                           first_bucket_size=setup.first_bucket_size)
-        return Fixed(cls, ElasticDiLoCo(setup.cluster, inner, place, params, setup.step_count))
+            place = world.comm
+        else:
+            group, place = world.replica_comms()  # made anew for every quorum, adopted by these objects
+            inner = group_step(params, group, setup.optimizer, setup.bucket_size, workers=world.world_size,
+                               partitioned_model=world.partitioned, elastic=True,
+                               first_bucket_size=setup.first_bucket_size)
+        strategy = ElasticDiLoCo(setup.cluster, inner, place, params, setup.step_count)
+        membership.on_reconfigure.append(strategy.reconfigured)  # its exchanges in flight are redone
+        membership.holds_work.append(strategy.holds_work)
+        return Fixed(cls, strategy)

@@ -94,6 +94,10 @@ class Elastic:
         self.objects: dict[str, Any] = {}
         self.step_count: Callable[[], int] = lambda: -1
         self.on_reconfigure: list[Callable[[], None]] = []
+        self.holds_work: list[Callable[[], bool]] = []
+        """Whether a strategy has a collective in flight on the quorum's group beyond the step (elastic
+        Streaming DiLoCo's delayed exchange): then a group left behind is set aside, not shut down
+        (shutting it down would wait for that collective, for the group's whole timeout if a peer is gone)."""
         self.heals = 0
         """Times this process received state from a peer."""
         self.stepped_with: tuple[int, ...] | None = None
@@ -156,7 +160,8 @@ class Elastic:
 
         `tag` tells apart two groups of one quorum: a failed round rebuilds the same members' group."""
         self._bury()
-        _leave_group(self._set_aside if self._failed_step else None)
+        busy = self._failed_step or any(holds() for holds in self.holds_work)
+        _leave_group(self._set_aside if busy else None)
         store = dist.PrefixStore(f"pg/{quorum.id}/{tag}/", self._pg_store)
         _init_group(self.backend, store=store, rank=quorum.index(self.rank), world_size=quorum.size,
                     timeout=datetime.timedelta(seconds=self.options.timeout))

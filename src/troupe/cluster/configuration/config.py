@@ -301,9 +301,6 @@ class ClusterConfig:
                              "--framework downpour|sandblaster, with the cluster as flags)")
         if diloco:
             self._check_diloco()
-            if self.delay:
-                raise ValueError(f"elastic DiLoCo needs delay 0, got {self.delay}: an exchange that overlaps "
-                                 f"later steps cannot be voted on with its step (not yet)")
 
     def _check_elastic_servers(self) -> None:
         """elastic: true beside separate servers (Downpour, Sandblaster): the workers restart alone and fetch
