@@ -31,6 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dist-option", default="plain")
     p.add_argument("--spars", type=float, default=None)
+    p.add_argument("--powersgd-rank", type=int, default=1, help="powerSGD: the rank r of its factors")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--lr", type=float, default=0.005)
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.manual_seed(0)
     model = CNN()
-    sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-5))
+    sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-5),
+                         powersgd_rank=args.powersgd_rank)
     model.set_optimizer(sgd)
     rank, n = sgd.global_rank, sgd.world_size
     train_x, train_y, test_x, test_y = troupe.data.load_mnist()

@@ -11,6 +11,7 @@ leaves are `chaos_summary`'s: events.jsonl, faults.jsonl, final.jsonl (plus logs
 
     troupe bench chaos --out runs/kill30 --kill-every 30 --duration 300
     troupe bench chaos --out runs/diloco30 --kill-every 30 --duration 300 --diloco 50
+    troupe bench chaos --out runs/stream30 --kill-every 30 --duration 300 --diloco 50 --delay 5
     troupe bench chaos --out runs/downpour30 --kill-every 30 --duration 300 --downpour 2
     troupe bench chaos --out runs/failover --kill-every 30 --duration 300 --downpour 2 --kill-server-at 100
     troupe bench chaos --out runs/hogwild30 --kill-every 30 --duration 300 --hogwild 10
@@ -119,7 +120,7 @@ class Driver:
             cmd[at:at] = ["--nworker-groups", str(args.groups)]
         if args.diloco:  # troupe run's flags, before the script
             at = cmd.index("--ranks")
-            cmd[at:at] = ["--framework", "diloco", "--sync-freq", str(args.diloco)]
+            cmd[at:at] = ["--framework", "diloco", "--sync-freq", str(args.diloco), "--delay", str(args.delay)]
         if args.downpour:  # the workers are the groups; the servers (killed only at --kill-server-at) come on top
             at = cmd.index("-n")
             cmd[at:at + 2] = []
@@ -231,8 +232,9 @@ class Driver:
                 break
         steps = [json.loads(x)["step"] for x in (self.out / "events.jsonl").read_text().splitlines() if x.strip()]
         stop = max(steps, default=0) + 10
-        if self.args.diloco:  # after an outer step: only there do the groups hold the same parameters
-            stop = -(-stop // self.args.diloco) * self.args.diloco
+        if self.args.diloco:  # after an outer step's merge: only there do the groups hold the same parameters
+            h, tau = self.args.diloco, self.args.delay
+            stop = -(-(stop - tau) // h) * h + tau
         (self.out / "stop.tmp").write_text(str(stop))
         (self.out / "stop.tmp").rename(self.out / "stop")
         try:
@@ -264,6 +266,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          "not --downpour or --hogwild")
     if args.partition and args.group_size < 2:
         raise ValueError("--partition splits the model inside a worker group: give --group-size 2 or more")
+    if args.delay and not args.diloco or not 0 <= args.delay < (args.diloco or 1):
+        raise ValueError(f"--delay is Streaming DiLoCo's, from 0 to below --diloco H: got {args.delay} with H "
+                         f"{args.diloco}")
     if args.partition and args.diloco:
         raise ValueError("--partition runs without --diloco (troupe.partition inside elastic groups runs without a "
                          "framework)")
@@ -308,6 +313,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spars", type=float, default=None, help="sparseTopK/sparseThreshold: spars (the DistOpt default when not given)")
     p.add_argument("--diloco", type=int, default=None, metavar="H",
                    help="DiLoCo over the elastic groups (troupe run --framework diloco --sync-freq H)")
+    p.add_argument("--delay", type=int, default=0, metavar="TAU",
+                   help="with --diloco: Streaming DiLoCo's delay (troupe run --delay TAU: each exchange overlaps "
+                        "TAU inner steps; one fragment, so that the groups end bit-identical)")
     p.add_argument("--downpour", type=int, default=None, metavar="S",
                    help="Downpour: the groups are asynchronous workers of S server groups of one server each "
                         "(troupe run --framework downpour; only workers are killed)")
