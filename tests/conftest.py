@@ -25,6 +25,12 @@ is idle.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 FAMILIES: dict[str, tuple[str, ...]] = {
@@ -34,6 +40,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "tests/unit/test_import_graph.py::test_the_command_line_starts_without_torch",
         "tests/unit/test_bench.py::test_bench_is_not_imported_by_troupe",
         "tests/unit/test_zygote.py",
+        "tests/unit/test_forkserver.py",
     ),
     "netns": (
         "tests/dist/test_fault_harness.py",
@@ -144,3 +151,46 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             return module if module in SHARED_WORLDS else nodeid
 
     return SharedWorldScheduling(config, log)
+
+
+class ForkServer:
+    """The pytest worker's fork server: its process, socket and log (a line per launcher it forked)."""
+
+    def __init__(self, proc: subprocess.Popen, path: Path, log: Path):
+        self.proc, self.path, self.log = proc, path, log
+
+
+FORK_SERVER = "TROUPE_TEST_FORK_SERVER"
+"""TROUPE_TEST_FORK_SERVER=0: every `troupe run` a test starts starts its launcher afresh (as a user's does)."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server(tmp_path_factory: pytest.TempPathFactory):
+    """One `troupe.runtime.forkserver` per pytest worker, named in TROUPE_FORK_SERVER for every process the
+    tests start: each `troupe run` launcher is forked from it, torch already imported, instead of importing
+    torch in a zygote of its own (3.3 s of CPU per job here, for about 150 jobs). A launcher that cannot be
+    forked so (another Python, another PYTHON* variable) starts afresh, as without the server."""
+    from troupe.runtime.forkserver import ENV_VAR
+
+    if os.environ.get(FORK_SERVER, "1") == "0" or not sys.platform.startswith("linux") or os.environ.get(ENV_VAR):
+        yield None
+        return
+    path = Path(f"/tmp/troupe-test-{os.getpid()}.sock")
+    path.unlink(missing_ok=True)
+    log = tmp_path_factory.mktemp("fork_server") / "server.log"
+    # the ranks' shared values as `troupe run --threads 1` gives them: torch reads them as it loads
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "-m", "troupe.runtime.forkserver", str(path)], env=env,
+                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while not path.exists() and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # it listens before it imports: clients wait in its backlog
+    os.environ[ENV_VAR] = str(path)
+    try:
+        yield ForkServer(server, path, log)
+    finally:
+        del os.environ[ENV_VAR]
+        server.terminate()
+        server.wait(timeout=30)
+        path.unlink(missing_ok=True)

@@ -236,6 +236,12 @@ def _add_plan_parser(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     from troupe.runtime.zygote import RunRank
 
+    if argv is None and sys.argv[1:2] == ["run"] and os.environ.get("TROUPE_FORK_SERVER"):
+        from troupe.runtime.forkserver import launch
+
+        served = launch(sys.argv[1:])  # a launcher forked by the fork server (runtime/forkserver.py)
+        if served is not None:
+            return served
     try:
         return _main(argv)
     except RunRank as rank:  # a rank forked from the zygote this launcher forked from itself (`_load_torch`)
@@ -615,7 +621,10 @@ class _Starter:
     def _zygote(self):
         from troupe.runtime import zygote
 
-        return zygote.shared(self.env(None), say=lambda line: print(line, file=sys.stderr, flush=True))
+        env = self.env(None)
+        if "torch" in sys.modules:  # a launcher forked by troupe's fork server (runtime/forkserver.py): its
+            zygote.fork_shared(env)  # zygote is forked from it (one started afresh where it cannot be)
+        return zygote.shared(env, say=lambda line: print(line, file=sys.stderr, flush=True))
 
     def _fork(self, argv: list[str], env: dict[str, str], module: bool, restart: bool):
         from troupe.runtime import zygote

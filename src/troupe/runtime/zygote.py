@@ -147,6 +147,9 @@ class Zygote:
             raise OSError("the launcher already runs threads: a fork would copy their locks")
         if not become_subreaper():
             raise OSError("cannot become the child subreaper (prctl)")
+        wanted = {name: env.get(name) for name in IMPORT_ENV}
+        if "torch" in sys.modules and _imported_with is not None and _imported_with != wanted:
+            raise OSError(f"torch was imported here with {_imported_with}, the ranks want {wanted}")
         saved = dict(os.environ)
         os.environ.clear()
         os.environ.update(env)
@@ -387,9 +390,19 @@ def run_rank(request: dict[str, Any]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
+IMPORT_ENV = ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL")
+"""What torch reads from the environment as it loads: a zygote forked from a process that imported it
+(`Zygote.fork`) must have imported it with the ranks' values."""
+_imported_with: dict[str, str | None] | None = None
+"""IMPORT_ENV's values when `_preload` imported torch (None: it did not, or not yet)."""
+
+
 def _preload() -> None:
     import importlib
 
+    global _imported_with
+    if "torch" not in sys.modules:
+        _imported_with = {name: os.environ.get(name) for name in IMPORT_ENV}
     for module in PRELOAD:
         importlib.import_module(module)
 
