@@ -154,7 +154,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 class ForkServer:
-    """The pytest worker's fork server: its process, socket and log (a line per launcher it forked)."""
+    """The pytest worker's `troupe fork-server`: its process, socket and log (a line per launcher it forked)."""
 
     def __init__(self, proc: subprocess.Popen, path: Path, log: Path):
         self.proc, self.path, self.log = proc, path, log
@@ -162,35 +162,59 @@ class ForkServer:
 
 FORK_SERVER = "TROUPE_TEST_FORK_SERVER"
 """TROUPE_TEST_FORK_SERVER=0: every `troupe run` a test starts starts its launcher afresh (as a user's does)."""
+_SERVER: list[ForkServer] = []
 
 
-@pytest.fixture(scope="session", autouse=True)
-def fork_server(tmp_path_factory: pytest.TempPathFactory):
-    """One `troupe.runtime.forkserver` per pytest worker, named in TROUPE_FORK_SERVER for every process the
-    tests start: each `troupe run` launcher is forked from it, torch already imported, instead of importing
-    torch in a zygote of its own (3.3 s of CPU per job here, for about 150 jobs). A launcher that cannot be
-    forked so (another Python, another PYTHON* variable) starts afresh, as without the server."""
+def pytest_configure(config: pytest.Config) -> None:
+    """One `troupe fork-server` per process that runs tests (each pytest-xdist worker, or pytest itself without
+    -n), named in TROUPE_FORK_SERVER before any test module is imported (several build their subprocesses'
+    environment at import): each `troupe run` a test starts forks its launcher from it, torch already imported,
+    instead of importing torch in a zygote of its own (3 s of CPU per job here, for about 145 jobs). A launcher
+    that cannot be forked so (another Python, another PYTHON* variable, another namespace: a simulated host)
+    starts afresh, as without the server."""
     from troupe.runtime.forkserver import ENV_VAR
 
-    if os.environ.get(FORK_SERVER, "1") == "0" or not sys.platform.startswith("linux") or os.environ.get(ENV_VAR):
-        yield None
+    controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
+    if controller or os.environ.get(FORK_SERVER, "1") == "0" or not sys.platform.startswith("linux") \
+            or os.environ.get(ENV_VAR):
         return
+    worker = getattr(config, "workerinput", {}).get("workerid", "main")
     path = Path(f"/tmp/troupe-test-{os.getpid()}.sock")
     path.unlink(missing_ok=True)
-    log = tmp_path_factory.mktemp("fork_server") / "server.log"
-    # the ranks' shared values as `troupe run --threads 1` gives them: torch reads them as it loads
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    log = Path(f"/tmp/troupe-test-{os.getpid()}.log")
+    # torch loads in the server with the C++ logging troupe run gives its ranks, and without OMP_NUM_THREADS
+    # (each rank sets its own threads as it starts)
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, "-m", "troupe.runtime.forkserver", str(path)], env=env,
+        server = subprocess.Popen([sys.executable, "-m", "troupe", "fork-server", str(path)], env=env,
                                   stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
     while not path.exists() and server.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)  # it listens before it imports: clients wait in its backlog
+    if server.poll() is not None or not path.exists():
+        print(f"conftest ({worker}): the fork server did not start; launchers start afresh", file=sys.stderr)
+        return
     os.environ[ENV_VAR] = str(path)
-    try:
-        yield ForkServer(server, path, log)
-    finally:
-        del os.environ[ENV_VAR]
-        server.terminate()
-        server.wait(timeout=30)
-        path.unlink(missing_ok=True)
+    _SERVER.append(ForkServer(server, path, log))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from troupe.runtime.forkserver import ENV_VAR
+
+    while _SERVER:
+        served = _SERVER.pop()
+        os.environ.pop(ENV_VAR, None)
+        served.proc.terminate()
+        try:
+            served.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            served.proc.kill()
+        served.path.unlink(missing_ok=True)
+        served.log.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def fork_server() -> ForkServer | None:
+    """This pytest process's fork server (None: launchers start afresh here)."""
+    return _SERVER[0] if _SERVER else None

@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the training script (a .py file)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     sub.add_parser("info", help="what this machine offers: torch, backends, devices, MPI")
+    serve = sub.add_parser("fork-server", help="fork `troupe run`'s launchers from this process, which imports torch "
+                                               "once (for many short jobs: export TROUPE_FORK_SERVER=SOCKET)")
+    serve.add_argument("socket", help="the path of the Unix socket to listen on")
     _add_bench_parser(sub)
     _add_plan_parser(sub)
     return parser
@@ -236,10 +239,10 @@ def _add_plan_parser(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     from troupe.runtime.zygote import RunRank
 
-    if argv is None and sys.argv[1:2] == ["run"] and os.environ.get("TROUPE_FORK_SERVER"):
+    if argv is None and sys.argv[1:2] == ["run"]:
         from troupe.runtime.forkserver import launch
 
-        served = launch(sys.argv[1:])  # a launcher forked by the fork server (runtime/forkserver.py)
+        served = launch(sys.argv[1:])  # a launcher forked by a `troupe fork-server` (runtime/forkserver.py)
         if served is not None:
             return served
     try:
@@ -257,6 +260,11 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "info":
         print(describe_machine())
         return 0
+    if args.command == "fork-server":
+        from troupe.runtime.forkserver import serve
+
+        request = serve(args.socket)  # returns only in a launcher it forked, which runs here
+        return _main(request["argv"])
     if args.command == "bench":
         from troupe.bench.command import main as bench_main
 
@@ -372,6 +380,8 @@ def run(args: argparse.Namespace) -> int:
         _from_slurm(args)
     if args.cluster:
         _elastic_from_cluster(args)
+    if args.elastic and args.node_rank != 0:
+        _afresh_unless_quiet()
     if not os.path.isfile(args.script):
         raise ValueError(f"script not found: {args.script}")
     if args.max_restarts < 0:
@@ -622,8 +632,12 @@ class _Starter:
         from troupe.runtime import zygote
 
         env = self.env(None)
-        if "torch" in sys.modules:  # a launcher forked by troupe's fork server (runtime/forkserver.py): its
-            zygote.fork_shared(env)  # zygote is forked from it (one started afresh where it cannot be)
+        if "torch" in sys.modules and not self.args.elastic:
+            # A launcher forked by a `troupe fork-server` (runtime/forkserver.py) has torch: its zygote is forked
+            # from it (one started afresh where it cannot be). Only here, at its first rank, where no `finally`
+            # of the launcher's lies between this frame and `main` (a rank leaves through them: `RunRank`); an
+            # elastic launcher forks in `_load_torch`, before its own.
+            zygote.fork_shared(env)
         return zygote.shared(env, say=lambda line: print(line, file=sys.stderr, flush=True))
 
     def _fork(self, argv: list[str], env: dict[str, str], module: bool, restart: bool):
@@ -677,6 +691,21 @@ class _Starter:
         return proc
 
 
+def _afresh_unless_quiet() -> None:
+    """Another node's elastic launcher loads torch with c10's C++ logging at FATAL (`_load_torch`). One forked
+    by a `troupe fork-server` has torch loaded with the server's level, which cannot change now: it starts
+    itself afresh, the same process (its pid, descriptors and parent), before it has said anything."""
+    from troupe.runtime import forkserver, zygote
+
+    loaded = zygote.imported_with()
+    if loaded is None or loaded["TORCH_CPP_LOG_LEVEL"] == os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL"):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    env = {name: value for name, value in os.environ.items() if name != forkserver.ENV_VAR}
+    os.execve(sys.executable, [sys.executable, "-m", "troupe", *sys.argv[1:]], env)
+
+
 def _load_torch(args: argparse.Namespace, start: _Starter, say: Callable[[str], None]) -> None:
     """An elastic launcher keeps (node 0) or reaches the job's store, so it imports torch itself.
 
@@ -687,10 +716,10 @@ def _load_torch(args: argparse.Namespace, start: _Starter, say: Callable[[str], 
     torch with c10's C++ logging at FATAL: c10d warns on every connection where the hostname does not
     resolve (a host without DNS for itself) and logs a page of C++ frames when node 0's store does not
     answer (one line says so here); its ranks get the environment as it was."""
-    if args.node_rank == 0:
+    if args.node_rank == 0 or "torch" in sys.modules:  # (another node's, forked by a `troupe fork-server`)
         from troupe.runtime import zygote
 
-        zygote.fork_shared(start.env(None), say=say)
+        zygote.fork_shared(start.env(None), say=say if args.node_rank == 0 else None)
     quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ and "torch" not in sys.modules
     if quiet:
         os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"

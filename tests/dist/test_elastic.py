@@ -448,10 +448,14 @@ def test_restart_budget_that_runs_out_ends_the_job_naming_the_rank(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_a_killed_process_restarts_its_whole_group_which_heals_place_by_place(tmp_path):
+@pytest.mark.parametrize("plan", [None, "auto-job"], ids=["whole", "auto-job"])
+def test_a_killed_process_restarts_its_whole_group_which_heals_place_by_place(tmp_path, plan):
     """2 groups of 2 processes, --min-groups 2: rank 3 dies, its partner rank 2 is stopped, group 0 waits
-    (one group is too few) and both groups train on once group 1 is back and healed."""
-    proc = troupe_run(tmp_path, "group-kill", "--nworker-groups", "2", "--min-groups", "2", n=4)
+    (one group is too few) and both groups train on once group 1 is back and healed. "auto-job": the model
+    partitioned by plan "auto" with link "job", which the four first processes time together; the restarted
+    group takes the same plan from the launcher's store without timing anything."""
+    env = {"ELASTIC_TEST_PARTITION": json.dumps(plan)} if plan else {}
+    proc = troupe_run(tmp_path, "group-kill", "--nworker-groups", "2", "--min-groups", "2", n=4, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 3 exited with signal 9 (SIGKILL); stopped its worker group 1's other ranks [2]" in proc.stderr
     assert "too few left: waiting for restarts" in proc.stderr
@@ -466,6 +470,9 @@ def test_a_killed_process_restarts_its_whole_group_which_heals_place_by_place(tm
     params = torch.load(tmp_path / "rank0.pt")["params"]
     for got, want in zip(params, replay([r["log"] for r in runs], group_size=2)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    if plan:  # one plan, every process and every life
+        assert len({json.dumps(r["plan"]) for r in runs}) == 1 and runs[0]["plan"], [r["plan"] for r in runs]
+        assert "planned with the loopback link's constants" not in proc.stderr
     # Each joiner's state equals its counterpart's (place by place) before its first step back.
     for r in (2, 3):
         healed = torch.load(tmp_path / f"rank{r}.pt")["healed"]

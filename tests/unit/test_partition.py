@@ -3,6 +3,8 @@ arithmetic, the layer spec against torch's layers, and a world of one end to end
 
 from __future__ import annotations
 
+import warnings
+
 import copy
 
 import pytest
@@ -244,7 +246,7 @@ def _elastic_world(monkeypatch, group_size=2, place=1, group=1):
 
     lost = []
     membership = SimpleNamespace(elastic=True, options=SimpleNamespace(group_size=group_size, groups=3), place=place,
-                                 group=group, partner_lost=lost.append, joined=False)
+                                 group=group, partner_lost=lost.append, joined=False, incarnation=0)
     fake = SimpleNamespace(membership=membership, partitioned=False, comm=None, rank=group * group_size + place,
                            world_size=3 * group_size, replica_comms=lambda escape: (_Link(), None))
     monkeypatch.setattr(partitioner.world, "init", lambda: fake)
@@ -267,12 +269,10 @@ def test_elastic_partition_slices_by_the_groups_place_and_labels_the_job_s_ranks
     assert len(lost) == 1 and "Connection reset" in str(lost[0])  # the membership decides what a lost partner means
 
 
-def test_elastic_partition_refuses_another_group_size_and_an_auto_plan_timed_in_the_job(monkeypatch):
+def test_elastic_partition_refuses_another_group_size_and_an_auto_plan_without_a_sample(monkeypatch):
     _elastic_world(monkeypatch)
     with pytest.raises(ValueError, match="workers_per_group 3 differs from the elastic job's worker groups of 2"):
         tp.partition(nn.Sequential(nn.Linear(8, 16)), 1, workers_per_group=3)
-    with pytest.raises(ValueError, match="plan 'auto' with link 'job' cannot run under troupe run --elastic"):
-        tp.partition(nn.Sequential(nn.Linear(8, 16)), "auto", sample=torch.zeros(4, 8), link="job")
     with pytest.raises(ValueError, match="plan 'auto' needs sample="):
         tp.partition(nn.Sequential(nn.Linear(8, 16)), "auto")
 
@@ -291,6 +291,10 @@ class _Store:
 
     def get(self, key):
         return self.data[key]
+
+    def compare_set(self, key, expected, desired):
+        if self.data.get(key, b"") == expected.encode():
+            self.set(key, desired)
 
 
 def test_elastic_auto_plan_is_rank_0_s_for_every_process_and_every_restart(monkeypatch):
@@ -313,6 +317,54 @@ def test_elastic_auto_plan_is_rank_0_s_for_every_process_and_every_restart(monke
         plans.append([r.partition_dim for r in tp.describe(m) if r.type == "Linear"])
     assert made == [6]  # rank 0 planned once, for the job's 6 processes; nobody else planned
     assert plans[0] == plans[1] == plans[2] and partitioner.AUTO_PLAN_KEY in store.data
+
+
+def test_elastic_auto_plan_timed_in_the_job_is_the_first_lives_for_everyone_or_rank_0_s_on_loopback(monkeypatch):
+    """link "job" under --elastic: the first lives time the job together (`first_lives`) and the first plan
+    offered to the store stays, for every process and every restart; a process lost while they time it
+    makes rank 0 plan with the loopback link's constants (a warning says so), which everyone takes."""
+    from contextlib import contextmanager
+
+    from troupe.partition import partitioner
+    from troupe.partition.planner import auto
+    from troupe.runtime import comm
+
+    model = lambda: nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))  # noqa: E731
+    monkeypatch.setattr(comm, "Communicator", lambda: "the first lives' group")
+    for lost in (False, True):
+        store, met, made = _Store(), [], []
+
+        @contextmanager
+        def first_lives(name, size, lost=lost, met=met):
+            met.append((name, size))
+            if lost:
+                raise RuntimeError("Connection closed by peer")
+            yield
+
+        def timed(m, k, job, *, sample, link, made=made):
+            made.append((job, link))
+            return {"0": 1, "2": -1}
+
+        monkeypatch.setattr(auto, "auto_plan", timed)
+        plans = []
+        for group, place, incarnation in ((1, 1, 0), (0, 0, 0), (2, 1, 1)):  # the last: a restart
+            fake, _ = _elastic_world(monkeypatch, place=place, group=group)
+            fake.membership.store, fake.membership.first_lives = store, first_lives
+            fake.membership.incarnation = incarnation
+            if lost and (group, place) == (1, 1):
+                with pytest.raises(KeyError):  # nothing posted yet: a real store would wait for rank 0
+                    tp.partition(model(), "auto", sample=torch.zeros(4, 8), link="job")
+                continue
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                m = tp.partition(model(), "auto", sample=torch.zeros(4, 8), link="job")
+            plans.append([r.partition_dim for r in tp.describe(m) if r.type == "Linear"])
+            said = [str(w.message) for w in caught]
+            assert any("planned with the loopback link's constants" in s for s in said) == (lost and group == 0)
+        assert met == [(partitioner.AUTO_PLAN_KEY, 6)] * (2 if lost else 1), "a restart or a late process timed"
+        assert len(set(map(tuple, plans))) == 1, plans
+        if not lost:
+            assert made == [("the first lives' group", "job")] and plans[0] == [1, -1]
 
 
 def test_elastic_groups_of_one_leave_the_model_whole(monkeypatch):

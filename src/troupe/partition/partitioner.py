@@ -8,6 +8,7 @@ the `_troupe_holders` labels; it never reduces gradients (DistOpt does, over the
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -144,23 +145,38 @@ AUTO_PLAN_KEY = "partition/auto-plan"
 def _shared_auto_plan(w: world.World, model: nn.Module, k: int, sample: Tensor | None, link: str | Link) -> Plan:
     """Plan "auto" under --elastic: every process stands by alone when it partitions, so rank 0 plans for the
     whole job in its own process and posts the plan in the launcher's store; every other process waits for
-    it there, and a process started again later takes the same plan (the groups must compute one replica)."""
+    it there, and a process started again later takes the same plan (the groups must compute one replica).
+
+    With link "job" the job's processes in their first lives first meet in a group of their own
+    (`Elastic.first_lives`) and time the step's collectives together as a fixed job does (`auto_plan`);
+    each then offers the plan to the store, where the first one stays. A process lost meanwhile fails
+    that group: rank 0 (in whichever life) then plans with the loopback link's constants, with a
+    warning, and every process takes what the store holds, so that all groups compute one replica."""
     import json
 
-    from troupe.partition.planner.auto import check_sample, plan_here, plan_of
+    from troupe.partition.planner.auto import auto_plan, check_sample, plan_here, plan_of
     from troupe.partition.planner.link import Link as LinkType
     from troupe.partition.planner.link import parse_link
 
-    if isinstance(link, str) and link.strip().lower() == "job":
-        raise ValueError("plan 'auto' with link 'job' cannot run under troupe run --elastic (it times the job's "
-                         "collectives, and a process stands by alone when it partitions): give a named link")
     check_sample(sample)
-    store = w.membership.store
+    membership, store = w.membership, w.membership.store
+    in_job = isinstance(link, str) and link.strip().lower() == "job"
+    if in_job and not store.check([AUTO_PLAN_KEY]) and not membership.incarnation:
+        from troupe.runtime.comm import Communicator
+
+        try:
+            with membership.first_lives(AUTO_PLAN_KEY, w.world_size):
+                timed = auto_plan(model, k, Communicator(), sample=sample, link="job")
+            store.compare_set(AUTO_PLAN_KEY, "", json.dumps(["ok", timed]))
+        except RuntimeError as e:
+            if w.rank == 0:
+                warnings.warn(f"plan 'auto' with link 'job': a process was lost while the job timed its step "
+                              f"({str(e).splitlines()[0][:160]}); planned with the loopback link's constants")
     if not store.check([AUTO_PLAN_KEY]) and w.rank == 0:
-        status, value = plan_here(model, k, w.world_size, sample, link if isinstance(link, LinkType)
-                                  else parse_link(link))
-        store.set(AUTO_PLAN_KEY, json.dumps([status, value]))
-    return plan_of(json.loads(store.get(AUTO_PLAN_KEY)))  # waits for rank 0's
+        named = parse_link("loopback") if in_job else link if isinstance(link, LinkType) else parse_link(link)
+        status, value = plan_here(model, k, w.world_size, sample, named)
+        store.compare_set(AUTO_PLAN_KEY, "", json.dumps([status, value]))
+    return plan_of(json.loads(store.get(AUTO_PLAN_KEY)))  # waits for the plan
 
 
 class _GroupLink:

@@ -28,7 +28,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -125,6 +126,27 @@ class Elastic:
         to join only when it is ready to step: the others never wait for its start-up."""
         _leave_group()
         _init_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
+
+    @contextmanager
+    def first_lives(self, name: str, size: int) -> Iterator[None]:
+        """Inside the block the default process group is one of the job's `size` processes in their first
+        lives, made on the launcher's store under `name` (plan "auto" timed in the job: troupe.partition,
+        which every process calls before its first quorum); then this process stands by alone again. A
+        member lost meanwhile raises RuntimeError (after `--elastic-timeout` at most)."""
+        if self.joined or self.incarnation:
+            raise RuntimeError("first_lives is for the job's first processes, before their first quorum")
+        _leave_group()
+        failed = False
+        try:
+            _init_group(self.backend, store=dist.PrefixStore(f"{name}/", self._pg_store), rank=self.rank,
+                        world_size=size, timeout=datetime.timedelta(seconds=self.options.timeout))
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            _leave_group(self._set_aside if failed else None)
+            _init_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
 
     @property
     def joined(self) -> bool:

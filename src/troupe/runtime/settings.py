@@ -82,6 +82,9 @@ class Settings:
     """TROUPE_CACHE: where downloaded data sets are kept."""
     mnist_url: str = "https://storage.googleapis.com/cvdf-datasets/mnist/"
     """TROUPE_MNIST_URL: where load_mnist downloads from when no offline copy is found."""
+    fork_server: str | None = None
+    """TROUPE_FORK_SERVER: the socket of a `troupe fork-server`, which forks `troupe run`'s launchers
+    (runtime/forkserver.py); unset: every `troupe run` starts its own."""
 
     def __post_init__(self) -> None:
         for name in ("timeout", "join_timeout", "heartbeat", "stall_seconds", "peer_timeout", "ps_timeout",

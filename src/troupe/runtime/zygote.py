@@ -147,9 +147,9 @@ class Zygote:
             raise OSError("the launcher already runs threads: a fork would copy their locks")
         if not become_subreaper():
             raise OSError("cannot become the child subreaper (prctl)")
-        wanted = {name: env.get(name) for name in IMPORT_ENV}
-        if "torch" in sys.modules and _imported_with is not None and _imported_with != wanted:
-            raise OSError(f"torch was imported here with {_imported_with}, the ranks want {wanted}")
+        if "torch" in sys.modules and not _imported_as(env):
+            raise OSError(f"torch was imported here with {_imported_with}, not with the ranks' "
+                          f"{ {name: env.get(name) for name in IMPORT_ENV} }")
         saved = dict(os.environ)
         os.environ.clear()
         os.environ.update(env)
@@ -395,6 +395,21 @@ IMPORT_ENV = ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL")
 (`Zygote.fork`) must have imported it with the ranks' values."""
 _imported_with: dict[str, str | None] | None = None
 """IMPORT_ENV's values when `_preload` imported torch (None: it did not, or not yet)."""
+
+
+def imported_with() -> dict[str, str | None] | None:
+    """IMPORT_ENV's values (None: unset) when `_preload` imported torch in this process; None if it did not."""
+    return None if _imported_with is None else dict(_imported_with)
+
+
+def _imported_as(env: dict[str, str]) -> bool:
+    """Whether torch, imported here by `_preload`, loaded as it would with `env` (unknown: assumed so). Imported
+    without OMP_NUM_THREADS it has torch's default threads, a fresh rank's; a rank given the variable sets its
+    threads as it starts (`_become`)."""
+    if _imported_with is None:
+        return True
+    return all(env.get(name) == had or (name == "OMP_NUM_THREADS" and had is None)
+               for name, had in _imported_with.items())
 
 
 def _preload() -> None:

@@ -18,8 +18,8 @@ MODE (faults in first incarnations only, unless said otherwise):
   group-kill    rank 3 (group 1's second process) SIGKILLs itself at step 6: its whole group restarts
   nodes-kill    on 2 nodes of 2: rank 3 (node 1) SIGKILLs itself at step 6; once it is back, rank 0 raises
   group-stop    rank 3 (group 1's second process) SIGSTOPs itself at step 6 and writes OUT/stopped
-ELASTIC_TEST_CHUNK: partialUpdate's chunk size. ELASTIC_TEST_PARTITION (a JSON troupe.partition plan, e.g. {"0": 1, "2": -1}) partitions the model inside each
-worker group; OUT/rank{r}.pt then holds the whole model, put together from the group's slices.
+ELASTIC_TEST_CHUNK: partialUpdate's chunk size. ELASTIC_TEST_PARTITION (a JSON troupe.partition plan, e.g. {"0": 1, "2": -1},
+or "auto-job": plan "auto" with link "job") partitions the model inside each worker group; OUT/rank{r}.pt then holds the whole model, put together from the group's slices.
 The job trains until it has taken MIN_STEPS steps and the last FULL_STREAK of them had every group (or
 --max-groups of them)
 (the same verdict on every member: they commit the same steps); under DiLoCo, until such a step is
@@ -81,7 +81,10 @@ def model_and_optimizer(plan=None):
     """The model (partitioned inside the worker group by `plan`, a troupe.partition plan) and its optimizer."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    if plan is not None:
+    if plan == "auto-job":  # planned with the step's costs timed in this job
+        model = troupe.partition(model, "auto", sample=torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(5)),
+                                 link="job")
+    elif plan is not None:
         model = troupe.partition(model, plan)
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
@@ -148,7 +151,8 @@ def main(out: Path, mode: str, dist_option: str = "plain") -> None:
     torch.save({"params": params, "healed": healed}, out / f"rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "incarnation": incarnation, "heals": membership.heals, "steps": opt.step_count,
-        "resumed_at": steps, "log": log, "sha256": digest, "warm": os.environ.get("TROUPE_WARM_START") == "1"}))
+        "resumed_at": steps, "log": log, "sha256": digest, "warm": os.environ.get("TROUPE_WARM_START") == "1",
+        "plan": None if plan is None else [r.partition_dim for r in troupe.partition.describe(model)]}))
 
 
 if __name__ == "__main__":
