@@ -38,6 +38,8 @@ def test_a_request_from_another_interpreter_is_refused():
     assert refusal({**here, "executable": "/usr/bin/python2"}) == "another Python (/usr/bin/python2)"
     assert refusal({**here, "env": {**os.environ, "PYTHONWARNINGS": "error"}}) == "another PYTHONWARNINGS"
     assert refusal({**here, "namespaces": {"net": "net:[1]"}}) == "another net namespace (net:[1])"
+    assert refusal({**here, "env": {**os.environ, "LD_PRELOAD": "libjemalloc.so"}}) == "another LD_PRELOAD"
+    assert refusal({**here, "cgroup": "0::/elsewhere\n"}) == "another cgroup"
 
 
 def _troupe_run(tmp_path: Path, mode: str, served: bool, **popen) -> subprocess.Popen:

@@ -19,13 +19,16 @@ the launcher's exit status (killed by a signal: by the same signal); if the clie
 server SIGKILLs its launcher, as if the launcher itself had been killed.
 
 What cannot be the same as a fresh interpreter is refused, and the client then runs the
-launcher itself as before: another Python executable, user or Linux namespace (a client on
-a simulated host, in a network namespace of its own), another value of any ``PYTHON*``
-variable but ``PYTHONPATH`` (its entries are put in front of the path) and
-``PYTHONUNBUFFERED`` (the streams are made unbuffered); torch read ``OMP_NUM_THREADS`` and
-``TORCH_CPP_LOG_LEVEL`` as it loaded in the server, so a job whose ranks want other values
-gets a zygote started afresh (`zygote.Zygote.fork`). A server that is not listening, or has
-gone, is the same as no server.
+launcher itself as before: another Python executable, user, cgroup or Linux namespace (a
+client on a simulated host, in a network namespace of its own), another value of any
+``LD_*`` variable or ``PYTHON*`` variable but ``PYTHONPATH`` (its entries are put in front of
+the path) and ``PYTHONUNBUFFERED`` (the streams are made unbuffered); the client's umask
+is the launcher's. Torch read ``TORCH_CPP_LOG_LEVEL`` and ``OMP_NUM_THREADS`` as it loaded in
+the server: start the server with the level `troupe run` gives its ranks (``ERROR``) and without
+``OMP_NUM_THREADS`` (each rank sets its threads as it starts); a job whose ranks want another
+level gets a zygote started afresh (`zygote.Zygote.fork`), and another node's elastic launcher,
+which loads torch at ``FATAL``, executes itself afresh before it says anything. A server that
+is not listening, or has gone, is the same as no server.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ def launch(argv: list[str]) -> int | None:
     try:
         sock.connect(path)
         request = json.dumps({"argv": argv, "argv0": sys.argv[0], "env": dict(os.environ), "cwd": os.getcwd(),
-                              "namespaces": namespaces(), "uid": os.getuid(),
+                              "namespaces": namespaces(), "uid": os.getuid(), "cgroup": _cgroup(),
+                              "umask": _umask(),
                               "executable": sys.executable, "unbuffered": bool(getattr(sys.stdout, "write_through", False))}).encode()
         socket.send_fds(sock, [_LENGTH.pack(len(request)) + request], [_own(0), _own(1), _own(2)])
         (pid,) = _STATUS.unpack(_read_exactly(sock, _STATUS.size))
@@ -126,6 +130,20 @@ def namespaces() -> dict[str, str]:
     return found
 
 
+def _cgroup() -> str:
+    try:
+        with open("/proc/self/cgroup") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def refusal(request: dict[str, Any], environ: dict[str, str] | None = None) -> str | None:
     """Why a launcher for `request` cannot be forked from this interpreter (None: it can)."""
     environ = os.environ if environ is None else environ
@@ -137,9 +155,11 @@ def refusal(request: dict[str, Any], environ: dict[str, str] | None = None) -> s
     for kind, ns in sorted(request.get("namespaces", {}).items()):
         if ours.get(kind) != ns:
             return f"another {kind} namespace ({ns})"
+    if request.get("cgroup", _cgroup()) != _cgroup():
+        return "another cgroup"
     env = request["env"]
     for name in sorted({*env, *environ}):
-        if name.startswith("PYTHON") and name not in _HANDLED and env.get(name) != environ.get(name):
+        if name.startswith(("PYTHON", "LD_")) and name not in _HANDLED and env.get(name) != environ.get(name):
             return f"another {name}"
     return None
 
@@ -290,6 +310,7 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    os.umask(request.get("umask", _umask()))
     sys.argv = [request["argv0"], *request["argv"]]
     rest = [p for p in sys.path[1:] if p not in server_pythonpath]
     sys.path[:] = [request["cwd"], *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p), *rest]
