@@ -132,14 +132,16 @@ class Elastic:
         """Inside the block the default process group is one of the job's `size` processes in their first
         lives, made on the launcher's store under `name` (plan "auto" timed in the job: troupe.partition,
         which every process calls before its first quorum); then this process stands by alone again. A
-        member lost meanwhile raises RuntimeError (after `--elastic-timeout` at most)."""
+        member lost meanwhile raises RuntimeError (within the time a first quorum has to form)."""
         if self.joined or self.incarnation:
             raise RuntimeError("first_lives is for the job's first processes, before their first quorum")
         _leave_group()
         failed = False
         try:
-            _init_group(self.backend, store=dist.PrefixStore(f"{name}/", self._pg_store), rank=self.rank,
-                        world_size=size, timeout=datetime.timedelta(seconds=self.options.timeout))
+            # the first processes reach it as each finishes its start-up: as long to meet as a first quorum has
+            wait = max(self.options.form_within, self.options.timeout)
+            _init_group(self.backend, store=dist.PrefixStore(f"{name}/", self.store), rank=self.rank,
+                        world_size=size, timeout=datetime.timedelta(seconds=wait))
             yield
         except BaseException:
             failed = True
