@@ -49,6 +49,9 @@ ENV_VAR = "TROUPE_FORK_SERVER"
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 """Signals the client passes on to its launcher."""
 
+HANDSHAKE_SECONDS = 60.0
+"""How long a client waits for the server to take its request (the server's imports at its start included)."""
+
 _LENGTH = struct.Struct("!I")
 _STATUS = struct.Struct("!i")
 _HANDLED = ("PYTHONPATH", "PYTHONUNBUFFERED")
@@ -71,18 +74,20 @@ def launch(argv: list[str]) -> int | None:
         return None
     from troupe.runtime.zygote import _own, _read_exactly
 
+    request = json.dumps({
+        "argv": argv, "argv0": sys.argv[0], "env": dict(os.environ), "cwd": os.getcwd(), "umask": _umask(),
+        "executable": sys.executable, "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
+        "uid": os.getuid(), "namespaces": namespaces(), "cgroup": _cgroup()}).encode()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(HANDSHAKE_SECONDS)
     try:
         sock.connect(path)
-        request = json.dumps({"argv": argv, "argv0": sys.argv[0], "env": dict(os.environ), "cwd": os.getcwd(),
-                              "namespaces": namespaces(), "uid": os.getuid(), "cgroup": _cgroup(),
-                              "umask": _umask(),
-                              "executable": sys.executable, "unbuffered": bool(getattr(sys.stdout, "write_through", False))}).encode()
         socket.send_fds(sock, [_LENGTH.pack(len(request)) + request], [_own(0), _own(1), _own(2)])
         (pid,) = _STATUS.unpack(_read_exactly(sock, _STATUS.size))
-    except OSError:
+    except OSError:  # no server, or one that does not answer (a launcher it forked meanwhile sees us go: killed)
         sock.close()
         return None
+    sock.settimeout(None)
     if pid <= 0:  # refused: not the same interpreter
         sock.close()
         return None
