@@ -145,6 +145,15 @@ def test_preset_rescaled_to_nprocs():
         preset("sandblaster", 2)
     with pytest.raises(ValueError, match="unknown framework 'ring'"):
         preset("ring")
+    # --framework hogwild --nworker-groups G -n N: G groups of N / G workers, each with its server group
+    from troupe.cluster.configuration.sources import resolve
+
+    grouped = resolve("hogwild", None, 4, nworker_groups=2)
+    assert (grouped.nworker_groups, grouped.nworkers_per_group, grouped.nserver_groups, grouped.nservers_per_group) \
+        == (2, 2, 2, 2)
+    assert resolve("hogwild", None, 4, nworker_groups=4) == resolve("hogwild", None, 4) == preset("hogwild", 4)
+    with pytest.raises(ValueError, match="-n 5 processes do not divide into 2 worker groups"):
+        resolve("hogwild", None, 5, nworker_groups=2)
     with pytest.raises(ValueError, match="nservers_per_procs must be 1"):
         roles(ClusterConfig(nworkers_per_group=2, nworkers_per_procs=2, nservers_per_group=2, nservers_per_procs=2))
 

@@ -23,8 +23,9 @@ PRESETS: dict[str, ClusterConfig] = {
 """The reference's four frameworks, exactly as its `cluster { ... }` blocks give them; and DiLoCo
 (2 worker groups of one worker; ``troupe run -n 4 --nworker-groups 2`` makes groups of 2)."""
 
-FOLLOW_GROUPS = frozenset({"diloco"})
-"""Presets whose groups `troupe run --nworker-groups G -n N` sets without leaving -n: N / G workers each."""
+FOLLOW_GROUPS = frozenset({"diloco", "hogwild"})
+"""Presets whose groups `troupe run --nworker-groups G -n N` sets without leaving -n: N / G workers each (and
+as many co-located servers: a server group per worker group)."""
 
 
 def preset(name: str, nprocs: int | None = None, **overrides) -> ClusterConfig:
@@ -42,7 +43,9 @@ def preset(name: str, nprocs: int | None = None, **overrides) -> ClusterConfig:
     if name in FOLLOW_GROUPS and "nworker_groups" in overrides:  # the groups first, then the rescaling to nprocs
         groups = overrides.pop("nworker_groups")
         cfg = dataclasses.replace(cfg, nworker_groups=groups, nserver_groups=groups)
-    if nprocs is not None and nprocs != cfg.nprocs:
+        if nprocs is not None and nprocs != cfg.nprocs:
+            cfg = _per_group(name, cfg, nprocs)
+    elif nprocs is not None and nprocs != cfg.nprocs:
         cfg = _rescale(name, cfg, nprocs)
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
@@ -50,15 +53,10 @@ def preset(name: str, nprocs: int | None = None, **overrides) -> ClusterConfig:
 def _rescale(name: str, cfg: ClusterConfig, nprocs: int) -> ClusterConfig:
     if name == "allreduce":
         return dataclasses.replace(cfg, nworkers_per_group=nprocs, nservers_per_group=nprocs)
-    if name == "hogwild":
+    if name == "hogwild":  # a group of one per process (with --nworker-groups: `_per_group`)
         return dataclasses.replace(cfg, nworker_groups=nprocs, nserver_groups=nprocs)
     if name in FOLLOW_GROUPS:
-        groups = cfg.nworker_groups
-        if nprocs % groups:
-            raise ValueError(f"framework {name!r}: -n {nprocs} processes do not divide into {groups} worker groups "
-                             f"(--nworker-groups); give -n a multiple of {groups}")
-        k = nprocs // groups
-        return dataclasses.replace(cfg, nworkers_per_group=k, nservers_per_group=k)
+        return _per_group(name, cfg, nprocs)
     nworkers = nprocs - cfg.nservers
     if nworkers < cfg.nworker_groups or nworkers % cfg.nworker_groups:
         fits = [cfg.nservers + k * cfg.nworker_groups for k in range(1, 4)]
@@ -69,3 +67,13 @@ def _rescale(name: str, cfg: ClusterConfig, nprocs: int) -> ClusterConfig:
             f"(--nworker-groups, --nservers-per-group)"
         )
     return dataclasses.replace(cfg, nworkers_per_group=nworkers // cfg.nworker_groups)
+
+
+def _per_group(name: str, cfg: ClusterConfig, nprocs: int) -> ClusterConfig:
+    """`cfg`'s worker groups (each with its co-located server group) sharing `nprocs` processes equally."""
+    groups = cfg.nworker_groups
+    if nprocs % groups:
+        raise ValueError(f"framework {name!r}: -n {nprocs} processes do not divide into {groups} worker groups "
+                         f"(--nworker-groups); give -n a multiple of {groups}")
+    k = nprocs // groups
+    return dataclasses.replace(cfg, nworkers_per_group=k, nservers_per_group=k)
