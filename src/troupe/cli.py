@@ -551,7 +551,15 @@ def _run_once(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     """Start this node's ranks, watch them, and stop them all as soon as one fails."""
     ticket = _ticket(args)  # a fresh port and token for every attempt
     start = _Starter(args, extra_env, ticket)
-    procs = [start(args.node_rank * args.nproc + local_rank) for local_rank in range(args.nproc)]
+    start._zygote()  # first: a rank forked from a zygote this launcher forks leaves through no `finally` below
+    procs: list[subprocess.Popen] = []
+    # SIGTERM while the ranks start stops those started (`_supervise` handles it from then on)
+    old = signal.signal(signal.SIGTERM, lambda *_: (_stop_all(procs), sys.exit(143)))
+    try:
+        for local_rank in range(args.nproc):
+            procs.append(start(args.node_rank * args.nproc + local_rank))
+    finally:
+        signal.signal(signal.SIGTERM, old)
     output = getattr(args, "output", None)
     drain = output.drain if output is not None else lambda: None
     try:

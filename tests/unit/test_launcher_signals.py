@@ -1,0 +1,42 @@
+"""`troupe run` stopped by SIGTERM while it starts its ranks stops the ones it has started (before, the signal's
+default action ended the launcher and left them running until their rendezvous timed out)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from troupe import cli
+
+
+def test_sigterm_while_the_ranks_start_stops_those_started(monkeypatch):
+    started = []
+
+    def start(self, rank, restart=False, **more):
+        if rank == 1:  # the signal comes while rank 1 starts
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs here, in the main thread
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(cli._Starter, "__call__", start)
+    monkeypatch.setattr(cli._Starter, "_zygote", lambda self: None)
+    args = cli.build_parser().parse_args(["run", "-n", "3", "script.py"])
+    args.output = None
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            cli._run_once(args, {})
+        assert stopped.value.code == 143
+        assert len(started) == 1 and started[0].poll() is not None, "the rank started before the signal runs on"
+        assert signal.getsignal(signal.SIGTERM) == before, "the launcher's handler outlived the start"
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
