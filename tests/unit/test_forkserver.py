@@ -42,10 +42,11 @@ def test_a_request_from_another_interpreter_is_refused():
     assert refusal({**here, "cgroup": "0::/elsewhere\n"}) == "another cgroup"
 
 
-def _troupe_run(tmp_path: Path, mode: str, served: bool, **popen) -> subprocess.Popen:
+def _troupe_run(tmp_path: Path, mode: str, served: bool, env_more: dict[str, str] | None = None,
+                **popen) -> subprocess.Popen:
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_more or {})}
     if not served:
         env.pop(ENV_VAR, None)
     return subprocess.Popen([sys.executable, "-m", "troupe.cli", "run", "-n", "2", "--threads", "1", str(script), mode,
@@ -76,6 +77,12 @@ def test_a_served_launcher_runs_the_job_with_a_fresh_one_s_output_and_exit_statu
         assert out_s == out_f == ["rank 0 of 2 here", "rank 1 of 2 here"]
         assert err_s.splitlines()[-1:] == err_f.splitlines()[-1:]
     assert "rank 1 exited with code 3" in results[True, "fail"][2]
+    # a client the server cannot stand for (another PYTHONWARNINGS) runs its launcher itself, as without a server
+    before = fork_server.log.read_text()
+    proc = _troupe_run(tmp_path, "ok", True, env_more={"PYTHONWARNINGS": "default"})
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0 and sorted(out.splitlines()) == ["rank 0 of 2 here", "rank 1 of 2 here"], err
+    assert fork_server.log.read_text()[len(before):].count("refused") == 1, "the server did not refuse it"
 
 
 @pytest.mark.timeout(120)
