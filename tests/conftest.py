@@ -26,6 +26,7 @@ is idle.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -188,7 +189,8 @@ def pytest_configure(config: pytest.Config) -> None:
     env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     with open(log, "w") as out:
         server = subprocess.Popen([sys.executable, "-m", "troupe", "fork-server", str(path)], env=env,
-                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                  preexec_fn=_ends_with_parent)
     deadline = time.monotonic() + 30
     while not path.exists() and server.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)  # it listens before it imports: clients wait in its backlog
@@ -198,6 +200,14 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     os.environ[ENV_VAR] = str(path)
     _SERVER.append(ForkServer(server, path, log))
+
+
+def _ends_with_parent() -> None:
+    """In the fork server before it starts: SIGTERM when this pytest process ends, whichever way (a pytest-xdist
+    worker may leave without pytest_unconfigure), so that no server outlives its tests."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
