@@ -315,8 +315,10 @@ def test_constant_batch_steps_are_the_fault_free_runs_steps(tmp_path):
 def test_beyond_max_groups_a_standby_group_takes_a_lost_ones_place_at_once(tmp_path):
     """--max-groups 2 of 3: two groups step (the first two ready), the third waits; a member dies and the
     standby joins in the same decision (healed), so no step runs with fewer than 2 groups; the restarted
-    one stands by in turn and leaves when the job ends."""
-    proc = troupe_run(tmp_path, "kill-member", "--max-groups", "2")
+    one stands by in turn and leaves when the job ends. The member dies at step 12, by when the standby (the
+    last group ready) has long stood by (at step 6 it once had not yet, on a loaded host)."""
+    fault_at = 12
+    proc = troupe_run(tmp_path, "kill-member", "--max-groups", "2", env={"ELASTIC_TEST_FAULT_AT": str(fault_at)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "the job finished while it waited to rejoin; leaving" in proc.stderr
     runs = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(GROUPS)
@@ -328,10 +330,10 @@ def test_beyond_max_groups_a_standby_group_takes_a_lost_ones_place_at_once(tmp_p
     assert standby not in first and len(first) == 2 and survivor != max(first)  # the highest member was killed
     assert runs[survivor]["sha256"] == runs[standby]["sha256"], "the groups ended with different parameters"
     steps = [m for _, _, m in runs[survivor]["log"]]
-    assert all(m == first for m in steps[:job.FAULT_AT]) and steps[job.FAULT_AT] is None, steps[:job.FAULT_AT + 2]
-    assert all(m == sorted([survivor, standby]) for m in steps[job.FAULT_AT + 1:]), \
+    assert all(m == first for m in steps[:fault_at]) and steps[fault_at] is None, steps[:fault_at + 2]
+    assert all(m == sorted([survivor, standby]) for m in steps[fault_at + 1:]), \
         "the standby did not take the lost member's place at once"
-    assert runs[standby]["heals"] == 1 and runs[standby]["resumed_at"] == job.FAULT_AT
+    assert runs[standby]["heals"] == 1 and runs[standby]["resumed_at"] == fault_at
 
 
 @pytest.mark.timeout(240)
