@@ -61,7 +61,7 @@ def _launchers(fork_server) -> list[int]:
 @pytest.mark.timeout(120)
 def test_a_served_launcher_runs_the_job_with_a_fresh_one_s_output_and_exit_status(tmp_path, fork_server):
     if fork_server is None:
-        pytest.skip("TROUPE_TEST_FORK_SERVER=0: no fork server")
+        pytest.skip("no fork server in this pytest process (TROUPE_TEST_FORK_SERVER=0 was given, or it did not start)")
     results = {}
     for served in (True, False):
         for mode in ("ok", "fail"):
@@ -88,7 +88,7 @@ def test_a_served_launcher_runs_the_job_with_a_fresh_one_s_output_and_exit_statu
 @pytest.mark.timeout(120)
 def test_a_served_launcher_gets_the_signals_sent_to_troupe_run_and_dies_with_it(tmp_path, fork_server):
     if fork_server is None:
-        pytest.skip("TROUPE_TEST_FORK_SERVER=0: no fork server")
+        pytest.skip("no fork server in this pytest process (TROUPE_TEST_FORK_SERVER=0 was given, or it did not start)")
 
     def started(n: int = 2) -> list[int]:
         deadline = time.monotonic() + 60

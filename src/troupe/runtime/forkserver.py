@@ -301,13 +301,9 @@ def _reap(wake_r: int, launchers: dict, clients: dict, selector) -> None:
 
 def _become(request: dict[str, Any], fds: list[int]) -> None:
     """In the forked launcher: what ``python -m troupe.cli ARGV`` started by the client would be."""
-    os.setsid()
-    for target, fd in enumerate(fds):
-        if fd != target:
-            os.dup2(fd, target)
-    for fd in fds:
-        if fd > 2:
-            os.close(fd)
+    from troupe.runtime.zygote import own_session
+
+    own_session(fds)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -343,8 +343,9 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
         sock.sendall(got if len(got) == _HEADER.size else _HEADER.pack(0))
 
 
-def _become(request: dict[str, Any], fds: list[int]) -> None:
-    """In the forked rank: its session, descriptors, signals, environment, argv and path, as Python sets them."""
+def own_session(fds: list[int]) -> None:
+    """In a forked child (a rank, or a fork server's launcher): a session of its own, and `fds` as its
+    stdin, stdout and stderr."""
     os.setsid()
     for target, fd in enumerate(fds):
         if fd != target:
@@ -352,6 +353,11 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     for fd in fds:
         if fd > 2:
             os.close(fd)
+
+
+def _become(request: dict[str, Any], fds: list[int]) -> None:
+    """In the forked rank: its session, descriptors, signals, environment, argv and path, as Python sets them."""
+    own_session(fds)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python starts (SIGPIPE stays ignored)
     os.environ.clear()
     os.environ.update(request["env"])
