@@ -73,3 +73,24 @@ def test_throughput_benchmark_runs_on_loopback_and_simulated_hosts(tmp_path):
         from troupe.bench.netns import leftover
 
         assert leftover() == []  # another test's hosts may exist now: it looks when none does
+
+
+@pytest.mark.timeout(240)
+def test_time_to_accuracy_runs_the_word_lm_for_plain_and_diloco_and_tables_them(tmp_path):
+    out = tmp_path / "tta.jsonl"
+    proc = run([sys.executable, "-m", "troupe", "bench", "run", "time_to_accuracy", "--out", str(out), "--args",
+                "-n", "2", "--workload", "word_lm", "--contestants", "diloco20", "--epochs", "1", "--max-steps", "40",
+                "--eval-every", "10", "--dim", "32", "--timeout", "180"], timeout=220)
+    plain, diloco = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert (plain["option"], diloco["option"]) == ("plain all-reduce", "DiLoCo H = 20, fp32")
+    assert [p[0] for p in plain["curve"]] == [10, 20, 30, 40]
+    assert [p[0] for p in diloco["curve"]] == [20, 40]  # evaluations on the outer steps only
+    for r in (plain, diloco):  # perplexity falls from the first evaluation (a vocabulary of thousands) on
+        assert r["final_ppl"] < r["curve"][0][2] and r["steps"] == 40
+    target = plain["final_ppl"] * 1.02
+    assert f"Time to perplexity {target:.2f}" in proc.stdout
+    assert "| plain all-reduce |  |" in proc.stdout and "| DiLoCo H = 20, fp32 | `--framework diloco" in proc.stdout
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["workload"] for r in recs} == {"word_lm"}
+    assert sum(r["metric"] == "perplexity" for r in recs) == 6
+    assert {r["contestant"] for r in recs} == {"plain all-reduce", "DiLoCo H = 20, fp32"}

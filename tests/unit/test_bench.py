@@ -226,3 +226,44 @@ def test_bench_is_not_imported_by_troupe():
 
     code = "import sys, troupe; print(any(m.startswith('troupe.bench') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+# --- time_to_accuracy's contestants and table ----------------------------------------------------------
+
+
+def test_time_to_accuracy_contestants_plain_first_by_their_keys():
+    from troupe.bench.suites import time_to_accuracy as tta
+
+    names = [c.name for c in tta.chosen("diloco50-int8, topk,plain")]
+    assert names == ["plain all-reduce", "DiLoCo H = 50, int8", "top-K 0.01"]
+    assert len(tta.chosen("all")) == len({c.key for c in tta.CONTESTANTS}) == 11
+    assert tta.chosen("streaming50-int4")[1].flags.endswith("--pseudo-grad-dtype int4 --fragments 4 --delay 5")
+    with pytest.raises(ValueError, match="no contestant is called 'localsgd'"):
+        tta.chosen("localsgd")
+    diloco = tta.chosen("diloco20")[1]
+    assert diloco.flags.format(n=4) == "--framework diloco --nworker-groups 4 --sync-freq 20"
+    # evaluations fall on outer steps: the smallest multiple of H at or above --eval-every
+    assert tta._every(["--eval-every", "50"], diloco) == 60
+    assert tta._every(["--eval-every", "50", "--eval-every=40"], diloco) == 40
+    assert tta._every([], tta.CONTESTANTS[0]) == 100
+
+
+def test_time_to_accuracy_table_times_each_curve_to_the_target_against_plain():
+    from troupe.bench.suites.time_to_accuracy import compare
+
+    def result(name, curve, final):
+        key = "final_acc" if final < 1 else "final_ppl"
+        return {"option": name, "flags": "", "curve": curve, key: final, "train_seconds": 9.0, "steps": 30}
+
+    cnn = compare([result("plain", [(10, 2.0, 0.97), (20, 4.0, 0.986)], 0.987),
+                   result("fast", [(10, 1.0, 0.985)], 0.99), result("never", [(10, 1.0, 0.9)], 0.9)], 0.985)
+    rows = cnn.splitlines()[4:]
+    assert "| plain |  | 4.0 | 1.00 | 20 |" in rows[0] and "| fast |  | 1.0 | 0.25 | 10 |" in rows[1]
+    assert "not reached" in rows[2] and "0.9 |" in rows[2]
+    # the word LM: plain's final perplexity 100 sets the target at 102 (within 2 %)
+    lm = compare([result("plain", [(10, 5.0, 150.0), (20, 10.0, 101.0)], 100.0),
+                  result("diloco", [(20, 2.0, 102.0)], 104.0)], None)
+    assert "perplexity 102.00" in lm.splitlines()[0]
+    rows = lm.splitlines()[4:]
+    assert "| 10.0 | 1.00 | 20 |" in rows[0] and rows[0].endswith("| 100 | 1.000 |")
+    assert "| 2.0 | 0.20 | 20 |" in rows[1] and rows[1].endswith("| 104 | 1.040 |")

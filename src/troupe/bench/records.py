@@ -22,7 +22,7 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 
-UNITS = {"s", "B", "samples/s", "1/s", "ratio", "count", "steps"}
+UNITS = {"s", "B", "samples/s", "1/s", "ratio", "count", "steps", "perplexity"}
 """Units a record may carry (seconds, bytes, ...): tables scale by them."""
 
 
