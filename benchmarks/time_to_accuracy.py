@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the quality to reach (default: accuracy 0.985 for cnn; none for word_lm)")
     p.add_argument("--text", default=None, help="word_lm: a UTF-8 text file (default: Python's documentation topics)")
     p.add_argument("--dim", type=int, default=128, help="word_lm: embedding and LSTM width")
+    p.add_argument("--period", type=int, default=None,
+                   help="steps between the groups' exchanges (Hogwild, DiLoCo): the time of every period-th step "
+                        "is reported apart (exchange_seconds)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke tests)")
     p.add_argument("--out", default=None, help="append troupe bench records (JSON lines) here (rank 0)")
     p.add_argument("--name", default=None, help="the contestant's name in the records (default: the dist_option)")
@@ -171,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     run = WORKLOADS[args.workload](args)
     clock, step, when, curve = 0.0, 0, None, []
+    exchange_clock = 0.0  # the time of the steps that end in an exchange (every --period-th)
     for _ in range(args.epochs):
         run.start_epoch()
         for b in range(run.batches):
@@ -178,8 +182,11 @@ def main(argv: list[str] | None = None) -> None:
                 break
             start = time.perf_counter()
             run.step(b)
-            clock += time.perf_counter() - start
+            took = time.perf_counter() - start
+            clock += took
             step += 1
+            if args.period and step % args.period == 0:
+                exchange_clock += took
             if step % args.eval_every == 0:
                 value = run.quality()
                 curve.append((step, round(clock, 2), round(value, 4)))
@@ -199,6 +206,9 @@ def main(argv: list[str] | None = None) -> None:
             f"final_{'acc' if args.workload == 'cnn' else 'ppl'}": round(final, 4),
             "curve": curve,
         }
+        if args.period:
+            result["exchange_seconds"] = round(exchange_clock, 2)
+            result["exchanges"] = step // args.period
         print(json.dumps(result), flush=True)
         if args.out:
             save_records(args.out, result, args)

@@ -689,8 +689,13 @@ class _Starter:
         return self._attach(rank, proc)
 
     def _popen(self, cmd: list[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
+        from troupe.runtime.zygote import rank_leader
+
         pipes = self.output.pipes() if self.output is not None else {}
-        return subprocess.Popen(cmd, env=env, start_new_session=True, **pipes, **kwargs)
+        stdin = kwargs.get("stdin")  # None: the launcher's own; PIPE and DEVNULL are negative
+        leader = rank_leader(os.isatty(0) if stdin is None else isinstance(stdin, int) and stdin >= 0
+                             and os.isatty(stdin))
+        return subprocess.Popen(cmd, env=env, **leader, **pipes, **kwargs)
 
     def _attach(self, rank: int, proc: subprocess.Popen) -> subprocess.Popen:
         self.started.add(proc.pid)

@@ -236,7 +236,7 @@ def test_time_to_accuracy_contestants_plain_first_by_their_keys():
 
     names = [c.name for c in tta.chosen("diloco50-int8, topk,plain")]
     assert names == ["plain all-reduce", "DiLoCo H = 50, int8", "top-K 0.01"]
-    assert len(tta.chosen("all")) == len({c.key for c in tta.CONTESTANTS}) == 11
+    assert len(tta.chosen("all")) == len({c.key for c in tta.CONTESTANTS}) == 12
     assert tta.chosen("streaming50-int4")[1].flags.endswith("--pseudo-grad-dtype int4 --fragments 4 --delay 5")
     with pytest.raises(ValueError, match="no contestant is called 'localsgd'"):
         tta.chosen("localsgd")
@@ -251,14 +251,17 @@ def test_time_to_accuracy_contestants_plain_first_by_their_keys():
 def test_time_to_accuracy_table_times_each_curve_to_the_target_against_plain():
     from troupe.bench.suites.time_to_accuracy import compare
 
-    def result(name, curve, final):
+    def result(name, curve, final, **more):
         key = "final_acc" if final < 1 else "final_ppl"
-        return {"option": name, "flags": "", "curve": curve, key: final, "train_seconds": 9.0, "steps": 30}
+        return {"option": name, "flags": "", "curve": curve, key: final, "train_seconds": 9.0, "steps": 30, **more}
 
     cnn = compare([result("plain", [(10, 2.0, 0.97), (20, 4.0, 0.986)], 0.987),
-                   result("fast", [(10, 1.0, 0.985)], 0.99), result("never", [(10, 1.0, 0.9)], 0.9)], 0.985)
+                   result("fast", [(10, 1.0, 0.985)], 0.99, exchanges=3, exchange_seconds=3.0),
+                   result("never", [(10, 1.0, 0.9)], 0.9)], 0.985)
     rows = cnn.splitlines()[4:]
-    assert "| plain |  | 4.0 | 1.00 | 20 |" in rows[0] and "| fast |  | 1.0 | 0.25 | 10 |" in rows[1]
+    assert "| plain |  | 4.0 | 1.00 | 20 | 9.0 (30) | 0.300 |" in rows[0]
+    # 3 exchange steps took 3 s of the 9: the 27 others 6 s
+    assert "| fast |  | 1.0 | 0.25 | 10 | 9.0 (30) | 0.222 (1.000) |" in rows[1]
     assert "not reached" in rows[2] and "0.9 |" in rows[2]
     # the word LM: plain's final perplexity 100 sets the target at 102 (within 2 %)
     lm = compare([result("plain", [(10, 5.0, 150.0), (20, 10.0, 101.0)], 100.0),

@@ -25,7 +25,8 @@ SCRIPT = textwrap.dedent("""
         time.sleep(0.01)  # the zygote's intermediate process may not have exited yet
     print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "rank": os.environ.get("RANK"),
                       "zygote_only": os.environ.get("ONLY_IN_ZYGOTE"), "ppid": os.getppid(),
-                      "leader": os.getsid(0) == os.getpid() == os.getpgid(0), "draw": int(np.random.randint(1 << 30)),
+                      "leader": os.getpgid(0) == os.getpid(), "session": os.getsid(0), "tty": os.isatty(0),
+                      "draw": int(np.random.randint(1 << 30)),
                       "cwd": os.getcwd(), "name": __name__}), flush=True)
     print("on stderr", file=sys.stderr)
     what = sys.argv[1]
@@ -49,7 +50,7 @@ def house(tmp_path_factory):
     z.close()
 
 
-def run(house, *args, module=False, env=None):
+def run(house, *args, module=False, env=None, stdin=None):
     """Fork `script.py ARGS` (or `-m probe_mod`); returns (the process, its stdout lines, its stderr)."""
     z, folder = house
     out_r, out_w = os.pipe()
@@ -59,7 +60,7 @@ def run(house, *args, module=False, env=None):
     os.chdir(folder)  # the rank runs in the launcher's working directory
     try:
         proc = z.spawn(argv, {**os.environ, "PARENT": str(os.getpid()), **(env or {})}, module=module,
-                       stdout=out_w, stderr=err_w)
+                       stdin=stdin, stdout=out_w, stderr=err_w)
     finally:
         os.chdir(here)
         os.close(out_w)
@@ -76,8 +77,25 @@ def test_a_forked_rank_is_what_python_script_would_be(house):
     assert seen["path0"] == str(folder) and seen["cwd"] == str(folder) and seen["name"] == "__main__"
     assert seen["rank"] == "3" and seen["zygote_only"] is None, "the rank's environment is exactly the one given"
     assert seen["ppid"] == os.getpid(), "the rank is this process's child (the subreaper), not the zygote's"
-    assert seen["leader"], "the rank leads its own session and process group (killpg reaches its children)"
+    assert seen["leader"], "the rank leads its own process group (killpg reaches its children)"
+    if not seen["tty"]:  # in the launcher's session: the job is one scheduling autogroup (zygote.rank_leader)
+        assert seen["session"] == os.getsid(0)
     assert err.read() == b"on stderr\n"
+
+
+def test_a_rank_whose_stdin_is_a_terminal_takes_a_session_of_its_own(house):
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        proc, out, _ = run(house, "exit", "0", stdin=follower)
+        assert proc.wait(30) == 0
+        seen = json.loads(out.readline())
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert seen["tty"] and seen["leader"]
+    assert seen["session"] != os.getsid(0), "job control would stop a background group that reads its terminal"
 
 
 @pytest.mark.parametrize("args, code", [(("exit", "3"), 3), (("raise",), 1)])

@@ -10,7 +10,7 @@ restarts alike, in milliseconds:
     proc = zygote.spawn(["script.py", "--epochs", "3"], rank_env, stdout=w1, stderr=w2)
     proc.poll(); proc.wait(5); os.killpg(proc.pid, signal.SIGTERM)      # as a subprocess.Popen
 
-A forked rank is what ``python script.py`` would be: its own session (``setsid``), the
+A forked rank is what ``python script.py`` would be: its own process group (`rank_leader`), the
 environment it was given, ``sys.argv`` and ``sys.path[0]`` as Python sets them, stdin/stdout/
 stderr on the descriptors the launcher passed, signals at their defaults, the script run as
 ``__main__``, the interpreter's own exit (atexit, flushing, the exit code of an exception or a
@@ -344,9 +344,33 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
 
 
 def own_session(fds: list[int]) -> None:
-    """In a forked child (a rank, or a fork server's launcher): a session of its own, and `fds` as its
-    stdin, stdout and stderr."""
+    """In a forked launcher (the fork server's): a session of its own, and `fds` as its stdin, stdout and
+    stderr."""
     os.setsid()
+    _adopt(fds)
+
+
+def own_group(fds: list[int]) -> None:
+    """In a forked rank: what ``subprocess.Popen(..., **rank_leader(stdin))`` gives a rank started afresh."""
+    if rank_leader(os.isatty(fds[0])).get("start_new_session"):
+        os.setsid()
+    else:
+        os.setpgid(0, 0)
+    _adopt(fds)
+
+
+def rank_leader(terminal_stdin: bool) -> dict[str, Any]:
+    """Popen's keywords for a rank: a process group of its own (the launcher's ``killpg`` reaches the
+    rank's children) in the launcher's session. One session keeps the whole job in one of the kernel's
+    scheduling autogroups: a session per rank made each rank a group of its own, and ranks that
+    outnumber the cores then drifted apart (up to 1.2 s in 50 DiLoCo steps, against 0.2 s in one
+    session; docs/benchmarks.md). A rank whose stdin is a terminal takes a session of its own instead:
+    job control stops a background process group that reads its terminal."""
+    return {"start_new_session": True} if terminal_stdin else {"process_group": 0}
+
+
+def _adopt(fds: list[int]) -> None:
+    """`fds` as this process's stdin, stdout and stderr."""
     for target, fd in enumerate(fds):
         if fd != target:
             os.dup2(fd, target)
@@ -356,8 +380,8 @@ def own_session(fds: list[int]) -> None:
 
 
 def _become(request: dict[str, Any], fds: list[int]) -> None:
-    """In the forked rank: its session, descriptors, signals, environment, argv and path, as Python sets them."""
-    own_session(fds)
+    """In the forked rank: its process group, descriptors, signals, environment, argv and path, as Python sets them."""
+    own_group(fds)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python starts (SIGPIPE stays ignored)
     os.environ.clear()
     os.environ.update(request["env"])

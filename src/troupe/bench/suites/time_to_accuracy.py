@@ -62,6 +62,9 @@ CONTESTANTS = (
       for r in (1, 2, 4)),
     Contestant("hogwild10", "Distributed Hogwild, H = 10", flags="--framework hogwild --sync-freq 10", period=10),
     _diloco(20), _diloco(50), _diloco(50, "int8"), _diloco(100, "int4"), _diloco(50, "int4", streaming=True),
+    Contestant("diloco20-avg", "DiLoCo H = 20, fp32, outer SGD lr 1 without momentum (model averaging)",
+               flags="--framework diloco --nworker-groups {n} --sync-freq 20 --outer-optimizer SGD --outer-lr 1 "
+                     "--outer-momentum 0", period=20),
 )
 """Issue 28's contestants, plain first (the others are compared with it)."""
 
@@ -91,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for c in chosen(args.contestants):
         flags = shlex.split(args.run_flags) + shlex.split(c.flags.format(n=args.nproc))
-        line = _run(args, [*job_args, *c.job, "--name", c.name, "--eval-every", str(_every(job_args, c))], flags)
+        period = ["--period", str(c.period)] if c.period > 1 else []
+        line = _run(args, [*job_args, *c.job, *period, "--name", c.name, "--eval-every", str(_every(job_args, c))],
+                    flags)
         sys.stdout.write(line)
         sys.stdout.flush()
         results.append({**json.loads(line.strip().splitlines()[-1]), "flags": " ".join([*c.job, *flags])})
@@ -159,9 +164,9 @@ def compare(results: list[dict], target: float | None) -> str:
     quality = "final perplexity" if ppl else "final accuracy"
     goal = f"perplexity {target:.2f} (plain's final x {PPL_SLACK})" if ppl else f"accuracy {target:g}"
     head = [f"Time to {goal}: the first evaluation there.", "",
-            f"| contestant | flags | seconds to it | / plain | steps to it | train s (steps) | {quality} |"
-            + (" / plain |" if ppl else ""),
-            "|---|---|---:|---:|---:|---:|---:|" + ("---:|" if ppl else "")]
+            f"| contestant | flags | seconds to it | / plain | steps to it | train s (steps) | s per step "
+            f"(per exchange step) | {quality} |" + (" / plain |" if ppl else ""),
+            "|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if ppl else "")]
     first = _reached(plain["curve"], target, ppl)
     rows = []
     for r in results:
@@ -169,11 +174,21 @@ def compare(results: list[dict], target: float | None) -> str:
         final = r["final_ppl"] if ppl else r["final_acc"]
         ratio = f"{when[1] / first[1]:.2f}" if when and first else "–"
         row = (f"| {r['option']} | `{r['flags']}` | {when[1] if when else 'not reached'} | {ratio} | "
-               f"{when[0] if when else '–'} | {r['train_seconds']} ({r['steps']}) | {final:.4g} |")
+               f"{when[0] if when else '–'} | {r['train_seconds']} ({r['steps']}) | {_per_step(r)} | {final:.4g} |")
         if ppl:
             row += f" {final / plain['final_ppl']:.3f} |"
         rows.append(row.replace("``", ""))
     return "\n".join(head + rows)
+
+
+def _per_step(r: dict) -> str:
+    """Seconds per step; for a contestant that exchanges every period-th step, the other steps' and (the
+    exchange steps')."""
+    n, seconds = r["steps"], r["train_seconds"]
+    k, apart = r.get("exchanges", 0), r.get("exchange_seconds", 0.0)
+    if not k or k >= n:
+        return f"{seconds / max(n, 1):.3f}"
+    return f"{(seconds - apart) / (n - k):.3f} ({apart / k:.3f})"
 
 
 def _reached(curve: list, target: float, lower_is_better: bool) -> tuple[int, float] | None:
