@@ -352,7 +352,7 @@ def own_session(fds: list[int]) -> None:
 
 def own_group(fds: list[int]) -> None:
     """In a forked rank: what ``subprocess.Popen(..., **rank_leader(stdin))`` gives a rank started afresh."""
-    if rank_leader(os.isatty(fds[0])).get("start_new_session"):
+    if "start_new_session" in rank_leader(os.isatty(fds[0])):
         os.setsid()
     else:
         os.setpgid(0, 0)
@@ -363,8 +363,8 @@ def rank_leader(terminal_stdin: bool) -> dict[str, Any]:
     """Popen's keywords for a rank: a process group of its own (the launcher's ``killpg`` reaches the
     rank's children) in the launcher's session. One session keeps the whole job in one of the kernel's
     scheduling autogroups: a session per rank made each rank a group of its own, and ranks that
-    outnumber the cores then drifted apart (up to 1.2 s in 50 DiLoCo steps, against 0.2 s in one
-    session; docs/benchmarks.md). A rank whose stdin is a terminal takes a session of its own instead:
+    outnumber the cores then drifted apart (up to 1.6 s in 50 DiLoCo steps, against 0.2 s with the
+    kernel's autogroups off; docs/benchmarks.md, "torchft's DiLoCo beside troupe's"). A rank whose stdin is a terminal takes a session of its own instead:
     job control stops a background process group that reads its terminal."""
     return {"start_new_session": True} if terminal_stdin else {"process_group": 0}
 
