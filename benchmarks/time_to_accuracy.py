@@ -103,13 +103,14 @@ def cnn(args: argparse.Namespace) -> Run:
     tx, ty = troupe.data.partition(test_x, test_y, rank, n)
     bs = args.batch_size
     g = torch.Generator().manual_seed(rank)
-    order = []
+    order = torch.arange(len(x))
 
     def start_epoch() -> None:
-        order[:] = [torch.randperm(len(x), generator=g)]
+        nonlocal order
+        order = torch.randperm(len(x), generator=g)
 
     def step(b: int) -> None:
-        sel = order[0][b * bs : (b + 1) * bs]
+        sel = order[b * bs : (b + 1) * bs]
         model.train_one_batch(x[sel], y[sel], args.dist_option, args.spars)
 
     def quality() -> float:
@@ -143,13 +144,15 @@ def word_language_model(args: argparse.Namespace) -> Run:
     wins = word_lm.windows(word_lm.streams(vocab.encode(tokens[:cut]), rank, n, args.batch_size), 35)
     valid = word_lm.streams(vocab.encode(tokens[cut:]), rank, n, 10)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(sgd, args.epochs * len(wins))
-    state = [None]
+    state = None  # the LSTM's, carried from window to window within an epoch
 
     def start_epoch() -> None:
-        state[0] = None
+        nonlocal state
+        state = None
 
     def step(b: int) -> None:
-        _, state[0] = word_lm.train_step(model, sgd, wins[b : b + 1], state[0], args)
+        nonlocal state
+        _, state = word_lm.train_step(model, sgd, wins[b : b + 1], state, args)
         sched.step()
 
     def quality() -> float:

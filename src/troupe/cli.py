@@ -692,9 +692,7 @@ class _Starter:
         from troupe.runtime.zygote import rank_leader
 
         pipes = self.output.pipes() if self.output is not None else {}
-        stdin = kwargs.get("stdin")  # None: the launcher's own; PIPE and DEVNULL are negative
-        leader = rank_leader(os.isatty(0) if stdin is None else isinstance(stdin, int) and stdin >= 0
-                             and os.isatty(stdin))
+        leader = rank_leader("stdin" not in kwargs and os.isatty(0))  # a rank given stdin gets a pipe
         return subprocess.Popen(cmd, env=env, **leader, **pipes, **kwargs)
 
     def _attach(self, rank: int, proc: subprocess.Popen) -> subprocess.Popen:
