@@ -152,6 +152,27 @@ def test_collectives_table_pivots_sizes_and_fits_alpha_beta():
     assert alpha == pytest.approx(1.0) and beta == pytest.approx(2.0)
 
 
+def test_collectives_table_adds_the_flat_mean_where_it_ran():
+    from troupe.bench.suites import collectives
+
+    recs = []
+    for size in (1 << 20, 4 << 20):
+        for rep in range(3):
+            flat = 50e-6 + size * 1e-9
+            recs += [record(benchmark="collectives", contestant=collectives.FLAT, params={"bytes": size}, rep=rep,
+                            value=flat),
+                     record(benchmark="collectives", contestant=collectives.FLAT_MEAN, params={"bytes": size},
+                            rep=rep, value=1.25 * flat),
+                     record(benchmark="collectives", contestant=collectives.TROUPE, rep=rep, value=1.5 * flat,
+                            params={"bytes": size, "buckets": 2})]
+    text = collectives.table(recs)
+    assert ("| size | flat all_reduce | troupe buckets | troupe / flat (of medians) | per-rep ratio (min-max) "
+            "| flat mean | troupe / flat mean (of medians) | bus bandwidth (troupe) |") in text
+    # 4 MiB: flat 4.244 ms, mean 5.305 ms, troupe 6.366 ms: 6.366 / 4.244 = 1.50, 6.366 / 5.305 = 1.20
+    assert "| 4 MiB | 4.24 ms (4.24-4.24) | 6.37 ms (6.37-6.37) | 1.50 | 1.50-1.50 | 5.31 ms (5.31-5.31) | 1.20 |" in text
+    assert "alpha = 50.0 us per all-reduce, beta = 1.000 ns/byte" in text  # fitted to the flat sum only
+
+
 def test_generic_table_and_the_command_table_group_by_run(tmp_path):
     from troupe.bench import command
 

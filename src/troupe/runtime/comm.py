@@ -138,17 +138,22 @@ class Communicator:
         self.escape: Callable[[], str | None] | None = None
         """Asked between slices of a wait (an elastic job: was this step decided without us?)."""
         self._totals = totals if totals is not None else defaultdict(Traffic)
+        self.epoch = 0
+        """How many times the group was made anew (`rebind`, `adopt`): what the members agreed on
+        before a new epoch, a joiner does not know (the GradReducer's flag agreement starts over)."""
 
     def rebind(self) -> None:
         """Re-read rank and size after the default group was made anew (an elastic job's new quorum)."""
         if self._group is not None:
             raise RuntimeError("only a communicator over the whole job (the default group) can be rebound")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.epoch += 1
 
     def adopt(self, other: Communicator) -> None:
         """Use `other`'s process group from now on, keeping this object (the one a strategy holds) and
         its counters: an elastic job makes its subgroups anew for every quorum."""
         self._group, self.rank, self.world_size, self.backend = other._group, other.rank, other.world_size, other.backend
+        self.epoch += 1
 
     def global_rank(self, rank: int) -> int:
         """The rank in the default group (what send and recv take) of this group's `rank`."""

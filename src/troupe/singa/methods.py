@@ -89,7 +89,10 @@ class SingaMethods:
         if self.reducer is not None and self._choice.owns_reducer:
             hook = strategy.reduce_hook()
             if hook is not None:  # start the step's agreement now: it overlaps backward
-                self.reducer.open_step(hook, exchange=True)
+                # plain's steps all have one shape; a compressed option's warm-up steps are plain's, its later ones not
+                self.reducer.open_step(hook, per_call=True, steady=strategy.name == "plain")
+            else:  # gradients stay local: the strategy agrees on its own, after what the reducer needs
+                self.reducer.local_step()
         try:
             loss.backward()
         except BaseException:

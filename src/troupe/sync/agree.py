@@ -16,6 +16,12 @@ GradReducer:
   first bucket leaves; it also tells whether any rank saw a non-finite gradient, for
   strategies whose gradients stay local.
 
+A step chosen per call rides in the flags too once the ranks have agreed on one whose hook
+carries the digest: from then on every such step's first collective is bucket 0's all-reduce
+with the digest in its flags, whatever each rank chose (the GradReducer's `_lead`). A rank
+whose step has other collectives sends bucket 0's shape empty first (`FlagHeader`): if all
+ranks changed kind alike they agree and go on, else every rank sees the digests differ.
+
 Either way every rank reaches the same verdict, and on a mismatch every rank gathers the
 descriptions and raises the same readable `StepMismatchError`.
 """
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from troupe.runtime.comm import Communicator, Handle
+from troupe.sync.bucket import DIGEST_SLOTS
 
 
 PAYLOAD_BYTES = 12
@@ -92,3 +99,33 @@ class Agreement:
         if high != -neg_low:
             raise_mismatch(self.comm, self.description)
         return bool(bad)
+
+
+@dataclass
+class FlagHeader:
+    """Bucket 0's collective without gradients, this step's digest in its flags: what a rank sends
+    first where the others may be sending bucket 0 itself (a step chosen per call after one whose
+    hook carries the digest). `check()` waits and raises on disagreement."""
+
+    comm: Communicator
+    description: str
+    buffer: torch.Tensor
+    handle: Handle
+    digest: tuple[int, int]
+
+    @classmethod
+    def start(cls, comm: Communicator, like: torch.Tensor, description: str, before: str = "") -> FlagHeader:
+        """Start it, shaped as `like` (bucket 0's buffer: gradients, then flags ending in the digest)."""
+        digest = flag_digest(description, comm.world_size)
+        buffer = torch.zeros_like(like)
+        buffer[-DIGEST_SLOTS:] = torch.tensor(digest, dtype=like.dtype)
+        handle = comm.all_reduce(buffer, "sum", async_op=True)
+        handle.label = f"{before}: the step's agreement" if before else "the step's agreement"
+        return cls(comm, description, buffer, handle, digest)
+
+    def check(self) -> None:
+        """Wait; raise StepMismatchError when the sums of the digest slots are not the world's times this one."""
+        self.handle.wait()
+        sums = [int(v) for v in self.buffer[-DIGEST_SLOTS:].tolist()]
+        if any(s != self.comm.world_size * d for s, d in zip(sums, self.digest)):
+            raise_mismatch(self.comm, self.description)

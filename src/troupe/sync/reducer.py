@@ -25,7 +25,7 @@ from torch import Tensor
 
 from troupe.runtime.watchdog import waiting
 from troupe.runtime.comm import Communicator, Handle
-from troupe.sync.agree import Agreement, flag_digest, raise_mismatch
+from troupe.sync.agree import Agreement, FlagHeader, flag_digest, raise_mismatch
 from troupe.sync.bucket import FIRST_BUCKET_SIZE, Bucket, Span, allocate, plan_buckets
 from troupe.sync.hooks import ReduceHook
 from troupe.sync.hooks.allreduce import MeanAllReduce
@@ -59,7 +59,13 @@ class GradReducer:
         self.enabled = True
         """False: backward leaves gradients local (no_sync, or a strategy that reduces otherwise)."""
         self.last_hook: ReduceHook = default
-        self.last_exchange = False
+        self.last_exchange = self.last_per_call = False
+        self._led: int | None = None
+        """The communicator's epoch when the ranks last agreed on a step chosen per call whose hook
+        carries the digest (None: they have not, or another kind came after): the next such step's
+        agreement rides in bucket 0's flags (`_lead`). Every rank sets it on the same verdicts."""
+        self._lead = self._per_call = False
+        self._steady = True
         self._override: ReduceHook | None = None
         self._finished = 0
         self.in_step = False
@@ -76,19 +82,53 @@ class GradReducer:
 
     # --- one step ------------------------------------------------------------------------
 
-    def open_step(self, hook: ReduceHook | None = None, *, exchange: bool = False) -> None:
+    def open_step(self, hook: ReduceHook | None = None, *, exchange: bool = False, per_call: bool = False,
+                  steady: bool = True) -> None:
         """Open a step before backward (SINGA's methods do, so the agreement overlaps backward).
 
         `exchange` forces the agreement collective even where the hook could carry the digest in
-        its flags: a step whose kind is chosen per call (``update(loss, option)``) may differ
-        in shape from another rank's.
+        its flags. `per_call`: the kind of step is chosen per call (``update(loss, option)``), so
+        it may differ in shape from another rank's. Such a step exchanges its agreement first,
+        unless the last one agreed on a hook that carries the digest and was `steady` (its option's
+        next step has the same kind: not a compressed option's warm-up): then every rank's first
+        collective is bucket 0's all-reduce, the digest in its flags (`_lead`), whatever each chose.
         """
-        self._open(hook, exchange=exchange)
+        self._open(hook, exchange=exchange, per_call=per_call)
+        self._steady = steady
 
-    def _open(self, hook: ReduceHook | None = None, *, exchange: bool = False) -> None:
+    def local_step(self) -> None:
+        """A step chosen per call that keeps its gradients local (no hook): where the other ranks may
+        be sending bucket 0 with their step's digest, send its shape with this step's and compare."""
+        if self._leads():
+            header = FlagHeader.start(self.comm, self.buckets[0].buffer, self._describe(), before=self.buckets[0].label)
+            self._verdict(header.check)
+        self._led = None
+
+    def _leads(self) -> bool:
+        return self.agreement and bool(self.buckets) and self._led is not None and self._led == self.comm.epoch
+
+    def _describe(self) -> str:
+        trainable = "".join("1" if p.requires_grad else "0" for p in self.params)
+        return f"{self.describe_step()}, trainable {trainable}"
+
+    def _verdict(self, check: Callable[[], object]) -> None:
+        """Run an agreement's check; on a mismatch (raised on every rank alike) forget the step and `_led`."""
+        try:
+            check()
+        except BaseException:
+            self._forget()
+            raise
+
+    def _forget(self) -> None:
+        """A step the ranks disagreed on: no step open, no callback pending, no agreement to build on."""
+        self.in_step = self._callback_queued = False
+        self._led = None
+
+    def _open(self, hook: ReduceHook | None = None, *, exchange: bool = False, per_call: bool = False) -> None:
         """Open a step: pick the hook, start the agreement (its collective, or a digest in the flags)."""
         self._hook = hook or self.hook_for_step()
-        self.last_hook, self.last_exchange = self._hook, exchange
+        self.last_hook, self.last_exchange, self.last_per_call = self._hook, exchange, per_call
+        self._per_call = per_call
         self._scale = self._hook.prescale
         if self.weight is not None:
             w = self.weight()
@@ -97,12 +137,18 @@ class GradReducer:
         self._ready = [False] * len(self.buckets)
         self._next = 0
         self._handles: list[tuple[list[Bucket], Handle]] = []
-        trainable = "".join("1" if p.requires_grad else "0" for p in self.params)
-        self._description = f"{self.describe_step()}, trainable {trainable}"
-        self._agreement: Agreement | None = None
+        self._description = self._describe()
+        self._agreement: Agreement | FlagHeader | None = None
         self._digest: tuple[int, int] | None = None
+        self._lead = False
         if self.agreement and self.buckets:
-            if self._hook.carries_digest and not exchange:
+            if per_call and not exchange and self._leads():  # the others send bucket 0 first, digest in its flags
+                if self._hook.carries_digest:
+                    self._digest, self._lead = flag_digest(self._description, self.comm.world_size), True
+                else:  # this step's collectives have another shape: bucket 0's, empty, goes first
+                    self._agreement = FlagHeader.start(self.comm, self.buckets[0].buffer, self._description,
+                                                       before=self.buckets[0].label)
+            elif self._hook.carries_digest and not exchange and not per_call:
                 self._digest = flag_digest(self._description, self.comm.world_size)
             else:
                 self._agreement = Agreement.start(self.comm, self._description, before=self.buckets[0].label)
@@ -148,20 +194,35 @@ class GradReducer:
         while self._next < len(self.buckets) and self._ready[self._next]:
             if self._agreement is not None:  # before the first bucket: do all ranks take this step?
                 agreement, self._agreement = self._agreement, None
-                try:
-                    agreement.check()
-                except BaseException:
-                    self.in_step = False
-                    raise
+                self._verdict(agreement.check)
+                if self._per_call:
+                    self._led = self.comm.epoch if self._hook.carries_digest and self._steady else None
+            if self._lead and self._next == 1:  # bucket 0 carried the agreement: its verdict before the rest
+                self._check_lead()
             run = [self.buckets[self._next]]
-            # Buckets ready together (at the end of backward, or without one) go as one collective.
-            while (self._hook.coalesce and self._next + len(run) < len(self.buckets)
+            # Buckets ready together (at the end of backward, or without one) go as one collective; a
+            # bucket 0 that carries the agreement goes alone (another rank may send it empty).
+            while (self._hook.coalesce and not (self._lead and self._next == 0)
+                   and self._next + len(run) < len(self.buckets)
                    and self._ready[self._next + len(run)] and run[-1].precedes(self.buckets[self._next + len(run)])):
                 run.append(self.buckets[self._next + len(run)])
             for bucket in run:
                 bucket.seal()
             self._handles.append((run, self._hook(run[0] if len(run) == 1 else Span(run))))
             self._next += len(run)
+
+    def _check_lead(self) -> None:
+        """Wait for bucket 0 and compare the digests in its flags (the same verdict on every rank)."""
+        self._lead = False
+        run, handle = self._handles[0]
+        with waiting(self.comm.watchdog, run[0].label):
+            handle.wait()
+        world = self.comm.world_size
+        if any(s != world * d for s, d in zip(self.buckets[0].digest_sums(), self._digest)):
+            self._forget()
+            raise_mismatch(self.comm, self._description)
+        if not self._steady:  # a compressed option's last plain step: its next one has another shape
+            self._led = None
 
     def _end_of_backward(self) -> None:
         rec = self.comm.recorder
@@ -193,11 +254,14 @@ class GradReducer:
                         self._add(p)
             self._ready = [True] * len(self.buckets)
             self._launch_ready()
+            if self._lead:  # one bucket: it carried the agreement
+                self._check_lead()
             for run, handle in self._handles:
                 with waiting(self.comm.watchdog, run[0].label if len(run) == 1 else Span(run).label):
                     handle.wait()
             if self._digest is not None and any(
                     s != self.comm.world_size * d for b in self.buckets for s, d in zip(b.digest_sums(), self._digest)):
+                self._led = None
                 raise_mismatch(self.comm, self._description)  # the same verdict on every rank
             world = self.comm.world_size if self._hook.mean_over_active else None
             self.last_active = min((bucket.unpack(world) for bucket in self.buckets), default=self.comm.world_size)
@@ -238,7 +302,7 @@ class GradReducer:
         """Join the other ranks' step with zero gradients, marked inactive; return how many were active."""
         for p in self.params:
             p.grad = None
-        self._open(self.last_hook, exchange=self.last_exchange)
+        self._open(self.last_hook, exchange=self.last_exchange, per_call=self.last_per_call)
         for bucket in self.buckets:
             bucket.active = False
         return self.finish()

@@ -3,6 +3,8 @@
 For each total size S the gradient is 8 tensors of S/8 (fp32):
 
 * "flat all_reduce": one all-reduce of one tensor of S bytes (the floor: no copies, one call);
+* "flat mean": the same, then divided by the world size in place: the floor of a mean, which
+  troupe computes (one more pass over the bytes, the one troupe folds into its copy);
 * "troupe buckets": what DistOpt does once gradients exist: ``sgd.zero_grad()``, ``p.grad``
   set for the 8 tensors, then ``sgd.synchronize()`` copies them into its buckets (DistOpt's bucket
   size), all-reduces every bucket asynchronously, averages and hands them back.
@@ -26,7 +28,7 @@ from troupe.bench.suites.common import schedule, to_records
 from troupe.partition.planner import link
 
 TENSORS = 8
-FLAT, TROUPE = "flat all_reduce", "troupe buckets"
+FLAT, FLAT_MEAN, TROUPE = "flat all_reduce", "flat mean", "troupe buckets"
 
 
 def fit_alpha_beta(sizes: list[int], times: list[float]) -> tuple[float, float]:
@@ -44,10 +46,14 @@ def _contestants(size: int, bucket_size: int | None) -> tuple[list[Contestant], 
     grads = [torch.randn(p.numel()) for p in params]
     kwargs = {} if bucket_size is None else {"bucket_size": bucket_size}
     sgd = troupe.DistOpt(torch.optim.SGD(params, lr=0.0), **kwargs)
-    flat = torch.randn(numel)
+    flat, flat_mean = torch.randn(numel), torch.randn(numel)
 
     def flat_step(i: int) -> None:
         comm.all_reduce(flat, "sum")
+
+    def flat_mean_step(i: int) -> None:
+        comm.all_reduce(flat_mean, "sum")
+        flat_mean.div_(comm.world_size)
 
     def troupe_step(i: int) -> None:
         sgd.zero_grad()  # a new step: synchronize() reduces once per step
@@ -56,7 +62,8 @@ def _contestants(size: int, bucket_size: int | None) -> tuple[list[Contestant], 
         sgd.synchronize()
 
     buckets = len(sgd.reducer.buckets) if getattr(sgd, "reducer", None) else "-"
-    return [Contestant(FLAT, flat_step, {"buckets": 1}), Contestant(TROUPE, troupe_step, {"buckets": buckets})], sgd
+    return [Contestant(FLAT, flat_step, {"buckets": 1}), Contestant(FLAT_MEAN, flat_mean_step, {"buckets": 1}),
+            Contestant(TROUPE, troupe_step, {"buckets": buckets})], sgd
 
 
 def run(rank: int, world_size: int, options: Options) -> list[Record]:
@@ -91,8 +98,15 @@ def table(records: list[Record]) -> str:
                      render.spread(pairs, lambda v: f"{v:.2f}"),
                      f"{size / t.median * 2 * (n - 1) / n / 1e9:.2f} GB/s",
                      render.param_of(rs, TROUPE, "buckets")])
+        mean = render.by_rep(rs, FLAT_MEAN, "step_time")  # absent from runs before it was a contestant
+        if mean:
+            m = summarize(list(mean.values()))
+            rows[-1][5:5] = [f"{render.ms(m.median)} ms ({render.ms(m.low)}-{render.ms(m.high)})",
+                             f"{ratio_of_medians(list(mine.values()), list(mean.values())):.2f}"]
     header = ["size", FLAT, TROUPE, "troupe / flat (of medians)", "per-rep ratio (min-max)",
               "bus bandwidth (troupe)", "buckets"]
+    if any(r.contestant == FLAT_MEAN for r in records):
+        header[5:5] = [FLAT_MEAN, "troupe / flat mean (of medians)"]
     out = render.run_line(records, skip=("bytes",)) + "\n\n"
     if len(sizes) >= 2:
         alpha, beta = fit_alpha_beta(sizes, flat_medians)

@@ -145,9 +145,9 @@ def probes(comm: Communicator, local_step: Callable[[int], object], *,
     """The calibration probes as A/B contestants, named `NAMES` (the local step is not among
     them: the caller adds it, named `LOCAL` for `solve`). The reduction probes reduce over
     `comm` with a DistOpt's plain machinery (its `GradReducer`: buckets, the ranks' agreement,
-    the hand-off to the backend's threads); `update`: each step opens with the agreement as
-    its own message, as SINGA's ``DistOpt.update(loss, "plain")`` does, instead of carrying
-    it in the first bucket as ``backward(); step()`` does."""
+    the hand-off to the backend's threads); `update`: each step opens as SINGA's
+    ``DistOpt.update(loss, "plain")`` does (a step chosen per call: bucket 0 goes alone, carrying
+    the agreement, after the first step's exchange), instead of as ``backward(); step()`` does."""
 
     def after_local(name: str, collective: Callable[[], object], repeats: int) -> Contestant:
         def step(i: int) -> None:
@@ -168,7 +168,7 @@ def probes(comm: Communicator, local_step: Callable[[int], object], *,
             loss = sum((p * w).sum() for p, w in zip(params, weights))
             sgd.zero_grad()
             if update:
-                reduce.open_step(exchange=True)
+                reduce.open_step(per_call=True)
             loss.backward()
             sgd.step()
 
