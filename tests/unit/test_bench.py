@@ -152,6 +152,24 @@ def test_collectives_table_pivots_sizes_and_fits_alpha_beta():
     assert alpha == pytest.approx(1.0) and beta == pytest.approx(2.0)
 
 
+def test_graph_table_puts_graph_mode_beside_the_eager_reference():
+    from troupe.bench.suites import graph
+
+    shared = {"batch_size": 64, "data": "synthetic", "steps": 20, "burnin": 12}
+    recs = []
+    for rep in range(3):
+        recs += [record(benchmark="graph", contestant=graph.REFERENCE, rep=rep, value=0.030,
+                        params={**shared, "option": "no"}),
+                 record(benchmark="graph", contestant="troupe graph mode", rep=rep, value=0.036,
+                        params={**shared, "option": "whole step", "trial": 0, "chosen": "compiled"}),
+                 record(benchmark="graph", contestant="troupe graph mode (trial)", rep=rep, value=0.030,
+                        params={**shared, "option": "whole step", "trial": 5, "chosen": "eager"})]
+    text = graph.table(recs)
+    assert text.count("*Run:*") == 1  # one section: the trial's facts describe a contestant, not the run
+    assert "| troupe graph mode | whole step | in the graph | 36.00 | 36.00-36.00 | 1.200 |" in text
+    assert "| troupe graph mode (trial) | whole step | in the graph | 30.00 | 30.00-30.00 | 1.000 |" in text
+
+
 def test_collectives_table_adds_the_flat_mean_where_it_ran():
     from troupe.bench.suites import collectives
 

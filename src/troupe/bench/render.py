@@ -13,7 +13,7 @@ from typing import Any
 from troupe.bench.records import Record
 from troupe.bench.stats import paired_ratios, ratio_of_medians, summarize
 
-CONTESTANT_KEYS = ("buckets", "bucket_size", "option", "spars", "powersgd_rank")
+CONTESTANT_KEYS = ("buckets", "bucket_size", "option", "spars", "powersgd_rank", "trial", "chosen")
 """Params that describe a contestant rather than the measurement (left out when grouping sections)."""
 
 
