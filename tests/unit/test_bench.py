@@ -133,7 +133,8 @@ def test_ddp_table_gives_medians_spreads_and_ratio_of_medians():
     assert "| troupe bucket all | 1 | 22.00 | 12.00-30.00 | 1.100 | 1.000-1.200 | - |" in text
 
 
-def test_collectives_table_pivots_sizes_and_fits_alpha_beta():
+def collectives_records(troupe: float, mean: float | None = None) -> list[Record]:
+    """1 and 4 MiB, 3 reps: the flat sum at 50 us + 1 ns/B; troupe (and the flat mean) at multiples of it."""
     from troupe.bench.suites import collectives
 
     recs = []
@@ -142,9 +143,18 @@ def test_collectives_table_pivots_sizes_and_fits_alpha_beta():
             flat = 50e-6 + size * 1e-9
             recs += [record(benchmark="collectives", contestant=collectives.FLAT, params={"bytes": size}, rep=rep,
                             value=flat),
-                     record(benchmark="collectives", contestant=collectives.TROUPE, rep=rep, value=2 * flat,
+                     record(benchmark="collectives", contestant=collectives.TROUPE, rep=rep, value=troupe * flat,
                             params={"bytes": size, "buckets": 2})]
-    text = collectives.table(recs)
+            if mean is not None:
+                recs.append(record(benchmark="collectives", contestant=collectives.FLAT_MEAN, params={"bytes": size},
+                                   rep=rep, value=mean * flat))
+    return recs
+
+
+def test_collectives_table_pivots_sizes_and_fits_alpha_beta():
+    from troupe.bench.suites import collectives
+
+    text = collectives.table(collectives_records(troupe=2))
     assert "| size | flat all_reduce | troupe buckets | troupe / flat (of medians) |" in text
     assert "| 1 MiB | 1.10 ms (1.10-1.10) | 2.20 ms (2.20-2.20) | 2.00 | 2.00-2.00 |" in text
     assert "alpha = 50.0 us per all-reduce, beta = 1.000 ns/byte" in text
@@ -173,17 +183,7 @@ def test_graph_table_puts_graph_mode_beside_the_eager_reference():
 def test_collectives_table_adds_the_flat_mean_where_it_ran():
     from troupe.bench.suites import collectives
 
-    recs = []
-    for size in (1 << 20, 4 << 20):
-        for rep in range(3):
-            flat = 50e-6 + size * 1e-9
-            recs += [record(benchmark="collectives", contestant=collectives.FLAT, params={"bytes": size}, rep=rep,
-                            value=flat),
-                     record(benchmark="collectives", contestant=collectives.FLAT_MEAN, params={"bytes": size},
-                            rep=rep, value=1.25 * flat),
-                     record(benchmark="collectives", contestant=collectives.TROUPE, rep=rep, value=1.5 * flat,
-                            params={"bytes": size, "buckets": 2})]
-    text = collectives.table(recs)
+    text = collectives.table(collectives_records(troupe=1.5, mean=1.25))
     assert ("| size | flat all_reduce | troupe buckets | troupe / flat (of medians) | per-rep ratio (min-max) "
             "| flat mean | troupe / flat mean (of medians) | bus bandwidth (troupe) |") in text
     # 4 MiB: flat 4.244 ms, mean 5.305 ms, troupe 6.366 ms: 6.366 / 4.244 = 1.50, 6.366 / 5.305 = 1.20

@@ -29,6 +29,7 @@ descriptions and raises the same readable `StepMismatchError`.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,11 @@ def flag_digest(description: str, world_size: int) -> tuple[int, int]:
     bound = max(2, 2**24 // world_size)
     raw = description.encode()
     return zlib.crc32(raw) % bound, zlib.adler32(raw) % bound
+
+
+def digests_agree(sums: Sequence[int], digest: Sequence[int], world_size: int) -> bool:
+    """Are the digest slots, summed over the ranks, `world_size` times this rank's `digest`?"""
+    return all(s == world_size * d for s, d in zip(sums, digest))
 
 
 def raise_mismatch(comm: Communicator, description: str) -> None:
@@ -127,5 +133,5 @@ class FlagHeader:
         """Wait; raise StepMismatchError when the sums of the digest slots are not the world's times this one."""
         self.handle.wait()
         sums = [int(v) for v in self.buffer[-DIGEST_SLOTS:].tolist()]
-        if any(s != self.comm.world_size * d for s, d in zip(sums, self.digest)):
+        if not digests_agree(sums, self.digest, self.comm.world_size):
             raise_mismatch(self.comm, self.description)

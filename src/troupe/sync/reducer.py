@@ -25,7 +25,7 @@ from torch import Tensor
 
 from troupe.runtime.watchdog import waiting
 from troupe.runtime.comm import Communicator, Handle
-from troupe.sync.agree import Agreement, FlagHeader, flag_digest, raise_mismatch
+from troupe.sync.agree import Agreement, FlagHeader, digests_agree, flag_digest, raise_mismatch
 from troupe.sync.bucket import FIRST_BUCKET_SIZE, Bucket, Span, allocate, plan_buckets
 from troupe.sync.hooks import ReduceHook
 from troupe.sync.hooks.allreduce import MeanAllReduce
@@ -217,8 +217,7 @@ class GradReducer:
         run, handle = self._handles[0]
         with waiting(self.comm.watchdog, run[0].label):
             handle.wait()
-        world = self.comm.world_size
-        if any(s != world * d for s, d in zip(self.buckets[0].digest_sums(), self._digest)):
+        if not digests_agree(self.buckets[0].digest_sums(), self._digest, self.comm.world_size):
             self._forget()
             raise_mismatch(self.comm, self._description)
         if not self._steady:  # a compressed option's last plain step: its next one has another shape
@@ -259,8 +258,8 @@ class GradReducer:
             for run, handle in self._handles:
                 with waiting(self.comm.watchdog, run[0].label if len(run) == 1 else Span(run).label):
                     handle.wait()
-            if self._digest is not None and any(
-                    s != self.comm.world_size * d for b in self.buckets for s, d in zip(b.digest_sums(), self._digest)):
+            if self._digest is not None and not all(
+                    digests_agree(b.digest_sums(), self._digest, self.comm.world_size) for b in self.buckets):
                 self._led = None
                 raise_mismatch(self.comm, self._description)  # the same verdict on every rank
             world = self.comm.world_size if self._hook.mean_over_active else None
