@@ -104,6 +104,7 @@ SHARED_WORLDS = (
     "tests/dist/test_native_loop.py",
     "tests/dist/test_network_faults.py",
     "tests/dist/test_options.py",
+    "tests/dist/test_shard_zero.py",
     "tests/unit/test_docs_site.py",
     "tests/unit/test_partition.py",
     "tests/unit/test_zygote.py",

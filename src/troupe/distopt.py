@@ -13,6 +13,7 @@ from torch import Tensor
 
 from troupe import graphstep
 from troupe.cluster import regimes as _cluster_regimes  # noqa: F401  (registers the cluster's worker regimes)
+from troupe.runtime import settings as settings_mod
 from troupe.cluster.configuration.sources import from_env as cluster_from_env
 from troupe.reliability.nonfinite import NAN_POLICIES, NanPolicy, all_finite, nonfinite
 from troupe.runtime import world as world_mod
@@ -24,6 +25,7 @@ from troupe.strategies.base import UpdateStrategy
 from troupe.strategies.choice import Fixed, OptionSwitch, params_of, refuse
 from troupe.strategies.compressed import CompressionConfig
 from troupe.strategies.partitioned import broadcast_replicated
+from troupe.strategies import sharded as _sharded  # noqa: F401  (registers the shard modes)
 from troupe.sync.bucket import DEFAULT_BUCKET_SIZE, FIRST_BUCKET_SIZE, plan_buckets
 from troupe.sync.compiled import SplitCompiledGraphs
 from troupe.sync.reducer import GradReducer
@@ -51,6 +53,11 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
     as dynamo does for DDP (`troupe.sync.compiled`). `compile_step` and
     ``Model.compile(use_graph=True)`` compile the whole step instead (`troupe.graphstep`).
 
+    `shard` ("optimizer" or "gradients"; default: ``troupe run --shard``, else None) cuts the wrapped
+    optimizer's state, and with "gradients" also the reduced gradients, over the ranks by elements
+    (ZeRO-1 / ZeRO-2, `troupe.strategies.sharded`); the model stays as it is. Clip with
+    `troupe.clip_grad_norm_`: a sharded model's ``p.grad`` is None after the reduction.
+
     `powersgd_rank` and `powersgd_start` configure ``dist_option="powerSGD"`` (`troupe.strategies.powersgd`):
     the factors' rank (default 1) and the plain steps before compression starts (default 0).
     """
@@ -76,6 +83,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         powersgd_rank: int | None = None,
         powersgd_start: int | None = None,
         split_compiled: bool = True,
+        shard: str | None = None,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DistOpt):
             raise TypeError(f"DistOpt wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -94,10 +102,14 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
             if name in self._option_args:
                 check_int(name, self._option_args[name], minimum=minimum)
         cluster = cluster_from_env()
-        regime = registry.resolve(dist_option, cluster)  # the cluster's worker regime, if the job has a cluster
+        if shard is None:
+            shard = settings_mod.current().shard  # troupe run --shard
+        regime = registry.resolve(dist_option, cluster, shard)  # a cluster's worker regime, or a shard mode
         self.world = world_mod.init(ticket if ticket is not None else nccl_id, local_rank, world_size, rank=rank,
                                     backend=backend, timeout=timeout, join_timeout=join_timeout)
         self.optimizer = optimizer
+        self._model_params = params_of(optimizer)
+        """The parameters the optimizer was given (a sharded DistOpt's optimizer then holds parts of them)."""
         self.bucket_size, self.first_bucket_size = bucket_size, first_bucket_size
         self.nan_policy = nan_policy
         self.skipped_steps = 0
@@ -209,7 +221,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._abandon_open_step()
         self._synced, self._lost = False, None
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._choice.zero_grad(self.optimizer, set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add parameters (on every rank, in the same order): rank 0's values are broadcast and
@@ -366,4 +378,4 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
             rec.end_step(self.step_count, self.communicator.bytes_sent(), extra)
 
     def _params(self) -> list[Tensor]:
-        return params_of(self.optimizer)
+        return self._model_params

@@ -19,6 +19,7 @@ from torch import Tensor
 from troupe.partition.partitioner import HOLDERS, _job_comm
 from troupe.runtime import world
 from troupe.runtime.comm import Communicator
+from troupe.util import SHARD_OF
 
 
 @torch.no_grad()
@@ -32,6 +33,9 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float, norm
     """
     if isinstance(parameters, Tensor):
         parameters = [parameters]
+    parameters = list(parameters)
+    if any(hasattr(p, SHARD_OF) for p in parameters):
+        return _clip_parts(parameters, max_norm, norm_type, comm)
     params = [p for p in parameters if p.grad is not None]
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not (norm_type == math.inf or norm_type > 0):
@@ -65,4 +69,37 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float, norm
     if coef < 1.0:
         for p in params:
             p.grad.detach().mul_(coef)
+    return total
+
+
+def _clip_parts(parameters: list[Tensor], max_norm: float, norm_type: float, comm: Communicator | None) -> Tensor:
+    """A sharded DistOpt's model (``shard=...``): every rank holds the mean gradient of its own parts,
+    which together cover each tensor once, so the job's sum of the parts' norms is the model's."""
+    grads = []
+    for p in parameters:
+        part = getattr(p, SHARD_OF, None) if hasattr(p, SHARD_OF) else p
+        if part is not None and part.grad is not None:
+            grads.append(part.grad)
+    return _clip(grads, float(max_norm), float(norm_type), _job_comm(comm))
+
+
+def _clip(grads: list[Tensor], max_norm: float, norm_type: float, job: Communicator) -> Tensor:
+    """Clip `grads`, which the ranks of `job` hold disjoint parts of, by their total norm."""
+    if not (norm_type == math.inf or norm_type > 0):
+        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+    local = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else "cpu")
+    for g in grads:
+        g = g.detach().double()
+        if norm_type == math.inf:
+            local = torch.maximum(local, g.abs().max().reshape(1))
+        else:
+            local += g.abs().pow(norm_type).sum()
+    if job.world_size > 1:
+        job.all_reduce(local, "max" if norm_type == math.inf else "sum")
+    total = local if norm_type == math.inf else local.pow(1.0 / norm_type)
+    total = total.to(torch.float32).reshape(())
+    coef = max_norm / (float(total) + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.detach().mul_(coef)
     return total

@@ -276,7 +276,7 @@ class Communicator:
             dist.all_gather(out, src.contiguous(), group=self.group)
         return [o.to(tensor.device) for o in out]
 
-    def all_gather_into(self, output: Tensor, input: Tensor) -> Tensor:
+    def all_gather_into(self, output: Tensor, input: Tensor, async_op: bool = False) -> Handle | Tensor:
         """Every rank's `input` (all the same shape) concatenated along dim 0 in rank order, into `output`."""
         n = self.world_size
         if output.numel() != n * input.numel():
@@ -284,11 +284,11 @@ class Communicator:
         nbytes = input.numel() * input.element_size()
         self._count("all_gather", nbytes, (n - 1) * nbytes)
         out, src = self._staged(output), self._staged(input).contiguous()
-        with waiting(self.watchdog, f"all_gather of {nbytes} bytes"):
-            _all_gather_into(out, src, group=self.group)
-        if out is not output:
-            output.copy_(out)
-        return output
+        work = _all_gather_into(out, src, group=self.group, async_op=True)
+        self._trace(work, "all_gather", nbytes)
+        handle = Handle(work, (lambda: output.copy_(out)) if out is not output else None,
+                        label=f"all_gather of {nbytes} bytes", dog=self.watchdog, escape=self.escape)
+        return _complete(handle, async_op, output)
 
     def all_to_all(self, output: Tensor, input: Tensor) -> Tensor:
         """Rank r sends chunk j of `input` (world_size equal chunks along dim 0) to rank j, which

@@ -65,6 +65,9 @@ class Settings:
     """TROUPE_EVICT_AFTER (`troupe run --elastic --evict-after` under Sandblaster): seconds a server waits
     for a worker whose group mates have sent their update and whose beat has stopped (it is frozen)
     before the group goes on without it; after SIGCONT it restarts and rejoins."""
+    shard: str | None = None
+    """TROUPE_SHARD: "optimizer" or "gradients", set by `troupe run --shard`: what a DistOpt made without
+    ``shard=`` cuts over the ranks (strategies/sharded.py)."""
     cluster: str | None = None
     """TROUPE_CLUSTER: JSON, a framework name or a cluster file (parameter servers)."""
     stats: str | None = None
@@ -96,6 +99,8 @@ class Settings:
             raise ValueError(f"TROUPE_RESUME must be one of {RESUME_MODES}, got {self.resume!r}")
         if self.backend not in (None, "gloo", "nccl"):
             raise ValueError(f"TROUPE_BACKEND must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.shard not in (None, "optimizer", "gradients"):
+            raise ValueError(f"TROUPE_SHARD must be 'optimizer' or 'gradients', got {self.shard!r}")
         if self.master_port < 0:
             raise ValueError(f"TROUPE_MASTER_PORT must be >= 0, got {self.master_port}")
 

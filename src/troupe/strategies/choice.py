@@ -140,6 +140,9 @@ class OptionSwitch:
         self.select(key[0], **dict(key[1]))
         return self.reducer
 
+    def zero_grad(self, optimizer: Any, set_to_none: bool = True) -> None:
+        optimizer.zero_grad(set_to_none=set_to_none)
+
     def per_rank_state(self) -> list[str]:
         """Why the state of the strategies used so far belongs to each rank (each reason once)."""
         reasons: list[str] = []
@@ -199,6 +202,9 @@ class Fixed:
 
     def add_params(self, params: Sequence[Tensor]) -> GradReducer | None:
         raise refuse("add_param_group", self.regime.where)
+
+    def zero_grad(self, optimizer: Any, set_to_none: bool = True) -> None:
+        optimizer.zero_grad(set_to_none=set_to_none)
 
     def per_rank_state(self) -> list[str]:
         return self.current.per_rank_state()

@@ -99,7 +99,7 @@ class Regime:
 
     name: ClassVar[str]
     aliases: ClassVar[tuple[str, ...]] = ()
-    kind: ClassVar[Literal["dist_option", "cluster"]] = "dist_option"
+    kind: ClassVar[Literal["dist_option", "cluster", "shard"]] = "dist_option"
     method: ClassVar[str] = "backward_and_update"
     """SINGA's DistOpt method a dist_option calls (`troupe.singa.SingaMethods`)."""
     fixed_args: ClassVar[Mapping[str, Any]] = {}
@@ -151,7 +151,7 @@ def lookup(name: str, kind: str = "dist_option") -> type[Regime]:
     regime = REGIMES.get(name) if isinstance(name, str) else None
     if regime is None or regime.kind != kind:
         known = sorted(n for n, r in REGIMES.items() if r.kind == kind)
-        label = "dist_option" if kind == "dist_option" else f"{kind} regime"
+        label = {"dist_option": "dist_option", "shard": "shard mode"}.get(kind, f"{kind} regime")
         raise ValueError(f"unknown {label} {name!r}; choose one of {known}")
     return regime
 
@@ -171,10 +171,18 @@ def graph_options() -> tuple[str, ...]:
     return tuple(name for name, r in REGIMES.items() if r.kind == "dist_option" and r.supports.graph_mode)
 
 
-def resolve(dist_option: str, cluster: Any = None) -> type[Regime]:
+def resolve(dist_option: str, cluster: Any = None, shard: str | None = None) -> type[Regime]:
     """The regime a DistOpt trains under: the cluster's worker regime when the job has a cluster
-    (which must accept `dist_option`), else `dist_option`'s own."""
+    (which must accept `dist_option`), the shard mode's when `shard` is given (the same), else
+    `dist_option`'s own."""
     option = lookup(dist_option)
+    if shard is not None:
+        if cluster is not None:
+            raise ValueError(f"shard={shard!r} cannot run under a cluster framework ({cluster.worker_regime}) yet: "
+                             "drop the cluster (plain data parallelism) to shard")
+        regime = lookup(shard, "shard")
+        regime.accept(option)
+        return regime
     if cluster is None:
         return option
     regime = lookup(cluster.worker_regime, "cluster")

@@ -62,26 +62,43 @@ def plan_buckets(params: Sequence[Tensor], bucket_size: int, first_bucket_size: 
     return buckets
 
 
-def buffer_size(params: Sequence[Tensor]) -> int:
-    """Elements of a bucket's buffer: the gradients, a used flag each, the active flag, the digest slots."""
-    return sum(p.numel() for p in params) + len(params) + 1 + DIGEST_SLOTS
+def padded_size(numel: int, pad_to: int = 1) -> int:
+    """`numel` rounded up to a multiple of `pad_to` (a bucket's gradients cut into `pad_to` equal chunks)."""
+    return -(-numel // pad_to) * pad_to
 
 
-def allocate(plan: Sequence[Sequence[Tensor]]) -> list[Bucket]:
+def buffer_size(params: Sequence[Tensor], pad_to: int = 1) -> int:
+    """Elements of a bucket's buffer: the gradients (padded to a multiple of `pad_to`), a used flag each,
+    the active flag, the digest slots."""
+    return padded_size(sum(p.numel() for p in params), pad_to) + len(params) + 1 + DIGEST_SLOTS
+
+
+def allocate(plan: Sequence[Sequence[Tensor]], pad_to: int = 1) -> list[Bucket]:
     """The buckets of a plan, their buffers slices of one contiguous storage per dtype and device
     in bucket order, so buckets that are ready together can be reduced as one `Span`."""
+    buckets = [Bucket(i, params, torch.empty(0, dtype=params[0].dtype, device=params[0].device), pad_to=pad_to)
+               for i, params in enumerate(plan)]
+    bind_storage(buckets)
+    return buckets
+
+
+def bind_storage(buckets: Sequence[Bucket]) -> None:
+    """Give `buckets` fresh zeroed buffers, slices of one contiguous storage per dtype and device
+    (at allocation, and again for buckets whose storage was `release`d)."""
     sizes: dict[tuple, int] = {}
-    for params in plan:
-        key = (params[0].dtype, params[0].device)
-        sizes[key] = sizes.get(key, 0) + buffer_size(params)
+    for b in buckets:
+        sizes[b.key] = sizes.get(b.key, 0) + b.size
     storage = {key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
     offset = dict.fromkeys(sizes, 0)
-    buckets = []
-    for i, params in enumerate(plan):
-        key, n = (params[0].dtype, params[0].device), buffer_size(params)
-        buckets.append(Bucket(i, params, storage[key][offset[key] : offset[key] + n]))
-        offset[key] += n
-    return buckets
+    for b in buckets:
+        b.bind(storage[b.key][offset[b.key] : offset[b.key] + b.size])
+        offset[b.key] += b.size
+
+
+def release(buckets: Sequence[Bucket]) -> None:
+    """Drop the buckets' buffers (sharded gradients: the full gradients live only while a step reduces them)."""
+    for b in buckets:
+        b.bind(None)
 
 
 class Span:
@@ -102,21 +119,34 @@ class Span:
 class Bucket:
     """One bucket's flat buffer and its per-step state."""
 
-    def __init__(self, index: int, params: Sequence[Tensor], buffer: Tensor | None = None):
+    def __init__(self, index: int, params: Sequence[Tensor], buffer: Tensor | None = None, *, pad_to: int = 1):
         self.index = index
         self.params = list(params)
         self.numels = [p.numel() for p in self.params]
         self.offsets = [sum(self.numels[:k]) for k in range(len(self.params))]
         self.numel = sum(self.numels)
+        self.padded = padded_size(self.numel, pad_to)
+        """Elements of the gradient part with its padding: `pad_to` equal chunks (sharded gradients)."""
         p0 = self.params[0]
-        size = buffer_size(self.params)
-        self.buffer = torch.zeros(size, dtype=p0.dtype, device=p0.device) if buffer is None else buffer
-        if self.buffer.numel() != size:
-            raise ValueError(f"bucket {index} needs a buffer of {size} elements, got {self.buffer.numel()}")
-        self._views = [self.buffer[o : o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, self.params)]
+        self.key = (p0.dtype, p0.device)
+        self.size = buffer_size(self.params, pad_to)
         self.slot = {id(p): k for k, p in enumerate(self.params)}
         self.label = f"gradient bucket {index + 1} ({len(self.params)} tensors, {self.numel} elements)"
+        self.bind(torch.zeros(self.size, dtype=p0.dtype, device=p0.device) if buffer is None else buffer)
         self.reset()
+
+    def bind(self, buffer: Tensor | None) -> None:
+        """Make `buffer` this bucket's (None: hold none until bound again; `release`)."""
+        if buffer is None:
+            self.buffer, self._views = None, []
+            return
+        if buffer.numel() == 0 and self.size:  # `allocate` binds the storage afterwards
+            self.buffer, self._views = buffer, []
+            return
+        if buffer.numel() != self.size:
+            raise ValueError(f"bucket {self.index} needs a buffer of {self.size} elements, got {buffer.numel()}")
+        self.buffer = buffer
+        self._views = [buffer[o : o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, self.params)]
 
     @property
     def data(self) -> Tensor:
@@ -124,12 +154,17 @@ class Bucket:
         return self.buffer[: self.numel]
 
     @property
+    def padded_data(self) -> Tensor:
+        """The gradient part and its padding (zeros): `padded` elements."""
+        return self.buffer[: self.padded]
+
+    @property
     def flags(self) -> Tensor:
         """One entry per parameter, 1 where this rank had a gradient, then 1 if this rank is active.
 
         After the sum across ranks: how many ranks had each gradient, and how many were active.
         """
-        return self.buffer[self.numel :]
+        return self.buffer[self.padded :]
 
     def reset(self, digest: tuple[int, ...] = (0,) * 2) -> None:
         self.digest = digest

@@ -26,7 +26,7 @@ from torch import Tensor
 from troupe.runtime.watchdog import waiting
 from troupe.runtime.comm import Communicator, Handle
 from troupe.sync.agree import Agreement, FlagHeader, digests_agree, flag_digest, raise_mismatch
-from troupe.sync.bucket import FIRST_BUCKET_SIZE, Bucket, Span, allocate, plan_buckets
+from troupe.sync.bucket import FIRST_BUCKET_SIZE, Bucket, Span, allocate, bind_storage, plan_buckets, release
 from troupe.sync.hooks import ReduceHook
 from troupe.sync.hooks.allreduce import MeanAllReduce
 
@@ -41,11 +41,12 @@ class GradReducer:
                  first_bucket_size: int = FIRST_BUCKET_SIZE, *,
                  hook_for_step: Callable[[], ReduceHook | None] | None = None,
                  describe_step: Callable[[], str] | None = None,
-                 on_reduced: Callable[[], None] | None = None, agreement: bool = True):
+                 on_reduced: Callable[[], None] | None = None, agreement: bool = True, pad_to: int = 1):
         self.comm = comm
         self.params = [p for p in params if p.requires_grad]
         plan = plan_buckets(self.params, bucket_size, first_bucket_size)
-        self.buckets = allocate([[self.params[j] for j in members] for members in plan])
+        self.buckets = allocate([[self.params[j] for j in members] for members in plan], pad_to)
+        self._released = False
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         default = MeanAllReduce(comm)
         self.hook_for_step = hook_for_step or (lambda: default)
@@ -134,6 +135,7 @@ class GradReducer:
             w = self.weight()
             if w != 1.0:
                 self._scale = w if self._scale is None else self._scale * w
+        self._ensure_storage()
         self._ready = [False] * len(self.buckets)
         self._next = 0
         self._handles: list[tuple[list[Bucket], Handle]] = []
@@ -180,6 +182,7 @@ class GradReducer:
     def _keep_local(self, param: Tensor) -> None:
         # Graph mode's compiled autograd traces this hook with the reducer paused: leave its gradients alone.
         if not torch.compiler.is_compiling():
+            self._ensure_storage()
             self._bucket_of[id(param)].keep_local(param)
 
     def _add(self, param: Tensor) -> None:
@@ -305,6 +308,17 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.active = False
         return self.finish()
+
+    def release_storage(self) -> None:
+        """Free the buckets' buffers until the next step or no_sync backward needs them again (sharded
+        gradients: after the reduction a rank keeps only its shard). No ``p.grad`` may view them."""
+        release(self.buckets)
+        self._released = True
+
+    def _ensure_storage(self) -> None:
+        if self._released:
+            bind_storage(self.buckets)
+            self._released = False
 
     def label_buckets(self, name_of: Callable[[Tensor], str]) -> None:
         """Name each bucket by its parameters, for stall reports and failure messages."""

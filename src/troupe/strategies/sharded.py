@@ -1,0 +1,275 @@
+"""Sharded optimizer state and gradients (ZeRO-1 / ZeRO-2), by elements, inside DistOpt's buckets.
+
+``DistOpt(opt, shard="optimizer")`` (or ``troupe run --shard optimizer``) keeps the model as it
+is and cuts the work of the update over the k ranks: every gradient bucket's elements are
+padded to k equal chunks and rank r owns chunk r of every bucket. During backward each bucket
+is reduce-scattered (`troupe.sync.hooks.shard`), so rank r receives the mean gradient of its
+chunk only; the wrapped optimizer steps only the parts of parameters in rank r's chunks (its
+state is made for those parts alone: 1/k of it); then each bucket's updated chunks are
+all-gathered back into the parameters. ``shard="gradients"`` also frees the full gradient
+buckets once they are reduced, keeping only the rank's chunk of the mean.
+
+Bytes per parameter, fp32 Adam (docs/sharding.md measures them): plain 16; ``"optimizer"``
+8 + 8/k; ``"gradients"`` 4 + 12/k. Chunks are cut by elements, not whole tensors, so every
+rank holds its 1/k within one bucket's padding (k - 1 elements a bucket) whatever the sizes
+of the parameters (torch's ``ZeroRedundancyOptimizer`` assigns whole tensors).
+
+How it fits: the model's parameters become views of one flat buffer per bucket, laid out as
+the bucket's gradients are, so the all-gather lands in them in place; the wrapped optimizer's
+param groups are rewritten to hold this rank's parts (flat views of the same buffers, in the
+same groups, so LR schedulers and per-group options keep working); ``p.grad`` of a model
+parameter is None after the reduction (the mean lives in its parts' ``grad``), so clip with
+`troupe.clip_grad_norm_`, which sums the parts over the ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from troupe.reliability.nonfinite import all_finite
+from troupe.runtime.comm import Communicator, Handle
+from troupe.strategies.base import StepStats
+from troupe.strategies.choice import OptionSwitch, params_of, refuse
+from troupe.strategies.partitioned import split_by_holders
+from troupe.strategies.registry import Capabilities, Regime, Setup, lookup, register
+from troupe.sync.bucket import Bucket
+from troupe.sync.hooks.shard import ShardReduce
+from troupe.sync.reducer import GradReducer
+from troupe.util import SHARD_OF
+
+SHARD_MODES = ("optimizer", "gradients")
+"""``DistOpt(shard=...)``: what is cut over the ranks besides the optimizer's work."""
+
+
+def chunk_range(numel: int, rank: int, k: int) -> tuple[int, int, int]:
+    """(chunk length, start, stop) of rank's chunk of a bucket of `numel` elements padded to k chunks;
+    [start, stop) is clipped to the real elements (the last chunks may hold padding only)."""
+    chunk = -(-numel // k)
+    return chunk, min(rank * chunk, numel), min((rank + 1) * chunk, numel)
+
+
+def own_parts(numels: Sequence[int], rank: int, k: int) -> list[tuple[int, int, int]]:
+    """The parts of a bucket's tensors (slot, start, stop) inside rank's chunk, in slot order; a tensor
+    has at most one part per rank (a chunk is one contiguous range of the bucket)."""
+    _, lo, hi = chunk_range(sum(numels), rank, k)
+    parts, offset = [], 0
+    for slot, n in enumerate(numels):
+        start, stop = max(lo, offset), min(hi, offset + n)
+        if start < stop:
+            parts.append((slot, start - offset, stop - offset))
+        offset += n
+    return parts
+
+
+class ShardedStep:
+    """The update of a sharded DistOpt: reduce-scatter in backward, step the own parts, all-gather."""
+
+    def __init__(self, *, mode: str, comm: Communicator, reducer: GradReducer, optimizer: torch.optim.Optimizer):
+        self.name, self.mode = "plain", mode
+        self.comm, self.reducer, self.optimizer = comm, reducer, optimizer
+        self.k, self.rank = comm.world_size, comm.rank
+        self.values: list[Tensor] = []
+        """Per bucket, the flat buffer its parameters are views of (the bucket's layout, padded)."""
+        self.grads: list[Tensor] = []
+        """Per bucket, this rank's chunk of the mean gradient (a view of the bucket itself under "optimizer")."""
+        self.part_of: dict[int, Tensor] = {}
+        """Model parameter id -> this rank's part of it (a leaf view of `values`)."""
+        self._at: dict[int, int] = {}
+        """Model parameter id -> where its part starts in this rank's chunk of its bucket."""
+        for b in reducer.buckets:
+            self._lay_out(b)
+        self.hook = ShardReduce(comm, lambda b: self.grads[b.index])
+        reducer.also_reduce = self._hand_over
+        self._regroup()
+        self._bytes_mark = comm.bytes_sent()
+
+    def _lay_out(self, bucket: Bucket) -> None:
+        chunk, lo, _ = chunk_range(bucket.numel, self.rank, self.k)
+        values = torch.zeros(bucket.padded, dtype=bucket.key[0], device=bucket.key[1])
+        for p, offset, n in zip(bucket.params, bucket.offsets, bucket.numels):
+            with torch.no_grad():
+                values[offset : offset + n].copy_(p.detach().reshape(-1))
+            p.data = values[offset : offset + n].view_as(p)
+            setattr(p, SHARD_OF, None)
+        self.values.append(values)
+        if self.mode == "optimizer":
+            self.grads.append(bucket.padded_data[self.rank * chunk : (self.rank + 1) * chunk])
+        else:
+            self.grads.append(torch.zeros(chunk, dtype=bucket.key[0], device=bucket.key[1]))
+        for slot, start, stop in own_parts(bucket.numels, self.rank, self.k):
+            p, at = bucket.params[slot], bucket.offsets[slot]
+            part = torch.nn.Parameter(values[at + start : at + stop], requires_grad=True)
+            self.part_of[id(p)], self._at[id(p)] = part, at + start - self.rank * chunk
+            setattr(p, SHARD_OF, part)
+
+    def _regroup(self) -> None:
+        """The wrapped optimizer's groups hold this rank's parts in place of the sharded parameters."""
+        sharded = {id(p) for b in self.reducer.buckets for p in b.params}
+        for group in self.optimizer.param_groups:
+            group["params"] = [self.part_of[id(p)] if id(p) in sharded else p
+                               for p in group["params"] if id(p) in self.part_of or id(p) not in sharded]
+
+    def _hand_over(self) -> None:
+        """After the reduction: each part's grad views this rank's chunk of the mean (None where no rank had
+        a gradient, as in one process); the model's ``p.grad`` is None; "gradients" frees the buckets."""
+        for b in self.reducer.buckets:
+            for p in b.params:
+                part = self.part_of.get(id(p))
+                if part is not None:
+                    at = self._at[id(p)]
+                    part.grad = None if p.grad is None else self.grads[b.index][at : at + part.numel()]
+                p.grad = None
+        if self.mode == "gradients":
+            self.reducer.release_storage()
+
+    # --- UpdateStrategy -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"plain, shard={self.mode}"
+
+    def reduce_hook(self) -> ShardReduce:
+        return self.hook
+
+    def synchronize(self) -> None:
+        self.reducer.reduce_now(self.hook)
+
+    def all_finite(self) -> bool:
+        """Each rank checks its own chunks; one small all-reduce gives every rank the same verdict."""
+        bad = torch.tensor([0.0 if all_finite([g for g in self.grads if g.numel()]) else 1.0])
+        self.comm.all_reduce(bad, "sum")
+        return bool(bad.item() == 0)
+
+    def step(self) -> StepStats:
+        self.optimizer.step()
+        self.gather()
+        now = self.comm.bytes_sent()
+        sent, self._bytes_mark = now - self._bytes_mark, now
+        return {"option": f"shard={self.mode}", "bytes_sent": sent}
+
+    def gather(self) -> None:
+        """Every bucket's updated chunks back into every rank's parameters (one all-gather per bucket)."""
+        handles: list[Handle] = []
+        for values in self.values:
+            chunk = values.numel() // self.k
+            mine = values[self.rank * chunk : (self.rank + 1) * chunk].clone()
+            handles.append(self.comm.all_gather_into(values, mine, async_op=True))
+        for h in handles:
+            h.wait()
+
+    def per_rank_state(self) -> list[str]:
+        return [f"the optimizer state is sharded by elements over the ranks (shard={self.mode!r})"]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ShardedChoice:
+    """A sharded DistOpt's one strategy (`ShardedStep`) and its reducer; only plain steps."""
+
+    info = None
+    owns_reducer = True
+
+    def __init__(self, regime: type[Regime], setup: Setup):
+        self.regime = regime
+        comm = setup.world.comm
+        self.model_params = params_of(setup.optimizer)
+        """The model's parameters, as given to the optimizer (its groups then hold this rank's parts)."""
+        if setup.optimizer.state:
+            raise ValueError(f"shard={regime.name!r}: the optimizer already has state; make the DistOpt before "
+                             "the first step (load a checkpoint into the DistOpt afterwards)")
+        self.reducer = GradReducer(self.model_params, comm, setup.bucket_size, setup.first_bucket_size,
+                                   hook_for_step=lambda: self.current.reduce_hook(),
+                                   describe_step=lambda: self.current.describe(), pad_to=comm.world_size)
+        self.current = ShardedStep(mode=regime.name, comm=comm, reducer=self.reducer, optimizer=setup.optimizer)
+
+    def select(self, option: str, **args: Any) -> ShardedStep:
+        self.regime.accept(lookup(option))
+        return self.current
+
+    def start(self) -> None:
+        pass
+
+    def require(self, feature: str) -> None:
+        if not getattr(self.regime.supports, feature):
+            raise refuse(feature, self.regime.where)
+
+    @property
+    def shadows_joins(self) -> bool:
+        return False
+
+    def add_params(self, params: Sequence[Tensor]) -> GradReducer | None:
+        raise refuse("add_param_group", self.regime.where)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        optimizer.zero_grad(set_to_none=set_to_none)
+        for p in self.model_params:  # what no_sync accumulated in the buckets
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    def per_rank_state(self) -> list[str]:
+        return self.current.per_rank_state()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": {}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class Shard(Regime):
+    """Sharded data parallelism: a DistOpt whose optimizer state (and gradients) are cut over the ranks."""
+
+    kind = "shard"
+    supports = Capabilities(per_call=False, join=False, add_param_group=False, partition=False)
+
+    @classmethod
+    def choose(cls, setup: Setup) -> ShardedChoice | OptionSwitch:
+        world = setup.world
+        if world.membership.elastic:
+            raise refuse("elastic", cls.where)
+        _, partitioned = split_by_holders(params_of(setup.optimizer), world.comm.world_size)
+        if partitioned:
+            raise ValueError(f"shard={cls.name!r} cannot shard a model partitioned by troupe.partition: use "
+                             "shard=None with the partitioned model")
+        if world.comm.world_size == 1:  # one rank holds everything: nothing to cut
+            return OptionSwitch(setup, "plain")
+        return ShardedChoice(cls, setup)
+
+    @classmethod
+    def accept(cls, option: type[Regime]) -> None:
+        if option.name != "plain":
+            raise ValueError(f"dist_option {option.name!r} cannot run with shard={cls.name!r}: use dist_option "
+                             f"'plain' (the sharded gradients are reduce-scattered in fp32), or shard=None to "
+                             f"compress gradients with {option.name!r}")
+
+
+@register
+class ShardOptimizer(Shard):
+    """ZeRO-1: each rank keeps the optimizer state of 1/k of the elements."""
+
+    name = "optimizer"
+    where = "with shard='optimizer'"
+
+
+@register
+class ShardGradients(Shard):
+    """ZeRO-2: the optimizer state and the reduced gradients of 1/k of the elements."""
+
+    name = "gradients"
+    where = "with shard='gradients'"

@@ -1,0 +1,54 @@
+"""The sharding hook: each bucket's gradients reduce-scattered, so that rank r keeps the mean of chunk r.
+
+Under sharded data parallelism (`troupe.strategies.sharded`: ``DistOpt(opt, shard=...)``) a
+bucket's gradient part is padded to k equal chunks (``Bucket.padded``); rank r owns chunk r
+of every bucket, steps the optimizer over it alone and all-gathers it afterwards. So the
+reduction needs to leave rank r only the mean of its own chunk: a reduce-scatter, which sends
+(n-1)/n of the bucket where an all-reduce sends 2(n-1)/n. The bucket's flags (which ranks had
+each gradient, who was active) still reach every rank, summed by a small all-reduce of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from troupe.runtime.comm import Communicator, Handle
+from troupe.sync.bucket import Bucket
+
+
+@dataclass(frozen=True)
+class ShardReduce:
+    """Reduce-scatter a bucket's padded gradients into ``dest(bucket)`` (its ``padded / k`` elements:
+    the mean over ranks of this rank's chunk) and all-reduce its flags.
+
+    `dest` may view the bucket's own buffer (sharded optimizer state only: the full gradient stays);
+    the chunk is then received into a new tensor and copied there, since the collective reads the
+    whole bucket while it runs."""
+
+    comm: Communicator
+    dest: Callable[[Bucket], Tensor]
+    mean_over_active: bool = True
+    carries_digest: bool = False
+    coalesce: bool = False
+
+    @property
+    def prescale(self) -> float:
+        return 1.0 / self.comm.world_size
+
+    def __call__(self, bucket: Bucket) -> Handle:
+        dest = self.dest(bucket)
+        aliased = dest.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()
+        out = dest.new_empty(dest.shape) if aliased else dest
+        scatter = self.comm.reduce_scatter(out, bucket.padded_data, async_op=True)
+        flags = self.comm.all_reduce(bucket.flags, "sum", async_op=True)
+
+        def then() -> None:
+            scatter.wait()
+            flags.wait()
+            if aliased:
+                dest.copy_(out)
+
+        return Handle(None, then, label=bucket.label)

@@ -1,0 +1,153 @@
+"""Sharded optimizer state and gradients (``DistOpt(opt, shard="optimizer"|"gradients")``) on real Gloo
+ranks, against one process training the whole model on the combined batch.
+
+One world per world size runs every case (shard mode x optimizer) on a model with a tied embedding,
+a frozen layer and very uneven parameter sizes, with accumulation under no_sync and clipping over the
+whole model, and reports what each rank holds; the reference runs in the test process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.dist.world import run_world
+
+STEPS, MICRO, BATCH = 4, 2, 4  # per rank: MICRO micro-batches of BATCH samples per step
+VOCAB, DIM = 37, 12
+CASES = [(mode, opt) for mode in ("optimizer", "gradients") for opt in ("sgd", "adamw")]
+
+
+class TiedLM(nn.Module):
+    """An embedding tied to the output layer, a frozen layer, one big and several tiny tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.big = nn.Linear(DIM, 5 * DIM)
+        self.small = nn.Linear(5 * DIM, DIM, bias=False)
+        self.scale = nn.Parameter(torch.ones(1))
+        self.norm = nn.LayerNorm(DIM)
+        self.out = nn.Linear(DIM, VOCAB, bias=True)
+        self.out.weight = self.embed.weight
+
+    def forward(self, x):
+        h = self.frozen(self.embed(x).mean(1))
+        h = self.norm(self.small(torch.tanh(self.big(h))) * self.scale)
+        return self.out(h)
+
+
+def make(opt_name: str):
+    torch.manual_seed(0)
+    model = TiedLM()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and p.requires_grad]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 and p.requires_grad]
+    if opt_name == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=0.01)
+    return model, opt
+
+
+def batches(world_size: int):
+    g = torch.Generator().manual_seed(1)
+    n = STEPS * MICRO * BATCH * world_size
+    return torch.randint(0, VOCAB, (n, 3), generator=g), torch.randint(0, VOCAB, (n,), generator=g)
+
+
+def rank_slice(step: int, micro: int, rank: int, world_size: int) -> slice:
+    start = ((step * MICRO + micro) * world_size + rank) * BATCH
+    return slice(start, start + BATCH)
+
+
+def train_case(rank: int, world_size: int, mode: str, opt_name: str) -> dict:
+    import troupe
+
+    model, opt = make(opt_name)
+    sgd = troupe.DistOpt(opt, shard=mode, bucket_size=200, first_bucket_size=100)
+    sched = torch.optim.lr_scheduler.LambdaLR(sgd, lambda s: 1.0 / (1 + s))
+    x, y = batches(world_size)
+    norms = []
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            sl = rank_slice(step, micro, rank, world_size)
+            loss = F.cross_entropy(model(x[sl]), y[sl]) / MICRO
+            if micro < MICRO - 1:
+                with sgd.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        norms.append(float(troupe.clip_grad_norm_(model.parameters(), 0.5)))
+        sgd.step()
+        sched.step()
+        sgd.zero_grad()
+    state = sum(t.numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    held = [p.numel() for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    grads = sum(g.numel() for g in sgd.strategy.grads)
+    buckets = sum(0 if b.buffer is None else b.buffer.numel() for b in sgd.reducer.buckets)
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms,
+            "state": state, "held": sum(held), "grads": grads, "buckets": buckets}
+
+
+def world(rank: int, world_size: int) -> dict:
+    torch.set_num_threads(1)
+    return {case: train_case(rank, world_size, *case) for case in CASES}
+
+
+def reference(opt_name: str, world_size: int) -> tuple[dict, list[float]]:
+    model, opt = make(opt_name)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    x, y = batches(world_size)
+    norms = []
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            losses = [F.cross_entropy(model(x[rank_slice(step, micro, r, world_size)]),
+                                      y[rank_slice(step, micro, r, world_size)]) for r in range(world_size)]
+            (sum(losses) / (world_size * MICRO)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ranks(request):
+    return request.param, run_world(world, request.param, timeout=120)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_equals_one_process_on_the_combined_batch(ranks, case):
+    world_size, results = ranks
+    ref, ref_norms = reference(case[1], world_size)
+    for r, res in enumerate(results):
+        got = res[case]
+        for name, value in ref.items():
+            assert torch.allclose(got["params"][name], value, atol=1e-5, rtol=1e-5), (r, name)
+        assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), r
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_each_rank_holds_its_share(ranks, case):
+    world_size, results = ranks
+    model, _ = make(case[1])
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    slots = 2 if case[1] == "adamw" else 1  # exp_avg + exp_avg_sq, or the momentum buffer
+    held = [res[case]["held"] for res in results]
+    assert sum(held) == trainable  # the parts cover every element once
+    buckets = len(results[0][case]["grads"]) if isinstance(results[0][case]["grads"], list) else None
+    for res in results:
+        # within one bucket's padding (k - 1 elements per bucket) of 1/k
+        assert abs(res[case]["held"] - trainable / world_size) <= 4 * (world_size - 1)
+        assert res[case]["state"] == slots * res[case]["held"]
+        if case[0] == "gradients":
+            assert res[case]["buckets"] == 0  # the full gradients are freed after each reduction
+            assert res[case]["grads"] <= trainable / world_size + 4 * world_size
+        else:
+            assert res[case]["buckets"] > trainable
+    del buckets
