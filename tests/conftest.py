@@ -42,6 +42,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "tests/unit/test_bench.py::test_bench_is_not_imported_by_troupe",
         "tests/unit/test_zygote.py",
         "tests/unit/test_forkserver.py",
+        "tests/unit/test_shard_layout.py::test_troupe_run_refuses_shard_with_elastic_or_a_framework",
     ),
     "netns": (
         "tests/dist/test_fault_harness.py",

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", choices=["gloo", "nccl"], default=None)
     run.add_argument("--threads", type=_positive, default=None, help="torch threads per process (OMP_NUM_THREADS)")
     run.add_argument("--timeout", type=float, default=None, help="seconds a collective may wait")
+    run.add_argument("--shard", choices=["optimizer", "gradients"], default=None,
+                     help="cut the optimizer state (and the reduced gradients) over the ranks: ZeRO-1/2, no code "
+                          "change (TROUPE_SHARD; docs/sharding.md)")
     run.add_argument("--checkpoint-dir", default=None, help="where the script saves checkpoints (TROUPE_CHECKPOINT_DIR)")
     run.add_argument("--resume", metavar="DIR", default=None, help="continue from the latest checkpoint in DIR")
     run.add_argument("--max-restarts", type=int, default=0,
@@ -410,7 +413,13 @@ def run(args: argparse.Namespace) -> int:
                             ("--elastic-batch", args.elastic_batch), ("--max-groups", args.max_groups)):
             if value is not None:
                 raise ValueError(f"{flag} needs --elastic")
-    extra_env.update(_cluster_env(args))
+    cluster_env = _cluster_env(args)
+    extra_env.update(cluster_env)
+    if args.shard:
+        if args.elastic or cluster_env:
+            raise ValueError(f"--shard {args.shard} runs with plain data parallelism only for now: drop "
+                             f"{'--elastic' if args.elastic else 'the cluster framework'}")
+        extra_env["TROUPE_SHARD"] = args.shard
     args.output = _rank_output(args)
     if args.elastic:
         return _run_elastic(args, extra_env)

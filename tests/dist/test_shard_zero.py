@@ -17,7 +17,12 @@ from tests.dist.world import run_world
 
 STEPS, MICRO, BATCH = 4, 2, 4  # per rank: MICRO micro-batches of BATCH samples per step
 VOCAB, DIM = 37, 12
-CASES = [(mode, opt) for mode in ("optimizer", "gradients") for opt in ("sgd", "adamw")]
+CASES = [(mode, opt, loop) for mode in ("optimizer", "gradients") for opt, loop in
+         (("sgd", "loop"), ("adamw", "loop"), ("adamw", "scaler"), ("sgd", "singa"))]
+"""(shard mode, optimizer, script shape): the PyTorch loop with accumulation and clipping; the same with
+torch's GradScaler and an overflow on one rank; SINGA's ``sgd(loss)``."""
+INF_STEP = 1
+"""The GradScaler case's step whose loss overflows on rank 0 only (every rank must skip it)."""
 
 
 class TiedLM(nn.Module):
@@ -54,6 +59,11 @@ def make(opt_name: str):
     return model, opt
 
 
+def overflow(model: TiedLM, now: bool):
+    """An infinite gradient in one one-element parameter only (on one rank: only its owner's chunk sees it)."""
+    return model.scale.sum() * float("inf") if now else 0.0
+
+
 def batches(world_size: int):
     g = torch.Generator().manual_seed(1)
     n = STEPS * MICRO * BATCH * world_size
@@ -65,33 +75,59 @@ def rank_slice(step: int, micro: int, rank: int, world_size: int) -> slice:
     return slice(start, start + BATCH)
 
 
-def train_case(rank: int, world_size: int, mode: str, opt_name: str) -> dict:
+def train_case(rank: int, world_size: int, mode: str, opt_name: str, loop: str) -> dict:
     import troupe
 
     model, opt = make(opt_name)
     sgd = troupe.DistOpt(opt, shard=mode, bucket_size=200, first_bucket_size=100)
     sched = torch.optim.lr_scheduler.LambdaLR(sgd, lambda s: 1.0 / (1 + s))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if loop == "scaler" else None
     x, y = batches(world_size)
-    norms = []
+    norms, scales = [], []
     for step in range(STEPS):
+        if loop == "singa":  # one backward of the rank's MICRO micro-batches together, then the step
+            sl = [rank_slice(step, m, rank, world_size) for m in range(MICRO)]
+            sgd(F.cross_entropy(model(torch.cat([x[s] for s in sl])), torch.cat([y[s] for s in sl])))
+            continue
         for micro in range(MICRO):
             sl = rank_slice(step, micro, rank, world_size)
             loss = F.cross_entropy(model(x[sl]), y[sl]) / MICRO
+            if scaler is not None:
+                loss = scaler.scale(loss + overflow(model, step == INF_STEP and rank == 0))
             if micro < MICRO - 1:
                 with sgd.no_sync():
                     loss.backward()
             else:
                 loss.backward()
+        if scaler is not None:
+            scaler.unscale_(sgd)
         norms.append(float(troupe.clip_grad_norm_(model.parameters(), 0.5)))
-        sgd.step()
+        if scaler is not None:
+            scaler.step(sgd)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        else:
+            sgd.step()
         sched.step()
         sgd.zero_grad()
     state = sum(t.numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
     held = [p.numel() for g in opt.param_groups for p in g["params"] if p.requires_grad]
     grads = sum(g.numel() for g in sgd.strategy.grads)
     buckets = sum(0 if b.buffer is None else b.buffer.numel() for b in sgd.reducer.buckets)
+    refusals = []
+    if loop == "singa":  # what a sharded DistOpt cannot do: one line each
+        for call in (lambda: sgd.update(F.cross_entropy(model(x[:2]), y[:2]), "fp16"),
+                     lambda: sgd.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]}),
+                     lambda: sgd.join().__enter__(),
+                     lambda: sgd.compile_step(model, lambda a, b: F.cross_entropy(model(a), b))):
+            try:
+                call()
+                refusals.append(None)
+            except ValueError as e:
+                refusals.append(str(e))
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms,
-            "state": state, "held": sum(held), "grads": grads, "buckets": buckets}
+            "scales": scales, "state": state, "held": sum(held), "grads": grads, "buckets": buckets,
+            "refusals": refusals}
 
 
 def world(rank: int, world_size: int) -> dict:
@@ -99,21 +135,34 @@ def world(rank: int, world_size: int) -> dict:
     return {case: train_case(rank, world_size, *case) for case in CASES}
 
 
-def reference(opt_name: str, world_size: int) -> tuple[dict, list[float]]:
+def reference(opt_name: str, loop: str, world_size: int) -> tuple[dict, list[float], list[float]]:
     model, opt = make(opt_name)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if loop == "scaler" else None
     x, y = batches(world_size)
-    norms = []
+    norms, scales = [], []
     for step in range(STEPS):
         for micro in range(MICRO):
             losses = [F.cross_entropy(model(x[rank_slice(step, micro, r, world_size)]),
                                       y[rank_slice(step, micro, r, world_size)]) for r in range(world_size)]
-            (sum(losses) / (world_size * MICRO)).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
-        opt.step()
-        sched.step()
+            loss = sum(losses) / (world_size * MICRO)
+            if scaler is not None:
+                loss = scaler.scale(loss + overflow(model, step == INF_STEP))
+            loss.backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if loop != "singa":
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        else:
+            opt.step()
+        if loop != "singa":
+            sched.step()
         opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms, scales
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -121,18 +170,32 @@ def ranks(request):
     return request.param, run_world(world, request.param, timeout=120)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+@pytest.mark.parametrize("case", CASES, ids="-".join)
 def test_equals_one_process_on_the_combined_batch(ranks, case):
     world_size, results = ranks
-    ref, ref_norms = reference(case[1], world_size)
+    ref, ref_norms, ref_scales = reference(case[1], case[2], world_size)
     for r, res in enumerate(results):
         got = res[case]
         for name, value in ref.items():
             assert torch.allclose(got["params"][name], value, atol=1e-5, rtol=1e-5), (r, name)
-        assert got["norms"] == pytest.approx(ref_norms, rel=1e-5), r
+        finite = [n for n in ref_norms if n == n and n != float("inf")]
+        assert [n for n in got["norms"] if n == n and n != float("inf")] == pytest.approx(finite, rel=1e-5), r
+        assert got["scales"] == ref_scales, r  # the overflow step skipped on every rank: the scale halved once
+    if case[2] == "scaler":
+        assert ref_scales[INF_STEP] == ref_scales[0] / 2
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_what_a_sharded_distopt_cannot_do_is_refused_in_one_line(ranks):
+    _, results = ranks
+    for mode in ("optimizer", "gradients"):
+        fp16, add, join, graph = results[0][(mode, "sgd", "singa")]["refusals"]
+        assert f"dist_option 'fp16' cannot run with shard='{mode}'" in fp16
+        assert "add_param_group is not available with shard=" in add
+        assert "join() cannot shadow with shard=" in join
+        assert "graph mode" in graph and "not available with shard=" in graph
+
+
+@pytest.mark.parametrize("case", CASES, ids="-".join)
 def test_each_rank_holds_its_share(ranks, case):
     world_size, results = ranks
     model, _ = make(case[1])
@@ -140,7 +203,6 @@ def test_each_rank_holds_its_share(ranks, case):
     slots = 2 if case[1] == "adamw" else 1  # exp_avg + exp_avg_sq, or the momentum buffer
     held = [res[case]["held"] for res in results]
     assert sum(held) == trainable  # the parts cover every element once
-    buckets = len(results[0][case]["grads"]) if isinstance(results[0][case]["grads"], list) else None
     for res in results:
         # within one bucket's padding (k - 1 elements per bucket) of 1/k
         assert abs(res[case]["held"] - trainable / world_size) <= 4 * (world_size - 1)
@@ -150,4 +212,3 @@ def test_each_rank_holds_its_share(ranks, case):
             assert res[case]["grads"] <= trainable / world_size + 4 * world_size
         else:
             assert res[case]["buckets"] > trainable
-    del buckets

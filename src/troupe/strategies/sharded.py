@@ -69,7 +69,7 @@ class ShardedStep:
     """The update of a sharded DistOpt: reduce-scatter in backward, step the own parts, all-gather."""
 
     def __init__(self, *, mode: str, comm: Communicator, reducer: GradReducer, optimizer: torch.optim.Optimizer):
-        self.name, self.mode = "plain", mode
+        self.name, self.mode = f"plain, shard={mode}", mode
         self.comm, self.reducer, self.optimizer = comm, reducer, optimizer
         self.k, self.rank = comm.world_size, comm.rank
         self.values: list[Tensor] = []
@@ -86,6 +86,7 @@ class ShardedStep:
         reducer.also_reduce = self._hand_over
         self._regroup()
         self._bytes_mark = comm.bytes_sent()
+        self._finite = True
 
     def _lay_out(self, bucket: Bucket) -> None:
         chunk, lo, _ = chunk_range(bucket.numel, self.rank, self.k)
@@ -125,6 +126,19 @@ class ShardedStep:
                 p.grad = None
         if self.mode == "gradients":
             self.reducer.release_storage()
+        self._agree_on_finite()
+
+    def _agree_on_finite(self) -> None:
+        """Each rank checks its own chunks; one small all-reduce gives every rank the verdict. Where any
+        rank's chunk is not finite, every rank's first part with a gradient is made NaN, so that a check
+        of the parts on one rank (torch's GradScaler) skips the step on every rank alike."""
+        bad = torch.tensor([0.0 if all_finite([g for g in self.grads if g.numel()]) else 1.0])
+        self.comm.all_reduce(bad, "sum")
+        self._finite = bool(bad.item() == 0)
+        if not self._finite:
+            first = next((part for part in self.part_of.values() if part.grad is not None), None)
+            if first is not None and first.numel():
+                first.grad.view(-1)[0] = float("nan")
 
     # --- UpdateStrategy -----------------------------------------------------------------------
 
@@ -141,10 +155,8 @@ class ShardedStep:
         self.reducer.reduce_now(self.hook)
 
     def all_finite(self) -> bool:
-        """Each rank checks its own chunks; one small all-reduce gives every rank the same verdict."""
-        bad = torch.tensor([0.0 if all_finite([g for g in self.grads if g.numel()]) else 1.0])
-        self.comm.all_reduce(bad, "sum")
-        return bool(bad.item() == 0)
+        """The verdict the ranks agreed on when the reduction ended."""
+        return self._finite
 
     def step(self) -> StepStats:
         self.optimizer.step()
