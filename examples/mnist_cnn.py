@@ -70,7 +70,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
-    # The reference uses 0.005 for 10 epochs; 0.05 reaches its 0.989 within 3 (docs/benchmarks.md).
+    # The reference uses 0.005 for 10 epochs; 0.05 reaches its 0.989 within 3 (README, `make train`).
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--data", default=None, help="directory with the MNIST IDX files (default: offline copy)")
     p.add_argument("--dist-option", default="plain", help=f"one of {sorted(troupe.DIST_OPTIONS)}")

@@ -5,7 +5,7 @@
     troupe bench run ps --out ps.jsonl --args --steps 800      # a job suite: its own options after --args
     troupe bench table results.jsonl
     troupe bench plot results.jsonl out.png
-    troupe bench faults --doc docs/reliability.md          # network faults on simulated hosts
+    troupe bench faults --doc docs/network_faults.md          # network faults on simulated hosts
 """
 
 from __future__ import annotations

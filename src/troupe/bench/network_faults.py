@@ -2,7 +2,7 @@
 
     troupe bench faults                                   # every fault x every regime
     troupe bench faults --regimes plain-2 --faults loss-10 down-5s
-    troupe bench faults --doc docs/reliability.md         # also rewrite the doc's table
+    troupe bench faults --doc docs/network_faults.md         # also rewrite the doc's table
 
 Each regime's job (`troupe.bench.faultjob` under `troupe run`, one node per simulated host)
 runs once without a fault, then once per fault: at a random step after warm-up the fault is

@@ -251,8 +251,8 @@ class Communicator:
         if input.numel() != n * output.numel():
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, needs {n} x {output.numel()}")
         nbytes = input.numel() * input.element_size()
-        # Gloo's CPU reduce-scatter moves what an all-reduce of the input would (measured on veth
-        # links: docs/benchmarks.md); NCCL's ring sends (n-1)/n of it.
+        # Gloo's CPU reduce-scatter moves what an all-reduce of the input would (checked against the
+        # hosts' interface counters: docs/collectives.md); NCCL's ring sends (n-1)/n of it.
         self._count("reduce_scatter", nbytes, (n - 1) / n * nbytes * (1 if self.backend == "nccl" else 2))
         out, src = self._staged(output), self._staged(input)
         work = _reduce_scatter(out, src.contiguous(), group=self.group, async_op=True)

@@ -1,8 +1,8 @@
 """A fork server for `troupe run`: launchers forked from one process that has already imported torch.
 
 Every `troupe run` starts one interpreter that imports torch, torch._dynamo and troupe (its
-zygote, runtime/zygote.py; an elastic launcher itself): 3.3 s of CPU on this 2-core host,
-most of a short job's cost. Whoever starts many short jobs one after the other (a test suite,
+zygote, runtime/zygote.py; an elastic launcher itself): seconds of CPU, most of a short job's
+cost (docs/launching.md has the measurement). Whoever starts many short jobs one after the other (a test suite,
 a notebook, a sweep of small runs) can pay it once:
 
     troupe fork-server /tmp/troupe.sock &          # imports once, then serves

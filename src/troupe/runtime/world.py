@@ -222,9 +222,8 @@ def info() -> World:
 
 def _freeze_at_exit() -> None:
     """At exit, once the job is left: move every object into the collector's permanent generation, so
-    that the interpreter's final collections skip them. With torch imported they are 0.6 s of the
-    0.8 s a process takes to end after its script (measured here: 0.78 s -> 0.14 s), paid by every
-    rank of every job. Objects are still freed by reference counting as modules are torn down; only
+    that the interpreter's final collections skip them. With torch imported those collections are
+    most of the time a process takes to end after its script, paid by every rank of every job. Objects are still freed by reference counting as modules are torn down; only
     garbage in reference cycles is left to the OS (Python does not promise to finalize what still
     exists at exit anyway)."""
     gc.freeze()

