@@ -119,9 +119,17 @@ def train_sharded(rank, world_size, opt_name, clip, *, groups=None, clip_with="t
             "held_back": held_back}
 
 
-def refusals(model, opt):
-    """What a sharded model's DistOpt refuses, in one line each."""
-    said = []
+def singa_steps_and_refusals(model, opt):
+    """SINGA's sgd(loss), a non-finite step skipped alike on every rank, and what a sharded model's
+    DistOpt refuses, in one line each."""
+    tokens = data(1)[0, 0, :1]
+    before = model.gate.full_tensor().clone()
+    opt(lm_loss(model, tokens))  # SINGA's backward_and_update
+    moved = not torch.equal(before, model.gate.full_tensor())
+    (lm_loss(model, tokens) * float("nan")).backward()
+    with pytest.warns(UserWarning, match="skipped step 1: non-finite gradient"):
+        opt.step()
+    said = [moved, opt.skipped_steps, opt.step_count]
     try:
         opt.update(lm_loss(model, data(1)[0, 0, :1]), "fp16")
     except ValueError as e:
@@ -145,14 +153,18 @@ def every_case(rank, world_size):
         out["hsdp"] = train_sharded(rank, world_size, "adamw", 0.5, groups=2)
     torch.manual_seed(0)
     model = troupe.shard(TinyLM())
-    opt = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1))
-    out["refusals"] = refusals(model, opt)
+    opt = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.1), nan_policy="skip")
+    out["refusals"] = singa_steps_and_refusals(model, opt)
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks-allreduce-framework", "4ranks"])
 def world(request):
-    return request.param, run_world(every_case, request.param, timeout=120)
+    """2 ranks under SINGA's AllReduce framework (troupe run --framework allreduce), 4 without a cluster."""
+    from troupe.cluster.configuration.presets import preset
+
+    env = {"TROUPE_CLUSTER": preset("allreduce", 2).to_json()} if request.param == 2 else {}
+    return request.param, run_world(every_case, request.param, timeout=120, env=env)
 
 
 def close(a, b, tol=TOL):
@@ -211,8 +223,9 @@ def test_bf16_compute_keeps_fp32_master_parameters(world):
         assert not close(r["bf16"]["params"], params)  # bf16 compute, not fp32
 
 
-def test_what_a_sharded_model_refuses(world):
+def test_singa_steps_and_what_a_sharded_model_refuses(world):
     _, results = world
-    fp16, add = results[0]["refusals"]
+    moved, skipped, steps, fp16, add = results[0]["refusals"]
+    assert moved and (skipped, steps) == (1, 2)
     assert "dist_option 'fp16' cannot run on a model sharded by troupe.shard" in fp16
     assert "add_param_group is not available for a model sharded by troupe.shard" in add
