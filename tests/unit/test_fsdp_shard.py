@@ -95,6 +95,8 @@ def test_a_sharded_model_picks_its_regime_and_refuses_other_options():
         with pytest.raises(ValueError, match=f"^dist_option '{option}' cannot run on a model sharded by troupe.shard: "
                                              "make the DistOpt with the default dist_option"):
             claim_params(opt, option)
+    with pytest.raises(ValueError, match=r"DistOpt\(shard='optimizer'\) on a model troupe.shard already sharded"):
+        claim_params(opt, "plain", shard="optimizer")  # ZeRO-1/2's DistOpt(shard=...) over a sharded model
     with pytest.raises(ValueError, match="cannot train under the cluster's 'ps-client' workers: leave the cluster out"):
         claim_params(opt, "plain", preset("downpour"))
     with pytest.raises(ValueError, match=r"use troupe.shard\(model, groups=G\) \(HSDP\)"):

@@ -84,14 +84,19 @@ def sharding_of(params: Sequence[Tensor]) -> Sharding | None:
     return next(iter(made.values()))
 
 
-def claim_params(optimizer: torch.optim.Optimizer, dist_option: str, cluster: Any = None) -> type[Regime] | None:
+def claim_params(optimizer: torch.optim.Optimizer, dist_option: str, cluster: Any = None,
+                 shard: str | None = None) -> type[Regime] | None:
     """DistOpt's question: the FSDP2 regime when the optimizer's parameters are troupe.shard's (the
-    dist_option and the cluster checked); else None, and the parameters are marked as this DistOpt's."""
+    dist_option, the cluster and DistOpt's own `shard` mode checked); else None, and the parameters
+    are marked as this DistOpt's."""
     params = params_of(optimizer)
     if sharding_of(params) is None:
         for p in params:
             setattr(p, CLAIMED_BY, True)
         return None
+    if shard is not None:
+        raise ValueError(f"DistOpt(shard={shard!r}) on a model troupe.shard already sharded (parameters, gradients "
+                         "and optimizer state): leave shard out")
     if dist_option not in ("plain", "fp32", FullySharded.name):
         raise ValueError(f"dist_option {dist_option!r} cannot run on a model sharded by troupe.shard: {INSTEAD}; "
                          "for bf16 compute give troupe.shard(model, mixed_precision='bf16')")
