@@ -37,6 +37,7 @@ _WHERE = {
     "log": "troupe.script.scalars",
     "metrics": "troupe.script",
     "partition": "troupe",
+    "shard": "troupe.sharding",
     "shutdown": "troupe.runtime.world",
     "track": "troupe.script.elastic",
     "wait_all": "troupe.runtime.spawn",
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from troupe.script import data, metrics
     from troupe.script.elastic import track
     from troupe.script.scalars import log
+    from troupe.sharding import shard
     from troupe.singa.model import Model
     from troupe.strategies.base import UpdateStrategy
     from troupe.strategies.compressed import CompressionConfig
@@ -101,6 +103,7 @@ __all__ = [
     "log",
     "metrics",
     "partition",
+    "shard",
     "shutdown",
     "track",
     "wait_all",

@@ -20,7 +20,7 @@ from troupe.runtime import world as world_mod
 from troupe.runtime.comm import Handle
 from troupe.runtime.launch import Ticket
 from troupe.singa.methods import SingaMethods
-from troupe.strategies import registry
+from troupe.strategies import fsdp, registry
 from troupe.strategies.base import UpdateStrategy
 from troupe.strategies.choice import Fixed, OptionSwitch, params_of, refuse
 from troupe.strategies.compressed import CompressionConfig
@@ -104,7 +104,9 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         cluster = cluster_from_env()
         if shard is None:
             shard = settings_mod.current().shard  # troupe run --shard
-        regime = registry.resolve(dist_option, cluster, shard)  # a cluster's worker regime, or a shard mode
+        # troupe.shard's model: FSDP2's regime (else the parameters are marked as this DistOpt's); else a
+        # cluster's worker regime, a shard mode, or the dist_option's own
+        regime = fsdp.claim_params(optimizer, dist_option, cluster, shard) or registry.resolve(dist_option, cluster, shard)
         self.world = world_mod.init(ticket if ticket is not None else nccl_id, local_rank, world_size, rank=rank,
                                     backend=backend, timeout=timeout, join_timeout=join_timeout)
         self.optimizer = optimizer
@@ -128,7 +130,8 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         self._choice: OptionSwitch | Fixed = regime.choose(setup)
         self.info = self._choice.info or self.world.info
         self.communicator = self.world.comm
-        if self.world.membership.builds_together:  # else troupe.track gives a joiner the quorum's values
+        # rank 0's values (troupe.track gives an elastic joiner the quorum's; troupe.shard broadcast before sharding)
+        if self.world.membership.builds_together and regime.replicated:
             broadcast_replicated(self.communicator, self._params())
         self._choice.start()  # e.g. a parameter-server worker's first Put/Get
         self._watch_reducer()
@@ -164,7 +167,10 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
     def no_sync(self) -> AbstractContextManager[None]:
         """Backward inside the block accumulates gradients locally, with no communication
         (gradient accumulation); the next backward outside it reduces the sum."""
-        return self.reducer.paused() if self.reducer is not None else nullcontext()
+        if self.reducer is not None:
+            return self.reducer.paused()
+        accumulate = getattr(self.strategy, "no_sync", None)  # a strategy that reduces without a reducer (FSDP2)
+        return accumulate() if accumulate is not None else nullcontext()
 
     def synchronize(self) -> None:
         """Leave in ``p.grad`` what `step()` will apply: the mean over ranks (waits for the

@@ -45,7 +45,7 @@ Here, in the leaf module, so the layers that send parameters (strategies, cluste
 it without importing the partitioner."""
 
 
-SHARD_OF = "_troupe_shard"
+SHARD_OF = "_troupe_part"
 """The attribute ``DistOpt(shard=...)`` sets on every parameter it shards: this rank's part of it (a flat
 tensor whose ``grad`` is the mean gradient of that part), or None where this rank owns no part of it
 (`troupe.clip_grad_norm_` sums the parts over the ranks)."""

@@ -18,13 +18,13 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 ROOT = SRC / "troupe"
 KNOWN_PACKAGES = ("runtime", "sync", "compress", "strategies", "cluster", "observe", "reliability", "bench",
-                  "partition", "algorithms", "singa", "script")
+                  "partition", "algorithms", "singa", "script", "sharding")
 LAYERS = (
     ("__main__",),
     ("cli",),
     ("bench",),
     ("troupe",),  # the facade: troupe.DistOpt, troupe.data, ... each loaded on first use
-    ("distopt", "partition", "script", "algorithms"),  # what a training script calls
+    ("distopt", "partition", "script", "algorithms", "sharding"),  # what a training script calls
     ("cluster",),
     ("singa",),  # below cluster: cluster's configuration reads SINGA's job files through singa.jobfile
     ("graphstep",),  # graph mode's option list is the regime table's

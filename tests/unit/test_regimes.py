@@ -26,7 +26,8 @@ SINGA = {
 
 
 def test_the_table_holds_singas_dist_options_and_the_cluster_worker_kinds():
-    assert registry.dist_options() == {**SINGA, "powerSGD": "backward_and_powerSGD_update"}  # troupe's own
+    assert registry.dist_options() == {**SINGA, "powerSGD": "backward_and_powerSGD_update",  # troupe's own
+                                       "fsdp": "backward_and_update"}  # troupe.shard's model picks it
     assert registry.graph_options() == ("plain", "fp32", "fp16", "bf16")
     assert sorted(n for n, r in REGIMES.items() if r.kind == "cluster") == \
         ["co-located", "diloco", "elastic-diloco", "in-memory-hogwild", "ps-client"]

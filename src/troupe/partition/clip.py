@@ -6,11 +6,15 @@ would clip by a different norm and the replicas would drift apart. `clip_grad_no
 here counts every distinct tensor once (a tensor held by h ranks adds 1/h of its squares
 from each of them), agrees on the norm with one all-reduce, and scales every gradient by
 the same factor. Call it after `sgd.synchronize()`, as torch's.
+
+A model sharded by `troupe.shard` has DTensor gradients: each rank adds the squares of its
+local shard, divided by the ranks that hold the same shard (the worker groups, under HSDP).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -54,8 +58,11 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float, norm
     # on the gradients' device (a CUDA rank's norms stay there; the communicator stages as needed)
     local = torch.zeros(1, dtype=torch.float64, device=params[0].grad.device if params else "cpu")
     for p in params:
-        holders = shares(p)
-        g = p.grad.detach().double()
+        g, copies = _local_part(p.grad, everyone)
+        holders = copies or shares(p)
+        g = g.detach().double()
+        if g.numel() == 0:  # a shard of a parameter with fewer rows than ranks
+            continue
         if norm_type == math.inf:
             local = torch.maximum(local, g.abs().max().reshape(1))
         else:
@@ -103,3 +110,17 @@ def _clip(grads: list[Tensor], max_norm: float, norm_type: float, job: Communica
         for g in grads:
             g.detach().mul_(coef)
     return total
+
+
+def _local_part(grad: Tensor, everyone: int) -> tuple[Tensor, int]:
+    """This rank's part of `grad` and how many ranks hold that same part (0: not a DTensor, the
+    parameter's holders decide)."""
+    module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
+    if module is None or not isinstance(grad, module.DTensor):
+        return grad, 0
+    mesh = grad.device_mesh
+    if mesh.size() != everyone or any(p.is_partial() for p in grad.placements):
+        raise ValueError(f"clip_grad_norm_: a DTensor gradient must be sharded or replicated over all {everyone} "
+                         f"ranks (troupe.shard's), got placements {grad.placements} on {mesh.size()} ranks")
+    copies = math.prod(mesh.size(i) for i, p in enumerate(grad.placements) if p.is_replicate())
+    return grad.to_local(), copies

@@ -12,6 +12,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from troupe.strategies import registry
+from troupe.strategies.fsdp import SHARDED_BY
 from troupe.strategies.partitioned import split_by_holders
 
 
@@ -115,8 +116,10 @@ class SingaMethods:
     def sync_parameters(self, model: nn.Module) -> None:
         """Copy rank 0's parameters and buffers to every rank (call on all ranks)."""
         self._names.update({id(p): n for n, p in model.named_parameters()})
-        # A partitioned model's slices differ by rank by design (troupe.partition broadcast them whole).
-        shared = {id(p) for p in split_by_holders([p for _, p in model.named_parameters()], self.world_size)[0]}
+        # A partitioned model's slices and a sharded model's shards differ by rank by design (troupe.partition
+        # and troupe.shard broadcast them whole).
+        shared = {id(p) for p in split_by_holders([p for _, p in model.named_parameters()], self.world_size)[0]
+                  if not hasattr(p, SHARDED_BY)}
         named = [(n, p) for n, p in model.named_parameters() if id(p) in shared] + list(model.named_buffers())
         if self.world.membership.builds_together:  # else troupe.track gives an elastic joiner the quorum's values
             self.communicator.check_same([(n, tuple(t.shape), str(t.dtype)) for n, t in named], "the model")

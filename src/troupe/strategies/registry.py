@@ -107,6 +107,8 @@ class Regime:
     supports: ClassVar[Capabilities] = Capabilities()
     where: ClassVar[str] = ""
     """How errors name the regime ("under a parameter-server cluster")."""
+    replicated: ClassVar[bool] = True
+    """Every rank holds whole parameters, which DistOpt makes rank 0's (False: troupe.shard's FSDP2 shards)."""
 
     @classmethod
     def build(cls, ctx: Any, **args: Any) -> UpdateStrategy:
