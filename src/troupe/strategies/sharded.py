@@ -84,6 +84,8 @@ class ShardedStep:
             self._lay_out(b)
         self.hook = ShardReduce(comm, lambda b: self.grads[b.index])
         reducer.also_reduce = self._hand_over
+        if mode == "gradients":  # the full buckets exist only while a step reduces them
+            reducer.release_storage()
         self._regroup()
         self._bytes_mark = comm.bytes_sent()
         self._finite = True

@@ -261,6 +261,9 @@ class GradReducer:
             for run, handle in self._handles:
                 with waiting(self.comm.watchdog, run[0].label if len(run) == 1 else Span(run).label):
                     handle.wait()
+            # A finished collective's work object may still hold its buffers (Gloo's reduce-scatter: a copy
+            # of the whole bucket, and a sharded step's chunk): let them go now, not at the next step.
+            self._handles = []
             if self._digest is not None and not all(
                     digests_agree(b.digest_sums(), self._digest, self.comm.world_size) for b in self.buckets):
                 self._led = None

@@ -6,6 +6,8 @@ of every bucket, steps the optimizer over it alone and all-gathers it afterwards
 reduction needs to leave rank r only the mean of its own chunk: a reduce-scatter, which sends
 (n-1)/n of the bucket where an all-reduce sends 2(n-1)/n. The bucket's flags (which ranks had
 each gradient, who was active) still reach every rank, summed by a small all-reduce of their own.
+That holds on NCCL; Gloo's reduce-scatter sends what an all-reduce does (it is one, over a copy of
+the input), so on Gloo the bucket is all-reduced in place and each rank keeps its chunk.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class ShardReduce:
     def __call__(self, bucket: Bucket) -> Handle:
         dest = self.dest(bucket)
         aliased = dest.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()
+        if self.comm.backend != "nccl":
+            return self._all_reduce(bucket, dest, aliased)
         out = dest.new_empty(dest.shape) if aliased else dest
         scatter = self.comm.reduce_scatter(out, bucket.padded_data, async_op=True)
         flags = self.comm.all_reduce(bucket.flags, "sum", async_op=True)
@@ -50,5 +54,20 @@ class ShardReduce:
             flags.wait()
             if aliased:
                 dest.copy_(out)
+
+        return Handle(None, then, label=bucket.label)
+
+    def _all_reduce(self, bucket: Bucket, dest: Tensor, aliased: bool) -> Handle:
+        """Gloo: its reduce-scatter is an all-reduce of a copy of the bucket underneath (the same bytes on
+        the wire as this, plus the copy and a second collective for the flags): all-reduce the bucket
+        in place, flags and all, and keep this rank's chunk."""
+        whole = self.comm.all_reduce(bucket.buffer, "sum", async_op=True)
+        chunk = dest.numel()
+
+        def then() -> None:
+            whole.wait()
+            if not aliased:
+                rank = self.comm.rank
+                dest.copy_(bucket.padded_data[rank * chunk : (rank + 1) * chunk])
 
         return Handle(None, then, label=bucket.label)
