@@ -7,7 +7,9 @@
 The model is examples/gpt.py's (GPT-2-shaped, tied embeddings), trained with AdamW in two
 parameter groups on random bytes, one micro-batch per step, clipped to norm 1. Contestants:
 ``ddp`` (torch's DDP, ``gradient_as_bucket_view=True`` so its buckets are its gradients), ``plain``
-(troupe.DistOpt), ``optimizer`` and ``gradients`` (``DistOpt(shard=...)``).
+(troupe.DistOpt), ``optimizer`` and ``gradients`` (``DistOpt(shard=...)``), ``shard`` (``troupe.shard(model)``, then
+a DistOpt: FSDP2 per block under troupe) and ``fsdp2`` (torch's ``fully_shard`` per block and on the root,
+used directly).
 
 Model-state bytes are counted from the tensors each rank holds after a step (parameters,
 gradients, optimizer state, and every buffer troupe or DDP adds that Python can reach: troupe's
@@ -31,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTESTANTS = ("ddp", "plain", "optimizer", "gradients")
+CONTESTANTS = ("ddp", "plain", "optimizer", "gradients", "shard", "fsdp2")
 IDEAL = {"ddp": lambda k: 16, "plain": lambda k: 16, "optimizer": lambda k: 8 + 8 / k,
-         "gradients": lambda k: 4 + 12 / k}
+         "gradients": lambda k: 4 + 12 / k, "shard": lambda k: 16 / k, "fsdp2": lambda k: 16 / k}
 """fp32 Adam's model-state bytes per parameter on k ranks."""
 
 
@@ -57,16 +59,18 @@ def vm_hwm_mib() -> float:
 
 
 def held_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once; a DTensor's local shard)."""
     seen: dict[int, int] = {}
     for t in tensors:
+        if hasattr(t, "to_local"):
+            t = t.to_local()
         if t is not None and torch.is_tensor(t) and t.numel():
             s = t.untyped_storage()
             seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
 
 
-def build(name: str, args, seed: int = 0):
+def build(name: str, args, seed: int = 0, measure: bool = True):
     """(model, step function, tensors this contestant holds) for one contestant."""
     import troupe
 
@@ -81,9 +85,21 @@ def build(name: str, args, seed: int = 0):
         opt = torch.optim.AdamW(gpt.param_groups(model, 0.1), lr=1e-4)
         clip, stepper, forward = torch.nn.utils.clip_grad_norm_, opt, wrapped
         extra = lambda: []  # noqa: E731  (its buckets are the gradients)
-    else:
+    elif name == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        troupe.init()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
         opt = torch.optim.AdamW(gpt.param_groups(model, 0.1), lr=1e-4)
-        sgd = troupe.DistOpt(opt, shard=None if name == "plain" else name)
+        clip, stepper, forward = torch.nn.utils.clip_grad_norm_, opt, model
+        extra = lambda: []  # noqa: E731
+    else:
+        if name == "shard":
+            model = troupe.shard(model)
+        opt = torch.optim.AdamW(gpt.param_groups(model, 0.1), lr=1e-4)
+        sgd = troupe.DistOpt(opt, shard=name if name in ("optimizer", "gradients") else None)
         clip, stepper, forward = troupe.clip_grad_norm_, sgd, model
 
         def extra():
@@ -93,12 +109,16 @@ def build(name: str, args, seed: int = 0):
     g = torch.Generator().manual_seed(1 + seed)
     data = torch.randint(0, 256, (8, args.batch_size, args.block_size + 1), generator=g)
 
+    held = [0]
+
     def step(i: int) -> None:
         batch = data[i % len(data)]
         loss = F.cross_entropy(forward(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
         clip(model.parameters(), 1.0)
         stepper.step()
+        if measure:
+            held[0] = holds()  # with the step's gradients, before zero_grad
         stepper.zero_grad(set_to_none=name != "ddp")  # DDP's gradients are its buckets: keep them
 
     def holds():
@@ -107,7 +127,7 @@ def build(name: str, args, seed: int = 0):
         tensors += [p.grad for g in opt.param_groups for p in g["params"]]
         return held_bytes(tensors + extra())
 
-    return model, step, holds
+    return model, step, lambda: held[0]
 
 
 def memory_rank(rank: int, world_size: int, name: str, args) -> dict:
@@ -122,7 +142,7 @@ def memory_rank(rank: int, world_size: int, name: str, args) -> dict:
     for i in range(args.steps):
         t = time.perf_counter()
         step(i)
-        times.append(time.perf_counter() - t)
+        times.append(time.perf_counter() - t)  # with the count of the bytes held: not the steps benchmark
     return {"contestant": name, "rank": rank, "params": params, "bytes": holds(), "peak_mib": vm_hwm_mib(),
             "start_mib": before, "step_s": statistics.median(times[1:] or times)}
 
@@ -132,7 +152,7 @@ def steps_rank(rank: int, world_size: int, names: list[str], args) -> list:
     from troupe.observe.turns import Contestant, Schedule, run_ab
 
     torch.set_num_threads(1)
-    contestants = [Contestant(n, build(n, args)[1]) for n in names]
+    contestants = [Contestant(n, build(n, args, measure=False)[1]) for n in names]
     results = run_ab(contestants, Schedule(reps=args.reps, steps=args.per_rep, burnin=2), troupe.init().comm)
     return [(m.contestant, m.rep, m.metric, m.value) for m in results]
 
