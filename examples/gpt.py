@@ -3,6 +3,7 @@
     troupe run -n 2 examples/gpt.py                              # data parallel, the shipped text
     troupe run -n 4 --shard optimizer examples/gpt.py            # optimizer state cut over 4 ranks (ZeRO-1)
     troupe run -n 4 --shard gradients examples/gpt.py --accum 4  # and the reduced gradients (ZeRO-2)
+    troupe run -n 4 examples/gpt.py --shard parameters           # and the parameters: troupe.shard (FSDP2)
     troupe run -n 4 examples/gpt.py --layers 12 --dim 768 --heads 12   # GPT-2 small's body (85M parameters)
 
 The model is nanoGPT's: token and position embeddings, pre-norm blocks of causal self-attention
@@ -120,8 +121,9 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=20, help="steps of linear warm-up")
     p.add_argument("--clip", type=float, default=1.0, help="clip the whole model's gradient norm (0: no clipping)")
-    p.add_argument("--shard", choices=["none", "optimizer", "gradients"], default=None,
-                   help="what to cut over the ranks (default: troupe run --shard, else none)")
+    p.add_argument("--shard", choices=["none", "optimizer", "gradients", "parameters"], default=None,
+                   help="what to cut over the ranks (default: troupe run --shard, else none); parameters: "
+                        "troupe.shard(model), which cuts the gradients and optimizer state too")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -142,8 +144,10 @@ def main(argv=None) -> float:
     torch.manual_seed(args.seed)
     train, valid = load(args.text)
     model = GPT(args.dim, args.layers, args.heads, args.block_size)
+    if args.shard == "parameters":
+        model = troupe.shard(model)  # each block gathered for its forward and backward, then freed
     opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
-    shard = None if args.shard == "none" else args.shard
+    shard = args.shard if args.shard in ("optimizer", "gradients") else None
     sgd = troupe.DistOpt(opt, shard=shard)
     rank, world_size = sgd.global_rank, sgd.world_size
     sched = torch.optim.lr_scheduler.LambdaLR(sgd, schedule(args.warmup, args.steps))
