@@ -430,17 +430,28 @@ class Communicator:
                                  "every rank must build the same model")
 
     @torch.no_grad()
-    def broadcast_tensors(self, tensors: Sequence[Tensor], src: int = 0) -> None:
-        """Copy `src`'s values into every rank's `tensors`, one fused message per dtype and device."""
+    def broadcast_tensors(self, tensors: Sequence[Tensor], src: int = 0, cap: int = 2**24) -> None:
+        """Copy `src`'s values into every rank's `tensors`: fused messages per dtype and device of at most
+        about `cap` elements each (a fused copy of a whole large model would double its memory while it
+        travels); a contiguous tensor of `cap` elements or more travels alone, in place."""
         if self.world_size == 1:
             return
         groups: dict[tuple, list[Tensor]] = {}
         for t in tensors:
             groups.setdefault((t.dtype, t.device), []).append(t)
         for key in sorted(groups, key=str):
-            flat = pack(groups[key])
-            self.broadcast(flat, src=src)
-            unpack_into(flat, groups[key])
+            batch: list[Tensor] = []
+            for t in [*groups[key], None]:
+                if t is not None and t.numel() >= cap and t.is_contiguous():
+                    self.broadcast(t.detach(), src=src)
+                    continue
+                if batch and (t is None or sum(b.numel() for b in batch) + t.numel() > cap):
+                    flat = pack(batch)
+                    self.broadcast(flat, src=src)
+                    unpack_into(flat, batch)
+                    batch = []
+                if t is not None:
+                    batch.append(t)
 
     def barrier(self) -> None:
         """Wait until every rank arrives."""
