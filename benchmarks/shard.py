@@ -3,6 +3,7 @@
     python benchmarks/shard.py memory -n 4 --layers 12 --dim 768 --heads 12   # one fresh world per contestant
     python benchmarks/shard.py steps -n 4 --layers 4 --dim 256 --reps 11      # contestants step by step, same processes
     python benchmarks/shard.py fits -n 4 --limit-mib 1024                     # the largest model under a peak
+    python benchmarks/shard.py bytes -n 4 --contestants plain,optimizer,gradients   # wire bytes per step
 
 The model is examples/gpt.py's (GPT-2-shaped, tied embeddings), trained with AdamW in two
 parameter groups on random bytes, one micro-batch per step, clipped to norm 1. Contestants:
@@ -147,6 +148,21 @@ def memory_rank(rank: int, world_size: int, name: str, args) -> dict:
             "start_mib": before, "step_s": statistics.median(times[1:] or times)}
 
 
+def bytes_rank(rank: int, world_size: int, name: str, args) -> dict:
+    """Wire bytes per step the job's Communicator counted (troupe's contestants), by operation."""
+    import troupe
+
+    torch.set_num_threads(1)
+    model, step, _ = build(name, args, measure=False)
+    comm = troupe.init().comm
+    step(0)
+    before = {op: t.wire_bytes for op, t in comm.traffic.items()}
+    for i in range(1, 1 + args.steps):
+        step(i)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return {op: (t.wire_bytes - before.get(op, 0)) / args.steps / grad_bytes for op, t in comm.traffic.items()}
+
+
 def steps_rank(rank: int, world_size: int, names: list[str], args) -> list:
     import troupe
     from troupe.observe.turns import Contestant, Schedule, run_ab
@@ -193,6 +209,15 @@ def steps(args) -> None:
                           "reps": args.reps}), flush=True)
 
 
+def wire(args) -> None:
+    n = args.n
+    for name in args.contestants:
+        ops = run(bytes_rank, n, name, args)[0]
+        print(json.dumps({"contestant": name, "ranks": n, "per_step_in_gradient_bytes": round(sum(ops.values()), 4),
+                          "by_op": {k: round(v, 4) for k, v in sorted(ops.items())},
+                          "all_reduce_alone": round(2 * (n - 1) / n, 4)}), flush=True)
+
+
 def fits(args) -> None:
     """Per contestant, the most layers (at --dim) whose rank peak stays under --limit-mib."""
     for name in args.contestants:
@@ -212,7 +237,7 @@ def fits(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["memory", "steps", "fits"])
+    p.add_argument("what", choices=["memory", "steps", "fits", "bytes"])
     p.add_argument("-n", type=int, default=4)
     p.add_argument("--contestants", type=lambda s: s.split(","), default=list(CONTESTANTS))
     p.add_argument("--layers", type=int, default=4)
@@ -226,7 +251,7 @@ def main() -> None:
     p.add_argument("--limit-mib", type=float, default=1024.0, help="fits: the peak a rank may reach")
     p.add_argument("--layer-grid", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8, 12, 16, 24, 32])
     args = p.parse_args()
-    {"memory": memory, "steps": steps, "fits": fits}[args.what](args)
+    {"memory": memory, "steps": steps, "fits": fits, "bytes": wire}[args.what](args)
 
 
 if __name__ == "__main__":
