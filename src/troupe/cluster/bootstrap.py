@@ -50,7 +50,8 @@ from troupe.compress.fp16 import half_dtype
 from troupe.cluster.wire.links import LINK_FORM_SECONDS, Links
 from troupe.runtime.comm import Communicator, Outside
 from troupe.runtime.rejoin import Rejoining, beat_key, gone_key
-from troupe.runtime.launch import DistInfo
+from troupe.runtime.launch import DistInfo, meet_where_rank0_listens
+from troupe.runtime.settings import Settings
 from troupe.runtime.world import World, init, shutdown
 from troupe.strategies import registry
 from troupe.strategies.base import UpdateStrategy
@@ -513,6 +514,11 @@ def main() -> int:
         # A server's work is messages and element-wise optimizer steps on its slices; its processes
         # share the machine with the workers (troupe run --threads N sets OMP_NUM_THREADS).
         torch.set_num_threads(1)
+    try:
+        meet_where_rank0_listens(Settings.from_env())  # a script may make its own process group
+    except TimeoutError as e:
+        print(f"troupe server rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr, flush=True)
+        return 1
     runtime = init()
     try:
         job = joined(cluster, runtime)

@@ -231,6 +231,43 @@ def _join_rejoining(env: Settings, how: _Launch, backend: str, timeout: float, j
     return Joined(info, side, keep, membership=membership)
 
 
+def meet_where_rank0_listens(env: Settings) -> None:
+    """Under `troupe run`, a rank that runs no training script (a separate parameter server) meets the
+    job where the workers do: troupe's rendezvous (the ticket's port), or torch's env:// one
+    (MASTER_ADDR:MASTER_PORT) when the script calls ``init_process_group`` itself. Rank 0, a worker,
+    listens on one of the two; the env:// group is joined here (`join` then adopts it).
+
+    Raises TimeoutError when rank 0 listens on neither within TROUPE_JOIN_TIMEOUT."""
+    master = os.environ.get("MASTER_PORT", "")
+    if not env.ticket or not master or dist.is_initialized() or env.elastic or env.rejoin:
+        return  # not `troupe run`, or its launcher hosts troupe's store (--elastic): troupe's rendezvous
+    ticket = Ticket.decode(env.ticket)
+    addr, port = os.environ.get("MASTER_ADDR", ticket.addr), int(master)
+    join_timeout = _seconds(None, env.join_timeout, DEFAULT_JOIN_TIMEOUT)
+    deadline = time.monotonic() + join_timeout
+    while not _listening(ticket.addr, ticket.port):
+        if _listening(addr, port):
+            how = _detect(env, None, None, None, None)
+            backend = _pick_backend(env.backend, how.local_rank, how.local_world)
+            _gloo_interface(ticket, backend)
+            timeout = _seconds(None, env.timeout, DEFAULT_TIMEOUT)
+            dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 listened neither on troupe's rendezvous ({ticket.addr}:{ticket.port}) nor "
+                               f"on torch's env:// one ({addr}:{port}) within {join_timeout:.0f}s")
+        time.sleep(0.05)
+
+
+def _listening(addr: str, port: int) -> bool:
+    """Whether a process listens on addr:port (a knock: a TCPStore that cannot connect logs C++ frames)."""
+    try:
+        socket.create_connection((addr, port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class _Launch:
     launcher: str
