@@ -1,7 +1,10 @@
-"""A script that makes and destroys its own process group (examples/ddp_tutorial.py) under troupe's
-parameter-server frameworks: the servers meet the workers in the script's group, and troupe's last work
-(a worker's goodbye to its servers, the final master-copy sync) runs before the script's
-``destroy_process_group()`` takes troupe's groups. What troupe fails to do at exit fails the process."""
+"""Scripts not written for troupe, under troupe's regimes (issue 47's conformance matrix, the cells that broke).
+
+A script that makes and destroys its own process group (examples/ddp_tutorial.py) under the parameter-server
+frameworks: the servers meet the workers in the script's group, and troupe's last work (a worker's goodbye
+to its servers, the final master-copy sync) runs before the script's ``destroy_process_group()`` takes
+troupe's groups. What troupe fails to do at exit fails the process. A script without ``troupe.track``
+under ``--elastic`` joins and heals at its model's first forward."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "ddp_tutorial.py"
@@ -85,3 +90,16 @@ def test_a_failure_of_troupes_last_work_fails_the_process_in_one_line(tmp_path):
         assert lines == ["troupe: rank 0: troupe's last work in the job failed "
                          "(RuntimeError: the final sync lost its peer)"], (how, err)
         assert ("after destroy" in out) == (how == "destroy"), (how, out)
+
+
+def test_elastic_without_troupe_track_heals_at_the_first_forward(tmp_path):
+    # Each process starts from its own random model: they end equal only if the first quorum's heal ran.
+    script = ROOT / "tests" / "dist" / "scripts" / "untracked_elastic.py"
+    proc = subprocess.Popen([sys.executable, "-m", "troupe.cli", "run", "-n", "2", "--threads", "1", "--elastic",
+                             str(script), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=ENV, cwd=tmp_path)
+    finish(proc)
+    first, second = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert first["steps"] == second["steps"] >= 12
+    for name, value in first["model"].items():
+        assert torch.equal(value, second["model"][name]), name
