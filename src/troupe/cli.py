@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import importlib
 import os
 import platform
@@ -292,6 +293,20 @@ def _reserved(addr: str) -> int:
     return _HELD[-1].getsockname()[1]
 
 
+def _hold_master_ports(host: str, port: int) -> None:
+    """Node 0 with --master HOST:PORT: its rendezvous listens on PORT and a script's env:// one on PORT + 1.
+    Hold both until rank 0 listens, so that a port another process took is refused here, in one line."""
+    for p in (port, port + 1):
+        try:
+            _HELD.append(reserve_port(host, p))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:  # not an address of this machine (a name, another host): rank 0 will say
+                return
+            what = "its rendezvous" if p == port else "the script's env:// rendezvous (MASTER_PORT, the next port)"
+            raise ValueError(f"--master {host}:{port}: port {p}, for {what}, is in use on this machine; "
+                             "pick another port") from None
+
+
 def _from_slurm(args: argparse.Namespace) -> None:
     """`troupe run --slurm`: this node's place in the job from srun's environment (one task per node:
     each is one node's launcher). The master is the step's first node; port and token as a Slurm
@@ -324,6 +339,8 @@ def _ticket(args: argparse.Namespace) -> Ticket:
     if args.nnodes > 1 and (args.master is None or not args.token):
         raise ValueError("a job on several nodes needs --master HOST:PORT and the same --token (or TROUPE_TOKEN) on each")
     host, port = args.master or (LOOPBACK, _reserved(LOOPBACK))
+    if args.master and args.node_rank == 0:
+        _hold_master_ports(host, port)
     return Ticket(addr=host, port=port, token=args.token) if args.token else Ticket(addr=host, port=port)
 
 
@@ -382,8 +399,7 @@ def run(args: argparse.Namespace) -> int:
         _elastic_from_cluster(args)
     if args.elastic and args.node_rank != 0:
         _afresh_unless_quiet()
-    if not os.path.isfile(args.script):
-        raise ValueError(f"script not found: {args.script}")
+    _check_paths(args)
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     ckpt_dir = args.resume or args.checkpoint_dir
@@ -424,6 +440,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"troupe run: restarting from the last checkpoint in {ckpt_dir} "
               f"(restart {attempt + 1} of {args.max_restarts})", file=sys.stderr)
     return code
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """The files and directories the job reads or writes on this node, checked before any rank starts."""
+    script = args.script
+    if not os.path.isfile(script):
+        raise ValueError(f"script not found: {script}" if not os.path.exists(script) else f"the script {script} is not a file")
+    if not os.access(script, os.R_OK):
+        raise ValueError(f"cannot read the script {script} (permission denied)")
+    for flag, directory in (("--checkpoint-dir", args.checkpoint_dir), ("--log-dir", args.log_dir),
+                            ("--tensorboard", args.tensorboard)):
+        if directory:
+            if os.path.exists(directory) and not os.path.isdir(directory):
+                raise ValueError(f"{flag} {directory}: not a directory")
+            try:
+                os.makedirs(directory, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"{flag} {directory}: cannot make the directory ({e.strerror})") from None
+            if not os.access(directory, os.W_OK | os.X_OK):
+                raise ValueError(f"{flag} {directory}: the directory is not writable")
+    for flag, path in (("--stats", args.stats), ("--timeline", args.timeline)):
+        parent = os.path.dirname(os.path.abspath(path)) if path else None
+        if parent and not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
+            raise ValueError(f"{flag} {path}: its directory {parent} does not exist or is not writable")
 
 
 def _elastic_from_cluster(args: argparse.Namespace) -> None:
