@@ -10,6 +10,7 @@ import errno
 import importlib
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -806,12 +807,25 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     first = args.node_rank * args.nproc
     try:
         code = _supervise_restarting(args, start, lighthouse, count, list(range(first, first + args.nproc)),
-                                     say, group_size=options.group_size)
+                                     say, group_size=options.group_size, early=_early_failure(lighthouse, args))
         if code == 0 and args.nnodes > 1 and args.node_rank == 0:
             _keep_store_until_done(lighthouse, options)
         return code
     finally:
         lighthouse.stop()
+
+
+def _early_failure(house, args: argparse.Namespace) -> Callable[[int, int, subprocess.Popen], str | None]:
+    """How a life of a rank failed (its last line of stderr) when it never asked to join the quorum."""
+    output = getattr(args, "output", None)
+
+    def early(rank: int, life: int, proc: subprocess.Popen) -> str | None:
+        if output is None or house.asked(rank, life):
+            return None
+        # without torch's "[rankN]: " in front (its excepthook's), which differs from rank to rank
+        return re.sub(r"^\[rank\d+\]:\s*", "", output.last_error_line(proc)) or None
+
+    return early
 
 
 def _supervise_restarting(args: argparse.Namespace, start: _Starter, house, spare_count: int, ranks: list[int],

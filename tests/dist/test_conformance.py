@@ -103,3 +103,18 @@ def test_elastic_without_troupe_track_heals_at_the_first_forward(tmp_path):
     assert first["steps"] == second["steps"] >= 12
     for name, value in first["model"].items():
         assert torch.equal(value, second["model"][name]), name
+
+
+def test_elastic_refuses_a_script_that_makes_its_own_process_group_and_stops_at_the_repeat(tmp_path):
+    # Each rank raises before its first step (a script's own init_process_group would leave the job silently not
+    # elastic); its restart raises the same: the launcher stops the job then, not after --restarts-per-rank lives.
+    start = time.monotonic()
+    proc = troupe_run(tmp_path / "elastic", "-n", "2", "--elastic")
+    out, err = communicate(proc)
+    assert proc.returncode == 1, (out, err)
+    assert "under troupe run --elastic troupe makes the process groups" in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("troupe run: rank ") and "failed again before its first step, the same way (ValueError: " \
+        "rank " in last and last.endswith("not a fault to train through; stopped the job"), err
+    assert "restart 2 of" not in err, err
+    assert time.monotonic() - start < 30

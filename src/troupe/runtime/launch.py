@@ -138,6 +138,12 @@ def join(
 ) -> Joined:
     """Find the launcher, meet the other ranks and build the process group (`troupe.init()` documents the arguments)."""
     if dist.is_initialized():
+        if env.elastic or env.rejoin:  # adopting the script's group would leave the job silently not elastic
+            raise ValueError(
+                f"rank {dist.get_rank()}: under troupe run --elastic troupe makes the process groups (a restarted "
+                "worker joins the running job through them), but the script made its own with "
+                "init_process_group: leave init_process_group/destroy_process_group out of the script under "
+                "--elastic (troupe.DistOpt joins the job), or run it without --elastic")
         return Joined(_adopt_existing_group(), None)
     timeout = _seconds(timeout, env.timeout, DEFAULT_TIMEOUT)
     join_timeout = _seconds(join_timeout, env.join_timeout, DEFAULT_JOIN_TIMEOUT)

@@ -103,6 +103,11 @@ class Lighthouse:
         with self._lock:
             self._restarted(rank)
 
+    def asked(self, rank: int, incarnation: int) -> bool:
+        """Whether life `incarnation` of `rank` asked to join the job (it got as far as its first step)."""
+        with self._lock:
+            return _asked(self.store, rank, incarnation)
+
     def _restarted(self, rank: int) -> None:
         self.dead.discard(rank)
         self.said_bye.discard(rank)
@@ -324,6 +329,13 @@ class Lighthouse:
         self._adopt(stored.next, by=stored.by)
 
 
+def _asked(store, rank: int, incarnation: int) -> bool:
+    """Whether `rank`'s latest request to join came from life `incarnation` (`Ready` tokens: "life.request")."""
+    if not store.check([f"ready/{rank}"]):
+        return False
+    return Ready.decode(store.get(f"ready/{rank}")).token.split(".")[0] == str(incarnation)
+
+
 class Reporter:
     """Another node's launcher's side of the lighthouse: what the supervisor sees of this node's
     ranks goes to node 0's lighthouse through the job's store, in the order seen."""
@@ -354,6 +366,13 @@ class Reporter:
 
     def stop(self) -> None:
         pass
+
+    def asked(self, rank: int, incarnation: int) -> bool:
+        """`Lighthouse.asked`, read from node 0's store (True when it is gone: nothing to conclude)."""
+        try:
+            return _asked(self.store, rank, incarnation)
+        except (RuntimeError, ConnectionError, OSError):
+            return True
 
     def _report(self, what: str, rank: int) -> None:
         try:
