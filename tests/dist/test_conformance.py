@@ -54,6 +54,8 @@ def test_parameter_servers_and_group_sync_with_the_scripts_own_process_group(tmp
     assert "[rank 0] Epoch 0" in out and "[rank 1] Epoch 0" in out, out
     assert "troupe server rank 2:" in err and "slice updates" in err, err
     assert "workers gone without stopping: none" in err, err  # both workers said goodbye before the destroy
+    # The script's DistributedSampler counts the server among its replicas: said once, not silent.
+    assert err.count("the script's process group has 3 ranks, 1 of them servers, which train on no data") == 1, err
     assert (tmp_path / "downpour" / "snapshot.pt").is_file()
     out, err = finish(hogwild)
     assert "[rank 0] Epoch 0" in out and "[rank 1] Epoch 0" in out, out
