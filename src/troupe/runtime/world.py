@@ -290,12 +290,13 @@ def _shutdown_at_exit() -> None:
     """`shutdown` at exit: a failure there (or earlier, in the script's destroy_process_group) fails the
     process with one line and exit code 1; an exception in an atexit hook would leave the exit code 0."""
     world = _current
-    failure = world.exit_failure if world is not None else None
+    failure = world.exit_failure if world is not None else None  # said when it happened
     try:
         shutdown()
     except Exception as e:
-        failure = _failure_line(world, e) if world is not None else f"troupe: leaving the job failed: {e}"
-        print(failure, file=sys.stderr, flush=True)
+        if failure is None:
+            failure = _failure_line(world, e) if world is not None else f"troupe: leaving the job failed: {e}"
+            print(failure, file=sys.stderr, flush=True)
     if failure is not None:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -308,6 +309,8 @@ def shutdown() -> None:
     world, _current = _current, None
     if world is not None:
         world.close()
+        if world.exit_failure is not None:  # in the script's destroy_process_group, said there
+            raise RuntimeError(world.exit_failure)
     elif dist.is_initialized():
         dist.destroy_process_group()
         gc.collect()
