@@ -18,6 +18,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from typing import NoReturn
 
 from troupe.runtime import settings
 from troupe.runtime.rankio import RankOutput, parse_ranks
@@ -36,6 +37,8 @@ def _master(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise argparse.ArgumentTypeError(f"--master must be HOST:PORT, got {text!r}")
+    if not 0 < int(port) < 65535:  # the next port is the env:// rendezvous of a script that makes its own group
+        raise argparse.ArgumentTypeError(f"--master's port must be in 1..65534, got {port}")
     return host, int(port)
 
 
@@ -46,12 +49,22 @@ def _positive(text: str) -> int:
     return value
 
 
+def _one_line_error(command: str) -> Callable[[str], NoReturn]:
+    """An argparse `error` for bad input: exit 2 with one line, not the usage and the error."""
+    def error(message: str) -> NoReturn:
+        print(f"{command}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    return error
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="troupe", description="Distributed training on torch.distributed.")
     sub = parser.add_subparsers(dest="command", required=True)
     # No abbreviations: argparse matches them even after the script, so the script's own `--out` was
     # refused as an ambiguous prefix of the cluster's --outer-* flags.
     run = sub.add_parser("run", help="start N local processes of a training script", allow_abbrev=False)
+    run.error = _one_line_error("troupe run")
     run.add_argument("-n", "--nproc", type=_positive, default=None, help="processes on this node (default 2)")
     run.add_argument("--nnodes", type=_positive, default=1, help="number of nodes (machines) in the job")
     run.add_argument("--node-rank", type=int, default=0, help="this node's index in [0, nnodes)")
@@ -194,11 +207,7 @@ def _add_plan_parser(sub) -> None:
     plan = sub.add_parser("plan", help="profile a script's model; predict step time, bytes and memory of every "
                                        "partition plan and communication option; pick one")
 
-    def one_line_error(message: str) -> None:  # bad input: exit 2 with one line, not usage + error
-        print(f"troupe plan: {message}", file=sys.stderr)
-        sys.exit(2)
-
-    plan.error = one_line_error
+    plan.error = _one_line_error("troupe plan")
     plan.add_argument("script", help="the training script (imported, its main not run)")
     plan.add_argument("-n", "--nproc", default="2", help="workers in the job, W (default 2)")
     plan.add_argument("--link", default="loopback",

@@ -162,6 +162,7 @@ def test_troupe_run_refuses_bad_paths_ports_and_job_files_in_one_line(tmp_path):
         ("--stats", "/nonexistent/s.jsonl", str(script)): "--stats /nonexistent/s.jsonl: its directory",
         ("--master", f"127.0.0.1:{taken}", str(script)): f"port {taken}, for its rendezvous, is in use",
         ("--master", f"127.0.0.1:{next_taken - 1}", str(script)): f"port {next_taken}, for the script's env://",
+        ("--master", "127.0.0.1:65535", str(script)): "--master's port must be in 1..65534",  # argparse's, one line
     }
     try:
         procs = {args: subprocess.Popen([sys.executable, "-m", "troupe.cli", "run", *args], stdout=subprocess.PIPE,
