@@ -456,7 +456,8 @@ def _check_paths(args: argparse.Namespace) -> None:
     """The files and directories the job reads or writes on this node, checked before any rank starts."""
     script = args.script
     if not os.path.isfile(script):
-        raise ValueError(f"script not found: {script}" if not os.path.exists(script) else f"the script {script} is not a file")
+        raise ValueError(f"script not found: {script}" if not os.path.exists(script)
+                         else f"the script {script} is not a file")
     if not os.access(script, os.R_OK):
         raise ValueError(f"cannot read the script {script} (permission denied)")
     for flag, directory in (("--checkpoint-dir", args.checkpoint_dir), ("--log-dir", args.log_dir),

@@ -4,9 +4,9 @@ forward (parameters, the optimizer's state, the DistOpt's step count, the RNG).
     troupe run -n 2 --elastic tests/dist/scripts/untracked_elastic.py OUT [kill]
 
 Each process starts from a model of its own (a different seed): the job's first quorum gives every one rank 0's.
-With "kill", rank 1 SIGKILLs itself at step 3 of its first life. The loop runs to the DistOpt's step count (which the heal
-restores), at least STEPS steps and until a step averaged both groups again; each rank then writes
-OUT/rank{r}.pt (its parameters and step count).
+With "kill", rank 1 SIGKILLs itself at step 3 of its first life. The loop runs to the DistOpt's step count
+(which the heal restores), at least STEPS steps and until a step averaged both groups again; each rank then
+writes OUT/rank{r}.pt (its parameters, step count and life).
 """
 
 import os
