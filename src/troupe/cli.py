@@ -817,7 +817,8 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     first = args.node_rank * args.nproc
     try:
         code = _supervise_restarting(args, start, lighthouse, count, list(range(first, first + args.nproc)),
-                                     say, group_size=options.group_size, early=_early_failure(lighthouse, args))
+                                     say, group_size=options.group_size, early=_early_failure(lighthouse, args),
+                                     fixed=lighthouse.refusal)
         if code == 0 and args.nnodes > 1 and args.node_rank == 0:
             _keep_store_until_done(lighthouse, options)
         return code
@@ -903,8 +904,9 @@ def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
                     timeout=settings.current().join_timeout or DEFAULT_JOIN_TIMEOUT)
 
     def fixed(rank: int) -> str | None:
-        if rank not in args.servers:
-            return None
+        refused = keeper.refusal(rank)  # a rank refused the job: a restart would be refused again
+        if refused is not None or rank not in args.servers:
+            return refused
         if args.fails_over:  # let_go said no: every copy of its slices is gone
             return f"server {args.server_places[rank][1]} of every server group is gone: no copy of its slices is left"
         return "a server cannot restart alone (its slices have no live copy to take over while it starts)"

@@ -107,16 +107,31 @@ def test_elastic_without_troupe_track_heals_at_the_first_forward(tmp_path):
         assert torch.equal(value, second["model"][name]), name
 
 
-def test_elastic_refuses_a_script_that_makes_its_own_process_group_and_stops_at_the_repeat(tmp_path):
-    # Each rank raises before its first step (a script's own init_process_group would leave the job silently not
-    # elastic); its restart raises the same: the launcher stops the job then, not after --restarts-per-rank lives.
+RAISES_BEFORE_ITS_FIRST_STEP = """
+import torch, troupe
+sgd = troupe.DistOpt(torch.optim.SGD(torch.nn.Linear(4, 1).parameters(), lr=0.1))
+raise ValueError("the data has 3 columns, the model wants 4")
+"""
+
+
+def test_elastic_refuses_a_script_with_its_own_group_and_stops_at_a_repeated_early_failure(tmp_path):
+    # At once: a script's own init_process_group would leave the job silently not elastic: refused, the job
+    # stopped at once (a restart would be refused again, if its init_process_group did not hang first); and a
+    # script that raises before its first step in every life: stopped at the first repeat, not after 10 restarts.
     start = time.monotonic()
-    proc = troupe_run(tmp_path / "elastic", "-n", "2", "--elastic")
-    out, err = communicate(proc)
-    assert proc.returncode == 1, (out, err)
-    assert "under troupe run --elastic troupe makes the process groups" in err, err
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("troupe run: rank ") and "failed again before its first step, the same way (ValueError: " \
-        "rank " in last and last.endswith("not a fault to train through; stopped the job"), err
-    assert "restart 2 of" not in err, err
+    own_group = troupe_run(tmp_path / "own", "-n", "2", "--elastic")
+    script = tmp_path / "early.py"
+    script.write_text(RAISES_BEFORE_ITS_FIRST_STEP)
+    early = subprocess.Popen([sys.executable, "-m", "troupe.cli", "run", "-n", "2", "--threads", "1", "--elastic",
+                              str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                             cwd=tmp_path)
+    for proc, last, lives in ((own_group, "; under troupe run --elastic troupe makes the process groups", 1),
+                              (early, " failed again before its first step, the same way (ValueError: the data has "
+                                      "3 columns, the model wants 4): not a fault to train through; stopped the job",
+                               2)):
+        out, err = communicate(proc)
+        assert proc.returncode == 1, (out, err)
+        line = err.strip().splitlines()[-1]
+        assert line.startswith("troupe run: rank ") and last in line, err
+        assert ("restart 1 of" in err) == (lives == 2) and "restart 2 of" not in err and "frame #" not in err, err
     assert time.monotonic() - start < 30

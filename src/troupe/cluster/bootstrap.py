@@ -522,7 +522,10 @@ def main() -> int:
         torch.set_num_threads(1)
     try:
         meet_where_rank0_listens(Settings.from_env())  # a script may make its own process group
-    except TimeoutError as e:
+    except ValueError as e:  # refused: "rank R: why"
+        print(f"troupe server {e}", file=sys.stderr, flush=True)
+        return 1
+    except (TimeoutError, ConnectionError) as e:  # rank 0 never came
         print(f"troupe server rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr, flush=True)
         return 1
     runtime = init()

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from troupe.runtime.quorum import Decision, ElasticOptions, Quorum, Ready, round_key
+from troupe.runtime.quorum import Decision, ElasticOptions, Quorum, Ready, refusal_key, round_key
 from troupe.runtime.ticket import Ticket
 
 TICK_SECONDS = 0.02
@@ -107,6 +107,11 @@ class Lighthouse:
         """Whether life `incarnation` of `rank` asked to join the job (it got as far as its first step)."""
         with self._lock:
             return _asked(self.store, rank, incarnation)
+
+    def refusal(self, rank: int) -> str | None:
+        """Why `rank` refused the job (a restart would be refused again: the job stops), or None."""
+        with self._lock:
+            return _refusal(self.store, rank)
 
     def _restarted(self, rank: int) -> None:
         self.dead.discard(rank)
@@ -329,6 +334,12 @@ class Lighthouse:
         self._adopt(stored.next, by=stored.by)
 
 
+def _refusal(store, rank: int) -> str | None:
+    """Why `rank` refused the job (`refusal_key`), or None."""
+    key = refusal_key(rank)
+    return store.get(key).decode() if store.check([key]) else None
+
+
 def _asked(store, rank: int, incarnation: int) -> bool:
     """Whether `rank`'s latest request to join came from life `incarnation` (`Ready` tokens: "life.request")."""
     if not store.check([f"ready/{rank}"]):
@@ -374,6 +385,13 @@ class Reporter:
         except (RuntimeError, ConnectionError, OSError):
             return True
 
+    def refusal(self, rank: int) -> str | None:
+        """`Lighthouse.refusal`, read from node 0's store."""
+        try:
+            return _refusal(self.store, rank)
+        except (RuntimeError, ConnectionError, OSError):
+            return None
+
     def _report(self, what: str, rank: int) -> None:
         try:
             n = self.store.add("reports", 1)
@@ -403,6 +421,13 @@ class Keeper:
         self._formed = False
         self._beaten = self._looked = float("-inf")
         self._beats = None  # a BeatWatch over the separate servers' beats, from the first look (`frozen`)
+
+    def refusal(self, rank: int) -> str | None:
+        """`Lighthouse.refusal`: why `rank` refused the job, or None."""
+        try:
+            return _refusal(self.store, rank)
+        except (RuntimeError, ConnectionError, OSError):
+            return None
 
     @property
     def formed_once(self) -> bool:
