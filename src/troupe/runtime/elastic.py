@@ -324,8 +324,8 @@ class Elastic:
     def track_by_default(self, params: list[torch.Tensor], optimizer: Any) -> None:
         """For a script that never calls `troupe.track`: join at the first forward of a module holding
         `params` (before the first backward reduces anything), healing that module (the parameters alone
-        if it holds only some), `optimizer` (the DistOpt) and the RNG from a peer. The script's loop
-        and data start from its own beginning in a restarted process: troupe.track(step, sampler=...) resumes them."""
+        if it holds only some), `optimizer` (the DistOpt) and the RNG from a peer. In a restarted process the
+        script's loop and data start from its beginning (troupe.track(..., sampler=...) resumes them)."""
         ours, pid = {id(p) for p in params}, os.getpid()
         handle = None
 
