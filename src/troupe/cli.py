@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import importlib
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -16,6 +18,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from typing import NoReturn
 
 from troupe.runtime import settings
 from troupe.runtime.rankio import RankOutput, parse_ranks
@@ -34,6 +37,8 @@ def _master(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise argparse.ArgumentTypeError(f"--master must be HOST:PORT, got {text!r}")
+    if not 0 < int(port) < 65535:  # the next port is the env:// rendezvous of a script that makes its own group
+        raise argparse.ArgumentTypeError(f"--master's port must be in 1..65534, got {port}")
     return host, int(port)
 
 
@@ -44,12 +49,22 @@ def _positive(text: str) -> int:
     return value
 
 
+def _one_line_error(command: str) -> Callable[[str], NoReturn]:
+    """An argparse `error` for bad input: exit 2 with one line, not the usage and the error."""
+    def error(message: str) -> NoReturn:
+        print(f"{command}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    return error
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="troupe", description="Distributed training on torch.distributed.")
     sub = parser.add_subparsers(dest="command", required=True)
     # No abbreviations: argparse matches them even after the script, so the script's own `--out` was
     # refused as an ambiguous prefix of the cluster's --outer-* flags.
     run = sub.add_parser("run", help="start N local processes of a training script", allow_abbrev=False)
+    run.error = _one_line_error("troupe run")
     run.add_argument("-n", "--nproc", type=_positive, default=None, help="processes on this node (default 2)")
     run.add_argument("--nnodes", type=_positive, default=1, help="number of nodes (machines) in the job")
     run.add_argument("--node-rank", type=int, default=0, help="this node's index in [0, nnodes)")
@@ -195,11 +210,7 @@ def _add_plan_parser(sub) -> None:
     plan = sub.add_parser("plan", help="profile a script's model; predict step time, bytes and memory of every "
                                        "partition plan and communication option; pick one")
 
-    def one_line_error(message: str) -> None:  # bad input: exit 2 with one line, not usage + error
-        print(f"troupe plan: {message}", file=sys.stderr)
-        sys.exit(2)
-
-    plan.error = one_line_error
+    plan.error = _one_line_error("troupe plan")
     plan.add_argument("script", help="the training script (imported, its main not run)")
     plan.add_argument("-n", "--nproc", default="2", help="workers in the job, W (default 2)")
     plan.add_argument("--link", default="loopback",
@@ -295,6 +306,20 @@ def _reserved(addr: str) -> int:
     return _HELD[-1].getsockname()[1]
 
 
+def _hold_master_ports(host: str, port: int) -> None:
+    """Node 0 with --master HOST:PORT: its rendezvous listens on PORT and a script's env:// one on PORT + 1.
+    Hold both until rank 0 listens, so that a port another process took is refused here, in one line."""
+    for p in (port, port + 1):
+        try:
+            _HELD.append(reserve_port(host, p))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:  # not an address of this machine (a name, another host): rank 0 will say
+                return
+            what = "its rendezvous" if p == port else "the script's env:// rendezvous (MASTER_PORT, the next port)"
+            raise ValueError(f"--master {host}:{port}: port {p}, for {what}, is in use on this machine; "
+                             "pick another port") from None
+
+
 def _from_slurm(args: argparse.Namespace) -> None:
     """`troupe run --slurm`: this node's place in the job from srun's environment (one task per node:
     each is one node's launcher). The master is the step's first node; port and token as a Slurm
@@ -327,6 +352,8 @@ def _ticket(args: argparse.Namespace) -> Ticket:
     if args.nnodes > 1 and (args.master is None or not args.token):
         raise ValueError("a job on several nodes needs --master HOST:PORT and the same --token (or TROUPE_TOKEN) on each")
     host, port = args.master or (LOOPBACK, _reserved(LOOPBACK))
+    if args.master and args.node_rank == 0:
+        _hold_master_ports(host, port)
     return Ticket(addr=host, port=port, token=args.token) if args.token else Ticket(addr=host, port=port)
 
 
@@ -385,8 +412,7 @@ def run(args: argparse.Namespace) -> int:
         _elastic_from_cluster(args)
     if args.elastic and args.node_rank != 0:
         _afresh_unless_quiet()
-    if not os.path.isfile(args.script):
-        raise ValueError(f"script not found: {args.script}")
+    _check_paths(args)
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     ckpt_dir = args.resume or args.checkpoint_dir
@@ -433,6 +459,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"troupe run: restarting from the last checkpoint in {ckpt_dir} "
               f"(restart {attempt + 1} of {args.max_restarts})", file=sys.stderr)
     return code
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """The files and directories the job reads or writes on this node, checked before any rank starts."""
+    script = args.script
+    if not os.path.isfile(script):
+        raise ValueError(f"script not found: {script}" if not os.path.exists(script)
+                         else f"the script {script} is not a file")
+    if not os.access(script, os.R_OK):
+        raise ValueError(f"cannot read the script {script} (permission denied)")
+    for flag, directory in (("--checkpoint-dir", args.checkpoint_dir), ("--log-dir", args.log_dir),
+                            ("--tensorboard", args.tensorboard)):
+        if directory:
+            if os.path.exists(directory) and not os.path.isdir(directory):
+                raise ValueError(f"{flag} {directory}: not a directory")
+            try:
+                os.makedirs(directory, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"{flag} {directory}: cannot make the directory ({e.strerror})") from None
+            if not os.access(directory, os.W_OK | os.X_OK):
+                raise ValueError(f"{flag} {directory}: the directory is not writable")
+    for flag, path in (("--stats", args.stats), ("--timeline", args.timeline)):
+        parent = os.path.dirname(os.path.abspath(path)) if path else None
+        if parent and not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
+            raise ValueError(f"{flag} {path}: its directory {parent} does not exist or is not writable")
 
 
 def _elastic_from_cluster(args: argparse.Namespace) -> None:
@@ -775,12 +826,26 @@ def _run_elastic(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
     first = args.node_rank * args.nproc
     try:
         code = _supervise_restarting(args, start, lighthouse, count, list(range(first, first + args.nproc)),
-                                     say, group_size=options.group_size)
+                                     say, group_size=options.group_size, early=_early_failure(lighthouse, args),
+                                     fixed=lighthouse.refusal)
         if code == 0 and args.nnodes > 1 and args.node_rank == 0:
             _keep_store_until_done(lighthouse, options)
         return code
     finally:
         lighthouse.stop()
+
+
+def _early_failure(house, args: argparse.Namespace) -> Callable[[int, int, subprocess.Popen], str | None]:
+    """How a life of a rank failed (its last line of stderr) when it never asked to join the quorum."""
+    output = getattr(args, "output", None)
+
+    def early(rank: int, life: int, proc: subprocess.Popen) -> str | None:
+        if output is None or house.asked(rank, life):
+            return None
+        # without torch's "[rankN]: " in front (its excepthook's), which differs from rank to rank
+        return re.sub(r"^\[rank\d+\]:\s*", "", output.last_error_line(proc)) or None
+
+    return early
 
 
 def _supervise_restarting(args: argparse.Namespace, start: _Starter, house, spare_count: int, ranks: list[int],
@@ -848,8 +913,9 @@ def _run_rejoining(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
                     timeout=settings.current().join_timeout or DEFAULT_JOIN_TIMEOUT)
 
     def fixed(rank: int) -> str | None:
-        if rank not in args.servers:
-            return None
+        refused = keeper.refusal(rank)  # a rank refused the job: a restart would be refused again
+        if refused is not None or rank not in args.servers:
+            return refused
         if args.fails_over:  # let_go said no: every copy of its slices is gone
             return f"server {args.server_places[rank][1]} of every server group is gone: no copy of its slices is left"
         return "a server cannot restart alone (its slices have no live copy to take over while it starts)"

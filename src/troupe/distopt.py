@@ -133,6 +133,8 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         # rank 0's values (troupe.track gives an elastic joiner the quorum's; troupe.shard broadcast before sharding)
         if self.world.membership.builds_together and regime.replicated:
             broadcast_replicated(self.communicator, self._params())
+        elif self.world.membership.elastic:  # a script without troupe.track joins at its model's first forward
+            self.world.membership.track_by_default(self._params(), self)
         self._choice.start()  # e.g. a parameter-server worker's first Put/Get
         self._watch_reducer()
         self._split: SplitCompiledGraphs | None = None

@@ -138,3 +138,44 @@ def test_troupe_run_rejects_bad_arguments(tmp_path):
     assert "out of range" in cli("run", "--nnodes", "2", "--node-rank", "2", str(script)).stderr
     assert "--token" in cli("run", "--nnodes", "2", "--master", "127.0.0.1:1234", str(script)).stderr
     assert "must be >= 1" in cli("run", "-n", "0", str(script)).stderr
+
+
+def test_troupe_run_refuses_bad_paths_ports_and_job_files_in_one_line(tmp_path):
+    """Every case at once (the launcher checks them before any rank starts: no torch, no rank)."""
+    script = tmp_path / "x.py"
+    script.write_text("")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "unknown.conf").write_text('cluster {\n  framework: "nope"\n  nworker_groups: 2\n}\n')
+    (tmp_path / "broken.conf").write_text("cluster {\n  nworker_groups: 2\n")
+    listening = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    taken, next_taken = (s.getsockname()[1] for s in listening)
+    cases = {
+        ("-n", "4", "--cluster", "/nonexistent.conf", str(script)): "cannot read the cluster file /nonexistent.conf",
+        ("--cluster", str(tmp_path / "adir"), str(script)): "cannot read the cluster file",
+        ("--cluster", str(tmp_path / "unknown.conf"), str(script)): "unknown.conf: framework must be one of",
+        ("--cluster", str(tmp_path / "broken.conf"), str(script)): "broken.conf: line 1",
+        (str(tmp_path / "adir"),): "is not a file",
+        ("--checkpoint-dir", "/proc/nope/ckpt", str(script)): "--checkpoint-dir /proc/nope/ckpt: cannot make",
+        ("--checkpoint-dir", str(script), str(script)): "not a directory",
+        ("--resume", "/nonexistent", str(script)): "--resume: no such directory",
+        ("--log-dir", "/proc/nope", str(script)): "--log-dir /proc/nope: cannot make",
+        ("--stats", "/nonexistent/s.jsonl", str(script)): "--stats /nonexistent/s.jsonl: its directory",
+        ("--master", f"127.0.0.1:{taken}", str(script)): f"port {taken}, for its rendezvous, is in use",
+        ("--master", f"127.0.0.1:{next_taken - 1}", str(script)): f"port {next_taken}, for the script's env://",
+        ("--master", "127.0.0.1:65535", str(script)): "--master's port must be in 1..65534",  # argparse's, one line
+    }
+    try:
+        procs = {args: subprocess.Popen([sys.executable, "-m", "troupe.cli", "run", *args], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+                 for args in cases}
+        for args, proc in procs.items():
+            try:
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise AssertionError(f"troupe run {args} ran past 30 s") from None
+            assert proc.returncode == 2, (args, proc.returncode, err)
+            assert err.startswith("troupe run: ") and err.count("\n") == 1 and cases[args] in err, (args, err)
+    finally:
+        for s in listening:
+            s.close()

@@ -202,3 +202,19 @@ def test_a_dead_rank_restarts_its_whole_worker_group_and_only_it_spends_budget()
     assert ("lost", 2) in house.events and ("restarted", 2) in house.events
     assert any("rank 3 exited with signal 9 (SIGKILL); stopped its worker group 1's other ranks [2] and "
                "restarting the group in 0.0s (restart 1 of 1 for rank 3)" in line for line in lines), lines
+
+
+def test_the_same_failure_before_the_first_step_twice_stops_the_job_a_different_one_or_a_kill_does_not():
+    # early(rank, life, proc): how that life failed when it never got to its first step (None: it did).
+    errors = {(1, 0): "ValueError: bad data", (1, 1): "ValueError: bad data"}
+    code, spawns, lines, _ = supervise({0: [Proc(0, alive=50)], 1: [Proc(1), Proc(1), Proc(0)]}, budget=5,
+                                       early=lambda rank, life, proc: errors.get((rank, life)))
+    assert code == 1 and spawns == [(0, 0), (1, 0), (1, 1)]
+    assert lines[-1] == ("troupe run: rank 1 failed again before its first step, the same way (ValueError: bad "
+                         "data): not a fault to train through; stopped the job")
+    # Another error the second time, a life that got to its first step, or a kill: restarted as before.
+    for second, proc in (("ValueError: other", Proc(1)), (None, Proc(1)), ("ValueError: bad data", Proc(-9))):
+        errors = {(1, 0): "ValueError: bad data", (1, 1): second}
+        code, spawns, _, _ = supervise({0: [Proc(0, alive=50)], 1: [Proc(1), proc, Proc(0)]}, budget=5,
+                                       early=lambda rank, life, proc: errors.get((rank, life)))
+        assert code == 0 and spawns == [(0, 0), (1, 0), (1, 1), (1, 2)], second

@@ -50,7 +50,8 @@ from troupe.compress.fp16 import half_dtype
 from troupe.cluster.wire.links import LINK_FORM_SECONDS, Links
 from troupe.runtime.comm import Communicator, Outside
 from troupe.runtime.rejoin import Rejoining, beat_key, gone_key
-from troupe.runtime.launch import DistInfo
+from troupe.runtime.launch import DistInfo, meet_where_rank0_listens
+from troupe.runtime.settings import Settings
 from troupe.runtime.world import World, init, shutdown
 from troupe.strategies import registry
 from troupe.strategies.base import UpdateStrategy
@@ -160,6 +161,12 @@ def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, wo
         _dial(job)
     world.use_for_data_parallel(job.workers_comm)
     view = dataclasses.replace(info, global_rank=job.workers.index(job.role.rank), world_size=len(job.workers))
+    if info.launcher == "external" and len(job.workers) < info.world_size and job.role.rank == 0:
+        # The script's own group holds the servers too: what reads its size shards the data among them.
+        log.warning("troupe: the script's process group has %d ranks, %d of them servers, which train on no data: "
+                    "give DistributedSampler num_replicas=%d and rank=the worker's index (DistOpt.world_size and "
+                    ".global_rank), or the workers train on %d/%d of the data", info.world_size,
+                    info.world_size - len(job.workers), len(job.workers), len(job.workers), info.world_size)
     context = WorkerContext(cluster, job, params, optimizer, bucket_size, nan_policy, arranged, step_count)
     strategy = registry.lookup(cluster.worker_regime, "cluster").build(context)
     world.on_shutdown(strategy.close)  # tell the servers (or peers) this worker is done, at exit too
@@ -513,6 +520,14 @@ def main() -> int:
         # A server's work is messages and element-wise optimizer steps on its slices; its processes
         # share the machine with the workers (troupe run --threads N sets OMP_NUM_THREADS).
         torch.set_num_threads(1)
+    try:
+        meet_where_rank0_listens(Settings.from_env())  # a script may make its own process group
+    except ValueError as e:  # refused: "rank R: why"
+        print(f"troupe server {e}", file=sys.stderr, flush=True)
+        return 1
+    except (TimeoutError, ConnectionError) as e:  # rank 0 never came
+        print(f"troupe server rank {os.environ.get('RANK', '?')}: {e}", file=sys.stderr, flush=True)
+        return 1
     runtime = init()
     try:
         job = joined(cluster, runtime)

@@ -62,6 +62,9 @@ class Fixed:
     def track(self, objects: dict[str, Any]) -> int | None:
         return None
 
+    def track_by_default(self, params: list[torch.Tensor], optimizer: Any) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -318,6 +321,27 @@ class Elastic:
         self._heal_if_ready()
         return max(self.step_count(), 0)
 
+    def track_by_default(self, params: list[torch.Tensor], optimizer: Any) -> None:
+        """For a script that never calls `troupe.track`: join at the first forward of a module holding
+        `params` (before the first backward reduces anything), healing that module (the parameters alone
+        if it holds only some), `optimizer` (the DistOpt) and the RNG from a peer. In a restarted process the
+        script's loop and data start from its beginning (troupe.track(..., sampler=...) resumes them)."""
+        ours, pid = {id(p) for p in params}, os.getpid()
+        handle = None
+
+        def before_forward(module: torch.nn.Module, args: Any) -> None:
+            if os.getpid() != pid:  # a DataLoader worker forked from this process
+                return
+            held = {id(p) for p in module.parameters()}
+            if not held & ours:
+                return
+            handle.remove()
+            if self.joined or self.objects:  # the script called troupe.track
+                return
+            self.track({"model": module if ours <= held else _Tensors(params), "optimizer": optimizer})
+
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
+
     def _heal_if_ready(self) -> None:
         if self._pending_heal is None or not self.objects:
             return
@@ -369,6 +393,21 @@ class Elastic:
             self.store.add("byes", 1)
         except (RuntimeError, ConnectionError, OSError):
             pass  # the launcher is gone: nobody to tell
+
+
+class _Tensors:
+    """Parameters as a heal's object (`track_by_default` where no one module holds them all)."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {str(i): p.detach() for i, p in enumerate(self.params)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for i, p in enumerate(self.params):
+            p.copy_(state[str(i)])
 
 
 def _init_group(backend: str, **kwargs: Any) -> None:

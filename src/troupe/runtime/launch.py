@@ -27,11 +27,13 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from troupe.runtime import netif
+from troupe.runtime.quorum import refusal_key
 from troupe.runtime.settings import Settings
 from troupe.runtime.ticket import LOOPBACK, Ticket, first_host, free_port, slurm_ticket  # noqa: F401  (re-exported)
 
@@ -138,6 +140,11 @@ def join(
 ) -> Joined:
     """Find the launcher, meet the other ranks and build the process group (`troupe.init()` documents the arguments)."""
     if dist.is_initialized():
+        if env.elastic or env.rejoin:  # adopting the script's group would leave the job silently not elastic
+            _refuse(env, dist.get_rank(), "under troupe run --elastic troupe makes the process groups (a restarted "
+                    "worker joins the running job through them), but the script made its own with "
+                    "init_process_group: leave init_process_group/destroy_process_group out of the script under "
+                    "--elastic (troupe.DistOpt joins the job), or run it without --elastic")
         return Joined(_adopt_existing_group(), None)
     timeout = _seconds(timeout, env.timeout, DEFAULT_TIMEOUT)
     join_timeout = _seconds(join_timeout, env.join_timeout, DEFAULT_JOIN_TIMEOUT)
@@ -229,6 +236,63 @@ def _join_rejoining(env: Settings, how: _Launch, backend: str, timeout: float, j
     info = DistInfo(how.rank, how.local_rank, how.world_size, how.local_world, _device(backend, how.local_rank),
                     backend, "troupe")
     return Joined(info, side, keep, membership=membership)
+
+
+def _refuse(env: Settings, rank: int, why: str) -> NoReturn:
+    """Raise ValueError(why), first telling `troupe run --elastic`'s launcher through its store."""
+    try:
+        ticket = Ticket.decode(env.ticket)
+        store = dist.PrefixStore(f"troupe/{ticket.token}/", open_store(ticket, False, 10.0))
+        store.set(refusal_key(rank), why)
+    except (RuntimeError, ConnectionError, OSError, ValueError):
+        pass  # no launcher's store to tell: a restart fails again, and its launcher stops the job then
+    raise ValueError(f"rank {rank}: {why}")
+
+
+def meet_where_rank0_listens(env: Settings) -> None:
+    """Under `troupe run`, a rank that runs no training script (a separate parameter server) meets the
+    job where the workers do: troupe's rendezvous (the ticket's port), or torch's env:// one
+    (MASTER_ADDR:MASTER_PORT) when the script calls ``init_process_group`` itself. Rank 0, a worker,
+    listens on one of the two; the env:// group is joined here (`join` then adopts it).
+
+    Raises TimeoutError when rank 0 listens on neither within TROUPE_JOIN_TIMEOUT."""
+    master = os.environ.get("MASTER_PORT", "")
+    if not env.ticket or not master or dist.is_initialized() or env.elastic:
+        return  # not `troupe run`
+    ticket = Ticket.decode(env.ticket)
+    addr, port = os.environ.get("MASTER_ADDR", ticket.addr), int(master)
+    join_timeout = _seconds(None, env.join_timeout, DEFAULT_JOIN_TIMEOUT)
+    deadline = time.monotonic() + join_timeout
+    if env.rejoin:  # --elastic: the launcher hosts troupe's store, where rank 0 registers as it joins
+        store = dist.PrefixStore(f"troupe/{ticket.token}/", open_store(ticket, False, join_timeout))
+        while not store.check(["rank/0"]) and time.monotonic() < deadline:
+            if _listening(addr, port):
+                _refuse(env, int(os.environ.get("RANK", "-1")), "the workers' script makes its own process group "
+                        "(init_process_group), which under troupe run --elastic troupe makes: leave "
+                        "init_process_group/destroy_process_group out of the script, or run it without --elastic")
+            time.sleep(0.05)
+        return
+    while not _listening(ticket.addr, ticket.port):
+        if _listening(addr, port):
+            how = _detect(env, None, None, None, None)
+            backend = _pick_backend(env.backend, how.local_rank, how.local_world)
+            _gloo_interface(ticket, backend)
+            timeout = _seconds(None, env.timeout, DEFAULT_TIMEOUT)
+            dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 listened neither on troupe's rendezvous ({ticket.addr}:{ticket.port}) nor "
+                               f"on torch's env:// one ({addr}:{port}) within {join_timeout:.0f}s")
+        time.sleep(0.05)
+
+
+def _listening(addr: str, port: int) -> bool:
+    """Whether a process listens on addr:port (a knock: a TCPStore that cannot connect logs C++ frames)."""
+    try:
+        socket.create_connection((addr, port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

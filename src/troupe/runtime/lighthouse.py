@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from troupe.runtime.quorum import Decision, ElasticOptions, Quorum, Ready, round_key
+from troupe.runtime.quorum import Decision, ElasticOptions, Quorum, Ready, refusal_key, round_key
 from troupe.runtime.ticket import Ticket
 
 TICK_SECONDS = 0.02
@@ -102,6 +102,16 @@ class Lighthouse:
         """`rank` runs again (a new process: it asks to join when it is ready)."""
         with self._lock:
             self._restarted(rank)
+
+    def asked(self, rank: int, incarnation: int) -> bool:
+        """Whether life `incarnation` of `rank` asked to join the job (it got as far as its first step)."""
+        with self._lock:
+            return _asked(self.store, rank, incarnation)
+
+    def refusal(self, rank: int) -> str | None:
+        """Why `rank` refused the job (a restart would be refused again: the job stops), or None."""
+        with self._lock:
+            return _refusal(self.store, rank)
 
     def _restarted(self, rank: int) -> None:
         self.dead.discard(rank)
@@ -324,6 +334,19 @@ class Lighthouse:
         self._adopt(stored.next, by=stored.by)
 
 
+def _refusal(store, rank: int) -> str | None:
+    """Why `rank` refused the job (`refusal_key`), or None."""
+    key = refusal_key(rank)
+    return store.get(key).decode() if store.check([key]) else None
+
+
+def _asked(store, rank: int, incarnation: int) -> bool:
+    """Whether `rank`'s latest request to join came from life `incarnation` (`Ready` tokens: "life.request")."""
+    if not store.check([f"ready/{rank}"]):
+        return False
+    return Ready.decode(store.get(f"ready/{rank}")).token.split(".")[0] == str(incarnation)
+
+
 class Reporter:
     """Another node's launcher's side of the lighthouse: what the supervisor sees of this node's
     ranks goes to node 0's lighthouse through the job's store, in the order seen."""
@@ -355,6 +378,20 @@ class Reporter:
     def stop(self) -> None:
         pass
 
+    def asked(self, rank: int, incarnation: int) -> bool:
+        """`Lighthouse.asked`, read from node 0's store (True when it is gone: nothing to conclude)."""
+        try:
+            return _asked(self.store, rank, incarnation)
+        except (RuntimeError, ConnectionError, OSError):
+            return True
+
+    def refusal(self, rank: int) -> str | None:
+        """`Lighthouse.refusal`, read from node 0's store."""
+        try:
+            return _refusal(self.store, rank)
+        except (RuntimeError, ConnectionError, OSError):
+            return None
+
     def _report(self, what: str, rank: int) -> None:
         try:
             n = self.store.add("reports", 1)
@@ -384,6 +421,13 @@ class Keeper:
         self._formed = False
         self._beaten = self._looked = float("-inf")
         self._beats = None  # a BeatWatch over the separate servers' beats, from the first look (`frozen`)
+
+    def refusal(self, rank: int) -> str | None:
+        """`Lighthouse.refusal`: why `rank` refused the job, or None."""
+        try:
+            return _refusal(self.store, rank)
+        except (RuntimeError, ConnectionError, OSError):
+            return None
 
     @property
     def formed_once(self) -> bool:

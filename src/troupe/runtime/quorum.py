@@ -218,3 +218,9 @@ class Ready:
 
 def round_key(quorum_id: int, k: int, what: str) -> str:
     return f"q{quorum_id}/r{k}/{what}"
+
+
+def refusal_key(rank: int) -> str:
+    """Where a rank of `troupe run --elastic` says why it refuses the job: its launcher stops the job rather
+    than restart a rank that would be refused again."""
+    return f"refused/{rank}"

@@ -41,6 +41,9 @@ class RankOutput:
         self._lock = threading.Lock()  # one line at a time, across ranks and streams
         self._threads: list[threading.Thread] = []
         self._logs: dict[int, IO[bytes]] = {}
+        self._last: dict[int, bytes] = {}
+        """Per process id, the last line it wrote to stderr."""
+        self._stderr: dict[int, threading.Thread] = {}
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
 
@@ -64,11 +67,20 @@ class RankOutput:
                 f.write(f"{rank} {proc.pid}\n")
         shown = self.ranks is None or rank in self.ranks
         tag = f"[rank{rank}]: ".encode() if self.prefix else b""
-        for pipe, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            thread = threading.Thread(target=self._pump, args=(pipe, sink if shown else None, tag, log),
+        for pipe, sink, pid in ((proc.stdout, sys.stdout, None), (proc.stderr, sys.stderr, proc.pid)):
+            thread = threading.Thread(target=self._pump, args=(pipe, sink if shown else None, tag, log, pid),
                                       name=f"troupe-rank{rank}-output", daemon=True)
             thread.start()
             self._threads.append(thread)
+        self._stderr[proc.pid] = thread
+
+    def last_error_line(self, proc: subprocess.Popen, wait: float = 1.0) -> str:
+        """The last line an exited `proc` wrote to stderr (its error), once its stream has ended (at most
+        `wait` seconds from now); "" if none."""
+        thread = self._stderr.pop(proc.pid, None)
+        if thread is not None:
+            thread.join(wait)
+        return self._last.pop(proc.pid, b"").decode(errors="replace").strip()
 
     def drain(self, timeout: float = 10.0) -> None:
         """Wait until the ranks' streams are closed and passed on (at most `timeout` seconds each)."""
@@ -82,11 +94,14 @@ class RankOutput:
     def _log_path(self, rank: int) -> str | None:
         return os.path.join(self.log_dir, f"rank{rank}.log") if self.log_dir else None
 
-    def _pump(self, pipe: IO[bytes], sink: IO[str] | None, tag: bytes, log: IO[bytes] | None) -> None:
+    def _pump(self, pipe: IO[bytes], sink: IO[str] | None, tag: bytes, log: IO[bytes] | None,
+              pid: int | None = None) -> None:
         with pipe:
             for line in pipe:  # a last line without its newline comes at the end of the stream
                 if not line.endswith(b"\n"):
                     line += b"\n"
+                if pid is not None and line.strip():
+                    self._last[pid] = line
                 with self._lock:
                     if sink is not None:
                         _write(sink, tag + line)

@@ -4,7 +4,9 @@ The launcher starts every rank, runs the `Lighthouse` (the quorum, in this proce
 the ranks: a rank that exits with an error is reported to the lighthouse (so the others' step
 goes on without it at once) and started again after a back-off, as the same rank with the
 next incarnation, until its restart budget is spent. A rank that finishes (exit 0) ends the
-restarts: the job is closing. A rank out of budget stops the job, with one line naming it.
+restarts: the job is closing. A rank out of budget stops the job, with one line naming it, and so
+does a rank whose restart fails before its first step the same way its last life did (a bug or bad
+input in the script's start-up: another life would fail alike).
 
 In worker groups of several processes (`group_size` > 1) a rank that fails takes its whole group
 out: the supervisor kills the group's other processes at once (they hold a replica that is now
@@ -41,6 +43,8 @@ class _Rank:
     due: float | None = None
     """When a dead rank starts again (None: running, or finished)."""
     finished: bool = False
+    early: str | None = None
+    """How its last life failed, when that was before its first step (its last line of stderr)."""
 
 
 def why(code: int) -> str:
@@ -59,7 +63,8 @@ def supervise(spawn: Callable[[int, int], subprocess.Popen], ranks: list[int], l
               fixed: Callable[[int], str | None] = lambda rank: None, finish_closes: bool = True,
               left_out: str = "was left out of the quorum while it was paused",
               let_go: Callable[[int], str | None] = lambda rank: None,
-              frozen: Callable[[], dict[int, str]] = dict) -> int:
+              frozen: Callable[[], dict[int, str]] = dict,
+              early: Callable[[int, int, subprocess.Popen], str | None] = lambda rank, life, proc: None) -> int:
     """Run `ranks` (each `spawn(rank, incarnation)`) until all finish; restart the dead ones alone (with
     `group_size` > 1, with the rest of their worker group, which `kill` stops and waits for).
     `every_poll()` runs at each look at the processes (the launcher starts its spares there).
@@ -69,18 +74,20 @@ def supervise(spawn: Callable[[int, int], subprocess.Popen], ranks: list[int], l
     `finish_closes`: the first rank to finish ends the restarts (synchronous groups finish together;
     asynchronous workers do not). `left_out`: what a rank that exits with REJOIN_EXIT went through (it is
     started again at once, not counted as a failure). `frozen()`: at each look, running ranks to kill now
-    ({rank: why}; a frozen separate server: its death is then handled as any other, by `let_go`)."""
+    ({rank: why}; a frozen separate server: its death is then handled as any other, by `let_go`).
+    `early(rank, life, proc)`: how that life of the rank failed if it failed before its first step, else None;
+    two lives in a row that fail so, the same way, stop the job (a bug or bad input, not a fault to train through)."""
     state = {r: _Rank(spawn(r, 0)) for r in ranks}
     try:
         return _watch(state, spawn, lighthouse, restarts_per_rank, say, stop_all, every_poll, group_size, kill,
-                      fixed, finish_closes, left_out, let_go, frozen)
+                      fixed, finish_closes, left_out, let_go, frozen, early)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (troupe run raises it): never leave a worker behind
         stop_all([s.proc for s in state.values()])
         raise
 
 
 def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, say, stop_all, every_poll,
-           group_size: int, kill, fixed, finish_closes: bool, left_out: str, let_go, frozen) -> int:
+           group_size: int, kill, fixed, finish_closes: bool, left_out: str, let_go, frozen, early) -> int:
     closing = False
     while True:
         now = time.monotonic()
@@ -123,6 +130,12 @@ def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, s
             reason = fixed(rank)
             if reason is not None:
                 say(f"troupe run: rank {rank} exited with {why(code)}; {reason}: stopped the job")
+                stop_all([x.proc for x in state.values()])
+                return code if code > 0 else 128 - code
+            failure, s.early = s.early, early(rank, s.starts - 1, s.proc) if code > 0 else None  # not a kill
+            if failure is not None and failure == s.early:
+                say(f"troupe run: rank {rank} failed again before its first step, the same way ({failure}): not a "
+                    "fault to train through; stopped the job")
                 stop_all([x.proc for x in state.values()])
                 return code if code > 0 else 128 - code
             if s.restarts >= restarts_per_rank:

@@ -23,7 +23,7 @@ def free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
-def reserve_port(addr: str) -> socket.socket:
+def reserve_port(addr: str, port: int = 0) -> socket.socket:
     """A socket bound to a free port on `addr` and kept open: while it is, no other process's
     bind or outgoing connection takes the port, yet the job's rank 0 (which binds with
     SO_REUSEADDR) can still listen on it. Close it once the job has its rendezvous.
@@ -33,7 +33,11 @@ def reserve_port(addr: str) -> socket.socket:
     """
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((addr, 0))
+    try:
+        s.bind((addr, port))
+    except OSError:
+        s.close()
+        raise
     return s
 
 

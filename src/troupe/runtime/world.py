@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from troupe.observe import trace
 from troupe.observe.trace import Recorder
@@ -54,6 +57,10 @@ class World:
         """The parameter-server job this rank joined (`troupe.cluster.bootstrap.Job`), once it has."""
         self._hooks: list[Callable[[], None]] = []
         self.closed = False
+        self.finished = False
+        """`finish` ran: troupe's last work is done (at `close`, or when the script destroyed the default group)."""
+        self.exit_failure: str | None = None
+        """What failed in `finish` when the script's ``destroy_process_group()`` ran it (the exit code says so)."""
         self.membership = joined.membership or Fixed()
         """Which processes step together: `Fixed` (never changes) or an elastic job's quorum."""
         self.partitioned = False
@@ -148,19 +155,34 @@ class World:
         if self.watchdog is not None:
             self.watchdog.step = step
 
+    def finish(self) -> None:
+        """troupe's last work in the job, while its groups still exist: run the hooks, stop the watchdog,
+        flush the recorder (once; a failing hook raises after the rest has run)."""
+        if self.finished:
+            return
+        self.finished = True
+        hooks, self._hooks = self._hooks, []
+        try:
+            for hook in reversed(hooks):  # e.g. a parameter-server worker telling its servers it is done
+                hook()
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+            self.membership.close()  # an elastic quorum's connection, a rejoining worker's beat
+            if self.recorder is not None:
+                self.recorder.close()
+
     def close(self) -> None:
-        """Leave the job: run the hooks, stop the watchdog, flush the recorder, destroy the process group."""
+        """Leave the job: `finish`, then destroy the process group."""
         if self.closed:
             return
         self.closed = True
-        hooks, self._hooks = self._hooks, []
-        for hook in reversed(hooks):  # e.g. a parameter-server worker telling its servers it is done
-            hook()
-        if self.watchdog is not None:
-            self.watchdog.stop()
-        self.membership.close()  # an elastic quorum's connection, a rejoining worker's beat
-        if self.recorder is not None:
-            self.recorder.close()
+        try:
+            self.finish()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         # Collect now what still references the groups' work objects: their last references must not
@@ -205,8 +227,9 @@ def init(
     joined = join(env, ticket, local_rank, world_size, rank=rank, backend=backend, timeout=timeout,
                   join_timeout=join_timeout)
     _current = World(joined, env)
+    _finish_before_destroy(_current)
     atexit.register(_freeze_at_exit)  # runs after shutdown: atexit calls the last registered first
-    atexit.register(shutdown)  # leave in order: background threads must not outlive the store
+    atexit.register(_shutdown_at_exit)  # leave in order: background threads must not outlive the store
     return _current
 
 
@@ -229,12 +252,64 @@ def _freeze_at_exit() -> None:
     gc.freeze()
 
 
+class _FinishFirst:
+    """Registered with torch's process-group state like a torchcomms communicator: torch calls `finalize`
+    first when the default group is destroyed, so a script's own ``destroy_process_group()`` lets troupe
+    finish (a parameter-server worker's goodbye, the final master-copy sync) before its groups go."""
+
+    def __init__(self, world: World):
+        self.world = world
+
+    def finalize(self) -> None:
+        world = self.world
+        if world.finished:
+            return
+        try:
+            world.finish()
+        except Exception as e:  # destroy_process_group goes on; the process fails at exit (`_shutdown_at_exit`)
+            world.exit_failure = _failure_line(world, e)
+            print(world.exit_failure, file=sys.stderr, flush=True)
+
+
+def _finish_before_destroy(world: World) -> None:
+    if world.membership.elastic:  # its quorum's groups come and go under troupe's own destroys: it finishes at exit
+        return
+    comms = getattr(c10d._world, "comms", None)  # torch 2.13; without it troupe finishes at exit instead
+    if isinstance(comms, list):
+        comms.append(_FinishFirst(world))
+
+
+def _failure_line(world: World, e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (f"troupe: rank {world.info.global_rank}: troupe's last work in the job failed ({type(e).__name__}: "
+            f"{text[0] if text else ''})")
+
+
+def _shutdown_at_exit() -> None:
+    """`shutdown` at exit: a failure there (or earlier, in the script's destroy_process_group) fails the
+    process with one line and exit code 1; an exception in an atexit hook would leave the exit code 0."""
+    world = _current
+    failure = world.exit_failure if world is not None else None  # said when it happened
+    try:
+        shutdown()
+    except Exception as e:
+        if failure is None:
+            failure = _failure_line(world, e) if world is not None else f"troupe: leaving the job failed: {e}"
+            print(failure, file=sys.stderr, flush=True)
+    if failure is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
 def shutdown() -> None:
     """Leave the job: destroy the process group so a later `init()` starts afresh."""
     global _current
     world, _current = _current, None
     if world is not None:
         world.close()
+        if world.exit_failure is not None:  # in the script's destroy_process_group, said there
+            raise RuntimeError(world.exit_failure)
     elif dist.is_initialized():
         dist.destroy_process_group()
         gc.collect()

@@ -11,6 +11,10 @@ optimizer (its state, the DistOpt's step counter and strategy state), the sample
 position) and the RNG from a healthy worker, and returns the steps taken, from which the
 loop resumes; a fresh job's workers all take the first worker's state (so every group starts
 bit-identical) and get 0. Outside an elastic job it does nothing and returns None.
+
+A script that never calls it (a DDP-shaped one) still runs elastic: its worker joins at the first
+forward of the module holding the DistOpt's parameters and heals that module, the DistOpt and the
+RNG; its loop and data then start from the script's own beginning after a restart.
 """
 
 from __future__ import annotations

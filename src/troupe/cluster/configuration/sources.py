@@ -72,8 +72,15 @@ def parse_cluster_text(text: str) -> ClusterConfig:
 
 def load(path: str | os.PathLike) -> ClusterConfig:
     """Read a cluster file (the seed's block or TOML)."""
-    with open(path, encoding="utf-8") as f:
-        return parse_cluster_text(f.read())
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the cluster file {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        return parse_cluster_text(text)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def from_env() -> ClusterConfig | None:
