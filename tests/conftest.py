@@ -86,6 +86,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "tests/dist/test_benchmarks_smoke.py::test_ddp_vs_troupe_prints_its_table",
         "tests/dist/test_network_faults.py",
         "tests/dist/test_bucket_view.py",
+    "tests/dist/test_checkpoint_shard.py",
     "tests/dist/test_fsdp_shard.py",
         "tests/dist/test_graph_mode.py",
         "tests/dist/test_install.py",
@@ -101,6 +102,7 @@ def _families(nodeid: str) -> list[str]:
 
 SHARED_WORLDS = (
     "tests/dist/test_bucket_view.py",
+    "tests/dist/test_checkpoint_shard.py",
     "tests/dist/test_fsdp_shard.py",
         "tests/dist/test_graph_mode.py",
     "tests/dist/test_install.py",

@@ -6,7 +6,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -30,6 +30,9 @@ from troupe.sync.bucket import DEFAULT_BUCKET_SIZE, FIRST_BUCKET_SIZE, plan_buck
 from troupe.sync.compiled import SplitCompiledGraphs
 from troupe.sync.reducer import GradReducer
 from troupe.util import check_int
+
+if TYPE_CHECKING:
+    from troupe.reliability.pieces import ElementParts
 
 DIST_OPTIONS = registry.dist_options()
 """`dist_option` names (SINGA's) and the DistOpt method each one calls (`troupe.strategies.registry`)."""
@@ -326,6 +329,11 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         """Why this DistOpt's state belongs to each rank and cannot move to another world size
         (empty: every rank's model and optimizer state is the job's; troupe.checkpoint reshards it)."""
         return self._choice.per_rank_state()
+
+    def optimizer_parts(self) -> ElementParts | None:
+        """What the wrapped optimizer holds when it steps parts of parameters (``shard=...``); None when it
+        holds whole parameters. troupe.checkpoint saves each part's state as a slice of the whole's."""
+        return self._choice.optimizer_parts()
 
     def close(self) -> None:
         """Leave cleanly: under a parameter-server cluster, tell the servers this worker has finished (also done at exit)."""

@@ -8,6 +8,7 @@ the `_troupe_holders` labels; it never reduces gradients (DistOpt does, over the
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -255,11 +256,13 @@ def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
             setattr(model.get_submodule(parent), attr, new)
 
 
-def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The unpartitioned model's state_dict on every rank (a collective: every rank calls it).
+def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, Tensor]:
+    """The unpartitioned, unsharded model's state_dict on every rank (a collective: every rank calls it).
 
-    Split layers are all-gathered, worker-0 layers broadcast from worker 0; the keys are the
-    original model's, so ``plain_model.load_state_dict(full_state_dict(model))`` works.
+    Split layers are all-gathered, worker-0 layers broadcast from worker 0, and a model sharded
+    by `troupe.shard` is gathered one tensor at a time; the keys are the original model's, so
+    ``plain_model.load_state_dict(full_state_dict(model))`` works. ``rank0_only=True`` returns
+    it on rank 0 and {} elsewhere: the other ranks hold one gathered tensor at a time.
     """
     local = model.state_dict()
     owned: dict[str, list[str]] = defaultdict(list)
@@ -275,7 +278,14 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
             out.update({prefix + k: v for k, v in whole[id(module)].items()})
         else:
             out.update({key: local[key] for key in owned.get(name, [])})
-    return out
+    keep = not rank0_only or world.init().comm.rank == 0
+    dtensor = sys.modules.get("torch.distributed.tensor")  # none exists before troupe.shard imports it
+    gathered = {}
+    for key, v in out.items():  # every rank gathers the same tensors in the same order
+        v = v.full_tensor() if dtensor is not None and isinstance(v, dtensor.DTensor) else v
+        if keep:
+            gathered[key] = v
+    return gathered
 
 
 class LayerInfo(NamedTuple):

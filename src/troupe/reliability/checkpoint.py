@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from troupe.reliability import restore
+from troupe.reliability import pieces, restore
 from troupe.reliability import state as named
 from troupe.reliability.background import Background, SaveFailed
 from troupe.reliability.manifest import (FORMAT, MANIFEST, STEP_DIR, CheckpointError, complete, rng_state,
@@ -116,7 +116,11 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
     target.mkdir(parents=True, exist_ok=True)
     (target / MANIFEST).unlink(missing_ok=True)  # saving a step again: incomplete until its new manifest
     inner, _ = named.unwrap(optimizer)
-    tensors, optim_rest = named.named_state(model, inner)
+    parts = getattr(optimizer, "optimizer_parts", lambda: None)()  # a torch optimizer has none
+    if parts is not None:
+        tensors, optim_rest = pieces.sharded_state(model, inner, parts, c)
+    else:
+        tensors, optim_rest = named.named_state(model, inner)
     full = optimizer.state_dict() if inner is not optimizer else None
     rest = {
         "format": FORMAT, "step": step, "rank": c.rank, "world_size": c.world_size, "optim": optim_rest,
@@ -132,7 +136,7 @@ def save(directory: str | Path, step: int, model: nn.Module, optimizer, extra: d
         _write(c, tensors, job)
         return target
     # The staging copy: the optimizer updates `tensors` in place from the next step on.
-    staged = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+    staged = {k: pieces.staged(v) for k, v in tensors.items()}
     saver = _background(world.current())
     comm = saver.comm(c)
     saver.submit(str(target), functools.partial(_write, comm, staged, job))
@@ -210,7 +214,8 @@ def _write(c, tensors: dict[str, Tensor], job: _Job) -> None:
 
 
 def _survey(c, target: Path, tensors: dict[str, Tensor]) -> tuple[bool, set[str], set[str]]:
-    """(whether every rank sees rank 0's files, every rank's tensor keys, those every rank holds identically)."""
+    """(whether every rank sees rank 0's files, every rank's tensor keys, those saved once: every rank holds
+    them identically, or each rank its own chunks of them)."""
     nonce = None
     if c.rank == 0:
         nonce = secrets.token_hex(16)
@@ -220,9 +225,11 @@ def _survey(c, target: Path, tensors: dict[str, Tensor]) -> tuple[bool, set[str]
         sees = (target / _PROBE).read_text() == nonce
     except OSError:
         sees = False
-    views = c.all_gather_object((sees, named.fingerprints(tensors)))
-    replicated = {k for k, d in views[0][1].items() if all(theirs.get(k) == d for _, theirs in views)}
-    return all(s for s, _ in views), set().union(*(theirs for _, theirs in views)), replicated
+    whole = {k: v for k, v in tensors.items() if not pieces.is_sharded(v)}
+    views = c.all_gather_object((sees, named.fingerprints(whole), sorted(tensors.keys() - whole.keys())))
+    replicated = {k for k, d in views[0][1].items() if all(theirs.get(k) == d for _, theirs, _ in views)}
+    sharded = set().union(*(cut for _, _, cut in views))
+    return all(s for s, _, _ in views), set().union(sharded, *(theirs for _, theirs, _ in views)), replicated | sharded
 
 
 def _refusals(job: _Job, per_rank: list[str], shared: bool) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from troupe.reliability import pieces
 from troupe.reliability import state as named
 from troupe.reliability.manifest import CheckpointError, set_rng_state, verify
 from troupe.runtime import world
@@ -52,12 +53,14 @@ def load(checkpoint: str | Path, model: nn.Module, optimizer) -> dict[str, Any]:
         diff = sorted(set(ours.items()) ^ set(theirs.items()), key=str)[:3]
         raise CheckpointError(f"{checkpoint}: the model does not match the checkpoint (differences: {diff})")
     inner, _ = named.unwrap(optimizer)
-    names = named.param_names(model, inner)
-    if job["optim"]["param_names"] != names:
-        raise CheckpointError(f"{checkpoint}: the optimizer's parameters {names[:4]} do not match the "
+    shape = pieces.layout(model, inner, getattr(optimizer, "optimizer_parts", lambda: None)())
+    theirs_groups = [g["params"] for g in job["optim"]["param_groups"]]
+    if job["optim"]["param_names"] != shape.names or theirs_groups != shape.groups:
+        raise CheckpointError(f"{checkpoint}: the optimizer's parameters {shape.names[:4]} do not match the "
                               f"checkpoint's {job['optim']['param_names'][:4]}")
-    optim = {k: torch.empty(stored[source(k)][0], dtype=stored[source(k)][1]) for k in job["optim"]["optim_index"]}
-    request = {source(k): v for k, v in {**wanted, **optim}.items()}  # the model's tensors load in place
+    # Each optimizer state tensor is read as the range of its parameter's elements this rank holds.
+    optim, optimizer_state = pieces.optimizer_request(job["optim"], stored, source, shape)
+    request = {**{source(k): v for k, v in wanted.items()}, **optim}  # the model's tensors load in place
     # Every rank reads what it needs by itself (the whole state, or its own): no collective plan.
     import torch.distributed.checkpoint as dcp
 
@@ -65,7 +68,7 @@ def load(checkpoint: str | Path, model: nn.Module, optimizer) -> dict[str, Any]:
 
     dcp.load(request, storage_reader=dcp_files.SafeReader(path), no_dist=True)
     model.load_state_dict(model_sd)
-    sd = named.optimizer_state(names, job["optim"], optim)
+    sd = optimizer_state()
     optimizer.load_state_dict(sd if job["distopt"] is None else {"optimizer": sd, **job["distopt"]})
     if c.rank < old:
         set_rng_state(own["rng"])

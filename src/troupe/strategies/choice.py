@@ -150,6 +150,10 @@ class OptionSwitch:
             reasons += [r for r in s.per_rank_state() if r not in reasons]
         return reasons
 
+    def optimizer_parts(self) -> None:
+        """None: the optimizer holds whole parameters."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"residuals": {k: v.clone() for k, v in self.ctx.residuals.items()}}
         for s in self._made.values():
@@ -208,6 +212,10 @@ class Fixed:
 
     def per_rank_state(self) -> list[str]:
         return self.current.per_rank_state()
+
+    def optimizer_parts(self) -> None:
+        """None: the optimizer holds whole parameters (or FSDP2's DTensors, which say what they hold)."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {}, **self.current.state_dict()}

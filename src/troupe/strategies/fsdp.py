@@ -165,7 +165,8 @@ class ShardedStep:
                 m.set_requires_gradient_sync(True, recurse=False)
 
     def per_rank_state(self) -> list[str]:
-        return ["troupe.shard's FSDP2 shards (each rank's optimizer state covers its own shard of the parameters)"]
+        """None: the parameters and their optimizer state are DTensors, which DCP saves and reshards."""
+        return []
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from troupe.reliability.nonfinite import all_finite
+from troupe.reliability.pieces import ElementParts
 from troupe.runtime.comm import Communicator, Handle
 from troupe.strategies.base import StepStats
 from troupe.strategies.choice import OptionSwitch, params_of, refuse
@@ -80,6 +81,8 @@ class ShardedStep:
         """Model parameter id -> this rank's part of it (a leaf view of `values`)."""
         self._at: dict[int, int] = {}
         """Model parameter id -> where its part starts in this rank's chunk of its bucket."""
+        self.parts = ElementParts([list(g["params"]) for g in optimizer.param_groups], {})
+        """The optimizer's groups as given, and each part's parameter and first element (for checkpoints)."""
         for b in reducer.buckets:
             self._lay_out(b)
         self.hook = ShardReduce(comm, lambda b: self.grads[b.index])
@@ -107,6 +110,7 @@ class ShardedStep:
             p, at = bucket.params[slot], bucket.offsets[slot]
             part = torch.nn.Parameter(values[at + start : at + stop], requires_grad=True)
             self.part_of[id(p)], self._at[id(p)] = part, at + start - self.rank * chunk
+            self.parts.start[id(part)] = (p, start)
             setattr(p, SHARD_OF, part)
 
     def _regroup(self) -> None:
@@ -178,7 +182,8 @@ class ShardedStep:
             h.wait()
 
     def per_rank_state(self) -> list[str]:
-        return [f"the optimizer state is sharded by elements over the ranks (shard={self.mode!r})"]
+        """None: a checkpoint saves each part's state as its slice of the whole parameter's, so it reshards."""
+        return []
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -238,6 +243,9 @@ class ShardedChoice:
 
     def per_rank_state(self) -> list[str]:
         return self.current.per_rank_state()
+
+    def optimizer_parts(self) -> ElementParts:
+        return self.current.parts
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {}}
