@@ -82,16 +82,20 @@ def allocate(plan: Sequence[Sequence[Tensor]], pad_to: int = 1) -> list[Bucket]:
     return buckets
 
 
-def bind_storage(buckets: Sequence[Bucket]) -> None:
-    """Give `buckets` fresh zeroed buffers, slices of one contiguous storage per dtype and device
-    (at allocation, and again for buckets whose storage was `release`d)."""
+def bind_storage(buckets: Sequence[Bucket], zeroed: bool = True) -> None:
+    """Give `buckets` fresh buffers, slices of one contiguous storage per dtype and device (at
+    allocation, and again for buckets whose storage was `release`d). With `zeroed` False only the
+    padding is zeroed: a step writes every gradient slot (a copy, or zeros in `seal`) and the flags."""
     sizes: dict[tuple, int] = {}
     for b in buckets:
         sizes[b.key] = sizes.get(b.key, 0) + b.size
-    storage = {key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
+    make = torch.zeros if zeroed else torch.empty
+    storage = {key: make(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
     offset = dict.fromkeys(sizes, 0)
     for b in buckets:
         b.bind(storage[b.key][offset[b.key] : offset[b.key] + b.size])
+        if not zeroed:
+            b.buffer[b.numel : b.padded].zero_()
         offset[b.key] += b.size
 
 

@@ -320,7 +320,7 @@ class GradReducer:
 
     def _ensure_storage(self) -> None:
         if self._released:
-            bind_storage(self.buckets)
+            bind_storage(self.buckets, zeroed=False)
             self._released = False
 
     def label_buckets(self, name_of: Callable[[Tensor], str]) -> None:
