@@ -54,7 +54,8 @@ def test_groups_that_do_not_divide_the_job_are_refused_in_one_line(tmp_path, cap
     with pytest.raises(ValueError, match="TROUPE_GROUPS='two' is not a valid int"):
         Settings.from_env({"TROUPE_GROUPS": "two"})
     assert Settings.from_env({"TROUPE_GROUPS": "2"}).groups == 2
-    with pytest.raises(ValueError, match=r"^DistOpt: groups must be a positive divisor of the world size \(4\), got 3$"):
+    with pytest.raises(ValueError, match=r"^DistOpt: groups must be a positive divisor of the world size \(4\), "
+                                         r"got 3$"):
         check_groups(3, 4, "DistOpt: groups")
 
 

@@ -99,7 +99,8 @@ class World:
         """How many synchronous worker groups split this job: `groups` as `who` gave it, else ``TROUPE_GROUPS``
         (``troupe run --nworker-groups G`` without a cluster), else 1. It must divide the world size."""
         if groups is None:
-            return check_groups(self.settings.groups or 1, self.world_size, "TROUPE_GROUPS (troupe run --nworker-groups)")
+            given = "TROUPE_GROUPS (troupe run --nworker-groups)"
+            return check_groups(self.settings.groups or 1, self.world_size, given)
         return check_groups(groups, self.world_size, f"{who}: groups")
 
     def group_comms(self, groups: int) -> tuple[Communicator, Communicator]:
