@@ -367,6 +367,29 @@ def _add_cluster_flags(run: argparse.ArgumentParser) -> None:
     add_flags(group, integer=_positive)  # one flag per ClusterConfig field that declares one
 
 
+def _worker_groups(args: argparse.Namespace) -> dict[str, str]:
+    """``--nworker-groups G`` alone (no --framework, --cluster, other cluster flag or --elastic): G synchronous
+    worker groups of -n x --nnodes / G consecutive ranks and no parameter-server cluster. The job is plain
+    data parallelism over every rank; a sharded DistOpt (--shard) or model (troupe.shard) shards inside each
+    group and the groups replicate (HSDP). The env var that carries it (TROUPE_GROUPS); {} otherwise."""
+    from troupe.cluster.configuration.flags import given
+
+    fields = {name for name, value in given(args).items() if value is not None}
+    if args.elastic or args.framework or args.cluster or fields != {"nworker_groups"}:
+        return {}
+    groups, args.nworker_groups = args.nworker_groups, None  # not a cluster's: _cluster_env resolves none
+    args.nproc = args.nproc or 2
+    total = args.nproc * args.nnodes
+    if total % groups:
+        on = f" x --nnodes {args.nnodes}" if args.nnodes > 1 else ""
+        raise ValueError(f"--nworker-groups {groups} must divide the job's processes (-n {args.nproc}{on} = {total}) "
+                         "into groups of equal size")
+    if args.node_rank == 0:
+        print(f"troupe run: {groups} synchronous worker groups of {total // groups} consecutive ranks "
+              "(sharding stays inside a group; the groups replicate)", file=sys.stderr)
+    return {"TROUPE_GROUPS": str(groups)}
+
+
 def _cluster_env(args: argparse.Namespace) -> dict[str, str]:
     """Resolve the cluster (if any), fix -n from it, print every rank's role; the env var that carries it."""
     from troupe.cluster.configuration.config import ENV_VAR
@@ -439,6 +462,7 @@ def run(args: argparse.Namespace) -> int:
                             ("--elastic-batch", args.elastic_batch), ("--max-groups", args.max_groups)):
             if value is not None:
                 raise ValueError(f"{flag} needs --elastic")
+    extra_env.update(_worker_groups(args))
     cluster_env = _cluster_env(args)
     extra_env.update(cluster_env)
     if args.shard:

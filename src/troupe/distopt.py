@@ -59,7 +59,9 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
     `shard` ("optimizer" or "gradients"; default: ``troupe run --shard``, else None) cuts the wrapped
     optimizer's state, and with "gradients" also the reduced gradients, over the ranks by elements
     (ZeRO-1 / ZeRO-2, `troupe.strategies.sharded`); the model stays as it is. Clip with
-    `troupe.clip_grad_norm_`: a sharded model's ``p.grad`` is None after the reduction.
+    `troupe.clip_grad_norm_`: a sharded model's ``p.grad`` is None after the reduction. `groups` (default:
+    ``troupe run --nworker-groups``, else 1) shards inside each of that many worker groups of consecutive
+    ranks, which replicate each other (HSDP).
 
     `powersgd_rank` and `powersgd_start` configure ``dist_option="powerSGD"`` (`troupe.strategies.powersgd`):
     the factors' rank (default 1) and the plain steps before compression starts (default 0).
@@ -87,6 +89,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         powersgd_start: int | None = None,
         split_compiled: bool = True,
         shard: str | None = None,
+        groups: int | None = None,
     ):
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DistOpt):
             raise TypeError(f"DistOpt wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -107,6 +110,9 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         cluster = cluster_from_env()
         if shard is None:
             shard = settings_mod.current().shard  # troupe run --shard
+        if groups is not None and shard is None:
+            raise ValueError(f"DistOpt(groups={groups!r}) shards inside worker groups: give shard='optimizer' or "
+                             "'gradients' too (without sharding every rank already holds the whole state)")
         # troupe.shard's model: FSDP2's regime (else the parameters are marked as this DistOpt's); else a
         # cluster's worker regime, a shard mode, or the dist_option's own
         regime = fsdp.claim_params(optimizer, dist_option, cluster, shard) or registry.resolve(dist_option, cluster, shard)
@@ -128,7 +134,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         setup = registry.Setup(world=self.world, optimizer=optimizer, bucket_size=bucket_size,
                                first_bucket_size=first_bucket_size, compression=compression or CompressionConfig(),
                                nan_policy=nan_policy, step_count=lambda: self.step_count, name_of=self.param_name,
-                               cluster=cluster, args={"spars": spars, **self._option_args})
+                               cluster=cluster, groups=groups, args={"spars": spars, **self._option_args})
         # A cluster's regime takes this rank's role here: a server rank serves and never returns.
         self._choice: OptionSwitch | Fixed = regime.choose(setup)
         self.info = self._choice.info or self.world.info

@@ -49,6 +49,9 @@ SHARD_OF = "_troupe_part"
 """The attribute ``DistOpt(shard=...)`` sets on every parameter it shards: this rank's part of it (a flat
 tensor whose ``grad`` is the mean gradient of that part), or None where this rank owns no part of it
 (`troupe.clip_grad_norm_` sums the parts over the ranks)."""
+SHARD_COPIES = "_troupe_part_copies"
+"""The attribute a sharded DistOpt sets on each part (`SHARD_OF`): how many ranks hold the same part (one
+in each worker group; 1 without groups), so that summed over the job each part counts once."""
 
 
 def holders_of(param: Tensor) -> tuple[int, ...] | None:

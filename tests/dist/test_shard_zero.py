@@ -3,7 +3,9 @@ ranks, against one process training the whole model on the combined batch.
 
 One world per world size runs every case (shard mode x optimizer) on a model with a tied embedding,
 a frozen layer and very uneven parameter sizes, with accumulation under no_sync and clipping over the
-whole model, and reports what each rank holds; the reference runs in the test process.
+whole model, and reports what each rank holds; the reference runs in the test process. The world of 4
+also runs 2 worker groups of 2 (HSDP: ``groups=2``), whose ranks hold 1/2 of the state each and send
+1/2 of the gradients across groups.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ CASES = [(mode, opt, loop) for mode in ("optimizer", "gradients") for opt, loop 
          (("sgd", "loop"), ("adamw", "loop"), ("adamw", "scaler"), ("sgd", "singa"))]
 """(shard mode, optimizer, script shape): the PyTorch loop with accumulation and clipping; the same with
 torch's GradScaler and an overflow on one rank; SINGA's ``sgd(loss)``."""
+HSDP_CASES = [("optimizer", "adamw", "loop", 2), ("gradients", "adamw", "scaler", 2)]
+"""(shard mode, optimizer, script shape, worker groups): the world of 4 ranks only."""
 INF_STEP = 1
 """The GradScaler case's step whose loss overflows on rank 0 only (every rank must skip it)."""
 
@@ -75,11 +79,13 @@ def rank_slice(step: int, micro: int, rank: int, world_size: int) -> slice:
     return slice(start, start + BATCH)
 
 
-def train_case(rank: int, world_size: int, mode: str, opt_name: str, loop: str) -> dict:
+def train_case(rank: int, world_size: int, mode: str, opt_name: str, loop: str, groups: int | None = None) -> dict:
     import troupe
 
     model, opt = make(opt_name)
-    sgd = troupe.DistOpt(opt, shard=mode, bucket_size=200, first_bucket_size=100)
+    sgd = troupe.DistOpt(opt, shard=mode, bucket_size=200, first_bucket_size=100, groups=groups)
+    across = sgd.strategy.across
+    crossed = 0 if across is None else across.traffic["all_reduce"].payload_bytes
     sched = torch.optim.lr_scheduler.LambdaLR(sgd, lambda s: 1.0 / (1 + s))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if loop == "scaler" else None
     x, y = batches(world_size)
@@ -114,6 +120,11 @@ def train_case(rank: int, world_size: int, mode: str, opt_name: str, loop: str) 
     held = [p.numel() for g in opt.param_groups for p in g["params"] if p.requires_grad]
     grads = sum(g.numel() for g in sgd.strategy.grads)
     buckets = sum(0 if b.buffer is None else b.buffer.numel() for b in sgd.reducer.buckets)
+    if across is not None:  # bytes handed to the cross-group all-reduce, against the gradients' and flags'
+        crossed = across.traffic["all_reduce"].payload_bytes - crossed
+        gradient = sum(b.padded for b in sgd.reducer.buckets) * 4
+        flags = sum(b.size - b.padded for b in sgd.reducer.buckets) * 4
+        crossed = {"per_step": crossed / STEPS, "gradient": gradient, "flags": flags}
     refusals = []
     if loop == "singa":  # what a sharded DistOpt cannot do: one line each
         for call in (lambda: sgd.update(F.cross_entropy(model(x[:2]), y[:2]), "fp16"),
@@ -127,12 +138,13 @@ def train_case(rank: int, world_size: int, mode: str, opt_name: str, loop: str) 
                 refusals.append(str(e))
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms,
             "scales": scales, "state": state, "held": sum(held), "grads": grads, "buckets": buckets,
-            "refusals": refusals}
+            "refusals": refusals, "crossed": crossed}
 
 
 def world(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
-    return {case: train_case(rank, world_size, *case) for case in CASES}
+    cases = CASES + (HSDP_CASES if world_size == 4 else [])
+    return {case: train_case(rank, world_size, *case) for case in cases}
 
 
 def reference(opt_name: str, loop: str, world_size: int) -> tuple[dict, list[float], list[float]]:
@@ -170,9 +182,15 @@ def ranks(request):
     return request.param, run_world(world, request.param, timeout=120)
 
 
-@pytest.mark.parametrize("case", CASES, ids="-".join)
+def ids(case) -> str:
+    return "-".join(map(str, case))
+
+
+@pytest.mark.parametrize("case", CASES + HSDP_CASES, ids=ids)
 def test_equals_one_process_on_the_combined_batch(ranks, case):
     world_size, results = ranks
+    if case not in results[0]:
+        pytest.skip("worker groups: the world of 4 ranks")
     ref, ref_norms, ref_scales = reference(case[1], case[2], world_size)
     for r, res in enumerate(results):
         got = res[case]
@@ -195,7 +213,7 @@ def test_what_a_sharded_distopt_cannot_do_is_refused_in_one_line(ranks):
         assert "graph mode" in graph and "not available with shard=" in graph
 
 
-@pytest.mark.parametrize("case", CASES, ids="-".join)
+@pytest.mark.parametrize("case", CASES, ids=ids)
 def test_each_rank_holds_its_share(ranks, case):
     world_size, results = ranks
     model, _ = make(case[1])
@@ -212,3 +230,24 @@ def test_each_rank_holds_its_share(ranks, case):
             assert res[case]["grads"] <= trainable / world_size + 4 * world_size
         else:
             assert res[case]["buckets"] > trainable
+
+
+@pytest.mark.parametrize("case", HSDP_CASES, ids=ids)
+def test_worker_groups_shard_inside_and_send_one_kth_across(ranks, case):
+    world_size, results = ranks
+    if case not in results[0]:
+        pytest.skip("worker groups: the world of 4 ranks")
+    k = world_size // case[3]
+    model, _ = make(case[1])
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    held = [res[case]["held"] for res in results]
+    assert sum(held[:k]) == sum(held[k:]) == trainable  # each group covers every element once
+    assert held[:k] == held[k:]  # rank j of every group holds the same chunks
+    for res in results:
+        assert abs(res[case]["held"] - trainable / k) <= 4 * (k - 1)
+        assert res[case]["state"] == 2 * res[case]["held"]  # AdamW: two slots of its own part only
+        crossed = res[case]["crossed"]
+        # every step each rank sends its chunk (1/k of the bucket's gradients) and the flags across groups
+        assert crossed["per_step"] == crossed["gradient"] / k + crossed["flags"]
+        if case[0] == "gradients":
+            assert res[case]["buckets"] == 0

@@ -23,7 +23,7 @@ from torch import Tensor
 from troupe.partition.partitioner import HOLDERS, _job_comm
 from troupe.runtime import world
 from troupe.runtime.comm import Communicator
-from troupe.util import SHARD_OF
+from troupe.util import SHARD_COPIES, SHARD_OF
 
 
 @torch.no_grad()
@@ -81,26 +81,30 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float, norm
 
 def _clip_parts(parameters: list[Tensor], max_norm: float, norm_type: float, comm: Communicator | None) -> Tensor:
     """A sharded DistOpt's model (``shard=...``): every rank holds the mean gradient of its own parts,
-    which together cover each tensor once, so the job's sum of the parts' norms is the model's."""
-    grads = []
+    which together cover each tensor once per worker group (`SHARD_COPIES` copies of each part), so the
+    job's sum of the parts' norms, each divided by its copies, is the model's."""
+    grads, copies = [], []
     for p in parameters:
         part = getattr(p, SHARD_OF, None) if hasattr(p, SHARD_OF) else p
         if part is not None and part.grad is not None:
             grads.append(part.grad)
-    return _clip(grads, float(max_norm), float(norm_type), _job_comm(comm))
+            copies.append(getattr(part, SHARD_COPIES, 1))
+    return _clip(grads, float(max_norm), float(norm_type), _job_comm(comm), copies)
 
 
-def _clip(grads: list[Tensor], max_norm: float, norm_type: float, job: Communicator) -> Tensor:
-    """Clip `grads`, which the ranks of `job` hold disjoint parts of, by their total norm."""
+def _clip(grads: list[Tensor], max_norm: float, norm_type: float, job: Communicator,
+          copies: list[int] | None = None) -> Tensor:
+    """Clip `grads`, which the ranks of `job` hold parts of (disjoint, or each in `copies` ranks alike),
+    by their total norm."""
     if not (norm_type == math.inf or norm_type > 0):
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
     local = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else "cpu")
-    for g in grads:
+    for g, n in zip(grads, copies or [1] * len(grads)):
         g = g.detach().double()
         if norm_type == math.inf:
             local = torch.maximum(local, g.abs().max().reshape(1))
         else:
-            local += g.abs().pow(norm_type).sum()
+            local += g.abs().pow(norm_type).sum() / n
     if job.world_size > 1:
         job.all_reduce(local, "max" if norm_type == math.inf else "sum")
     total = local if norm_type == math.inf else local.pow(1.0 / norm_type)

@@ -68,6 +68,10 @@ class Settings:
     shard: str | None = None
     """TROUPE_SHARD: "optimizer" or "gradients", set by `troupe run --shard`: what a DistOpt made without
     ``shard=`` cuts over the ranks (strategies/sharded.py)."""
+    groups: int | None = None
+    """TROUPE_GROUPS: synchronous worker groups of k = world size / G consecutive ranks, set by `troupe run
+    --nworker-groups G` without a cluster: a sharded model or DistOpt shards inside each group and the
+    groups replicate (HSDP). Must divide the world size (checked where the world is known: `World.sync_groups`)."""
     cluster: str | None = None
     """TROUPE_CLUSTER: JSON, a framework name or a cluster file (parameter servers)."""
     stats: str | None = None
@@ -101,6 +105,8 @@ class Settings:
             raise ValueError(f"TROUPE_BACKEND must be 'gloo' or 'nccl', got {self.backend!r}")
         if self.shard not in (None, "optimizer", "gradients"):
             raise ValueError(f"TROUPE_SHARD must be 'optimizer' or 'gradients', got {self.shard!r}")
+        if self.groups is not None and self.groups < 1:
+            raise ValueError(f"TROUPE_GROUPS must be >= 1 (worker groups), got {self.groups}")
         if self.master_port < 0:
             raise ValueError(f"TROUPE_MASTER_PORT must be >= 0, got {self.master_port}")
 

@@ -102,6 +102,28 @@ class World:
         self.groups[name] = self.job.new_group(ranks, timeout=timeout)
         return self.groups[name]
 
+    def sync_groups(self, groups: int | None, who: str) -> int:
+        """How many synchronous worker groups split this job: `groups` as `who` gave it, else ``TROUPE_GROUPS``
+        (``troupe run --nworker-groups G`` without a cluster), else 1. It must divide the world size."""
+        if groups is None:
+            given = "TROUPE_GROUPS (troupe run --nworker-groups)"
+            return check_groups(self.settings.groups or 1, self.world_size, given)
+        return check_groups(groups, self.world_size, f"{who}: groups")
+
+    def group_comms(self, groups: int) -> tuple[Communicator, Communicator]:
+        """(group, place): the communicators over this rank's worker group (group g holds the k = world
+        size / `groups` consecutive ranks [g*k, (g+1)*k)) and over the ranks at its place j in every group
+        (j, j+k, j+2k, ...). Made once per `groups` (named ``shard/{g}x{k}`` and ``replicate/{j}x{k}``)
+        and then reused: every rank makes every group and place, in one order (torch.distributed's rule)."""
+        n, k = self.world_size, self.world_size // groups
+
+        def once(name: str, ranks: range) -> Communicator:
+            return self.groups[name] if name in self.groups else self.group(name, ranks)
+
+        made = [once(f"shard/{g}x{k}", range(g * k, (g + 1) * k)) for g in range(groups)]
+        places = [once(f"replicate/{j}x{k}", range(j, n, k)) for j in range(k)]
+        return made[self.rank // k], places[self.rank % k]
+
     def replica_comms(self, *, escape: bool = True) -> tuple[Communicator, Communicator]:
         """An elastic job of worker groups of several processes: (group, place), the communicators over
         this process's own group and over the processes at its place in every group present.
@@ -195,6 +217,13 @@ class World:
         i = self.info
         return (f"World(rank {i.global_rank}/{i.world_size}, local {i.local_rank}/{i.local_world_size}, "
                 f"{i.backend}, {i.launcher}, groups={sorted(self.groups)})")
+
+
+def check_groups(groups: object, world_size: int, given: str) -> int:
+    """`groups` if it is a positive divisor of `world_size`, else a ValueError naming `given` and both values."""
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or world_size % groups:
+        raise ValueError(f"{given} must be a positive divisor of the world size ({world_size}), got {groups!r}")
+    return groups
 
 
 _current: World | None = None

@@ -151,15 +151,15 @@ def _policy(mixed_precision: Any) -> MixedPrecisionPolicy:
 
 
 def _groups(world: World, groups: int | None) -> int:
-    """Worker groups over the job's ranks: as given, else the cluster's (checked), else 1."""
+    """Worker groups over the job's ranks: as given, else the cluster's (checked), else ``TROUPE_GROUPS``
+    (`troupe run --nworker-groups G`), else 1."""
     if groups is None:
         cluster = cluster_from_env()
         check_cluster(cluster)
-        groups = 1 if cluster is None else cluster.nworker_groups
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or world.world_size % groups:
-        raise ValueError(f"troupe.shard: groups must be a positive divisor of the world size "
-                         f"({world.world_size}), got {groups!r}")
-    return groups
+        if cluster is None:
+            return world.sync_groups(None, "troupe.shard")
+        groups = cluster.nworker_groups
+    return world_mod.check_groups(groups, world.world_size, "troupe.shard: groups")
 
 
 @torch.no_grad()
@@ -177,15 +177,7 @@ def _mesh(world: World, groups: int) -> DeviceMesh:
     device = world.device.type
     if groups == 1:
         return DeviceMesh.from_group(world.job.group or dist.group.WORLD, device)
-    n, k = world.world_size, world.world_size // groups
-    # every rank makes every group, in one order (torch.distributed's rule); each keeps its own two
-    shard_comms = [_subgroup(world, f"shard/{g}x{k}", range(g * k, (g + 1) * k)) for g in range(groups)]
-    replica_comms = [_subgroup(world, f"replicate/{j}x{k}", range(j, n, k)) for j in range(k)]
-    me = world.rank
-    return DeviceMesh.from_group([replica_comms[me % k].group, shard_comms[me // k].group], device,
-                                 mesh=torch.arange(n).view(groups, k), mesh_dim_names=("replicate", "shard"))
-
-
-def _subgroup(world: World, name: str, ranks: range) -> Any:
-    """The World's subgroup `name` over `ranks` (made once: a second sharded model reuses it)."""
-    return world.groups[name] if name in world.groups else world.group(name, list(ranks))
+    shard_comm, replica_comm = world.group_comms(groups)
+    return DeviceMesh.from_group([replica_comm.group, shard_comm.group], device,
+                                 mesh=torch.arange(world.world_size).view(groups, -1),
+                                 mesh_dim_names=("replicate", "shard"))

@@ -87,6 +87,8 @@ class Setup:
     name_of: Callable[[Tensor], str]
     cluster: Any = None
     """The job's ClusterConfig (None without a cluster)."""
+    groups: int | None = None
+    """A sharded DistOpt's synchronous worker groups (HSDP), as given (None: ``TROUPE_GROUPS``, else 1)."""
     args: Mapping[str, Any] = field(default_factory=dict)
     """The dist_option's method arguments (``spars=0.01``, ``clipping=True``)."""
 

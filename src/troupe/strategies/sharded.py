@@ -9,6 +9,12 @@ state is made for those parts alone: 1/k of it); then each bucket's updated chun
 all-gathered back into the parameters. ``shard="gradients"`` also frees the full gradient
 buckets once they are reduced, keeping only the rank's chunk of the mean.
 
+Across worker groups (``DistOpt(opt, shard=..., groups=G)``, or ``troupe run --nworker-groups G``):
+the k = world size / G ranks of each group shard the state among themselves and the groups replicate
+(HSDP). Each bucket is reduced inside the group, then each rank all-reduces its own chunk with the
+ranks at its place in the other groups (1/k of the gradients crosses groups); the all-gather stays
+inside the group.
+
 Bytes per parameter, fp32 Adam (docs/sharding.md measures them): plain 16; ``"optimizer"``
 8 + 8/k; ``"gradients"`` 4 + 12/k. Chunks are cut by elements, not whole tensors, so every
 rank holds its 1/k within one bucket's padding (k - 1 elements a bucket) whatever the sizes
@@ -19,7 +25,8 @@ the bucket's gradients are, so the all-gather lands in them in place; the wrappe
 param groups are rewritten to hold this rank's parts (flat views of the same buffers, in the
 same groups, so LR schedulers and per-group options keep working); ``p.grad`` of a model
 parameter is None after the reduction (the mean lives in its parts' ``grad``), so clip with
-`troupe.clip_grad_norm_`, which sums the parts over the ranks.
+`troupe.clip_grad_norm_`, which sums the parts over the ranks (each part counted once: its G copies
+each add 1/G, `SHARD_COPIES`).
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from troupe.strategies.registry import Capabilities, Regime, Setup, lookup, regi
 from troupe.sync.bucket import Bucket
 from troupe.sync.hooks.shard import ShardReduce
 from troupe.sync.reducer import GradReducer
-from troupe.util import SHARD_OF
+from troupe.util import SHARD_COPIES, SHARD_OF
 
 SHARD_MODES = ("optimizer", "gradients")
 """``DistOpt(shard=...)``: what is cut over the ranks besides the optimizer's work."""
@@ -67,12 +74,20 @@ def own_parts(numels: Sequence[int], rank: int, k: int) -> list[tuple[int, int, 
 
 
 class ShardedStep:
-    """The update of a sharded DistOpt: reduce-scatter in backward, step the own parts, all-gather."""
+    """The update of a sharded DistOpt: reduce-scatter in backward, step the own parts, all-gather.
 
-    def __init__(self, *, mode: str, comm: Communicator, reducer: GradReducer, optimizer: torch.optim.Optimizer):
+    `comm` is the job (the finiteness verdict), `group` the ranks that share the state (the job itself
+    without worker groups), `across` the ranks at this rank's place in the other groups (None: none)."""
+
+    def __init__(self, *, mode: str, comm: Communicator, reducer: GradReducer, optimizer: torch.optim.Optimizer,
+                 group: Communicator | None = None, across: Communicator | None = None):
         self.name, self.mode = f"plain, shard={mode}", mode
         self.comm, self.reducer, self.optimizer = comm, reducer, optimizer
-        self.k, self.rank = comm.world_size, comm.rank
+        self.group = comm if group is None else group
+        self.across = across
+        self.copies = 1 if across is None else across.world_size
+        """Ranks holding the same part: one per worker group."""
+        self.k, self.rank = self.group.world_size, self.group.rank
         self.values: list[Tensor] = []
         """Per bucket, the flat buffer its parameters are views of (the bucket's layout, padded)."""
         self.grads: list[Tensor] = []
@@ -85,12 +100,13 @@ class ShardedStep:
         """The optimizer's groups as given, and each part's parameter and first element (for checkpoints)."""
         for b in reducer.buckets:
             self._lay_out(b)
-        self.hook = ShardReduce(comm, lambda b: self.grads[b.index])
+        self.hook = ShardReduce(self.group, lambda b: self.grads[b.index], across)
         reducer.also_reduce = self._hand_over
         if mode == "gradients":  # the full buckets exist only while a step reduces them
             reducer.release_storage()
         self._regroup()
-        self._bytes_mark = comm.bytes_sent()
+        self._comms = list({id(c): c for c in (comm, self.group, across) if c is not None}.values())
+        self._bytes_mark = self._bytes_sent()
         self._finite = True
 
     def _lay_out(self, bucket: Bucket) -> None:
@@ -111,6 +127,7 @@ class ShardedStep:
             part = torch.nn.Parameter(values[at + start : at + stop], requires_grad=True)
             self.part_of[id(p)], self._at[id(p)] = part, at + start - self.rank * chunk
             self.parts.start[id(part)] = (p, start)
+            setattr(part, SHARD_COPIES, self.copies)
             setattr(p, SHARD_OF, part)
 
     def _regroup(self) -> None:
@@ -167,23 +184,31 @@ class ShardedStep:
     def step(self) -> StepStats:
         self.optimizer.step()
         self.gather()
-        now = self.comm.bytes_sent()
+        now = self._bytes_sent()
         sent, self._bytes_mark = now - self._bytes_mark, now
         return {"option": f"shard={self.mode}", "bytes_sent": sent}
 
+    def _bytes_sent(self) -> int:
+        return sum(c.bytes_sent() for c in self._comms)
+
     def gather(self) -> None:
-        """Every bucket's updated chunks back into every rank's parameters (one all-gather per bucket)."""
+        """Every bucket's updated chunks back into every rank's parameters (one all-gather per bucket, inside
+        the group: every group stepped the same chunks alike)."""
         handles: list[Handle] = []
         for values in self.values:
             chunk = values.numel() // self.k
             mine = values[self.rank * chunk : (self.rank + 1) * chunk].clone()
-            handles.append(self.comm.all_gather_into(values, mine, async_op=True))
+            handles.append(self.group.all_gather_into(values, mine, async_op=True))
         for h in handles:
             h.wait()
 
     def per_rank_state(self) -> list[str]:
-        """None: a checkpoint saves each part's state as its slice of the whole parameter's, so it reshards."""
-        return []
+        """None: a checkpoint saves each part's state as its slice of the whole parameter's, so it reshards
+        (across worker groups, where G ranks hold each part, that is not tested yet: kept per rank)."""
+        if self.across is None:
+            return []
+        return [f"the optimizer state is sharded by elements over the {self.k} ranks of each worker group "
+                f"(shard={self.mode!r}); resharding such a checkpoint is not supported yet"]
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -201,9 +226,10 @@ class ShardedChoice:
     info = None
     owns_reducer = True
 
-    def __init__(self, regime: type[Regime], setup: Setup):
+    def __init__(self, regime: type[Regime], setup: Setup, groups: int = 1):
         self.regime = regime
         comm = setup.world.comm
+        group, across = (comm, None) if groups == 1 else setup.world.group_comms(groups)
         self.model_params = params_of(setup.optimizer)
         """The model's parameters, as given to the optimizer (its groups then hold this rank's parts)."""
         if setup.optimizer.state:
@@ -211,8 +237,9 @@ class ShardedChoice:
                              "the first step (load a checkpoint into the DistOpt afterwards)")
         self.reducer = GradReducer(self.model_params, comm, setup.bucket_size, setup.first_bucket_size,
                                    hook_for_step=lambda: self.current.reduce_hook(),
-                                   describe_step=lambda: self.current.describe(), pad_to=comm.world_size)
-        self.current = ShardedStep(mode=regime.name, comm=comm, reducer=self.reducer, optimizer=setup.optimizer)
+                                   describe_step=lambda: self.current.describe(), pad_to=group.world_size)
+        self.current = ShardedStep(mode=regime.name, comm=comm, reducer=self.reducer, optimizer=setup.optimizer,
+                                   group=group, across=across)
 
     def select(self, option: str, **args: Any) -> ShardedStep:
         self.regime.accept(lookup(option))
@@ -269,9 +296,10 @@ class Shard(Regime):
         if partitioned:
             raise ValueError(f"shard={cls.name!r} cannot shard a model partitioned by troupe.partition: use "
                              "shard=None with the partitioned model")
-        if world.comm.world_size == 1:  # one rank holds everything: nothing to cut
+        groups = world.sync_groups(setup.groups, "DistOpt")
+        if world.comm.world_size == groups:  # each rank holds everything: nothing to cut
             return OptionSwitch(setup, "plain")
-        return ShardedChoice(cls, setup)
+        return ShardedChoice(cls, setup, groups)
 
     @classmethod
     def accept(cls, option: type[Regime]) -> None:

@@ -8,6 +8,11 @@ reduction needs to leave rank r only the mean of its own chunk: a reduce-scatter
 each gradient, who was active) still reach every rank, summed by a small all-reduce of their own.
 That holds on NCCL; Gloo's reduce-scatter sends what an all-reduce does (it is one, over a copy of
 the input), so on Gloo the bucket is all-reduced in place and each rank keeps its chunk.
+
+Across worker groups (HSDP: ``across`` is the communicator over the ranks at this rank's place in
+every group) the reduction above runs inside the group; then each rank all-reduces its own chunk,
+with the bucket's flags beside it, with the same chunk of the other groups: 1/k of the gradients
+crosses groups, and the flags are summed over the whole job.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from troupe.runtime.comm import Communicator, Handle
@@ -32,13 +38,15 @@ class ShardReduce:
 
     comm: Communicator
     dest: Callable[[Bucket], Tensor]
+    across: Communicator | None = None
+    """Worker groups (HSDP): the ranks at this rank's place in every group; None: one group, the job."""
     mean_over_active: bool = True
     carries_digest: bool = False
     coalesce: bool = False
 
     @property
     def prescale(self) -> float:
-        return 1.0 / self.comm.world_size
+        return 1.0 / (self.comm.world_size * (1 if self.across is None else self.across.world_size))
 
     def __call__(self, bucket: Bucket) -> Handle:
         dest = self.dest(bucket)
@@ -54,6 +62,7 @@ class ShardReduce:
             flags.wait()
             if aliased:
                 dest.copy_(out)
+            self._across_groups(bucket, dest)
 
         return Handle(None, then, label=bucket.label)
 
@@ -69,5 +78,17 @@ class ShardReduce:
             if not aliased:
                 rank = self.comm.rank
                 dest.copy_(bucket.padded_data[rank * chunk : (rank + 1) * chunk])
+            self._across_groups(bucket, dest)
 
         return Handle(None, then, label=bucket.label)
+
+    def _across_groups(self, bucket: Bucket, dest: Tensor) -> None:
+        """HSDP: the group's sum of this rank's chunk, and the group's flags, summed with the other groups'
+        (one all-reduce of both, packed: the chunk is 1/k of the bucket; the flags are a few elements)."""
+        if self.across is None:
+            return
+        flags = bucket.flags
+        packed = torch.cat([dest, flags])
+        self.across.all_reduce(packed, "sum")
+        dest.copy_(packed[: dest.numel()])
+        flags.copy_(packed[dest.numel() :])
