@@ -435,6 +435,10 @@ def run(args: argparse.Namespace) -> int:
         _elastic_from_cluster(args)
     if args.elastic and args.node_rank != 0:
         _afresh_unless_quiet()
+    if args.tensorboard:
+        from troupe.observe.tensorboard import require
+
+        require()  # one clear error here, not one per rank, and before any directory is made
     _check_paths(args)
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
@@ -450,9 +454,6 @@ def run(args: argparse.Namespace) -> int:
                 os.remove(flag)  # stats are appended to: start each job afresh
             extra_env[var] = os.path.abspath(flag)
     if args.tensorboard:
-        from troupe.observe.tensorboard import require
-
-        require()  # one clear error here, not one per rank
         extra_env["TROUPE_TENSORBOARD"] = os.path.abspath(args.tensorboard)
     if args.elastic:
         _check_elastic(args)

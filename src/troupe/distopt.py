@@ -245,6 +245,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         the new parameters join the reduction."""
         self._choice.require("add_param_group")
         self.optimizer.add_param_group(param_group)
+        self._model_params = params_of(self.optimizer)
         if self.world.membership.builds_together:  # else troupe.track gives a joiner the quorum's values
             broadcast_replicated(self.communicator, self._params())
         self._choice.add_params(self._params())
