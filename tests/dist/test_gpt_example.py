@@ -25,7 +25,7 @@ def train_every_mode(rank: int, world_size: int) -> dict:
     spec = importlib.util.spec_from_file_location("gpt_example", ROOT / "examples" / "gpt.py")
     gpt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpt)
-    args = ["--steps", "6", "--eval-every", "6", "--warmup", "2", "--dim", "32", "--layers", "2", "--heads", "2",
+    args = ["--steps", "4", "--eval-every", "4", "--warmup", "2", "--dim", "32", "--layers", "2", "--heads", "2",
             "--block-size", "32", "--batch-size", "2", "--accum", "2", "--clip", "0.5"]
     return {mode: gpt.main([*args, "--shard", mode]) for mode in MODES}
 

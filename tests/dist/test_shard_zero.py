@@ -17,7 +17,7 @@ from torch import nn
 
 from tests.dist.world import run_world
 
-STEPS, MICRO, BATCH = 4, 2, 4  # per rank: MICRO micro-batches of BATCH samples per step
+STEPS, MICRO, BATCH = 3, 2, 4  # per rank: MICRO micro-batches of BATCH samples per step
 VOCAB, DIM = 37, 12
 CASES = [(mode, opt, loop) for mode in ("optimizer", "gradients") for opt, loop in
          (("sgd", "loop"), ("adamw", "loop"), ("adamw", "scaler"), ("sgd", "singa"))]
