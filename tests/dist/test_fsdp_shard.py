@@ -193,7 +193,7 @@ def test_sharded_training_equals_one_process(world, case, opt_name):
 def test_hsdp_over_two_groups_equals_one_process(world):
     world_size, results = world
     if world_size != 4:
-        pytest.skip("2 groups of 2 need 4 ranks")
+        pytest.skip("HSDP needs 2 groups of 2 ranks: it runs in the 4-rank world only")
     params, norms, first = train_reference(world_size, "adamw", 0.5)
     for r in results:
         assert r["hsdp"]["per_group"] == 2

@@ -190,7 +190,7 @@ def ids(case) -> str:
 def test_equals_one_process_on_the_combined_batch(ranks, case):
     world_size, results = ranks
     if case not in results[0]:
-        pytest.skip("worker groups: the world of 4 ranks")
+        pytest.skip("HSDP needs 2 groups of 2 ranks: it runs in the 4-rank world only")
     ref, ref_norms, ref_scales = reference(case[1], case[2], world_size)
     for r, res in enumerate(results):
         got = res[case]
@@ -236,7 +236,7 @@ def test_each_rank_holds_its_share(ranks, case):
 def test_worker_groups_shard_inside_and_send_one_kth_across(ranks, case):
     world_size, results = ranks
     if case not in results[0]:
-        pytest.skip("worker groups: the world of 4 ranks")
+        pytest.skip("HSDP needs 2 groups of 2 ranks: it runs in the 4-rank world only")
     k = world_size // case[3]
     model, _ = make(case[1])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
