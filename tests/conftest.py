@@ -42,6 +42,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "tests/unit/test_bench.py::test_bench_is_not_imported_by_troupe",
         "tests/unit/test_zygote.py",
         "tests/unit/test_forkserver.py",
+        "tests/unit/test_suite_scheduler.py",
         "tests/unit/test_shard_layout.py::test_troupe_run_refuses_shard_with_elastic_or_a_framework",
     ),
     "netns": (
@@ -151,13 +152,87 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class SharedWorldScheduling(LoadScopeScheduling):
+        """pytest-xdist's LoadScopeScheduling, safe when a worker dies: its replacement is handed work only
+        once it has collected (xdist 3.8 raised KeyError, or waited forever, when a second worker died
+        before the first's replacement had collected), and the test a dead worker was running runs once
+        more on another worker before it is reported failed (a worker killed from outside, which no test
+        of ours should do, costs a rerun; a test that kills its worker fails as before)."""
+
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self.crashes: dict[str, int] = {}
+
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::")[0]
             if nodeid.startswith(FAMILIES["netns"]):
                 return "netns"
             return module if module in SHARED_WORLDS else nodeid
 
+        def _reschedule(self, node) -> None:
+            """Top the node up to two pending tests (a worker runs a test once it knows the next one, or
+            that there is none: then it is told to shut down). A node that has not collected yet is left to
+            `schedule()`, which comes once it has."""
+            if node not in self.registered_collections or node.shutting_down:
+                return
+            while self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
+                self._assign_work_unit(node)
+            if not self.workqueue:
+                node.shutdown()
+
+        def remove_node(self, node):
+            """xdist's, but a dead worker's finished units are not handed out again (xdist requeued them:
+            workers were sent empty units)."""
+            workload = self.assigned_work.pop(node)
+            pending = {scope: unit for scope, unit in workload.items() if not all(unit.values())}
+            if not pending:
+                return None
+            crashitem = next(nodeid for unit in pending.values() for nodeid, done in unit.items() if not done)
+            self.crashes[crashitem] = self.crashes.get(crashitem, 0) + 1
+            if self.crashes[crashitem] > 1:  # its second death: reported, not run again
+                for unit in pending.values():
+                    unit.pop(crashitem, None)
+                pending = {scope: unit for scope, unit in pending.items() if not all(unit.values())}
+            self.workqueue.update(pending)
+            for other in self.assigned_work:
+                self._reschedule(other)
+            if self.crashes[crashitem] == 1:
+                print(f"\nconftest: worker {node.gateway.id} died under {crashitem}: it runs once more",
+                      file=sys.stderr, flush=True)
+                return None
+            return crashitem
+
     return SharedWorldScheduling(config, log)
+
+
+def pytest_testnodedown(node, error) -> None:
+    """On the controller, when a worker ends: if it died, how (its exit status) and the last tests it
+    started (tests/conftest.py's trace, `pytest_runtest_logstart`), so that a death is never silent."""
+    if not error:
+        return
+    popen = getattr(getattr(getattr(node, "gateway", None), "_io", None), "popen", None)
+    code = None
+    if popen is not None:
+        try:
+            code = popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = "still running"
+    pid = getattr(popen, "pid", None)
+    how = f"signal {-code}" if isinstance(code, int) and code < 0 else f"exit status {code}"
+    trace = Path(f"/tmp/troupe-test-trace-{pid}.txt")
+    last = trace.read_text().splitlines()[-4:] if trace.exists() else []
+    trace.unlink(missing_ok=True)
+    print(f"\nconftest: worker {node.gateway.id} (pid {pid}) ended with {how} ({error}); its last tests "
+          f"started: {last}", file=sys.stderr, flush=True)
+
+
+def pytest_runtest_logstart(nodeid: str, location) -> None:
+    """In a pytest-xdist worker: one line per test it starts, for `pytest_testnodedown` to quote."""
+    if _TRACE:
+        _TRACE[0].write(f"{time.strftime('%H:%M:%S')} {nodeid}\n")
+        _TRACE[0].flush()
+
+
+_TRACE: list = []
 
 
 class ForkServer:
@@ -181,6 +256,8 @@ def pytest_configure(config: pytest.Config) -> None:
     starts afresh, as without the server."""
     from troupe.runtime.forkserver import ENV_VAR
 
+    if hasattr(config, "workerinput"):
+        _TRACE.append(open(f"/tmp/troupe-test-trace-{os.getpid()}.txt", "w"))
     controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
     if controller or os.environ.get(FORK_SERVER, "1") == "0" or not sys.platform.startswith("linux") \
             or os.environ.get(ENV_VAR):
@@ -218,6 +295,11 @@ def _ends_with_parent() -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     from troupe.runtime.forkserver import ENV_VAR
+
+    while _TRACE:
+        trace = _TRACE.pop()
+        trace.close()
+        Path(trace.name).unlink(missing_ok=True)
 
     while _SERVER:
         served = _SERVER.pop()
