@@ -23,6 +23,8 @@ CASES = [(mode, opt, loop) for mode in ("optimizer", "gradients") for opt, loop 
          (("sgd", "loop"), ("adamw", "loop"), ("adamw", "scaler"), ("sgd", "singa"))]
 """(shard mode, optimizer, script shape): the PyTorch loop with accumulation and clipping; the same with
 torch's GradScaler and an overflow on one rank; SINGA's ``sgd(loss)``."""
+CASES.append(("cluster", "adamw", "loop"))
+"""SINGA's AllReduce framework with ``shard: gradients`` in its cluster block (``TROUPE_CLUSTER``): ZeRO-2."""
 HSDP_CASES = [("optimizer", "adamw", "loop", 2), ("gradients", "adamw", "scaler", 2)]
 """(shard mode, optimizer, script shape, worker groups): the world of 4 ranks only."""
 INF_STEP = 1
@@ -80,10 +82,21 @@ def rank_slice(step: int, micro: int, rank: int, world_size: int) -> slice:
 
 
 def train_case(rank: int, world_size: int, mode: str, opt_name: str, loop: str, groups: int | None = None) -> dict:
+    import os
+
     import troupe
+    from troupe.cluster.configuration.presets import preset
 
     model, opt = make(opt_name)
-    sgd = troupe.DistOpt(opt, shard=mode, bucket_size=200, first_bucket_size=100, groups=groups)
+    if mode == "cluster":  # the co-located servers of one AllReduce group, sharded by the cluster block
+        os.environ["TROUPE_CLUSTER"] = preset("allreduce", world_size, shard="gradients").to_json()
+        try:
+            sgd = troupe.DistOpt(opt, bucket_size=200, first_bucket_size=100)
+        finally:
+            del os.environ["TROUPE_CLUSTER"]
+        assert sgd.strategy.mode == "gradients", sgd.strategy
+    else:
+        sgd = troupe.DistOpt(opt, shard=mode, bucket_size=200, first_bucket_size=100, groups=groups)
     across = sgd.strategy.across
     crossed = 0 if across is None else across.traffic["all_reduce"].payload_bytes
     sched = torch.optim.lr_scheduler.LambdaLR(sgd, lambda s: 1.0 / (1 + s))
@@ -225,7 +238,7 @@ def test_each_rank_holds_its_share(ranks, case):
         # within one bucket's padding (k - 1 elements per bucket) of 1/k
         assert abs(res[case]["held"] - trainable / world_size) <= 4 * (world_size - 1)
         assert res[case]["state"] == slots * res[case]["held"]
-        if case[0] == "gradients":
+        if case[0] in ("gradients", "cluster"):
             assert res[case]["buckets"] == 0  # the full gradients are freed after each reduction
             assert res[case]["grads"] <= trainable / world_size + 4 * world_size
         else:

@@ -100,11 +100,23 @@ def test_json_round_trip(monkeypatch, tmp_path):
         ({"fetch": "background"}, r"fetch background needs separate servers"),
         ({"staleness_lr": "inverse"}, r"staleness_lr inverse needs separate servers"),
         ({"staleness_lr": "sqrt", "server_worker_separate": True}, r"staleness_lr must be one of constant, inverse"),
+        ({"shard": "parameters"}, r"shard must be optimizer or gradients, or unset, got 'parameters'"),
+        ({"shard": "optimizer", "server_worker_separate": True}, r"shard optimizer shards co-located servers"),
+        ({"shard": "gradients", "nworker_groups": 2, "nserver_groups": 2},
+         r"shard gradients runs in one worker group .* troupe run --nworker-groups G --shard"),
     ],
 )
 def test_bad_configs_name_their_values(fields, message):
     with pytest.raises(ValueError, match=message):
         ClusterConfig(**fields)
+
+
+def test_a_sharded_allreduce_block_is_the_shard_regime_over_its_group():
+    cfg = parse_cluster_text("cluster {\n nworkers_per_group: 4\n nservers_per_group: 4\n shard: \"gradients\"\n}")
+    assert cfg.shard == "gradients" and cfg.worker_regime == "co-located-sharded"
+    assert preset("allreduce", 4, shard="optimizer").worker_regime == "co-located-sharded"
+    assert preset("allreduce", 4).worker_regime == "co-located"
+    assert ClusterConfig.from_json(cfg.to_json()) == cfg
 
 
 def test_bad_text():

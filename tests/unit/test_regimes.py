@@ -30,7 +30,7 @@ def test_the_table_holds_singas_dist_options_and_the_cluster_worker_kinds():
                                        "fsdp": "backward_and_update"}  # troupe.shard's model picks it
     assert registry.graph_options() == ("plain", "fp32", "fp16", "bf16")
     assert sorted(n for n, r in REGIMES.items() if r.kind == "cluster") == \
-        ["co-located", "diloco", "elastic-diloco", "in-memory-hogwild", "ps-client"]
+        ["co-located", "co-located-sharded", "diloco", "elastic-diloco", "in-memory-hogwild", "ps-client"]
     assert registry.lookup("fp32") is registry.lookup("plain")
     assert registry.lookup("bf16").fixed_args == {"dtype": "bf16"}
 

@@ -95,6 +95,25 @@ class CoLocatedServers(ClusterWorker):
 
 
 @register
+class ShardedCoLocatedServers(ClusterWorker):
+    """AllReduce with ``shard:`` in its cluster block: the group's co-located servers become the ranks' parts
+    of a sharded DistOpt (`troupe.strategies.sharded`, ZeRO-1 / ZeRO-2), each holding 1/k of the state."""
+
+    name = "co-located-sharded"
+    where = "under framework allreduce with shard"
+    supports = Capabilities(per_call=False, join=False, add_param_group=False, partition=False)
+
+    @classmethod
+    def choose(cls, setup: Setup) -> Any:
+        from troupe.strategies.registry import lookup
+
+        if setup.world.comm.world_size != setup.cluster.nworkers:
+            raise ValueError(f"shard {setup.cluster.shard} needs every rank to be a worker of the one group "
+                             f"({setup.cluster.nworkers} workers, {setup.world.comm.world_size} ranks)")
+        return lookup(setup.cluster.shard, "shard").choose(setup)
+
+
+@register
 class InMemoryHogwild(ClusterWorker):
     """Several workers of one process share its parameter memory (``nworkers_per_procs > 1``)."""
 

@@ -87,7 +87,7 @@ def _value(key: str, raw: str) -> int | float | bool | str:
     if low in ("true", "false"):
         return low == "true"
     if key in ("group_merge", "send_updates", "wire_dtype", "fetch", "staleness_lr", "framework", "outer_optimizer",
-               "pseudo_grad_dtype"):
+               "pseudo_grad_dtype", "shard"):
         return raw.strip("\"'")
     if key in ("wire_topk", "outer_lr", "outer_momentum", "merge_alpha"):  # a fraction or a rate
         try:

@@ -70,6 +70,14 @@ def _check_topk(value: object, separate: bool) -> None:
                          f"or unset (dense), got {value!r}")
 
 
+def _check_shard(value: object, separate: bool) -> None:
+    if value not in (None, "optimizer", "gradients"):
+        raise ValueError(f"shard must be optimizer or gradients, or unset, got {value!r}")
+    if value is not None and separate:
+        raise ValueError(f"shard {value} shards co-located servers (AllReduce); separate servers already hold "
+                         "each slice's state once: leave out shard, or server_worker_separate")
+
+
 def _check_outer_optimizer(value: object, separate: bool) -> None:
     outer_optimizer_class(value)
 
@@ -246,6 +254,13 @@ class ClusterConfig:
     module-name globs -> dim; split inside each worker group of nworkers_per_group workers.
     Unset: the script decides (no partition unless it partitions by hand)."""
 
+    shard: str | None = option(None, keeps_shape=True, check=_check_shard)
+    """Co-located servers (AllReduce) in one worker group: "optimizer" or "gradients" shards the
+    optimizer state (and the reduced gradients) over the group's processes by elements, as
+    ``DistOpt(shard=...)`` does (ZeRO-1 / ZeRO-2, docs/sharding.md): each process holds its server's
+    1/k of the state and no second copy of its slice. Unset: each co-located server keeps its slice's
+    values beside the full parameters and gradients, as before."""
+
     elastic: bool = option(False)
     """Elastic worker groups (what `troupe run --elastic` runs): synchronous data parallelism (or
     DiLoCo) over the nworker_groups groups of nworkers_per_group processes; a dead process restarts
@@ -269,6 +284,7 @@ class ClusterConfig:
                 f"({self.nserver_groups}): each server group serves the same number of worker groups"
             )
         self._check_diloco()
+        self._check_shard()
         _check_packing("workers", self.nworkers_per_group, self.nworkers_per_procs)
         _check_packing("servers", self.nservers_per_group, self.nservers_per_procs)
         if not self.server_worker_separate and self.nworker_procs != self.nserver_procs:
@@ -320,6 +336,16 @@ class ClusterConfig:
             )
         _check_packing("workers", self.nworkers_per_group, self.nworkers_per_procs)
         _check_packing("servers", self.nservers_per_group, self.nservers_per_procs)
+
+    def _check_shard(self) -> None:
+        if self.shard is None:
+            return
+        if self.framework == "diloco" or self.nworker_groups > 1 or self.share_memory:
+            raise ValueError(
+                f"shard {self.shard} runs in one worker group of co-located servers (AllReduce); several "
+                "asynchronous groups (Hogwild), DiLoCo and shared memory do not shard yet: leave out shard, or "
+                "for synchronous sharded groups (HSDP) run without a framework: troupe run --nworker-groups G "
+                "--shard ...")
 
     def _check_diloco(self) -> None:
         if self.framework != "diloco":
@@ -383,6 +409,8 @@ class ClusterConfig:
             return "elastic-diloco" if self.elastic else "diloco"
         if self.server_worker_separate:
             return "ps-client"
+        if self.shard is not None:
+            return "co-located-sharded"
         return "in-memory-hogwild" if self.in_memory else "co-located"
 
     @property
