@@ -149,18 +149,19 @@ def memory_rank(rank: int, world_size: int, name: str, args) -> dict:
 
 
 def bytes_rank(rank: int, world_size: int, name: str, args) -> dict:
-    """Wire bytes per step the job's Communicator counted (troupe's contestants), by operation."""
+    """Wire bytes per step troupe's Communicators counted (the job's and its groups': the World's totals),
+    by operation."""
     import troupe
 
     torch.set_num_threads(1)
     model, step, _ = build(name, args, measure=False)
-    comm = troupe.init().comm
+    traffic = troupe.init().traffic
     step(0)
-    before = {op: t.wire_bytes for op, t in comm.traffic.items()}
+    before = {op: t.wire_bytes for op, t in traffic.items()}
     for i in range(1, 1 + args.steps):
         step(i)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return {op: (t.wire_bytes - before.get(op, 0)) / args.steps / grad_bytes for op, t in comm.traffic.items()}
+    return {op: (t.wire_bytes - before.get(op, 0)) / args.steps / grad_bytes for op, t in traffic.items()}
 
 
 def steps_rank(rank: int, world_size: int, names: list[str], args) -> list:

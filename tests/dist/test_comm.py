@@ -43,6 +43,25 @@ def _collectives(rank, world_size):
     out["objects"] = c.all_gather_object({"rank": rank})
     c.barrier()
 
+    # the ring reduce-scatter, on a group of its own (its thread), against a sum: chunk `rank` is the
+    # sum, both asynchronously and not; (n-1)/n of the buffer counted on the wire
+    ring = c.new_group(range(n))
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(n * 1000, generator=g), torch.randn(n * 7, generator=g)
+    want_x, want_y = x.clone(), y.clone()
+    c.all_reduce(want_x, "sum")
+    c.all_reduce(want_y, "sum")
+    pending = ring.ring_reduce_scatter(x, async_op=True)
+    ring.ring_reduce_scatter(y)
+    pending.wait()
+    out["ring"] = [torch.allclose(got.view(n, -1)[rank], want.view(n, -1)[rank], rtol=1e-5, atol=1e-5)
+                   for got, want in ((x, want_x), (y, want_y))]
+    out["ring_wire"] = ring.traffic["reduce_scatter"].wire_bytes
+    try:
+        ring.ring_reduce_scatter(torch.zeros(n * 2 + 1))
+    except ValueError as e:
+        out["ring_uneven"] = str(e)
+
     # counters: a ring all-reduce sends 2(n-1)/n of the payload; then they reset
     c.reset_counters()
     c.all_reduce(torch.zeros(300), "sum")
@@ -62,5 +81,8 @@ def test_every_collective_against_its_definition():
         assert r["gather"] == ([0, 3, 6] if rank == 0 else None)
         assert r["scatter"] == [float(rank), rank + 0.5]
         assert r["objects"] == [{"rank": q} for q in range(n)]
+        assert r["ring"] == [True, True]
+        assert r["ring_wire"] == int((n - 1) / n * n * 1000 * 4) + int((n - 1) / n * n * 7 * 4)
+        assert r["ring_uneven"] == "ring_reduce_scatter: 7 elements do not cut into 3 equal chunks"
         calls, payload, wire = r["traffic"]
         assert calls == 1 and payload == 300 * 4 and wire == int(2 * (n - 1) / n * 300 * 4)

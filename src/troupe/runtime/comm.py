@@ -9,7 +9,10 @@ from __future__ import annotations
 import contextlib
 
 import datetime
+import queue
+import threading
 import weakref
+from concurrent import futures
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -266,6 +269,41 @@ class Communicator:
                         escape=self.escape)
         return _complete(handle, async_op, output)
 
+    def ring_reduce_scatter(self, buffer: Tensor, async_op: bool = False) -> Handle | Tensor:
+        """Sum `buffer` (world_size equal chunks) over the ranks on a ring of point-to-point messages, in
+        place: chunk `rank` of `buffer` ends holding the sum, the other chunks partial sums.
+
+        Each rank sends (n-1)/n of the buffer in n-1 steps, where Gloo's own reduce-scatter sends
+        2(n-1)/n (an all-reduce underneath): at 1 Gbit/s on 4 simulated hosts it takes 0.47-0.58x the
+        time of Gloo's (docs/sharding.md). The steps run on this communicator's own thread, one ring
+        after another in the order called, so that a caller can start it and go on with backward; the
+        communicator must then carry nothing else (a group of its own, `World.group`)."""
+        n = self.world_size
+        if buffer.numel() % n:
+            raise ValueError(f"ring_reduce_scatter: {buffer.numel()} elements do not cut into {n} equal chunks")
+        nbytes = buffer.numel() * buffer.element_size()
+        self._count("reduce_scatter", nbytes, (n - 1) / n * nbytes)
+        if n == 1:
+            return _complete(Handle(None), async_op, buffer)
+        lane = self.__dict__.get("_lane")
+        if lane is None:
+            lane = self._lane = _Lane(f"troupe ring reduce-scatter (rank {self.rank} of {n})")
+        done = lane.submit(lambda: self._ring(buffer))
+        handle = Handle(None, done.result, label=f"ring reduce_scatter of {nbytes} bytes")
+        return _complete(handle, async_op, buffer)
+
+    def _ring(self, buffer: Tensor) -> None:
+        n, rank = self.world_size, self.rank
+        chunks = buffer.view(n, -1)
+        right, left = self.global_rank((rank + 1) % n), self.global_rank((rank - 1) % n)
+        incoming = torch.empty_like(chunks[0])
+        for step in range(n - 1):  # chunk c leaves rank c + 1 and collects every rank's part on its way to c
+            ops = [dist.P2POp(dist.isend, chunks[(rank - step - 1) % n], right, group=self.group),
+                   dist.P2POp(dist.irecv, incoming, left, group=self.group)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            chunks[(rank - step - 2) % n].add_(incoming)
+
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         """Every rank's `tensor` (all the same shape), in rank order."""
         nbytes = tensor.numel() * tensor.element_size()
@@ -508,6 +546,28 @@ class Communicator:
         comm = Communicator(group, watchdog=self.watchdog, recorder=self.recorder, totals=self._totals)
         comm.escape = self.escape
         return comm
+
+
+class _Lane:
+    """One daemon thread running the calls handed to it, in order (a daemon: a ring that waits for a dead
+    peer must not keep the process from exiting)."""
+
+    def __init__(self, name: str):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, call: Callable[[], object]) -> futures.Future:
+        done: futures.Future = futures.Future()
+        self._calls.put((call, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            call, done = self._calls.get()
+            try:
+                done.set_result(call())
+            except BaseException as e:  # the waiter raises it
+                done.set_exception(e)
 
 
 class Outside:

@@ -80,7 +80,8 @@ class ShardedStep:
     without worker groups), `across` the ranks at this rank's place in the other groups (None: none)."""
 
     def __init__(self, *, mode: str, comm: Communicator, reducer: GradReducer, optimizer: torch.optim.Optimizer,
-                 group: Communicator | None = None, across: Communicator | None = None):
+                 group: Communicator | None = None, across: Communicator | None = None,
+                 ring: Communicator | None = None):
         self.name, self.mode = f"plain, shard={mode}", mode
         self.comm, self.reducer, self.optimizer = comm, reducer, optimizer
         self.group = comm if group is None else group
@@ -100,12 +101,12 @@ class ShardedStep:
         """The optimizer's groups as given, and each part's parameter and first element (for checkpoints)."""
         for b in reducer.buckets:
             self._lay_out(b)
-        self.hook = ShardReduce(self.group, lambda b: self.grads[b.index], across)
+        self.hook = ShardReduce(self.group, lambda b: self.grads[b.index], across, ring=ring)
         reducer.also_reduce = self._hand_over
         if mode == "gradients":  # the full buckets exist only while a step reduces them
             reducer.release_storage()
         self._regroup()
-        self._comms = list({id(c): c for c in (comm, self.group, across) if c is not None}.values())
+        self._comms = list({id(c): c for c in (comm, self.group, across, ring) if c is not None}.values())
         self._bytes_mark = self._bytes_sent()
         self._finite = True
 
@@ -220,6 +221,19 @@ class ShardedStep:
         pass
 
 
+def _ring_group(world, groups: int) -> Communicator:
+    """Gloo: this rank's worker group again, as a process group of its own that carries only the ring
+    reduce-scatter (its thread sends while backward goes on; `Communicator.ring_reduce_scatter`). Every
+    rank makes every group's, in order (torch.distributed's rule), once per job."""
+    n = world.comm.world_size
+    k = n // groups
+    made = []
+    for g in range(groups):
+        name = f"ring/{g}x{k}"
+        made.append(world.groups[name] if name in world.groups else world.group(name, range(g * k, (g + 1) * k)))
+    return made[world.comm.rank // k]
+
+
 class ShardedChoice:
     """A sharded DistOpt's one strategy (`ShardedStep`) and its reducer; only plain steps."""
 
@@ -230,6 +244,7 @@ class ShardedChoice:
         self.regime = regime
         comm = setup.world.comm
         group, across = (comm, None) if groups == 1 else setup.world.group_comms(groups)
+        ring = _ring_group(setup.world, groups) if comm.backend != "nccl" and group.world_size > 1 else None
         self.model_params = params_of(setup.optimizer)
         """The model's parameters, as given to the optimizer (its groups then hold this rank's parts)."""
         if setup.optimizer.state:
@@ -239,7 +254,7 @@ class ShardedChoice:
                                    hook_for_step=lambda: self.current.reduce_hook(),
                                    describe_step=lambda: self.current.describe(), pad_to=group.world_size)
         self.current = ShardedStep(mode=regime.name, comm=comm, reducer=self.reducer, optimizer=setup.optimizer,
-                                   group=group, across=across)
+                                   group=group, across=across, ring=ring)
 
     def select(self, option: str, **args: Any) -> ShardedStep:
         self.regime.accept(lookup(option))

@@ -7,7 +7,8 @@ reduction needs to leave rank r only the mean of its own chunk: a reduce-scatter
 (n-1)/n of the bucket where an all-reduce sends 2(n-1)/n. The bucket's flags (which ranks had
 each gradient, who was active) still reach every rank, summed by a small all-reduce of their own.
 That holds on NCCL; Gloo's reduce-scatter sends what an all-reduce does (it is one, over a copy of
-the input), so on Gloo the bucket is all-reduced in place and each rank keeps its chunk.
+the input), so on Gloo the bucket goes round a ring of point-to-point messages instead
+(`Communicator.ring_reduce_scatter`, on a group of its own: `ring`), (n-1)/n of it per rank.
 
 Across worker groups (HSDP: ``across`` is the communicator over the ranks at this rank's place in
 every group) the reduction above runs inside the group; then each rank all-reduces its own chunk,
@@ -40,6 +41,9 @@ class ShardReduce:
     dest: Callable[[Bucket], Tensor]
     across: Communicator | None = None
     """Worker groups (HSDP): the ranks at this rank's place in every group; None: one group, the job."""
+    ring: Communicator | None = None
+    """Gloo: the group's ranks again, in a process group of their own, for the ring reduce-scatter (None:
+    all-reduce the bucket in place, the bytes of Gloo's own reduce-scatter)."""
     mean_over_active: bool = True
     carries_digest: bool = False
     coalesce: bool = False
@@ -52,6 +56,8 @@ class ShardReduce:
         dest = self.dest(bucket)
         aliased = dest.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()
         if self.comm.backend != "nccl":
+            if self.ring is not None:
+                return self._ring(bucket, dest, aliased)
             return self._all_reduce(bucket, dest, aliased)
         out = dest.new_empty(dest.shape) if aliased else dest
         scatter = self.comm.reduce_scatter(out, bucket.padded_data, async_op=True)
@@ -62,6 +68,22 @@ class ShardReduce:
             flags.wait()
             if aliased:
                 dest.copy_(out)
+            self._across_groups(bucket, dest)
+
+        return Handle(None, then, label=bucket.label)
+
+    def _ring(self, bucket: Bucket, dest: Tensor, aliased: bool) -> Handle:
+        """Gloo: the padded gradients round the ring (this rank's chunk of the sum lands in place; under
+        "optimizer" that is `dest` itself), the flags in a small all-reduce beside it."""
+        ring = self.ring.ring_reduce_scatter(bucket.padded_data, async_op=True)
+        flags = self.comm.all_reduce(bucket.flags, "sum", async_op=True)
+        chunk, rank = dest.numel(), self.comm.rank
+
+        def then() -> None:
+            ring.wait()
+            flags.wait()
+            if not aliased:
+                dest.copy_(bucket.padded_data[rank * chunk : (rank + 1) * chunk])
             self._across_groups(bucket, dest)
 
         return Handle(None, then, label=bucket.label)
