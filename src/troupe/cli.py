@@ -224,9 +224,9 @@ def _add_plan_parser(sub) -> None:
     plan.add_argument("--workers-per-group", nargs="+", default=None, metavar="K",
                       help="group sizes to consider (default: every divisor of -n)")
     plan.add_argument("--options", nargs="+",
-                      default=["plain", "fp16", "sparseTopK", "partialUpdate", "powerSGD", "diloco"],
-                      help="dist_options to price (plain, fp16, bf16, sparseTopK, partialUpdate, powerSGD) "
-                           "and the diloco framework (default: all but bf16)")
+                      default=["plain", "fp16", "sparseTopK", "partialUpdate", "powerSGD", "diloco", "shard"],
+                      help="dist_options to price (plain, fp16, bf16, sparseTopK, partialUpdate, powerSGD), "
+                           "the diloco framework and the shard modes (default: all but bf16)")
     plan.add_argument("--powersgd-ranks", nargs="+", default=["1", "2", "4"], metavar="R",
                       help="powerSGD ranks to price (default 1 2 4)")
     plan.add_argument("--sync-freqs", nargs="+", default=["20", "50", "100"], metavar="H",
@@ -245,6 +245,8 @@ def _add_plan_parser(sub) -> None:
                       help="fraction of the data-parallel reduction hidden by backward (default 0)")
     plan.add_argument("--optimizer-slots", type=int, default=0,
                       help="optimizer state per parameter in the memory column (1 momentum, 2 Adam)")
+    plan.add_argument("--memory-per-rank", default=None, metavar="SIZE",
+                      help="model state a worker may hold (2GiB, 1500MiB): plans over it are marked and not picked")
     plan.add_argument("--reps", default="5", help="timed repetitions per layer shape (median; default 5)")
     plan.add_argument("--threads", type=int, default=1, help="torch threads while profiling (default 1)")
     plan.add_argument("--json", action="store_true", help="JSON lines instead of the table")

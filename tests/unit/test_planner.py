@@ -139,6 +139,54 @@ def test_memory_per_worker():
     assert param_bytes(profile, (0, 1, 0), setup(optimizer_slots=1)) == 2 * 4 * 1660
 
 
+def test_model_state_per_worker_and_the_shard_modes_by_hand():
+    """P = 3160 parameters of 4 bytes, W = 4, Adam's 2 slots: parameters + gradients + state per worker."""
+    from troupe.partition.planner.cost import shard_cost, state_bytes
+
+    profile, dp = chain(), setup(1, optimizer_slots=2)
+    assert state_bytes(profile, (0, 0, 0), dp) == 3160 * 4 * (2 + 2)                    # 16 bytes a parameter
+    assert state_bytes(profile, (0, 1, 0), setup(optimizer_slots=2)) == 1660 * 4 * 4    # fc1 split over k = 2
+    assert state_bytes(profile, (0, 0, 0), dp, "optimizer") == 3160 * 4 * (2 + 2 / 4)   # 8 + 8/k
+    assert state_bytes(profile, (0, 0, 0), dp, "gradients") == 3160 * 4 * (1 + 3 / 4)   # 4 + 12/k
+    assert state_bytes(profile, (0, 0, 0), dp, "parameters") == 3160 * 16 / 4 + 2 * 3000 * 4  # 16/k + fc1 gathered
+    assert param_bytes(profile, (0, 0, 0), dp, "optimizer") == 3160 * 4 * (1 + 2 / 4)  # the state column less
+    assert param_bytes(profile, (0, 0, 0), dp, "gradients") == 3160 * 4 * (1 + 2 / 4)  # the gradients held
+    assert param_bytes(profile, (0, 0, 0), dp, "parameters") == 3160 * 4 * 3 / 4 + 3000 * 4
+    with pytest.raises(ValueError, match="data-parallel plans only"):
+        state_bytes(profile, (0, 1, 0), setup(optimizer_slots=2), "optimizer")
+    plain = plan_cost(profile, (0, 0, 0), dp)
+    gather = ALPHA + 0.75 * 3160 * 4 * BETA  # (W-1)/W of the parameters, one bucket, after the update
+    assert shard_cost(profile, dp, "optimizer").seconds == pytest.approx(plain.seconds + gather)
+    assert shard_cost(profile, dp, "gradients").bytes == plain.bytes  # reduce-scatter + all-gather = all-reduce
+    full = shard_cost(profile, dp, "parameters")  # and every block again for forward, one message a layer
+    assert full.seconds == pytest.approx(plain.seconds + gather + 3 * ALPHA + 0.75 * 3160 * 4 * BETA)
+    assert full.bytes == pytest.approx(plain.bytes + 0.75 * 3160 * 4)
+
+
+def test_a_memory_budget_picks_the_fastest_plan_that_fits_or_names_the_smallest_need():
+    cands = candidates(chain(), 4, LINK, workers_per_group=[1, 2], optimizer_slots=2)
+    assert {c.option for c in cands if c.regime == "shard"} == {"shard:optimizer", "shard:gradients",
+                                                                "shard:parameters"}
+    fastest = pick(cands)
+    assert fastest.regime == "plain"  # a sharded step costs an all-gather more: never picked without a budget
+    budget = 30000  # bytes: plain data parallel needs 50,560, fc1 split 26,560, ZeRO-2 22,120
+    chosen = pick(cands, memory=budget)
+    assert chosen.state_bytes <= budget
+    assert chosen.seconds == min(c.seconds for c in cands if c.regime in ("plain", "shard")
+                                 and c.state_bytes <= budget)
+    with pytest.raises(ValueError, match=r"no plan fits 0.0 MiB of model state per worker: the smallest needs 0.0 MiB "
+                                         r"\(data parallel, shard gradients, option shard:gradients\)"):
+        pick(cands, memory=1000)
+
+
+@pytest.mark.parametrize("text,bytes_", [("2GiB", 2 * 2**30), ("1500MiB", 1500 * 2**20), ("2e9", 2e9),
+                                         ("0.5 gb", 5e8), (None, None)])
+def test_memory_sizes(text, bytes_):
+    from troupe.partition.planner.command import parse_bytes
+
+    assert parse_bytes(text) == bytes_
+
+
 def test_world_of_one_and_pure_groups_reduce_nothing():
     one = Setup(world_size=1, link=LINK)
     assert plan_cost(chain(), (0, 0, 0), one).reduce == 0
@@ -235,7 +283,7 @@ def test_candidates_sorted_and_pick_is_the_minimum():
     assert best2.dims == (0, 1, 0)  # by hand: conv 0 (11.6 < 15.44 < 24.8 ms), fc1 1, fc2 0
     assert best2.seconds == pytest.approx(REPLICATED[0] + HAND[("conv", 0)][0] + HAND[("fc1", 1)][0]
                                           + HAND[("fc2", 0)][0])
-    for c in (c for c in cands if c.regime != "diloco"):  # each priced by plan_cost with its own k and option
+    for c in (c for c in cands if c.regime not in ("diloco", "shard")):  # plan_cost, its own k and option
         s = Setup(world_size=4, workers_per_group=c.workers_per_group, link=LINK, option=c.option, spars=0.1,
                   chunk_size=1000)
         assert c.seconds == pytest.approx(plan_cost(chain(), c.dims, s).seconds)
@@ -257,7 +305,7 @@ def test_json_lines(capsys):
 def test_equal_plans_are_listed_once():
     # a free link: only compute counts, and every layer computes least with dim 0
     cands = candidates(chain(), 4, Link(0.0, 0.0), workers_per_group=[1, 2])
-    dp = [c for c in cands if not any(c.dims) and c.regime != "diloco"]
+    dp = [c for c in cands if not any(c.dims) and c.regime not in ("diloco", "shard")]
     assert sorted((c.name, c.option, c.workers_per_group) for c in dp) == [
         ("data parallel = best for k=2", option, 1) for option in ("fp16", "partialUpdate", "plain", "sparseTopK")]
 
@@ -382,6 +430,7 @@ def run_plan(argv: list[str]) -> int:
     (["{script}", "-n", "4", "--options", "zip"], r"unknown option\(s\) \['zip'\]"),
     (["{script}", "-n", "4", "--sync-freqs", "0"], "--sync-freqs must be a positive integer, got '0'"),
     (["{script}", "-n", "4", "--powersgd-ranks", "two"], "--powersgd-ranks must be a positive integer, got 'two'"),
+    (["{script}", "-n", "4", "--memory-per-rank", "lots"], "--memory-per-rank must be a positive size such as 2GiB"),
 ])
 def test_plan_command_bad_input(tmp_path, capsys, argv, match):
     path = tmp_path / "one.py"

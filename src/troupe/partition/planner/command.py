@@ -21,7 +21,8 @@ from torch import nn
 
 from troupe.partition.planner.link import Link, link_from_text
 from troupe.partition.planner.profile import ModelProfile, profile_model
-from troupe.partition.planner.search import EXACT_OPTIONS, PICK_FROM, REGIMES, Candidate, candidates, divisors, pick
+from troupe.partition.planner.search import (EXACT_OPTIONS, PICK_FROM, REGIMES, SHARD, Candidate, candidates,
+                                             divisors, pick)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -64,6 +65,7 @@ def _plan(args: argparse.Namespace) -> int:
     ranks = [positive(r, "--powersgd-ranks") for r in args.powersgd_ranks]
     sync_freqs = [positive(h, "--sync-freqs") for h in args.sync_freqs]
     link = link_from_text(args.link)  # before the script: a typo should not wait for profiling
+    budget = parse_bytes(args.memory_per_rank)
     module = load_script(args.script)
     model = find_model(module, args.model)
     shape = input_shape(module, args.input, args.script)
@@ -75,12 +77,27 @@ def _plan(args: argparse.Namespace) -> int:
                        fragments=positive(args.fragments, "--fragments"), delay=args.delay, spars=args.spars,
                        overlap=args.overlap,
                        optimizer_slots=args.optimizer_slots)
-    chosen = pick(cands, PICK_FROM[args.pick_from])
+    chosen = pick(cands, PICK_FROM[args.pick_from], budget)
     if args.json:
-        print_json(profile, world, link, cands, chosen)
+        print_json(profile, world, link, cands, chosen, budget)
     else:
-        print(render_table(profile, world, link, cands, chosen, args.script))
+        print(render_table(profile, world, link, cands, chosen, args.script, budget))
     return 0
+
+
+UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+         "tib": 2**40}
+
+
+def parse_bytes(text: str | None, flag: str = "--memory-per-rank") -> float | None:
+    """``2GiB``, ``1500MiB``, ``2e9`` (bytes) as a number of bytes; None stays None."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"{flag} must be a positive size such as 2GiB, 1500MiB or 2e9 (bytes), got {text!r}")
+    return float(m.group(1)) * UNITS[unit]
 
 
 def load_script(path: str) -> ModuleType:
@@ -163,21 +180,27 @@ def _header(profile: ModelProfile, world: int, link: Link) -> list[str]:
 
 
 def render_table(profile: ModelProfile, world: int, link: Link, cands: Sequence[Candidate], chosen: Candidate,
-                 script: str = "") -> str:
-    """The candidates as a text table, fastest first, then the pick."""
+                 script: str = "", budget: float | None = None) -> str:
+    """The candidates as a text table, fastest first, then the pick; with a `budget` (bytes of model state
+    per worker) the ones that do not fit are marked."""
     lines = _header(profile, world, link)
+    if budget is not None:
+        lines.append(f"memory budget: {budget / 2**20:,.1f} MiB of model state per worker (parameters, gradients, "
+                     f"optimizer state)")
     width = max(len("candidate"), *(len(c.name) for c in cands))
     dwidth = max(len("dims"), *(len(c.dims_text()) for c in cands))
-    lines.append(f"{'candidate':<{width}}  {'k':>2}  {'dims':<{dwidth}}  {'option':<13}  {'sync SGD':<8}  "
-                 f"{'ms/step':>9}  {'MB/step/worker':>14}  {'param MB/worker':>15}")
+    lines.append(f"{'candidate':<{width}}  {'k':>2}  {'dims':<{dwidth}}  {'option':<16}  {'sync SGD':<8}  "
+                 f"{'ms/step':>9}  {'MB/step/worker':>14}  {'param MB/worker':>15}  {'state MB/worker':>15}"
+                 + ("  fits" if budget is not None else ""))
     for c in cands:
-        lines.append(f"{c.name:<{width}}  {c.workers_per_group:>2}  {c.dims_text():<{dwidth}}  {c.option:<13}  "
+        fits = "" if budget is None else ("  yes" if c.state_bytes <= budget else "  no")
+        lines.append(f"{c.name:<{width}}  {c.workers_per_group:>2}  {c.dims_text():<{dwidth}}  {c.option:<16}  "
                      f"{c.sync_sgd:<8}  {c.seconds * 1e3:>9.2f}  {c.cost.bytes / 1e6:>14.3f}  "
-                     f"{c.param_bytes / 1e6:>15.3f}")
+                     f"{c.param_bytes / 1e6:>15.3f}  {c.state_bytes / 1e6:>15.3f}{fits}")
     lines.append("sync SGD: exact = the update of synchronous SGD; approx = synchronous SGD on compressed "
                  "gradients; no = not equivalent to synchronous SGD (local steps, then an outer optimizer)")
     lines.append(f"picked: {describe_pick(chosen)}")
-    fastest = min(cands, key=lambda c: c.seconds)
+    fastest = min((c for c in cands if budget is None or c.state_bytes <= budget), key=lambda c: c.seconds)
     if fastest.regime not in EXACT_OPTIONS and fastest is not chosen:
         lines.append(f"faster with an option that changes the update ({fastest.option}, sync SGD "
                      f"{fastest.sync_sgd}): {describe_pick(fastest)}")
@@ -189,17 +212,20 @@ def describe_pick(c: Candidate) -> str:
     if c.worker_groups is not None:  # DiLoCo: a cluster framework, set on `troupe run`
         how = (f"--framework diloco --nworker-groups {c.worker_groups} --sync-freq {c.option.split(':')[1]}"
                f"{c.run_flags}")
+    elif c.regime == SHARD:
+        how = f"troupe run{c.run_flags}"
     else:
         dims = " ".join(f"{name}:{d}" for name, d in c.plan.items()) or "-"
         how = f"workers_per_group={c.workers_per_group}, dims {dims}, option {c.option}"
     return f"{c.name} ({how}): {c.seconds * 1e3:.2f} ms/step predicted"
 
 
-def print_json(profile: ModelProfile, world: int, link: Link, cands: Sequence[Candidate], chosen: Candidate) -> None:
+def print_json(profile: ModelProfile, world: int, link: Link, cands: Sequence[Candidate], chosen: Candidate,
+               budget: float | None = None) -> None:
     """JSON lines: the setup, one line per candidate (fastest first), then the pick."""
     print(json.dumps({"model": profile.model, "world_size": world, "batch": profile.batch,
                       "link": {"name": link.name, "alpha_s": link.alpha, "beta_s_per_byte": link.beta},
-                      "layers": list(profile.names), "unused": list(profile.unused)}))
+                      "layers": list(profile.names), "unused": list(profile.unused), "memory_per_rank": budget}))
     for c in cands:
-        print(json.dumps(c.to_json()))
+        print(json.dumps({**c.to_json(), "fits": None if budget is None else c.state_bytes <= budget}))
     print(json.dumps({"picked": chosen.to_json()}))

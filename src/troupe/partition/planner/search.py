@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from troupe.partition.planner.cost import (
     OPTIONS,
     OUTER_SLOTS,
+    SHARD_MODES,
     Cost,
     Setup,
     diloco_cost,
@@ -24,6 +25,8 @@ from troupe.partition.planner.cost import (
     layer_cost,
     param_bytes,
     plan_cost,
+    shard_cost,
+    state_bytes,
     transition_cost,
 )
 from troupe.partition.planner.link import Link
@@ -33,10 +36,13 @@ from troupe.util import check_int
 DILOCO = "diloco"
 """DiLoCo: a cluster framework, listed beside the dist_options (its candidates' option is 'diloco:H')."""
 
-REGIMES = (*OPTIONS, DILOCO)
-"""What `candidates` can list: every option the cost model prices, and DiLoCo."""
+SHARD = "shard"
+"""Sharded data parallelism, listed beside the dist_options (its candidates' option is 'shard:MODE')."""
 
-LISTED_OPTIONS = ("plain", "fp16", "sparseTopK", "partialUpdate", "powerSGD", DILOCO)
+REGIMES = (*OPTIONS, DILOCO, SHARD)
+"""What `candidates` can list: every option the cost model prices, DiLoCo and the shard modes."""
+
+LISTED_OPTIONS = ("plain", "fp16", "sparseTopK", "partialUpdate", "powerSGD", DILOCO, SHARD)
 """Regimes `candidates` lists by default (bf16 costs what fp16 does)."""
 
 POWERSGD_RANKS = (1, 2, 4)
@@ -45,10 +51,11 @@ POWERSGD_RANKS = (1, 2, 4)
 SYNC_FREQS = (20, 50, 100)
 """DiLoCo's H (inner steps per outer step) listed by default."""
 
-EXACT_OPTIONS = ("plain",)
-"""Options `pick` chooses among by default: the others change what the update computes."""
+EXACT_OPTIONS = ("plain", SHARD)
+"""Options `pick` chooses among by default: the others change what the update computes (a sharded
+step computes plain's update, held in parts)."""
 
-PICK_FROM = {"exact": EXACT_OPTIONS, "approx": OPTIONS, "any": None}
+PICK_FROM = {"exact": EXACT_OPTIONS, "approx": (*OPTIONS, SHARD), "any": None}
 """`troupe plan --pick-from`: the same update as synchronous SGD; also synchronous SGD on compressed
 gradients; also regimes that are not synchronous SGD at all (DiLoCo)."""
 
@@ -112,6 +119,9 @@ class Candidate:
     """DiLoCo's worker groups G (None for the synchronous regimes)."""
     run_flags: str = ""
     """DiLoCo: the `troupe run` flags beyond the framework, G and H that it was priced with."""
+    state_bytes: float = 0.0
+    """Model-state bytes (parameters, gradients, optimizer state) on the worker holding the most
+    (`cost.state_bytes`): what a memory budget is checked against."""
 
     @property
     def seconds(self) -> float:
@@ -142,7 +152,8 @@ class Candidate:
                 "option": self.option, "sync_sgd": self.sync_sgd, "predicted_ms": self.seconds * 1e3,
                 "compute_ms": self.cost.compute * 1e3, "intra_ms": self.cost.intra * 1e3,
                 "reduce_ms": self.cost.reduce * 1e3, "mb_per_step": self.cost.bytes / 1e6,
-                "param_mb": self.param_bytes / 1e6, "worker_groups": self.worker_groups}
+                "param_mb": self.param_bytes / 1e6, "state_mb": self.state_bytes / 1e6,
+                "worker_groups": self.worker_groups}
 
 
 def divisors(n: int) -> list[int]:
@@ -163,7 +174,25 @@ def hand_plans(profile: ModelProfile, k: int) -> dict[str, tuple[int, ...]]:
 def _price(profile: ModelProfile, name: str, dims: tuple[int, ...], setup: Setup) -> Candidate:
     label = f"powerSGD:{setup.powersgd_rank}" if setup.option == "powerSGD" else setup.option
     return Candidate(name, setup.workers_per_group, dims, profile.names, label,
-                     plan_cost(profile, dims, setup), param_bytes(profile, dims, setup))
+                     plan_cost(profile, dims, setup), param_bytes(profile, dims, setup),
+                     state_bytes=state_bytes(profile, dims, setup))
+
+
+SHARD_HOW = {"optimizer": " --shard optimizer", "gradients": " --shard gradients",
+             "parameters": " (troupe.shard(model) in the script)"}
+"""How to ask troupe for each shard mode (`describe_pick`)."""
+
+
+def shard_candidates(profile: ModelProfile, base: Setup) -> list[Candidate]:
+    """Data parallel over all W ranks with each shard mode: plain's update, its state cut over the ranks."""
+    if base.world_size == 1:
+        return []
+    setup = replace(base, workers_per_group=1, option="plain")
+    zeros = tuple(0 for _ in profile.layers)
+    return [Candidate(f"{DATA_PARALLEL}, shard {mode}", 1, zeros, profile.names, f"{SHARD}:{mode}",
+                      shard_cost(profile, setup, mode), param_bytes(profile, zeros, setup, mode),
+                      run_flags=SHARD_HOW[mode], state_bytes=state_bytes(profile, zeros, setup, mode))
+            for mode in SHARD_MODES]
 
 
 def _variants(setup: Setup, options: Sequence[str], ranks: Sequence[int]) -> list[Setup]:
@@ -172,7 +201,7 @@ def _variants(setup: Setup, options: Sequence[str], ranks: Sequence[int]) -> lis
     for option in options:
         if option == "powerSGD":
             out += [replace(setup, option=option, powersgd_rank=r) for r in ranks]
-        elif option != DILOCO:
+        elif option not in (DILOCO, SHARD):
             out.append(replace(setup, option=option))
     return out
 
@@ -186,13 +215,14 @@ def diloco_candidates(profile: ModelProfile, base: Setup, sync_freqs: Sequence[i
     params = profile.replicated_params + sum(layer.params for layer in profile.layers)
     outer = OUTER_SLOTS * params * profile.bytes_per_element
     memory = param_bytes(profile, zeros, replace(base, workers_per_group=1)) + outer
+    state = state_bytes(profile, zeros, replace(base, workers_per_group=1)) + outer
     given = [(pseudo_grad_dtype != "fp32", pseudo_grad_dtype, f"--pseudo-grad-dtype {pseudo_grad_dtype}"),
              (fragments > 1, f"K{fragments}", f"--fragments {fragments}"), (delay > 0, f"d{delay}", f"--delay {delay}")]
     suffix = "".join(f":{label}" for on, label, _ in given if on)
     flags = "".join(f" {flag}" for on, _, flag in given if on)
     return [Candidate(f"DiLoCo {g} groups x {base.world_size // g}", 1, zeros, profile.names, f"{DILOCO}:{h}{suffix}",
                       diloco_cost(profile, base, g, h, pseudo_grad_dtype, fragments, delay), memory, worker_groups=g,
-                      run_flags=flags)
+                      run_flags=flags, state_bytes=state)
             for g in divisors(base.world_size) if g > 1 for h in sync_freqs]
 
 
@@ -258,6 +288,8 @@ def candidates(
     listed = list(found.values())
     if DILOCO in options:
         listed += diloco_candidates(profile, base, sync_freqs, pseudo_grad_dtype, fragments, delay)
+    if SHARD in options:
+        listed += shard_candidates(profile, base)
     return sorted(listed, key=lambda c: c.seconds)
 
 
@@ -272,10 +304,18 @@ def _add(found: dict[tuple, Candidate], cand: Candidate) -> None:
         found[key] = replace(cand, workers_per_group=k) if k != cand.workers_per_group else cand
 
 
-def pick(cands: Sequence[Candidate], options: Sequence[str] | None = EXACT_OPTIONS) -> Candidate:
-    """The fastest candidate whose option (its `regime`) is in `options` (None: any option)."""
+def pick(cands: Sequence[Candidate], options: Sequence[str] | None = EXACT_OPTIONS,
+         memory: float | None = None) -> Candidate:
+    """The fastest candidate whose option (its `regime`) is in `options` (None: any option) and whose
+    model state fits in `memory` bytes per worker (None: no budget)."""
     eligible = [c for c in cands if options is None or c.regime in options]
     if not eligible:
         raise ValueError(f"no candidate with an option in {options} (candidates' options: "
                          f"{sorted({c.option for c in cands})})")
-    return min(eligible, key=lambda c: c.seconds)
+    fitting = [c for c in eligible if memory is None or c.state_bytes <= memory]
+    if not fitting:
+        least = min(eligible, key=lambda c: c.state_bytes)
+        raise ValueError(f"no plan fits {memory / 2**20:,.1f} MiB of model state per worker: the smallest needs "
+                         f"{least.state_bytes / 2**20:,.1f} MiB ({least.name}, option {least.option}); "
+                         "more workers, or a larger --memory-per-rank")
+    return min(fitting, key=lambda c: c.seconds)
