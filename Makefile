@@ -38,7 +38,7 @@ test: setup
 	PATH=$(BIN):$$PATH $(MPI_ENV) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 # No process group, no subprocess: one pytest process (xdist's start would cost more than it saves).
-# Other families (tests/conftest.py): make test ARGS='-m "not slow and not netns"'.
+# Other families (markers on the tests, listed in tests/conftest.py): make test ARGS='-m "not slow and not netns"'.
 test-fast: setup
 	$(BIN)/python -m pytest -q -n 0 -m "not process" tests/unit $(ARGS)
 

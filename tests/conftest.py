@@ -5,8 +5,8 @@
     pytest -m "not slow and not netns"          skip whole examples and simulated hosts
     pytest -m mpi                               only what runs under mpiexec
 
-Markers (registered in pyproject.toml) are given here by test id, in one table, so a test
-file names no family and a family can be read in one place:
+Markers (registered in pyproject.toml) are declared on the tests themselves (``pytestmark`` for a
+module, ``@pytest.mark.slow`` on a function); only ``dist`` is given here, by folder:
 
 - ``dist``: a real multi-process world (everything under tests/dist).
 - ``process``: a tests/unit test that starts a process (a fresh interpreter, Chromium).
@@ -18,13 +18,14 @@ file names no family and a family can be read in one place:
   bar, a job under a launcher, an installation.
 
 Under ``-n N`` the tests of a module whose fixture is module-scoped (one world shared by
-several checks) go to one worker, so the world starts once, not once per worker; slow tests
-are handed out first, so that no worker is left with a long test at the end while the other
-is idle.
+several checks) go to one worker, so the world starts once, not once per worker, and all the
+``netns`` tests go to one worker; slow tests are handed out first, so that no worker is left
+with a long test at the end while the other is idle.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -34,90 +35,12 @@ from pathlib import Path
 
 import pytest
 
-FAMILIES: dict[str, tuple[str, ...]] = {
-    "process": (
-        "tests/unit/test_docs_site.py",
-        "tests/unit/test_import_graph.py::test_troupe_loads_no_torch_module_beyond_import_torch",
-        "tests/unit/test_import_graph.py::test_the_command_line_starts_without_torch",
-        "tests/unit/test_bench.py::test_bench_is_not_imported_by_troupe",
-        "tests/unit/test_zygote.py",
-        "tests/unit/test_forkserver.py",
-        "tests/unit/test_suite_scheduler.py",
-        "tests/unit/test_shard_layout.py::test_troupe_run_refuses_shard_with_elastic_or_a_framework",
-    ),
-    "netns": (
-        "tests/dist/test_fault_harness.py",
-        "tests/dist/test_network_faults.py",
-        "tests/dist/test_mpi_hosts.py",
-        "tests/dist/test_bench_harness.py::test_throughput_benchmark_runs_on_loopback_and_simulated_hosts",
-        "tests/dist/test_bytes_per_step.py::test_veth_agrees_with_the_counters_on_simulated_hosts",
-    ),
-    "mpi": (
-        "tests/dist/test_mpi_hosts.py",
-        "tests/dist/test_launchers.py::test_mpiexec",
-    ),
-    "benchmark": (
-        "tests/dist/test_bench_harness.py",
-        "tests/dist/test_benchmarks_smoke.py",
-        "tests/dist/test_bytes_per_step.py",
-        "tests/dist/test_ps_bench.py",
-        "tests/dist/test_fault_harness.py",
-    ),
-    "docs": ("tests/unit/test_docs_site.py",),
-    "slow": (  # a subprocess per rank (each imports torch), or an example trained to its bar
-        "tests/dist/test_checkpoint.py::test_restart_after_a_crash_matches_an_uninterrupted_run",
-        "tests/dist/test_bytes_per_step.py",
-        "tests/dist/test_ps_bench.py::test_ps_benchmark_times_ddp_and_a_parameter_server",
-        "tests/dist/test_partition_example.py",
-        "tests/dist/test_launchers.py::test_mnist_example_reaches_accuracy",
-        "tests/dist/test_launchers.py::test_ticket_multiprocessing",
-        "tests/dist/test_faults.py::test_hung_peer_gets_stall_reports_then_a_named_timeout",
-        "tests/dist/test_faults.py::test_silent_peer_is_declared_dead_after_peer_timeout",
-        "tests/dist/test_mpi_hosts.py",
-        "tests/dist/test_cd.py::test_the_example_pretrains_and_finetunes_to_the_bar",
-        "tests/dist/test_checkpoint_reshard.py::test_four_ranks_write_once_and_resume_on_three_two_and_one",
-        "tests/dist/test_cluster.py::test_async_worker_killed_mid_run_does_not_stop_the_others",
-        "tests/dist/test_server_groups.py::test_mnist_example_trains_under_two_separate_server_groups",
-        "tests/dist/test_bench_harness.py::test_throughput_benchmark_runs_on_loopback_and_simulated_hosts",
-        "tests/dist/test_cluster_loop.py::test_troupe_run_starts_servers_without_the_script",
-        "tests/dist/test_bad_input.py::test_world_size_larger_than_processes_started",
-        "tests/dist/test_examples.py::test_cifar10_resnet_memorises_a_small_synthetic_set",
-        "tests/dist/test_examples.py::test_word_lm_beats_the_unigram_model",
-        "tests/dist/test_observability.py::test_tensorboard_alone_writes_every_steps_scalars_per_rank",
-        "tests/dist/test_benchmarks_smoke.py::test_ddp_vs_troupe_prints_its_table",
-        "tests/dist/test_network_faults.py",
-        "tests/dist/test_bucket_view.py",
-    "tests/dist/test_checkpoint_shard.py",
-    "tests/dist/test_fsdp_shard.py",
-        "tests/dist/test_graph_mode.py",
-        "tests/dist/test_install.py",
-    ),
-}
-"""Marker -> the test ids (or their beginnings: a file, a test's name before its parameters) it marks."""
+DIST = Path(__file__).resolve().parent / "dist"
+"""Every test under this folder is marked ``dist``."""
 
-
-def _families(nodeid: str) -> list[str]:
-    names = [name for name, prefixes in FAMILIES.items() if nodeid.startswith(prefixes)]
-    return ["dist", *names] if nodeid.startswith("tests/dist/") else names
-
-
-SHARED_WORLDS = (
-    "tests/dist/test_bucket_view.py",
-    "tests/dist/test_checkpoint_shard.py",
-    "tests/dist/test_fsdp_shard.py",
-        "tests/dist/test_graph_mode.py",
-    "tests/dist/test_install.py",
-    "tests/dist/test_native_loop.py",
-    "tests/dist/test_network_faults.py",
-    "tests/dist/test_options.py",
-    "tests/dist/test_shard_zero.py",
-    "tests/unit/test_docs_site.py",
-    "tests/unit/test_partition.py",
-    "tests/unit/test_zygote.py",
-)
-"""The modules whose tests share a module-scoped fixture (a world, an installation, the site): under
--n N their tests go to one worker, which builds the fixture once. A module that gains such a
-fixture must be listed (collection fails until it is)."""
+UNITS = "troupe_units"
+"""The key, in a pytest-xdist worker's `workerinput`, of the file where the worker writes the tests that share a
+work unit (`_units`): the controller's scheduler sees only test ids, the workers see fixtures and markers."""
 
 
 def _shares_a_module_fixture(item: pytest.Item) -> bool:
@@ -127,26 +50,50 @@ def _shares_a_module_fixture(item: pytest.Item) -> bool:
     return any(defs[-1].scope == "module" for defs in info.name2fixturedefs.values() if defs)
 
 
+def _units(items: list[pytest.Item]) -> dict[str, str]:
+    """Test id -> the work unit it shares with others: "netns" for every simulated-hosts test (one set of hosts at
+    a time), else its module when a test of the module uses a module-scoped fixture (one world, installation or
+    site, built once). Tests not named here are a unit each."""
+    shared = {item.nodeid.split("::")[0] for item in items if _shares_a_module_fixture(item)}
+    units = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if item.get_closest_marker("netns"):
+            units[item.nodeid] = "netns"
+        elif module in shared:
+            units[item.nodeid] = module
+    return units
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test with its families; check SHARED_WORLDS; slow tests first."""
+    """Mark the tests under tests/dist ``dist``; tell the controller's scheduler the work units; slow tests first."""
     for item in items:
-        for name in _families(item.nodeid):
-            item.add_marker(name)
-        module = item.nodeid.split("::")[0]
-        if _shares_a_module_fixture(item) and module not in SHARED_WORLDS:
-            raise pytest.UsageError(f"{module} shares a module-scoped fixture: add it to SHARED_WORLDS "
-                                    "in tests/conftest.py")
+        if DIST in item.path.parents:
+            item.add_marker("dist")
     # A stable sort: otherwise collection order. Every xdist worker sorts the same way.
     items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("dist") else 2)
+    path = getattr(config, "workerinput", {}).get(UNITS)
+    if path:  # every worker collects the same tests: each writes the same file, whole (a rename)
+        Path(f"{path}.{os.getpid()}").write_text(json.dumps(_units(items)))
+        os.replace(f"{path}.{os.getpid()}", path)
+
+
+def _units_file() -> Path:
+    return Path(f"/tmp/troupe-test-units-{os.getpid()}.json")
+
+
+def pytest_configure_node(node) -> None:
+    """On the controller, before a pytest-xdist worker starts: where it writes the work units."""
+    node.workerinput[UNITS] = str(_units_file())
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """Load scheduling, but one work unit per SHARED_WORLDS module (pytest-xdist's own loadgroup
-    cannot group under pytest 9: it renames `item._nodeid`, which pytest no longer reads), and one for
-    all the netns tests: simulated hosts exist one set at a time (a file lock), so on several workers
-    they took turns while holding a worker each (the throughput harness's test took 20 s in one run of
-    the suite and 89 s in another)."""
+    """Load scheduling, but one work unit per module whose tests share a module-scoped fixture (pytest-xdist's
+    own loadgroup cannot group under pytest 9: it renames `item._nodeid`, which pytest no longer reads), and one
+    for all the netns tests (the workers tell which: `_units`): simulated hosts exist one set at a time (a file
+    lock), so on several workers they took turns while holding a worker each (the throughput harness's test took
+    20 s in one run of the suite and 89 s in another)."""
     if config.getvalue("dist") != "load":  # an explicit --dist loadfile, loadscope, ... as asked
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -161,12 +108,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         def __init__(self, config, log=None):
             super().__init__(config, log)
             self.crashes: dict[str, int] = {}
+            self.units: dict[str, str] | None = None
 
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::")[0]
-            if nodeid.startswith(FAMILIES["netns"]):
-                return "netns"
-            return module if module in SHARED_WORLDS else nodeid
+            if self.units is None:  # read once, when every worker has collected (so written its units)
+                written = _units_file()
+                self.units = json.loads(written.read_text()) if written.exists() else {}
+            return self.units.get(nodeid, nodeid)
 
         def _reschedule(self, node) -> None:
             """Top the node up to two pending tests (a worker runs a test once it knows the next one, or
@@ -296,6 +244,7 @@ def _ends_with_parent() -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     from troupe.runtime.forkserver import ENV_VAR
 
+    _units_file().unlink(missing_ok=True)
     while _TRACE:
         trace = _TRACE.pop()
         trace.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -180,8 +180,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         (gradient accumulation); the next backward outside it reduces the sum."""
         if self.reducer is not None:
             return self.reducer.paused()
-        accumulate = getattr(self.strategy, "no_sync", None)  # a strategy that reduces without a reducer (FSDP2)
-        return accumulate() if accumulate is not None else nullcontext()
+        return self.strategy.no_sync()  # a strategy that reduces without a reducer (FSDP2); else nothing
 
     def synchronize(self) -> None:
         """Leave in ``p.grad`` what `step()` will apply: the mean over ranks (waits for the
@@ -206,9 +205,8 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
             try:
                 self.synchronize()
                 error = self._lost
-                ahead = getattr(self.strategy, "ahead_of_vote", None)  # the part of its step a strategy takes before
-                if ahead is not None and error is None:                # the vote (elastic DiLoCo's exchange)
-                    ahead()
+                if error is None:  # the part of its step a strategy takes before the vote (elastic DiLoCo's exchange)
+                    self.strategy.ahead_of_vote()
             except membership.lost as e:
                 error = e
         self._lost = None
@@ -225,9 +223,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         self._synced = False
         if not membership.vote(error is None, error):
             self.optimizer.zero_grad(set_to_none=True)  # every member leaves this step out alike
-            undo = getattr(self.strategy, "left_out", None)  # a strategy that took part of the step ahead of the vote
-            if undo is not None:
-                undo()
+            self.strategy.left_out()  # undoes what the strategy took ahead of the vote
         elif not finite:
             self._skip()
         else:
@@ -363,7 +359,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         if self.reducer is not None:
             membership = self.world.membership
             self.reducer.defer = membership.lost
-            if getattr(membership, "constant_batch", False):
+            if membership.constant_batch:
                 self.reducer.weight = membership.grad_weight
             self.reducer.on_reduced = self._mark_synced
             self.reducer.label_buckets(self.param_name)  # by position; by name once a model is attached

@@ -53,6 +53,7 @@ def test_wrong_token_is_refused_and_rank0_names_the_missing_rank():
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.slow
 def test_world_size_larger_than_processes_started():
     import troupe
 

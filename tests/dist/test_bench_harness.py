@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.benchmark]
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -52,6 +54,8 @@ def test_collectives_benchmark_runs(tmp_path):
     assert all(r.value > 0 and r.unit == "s" and r.commit and r.torch for r in data if r.metric == "step_time")
 
 
+@pytest.mark.netns
+@pytest.mark.slow
 def test_throughput_benchmark_runs_on_loopback_and_simulated_hosts(tmp_path):
     from troupe.bench.netns import available
 

@@ -7,9 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.benchmark]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_ddp_vs_troupe_prints_its_table():
     env = {**os.environ, "TROUPE_JOIN_TIMEOUT": "30", "TROUPE_TIMEOUT": "60"}
     cmd = [

@@ -23,6 +23,8 @@ from torch import nn
 from tests.dist.test_native_loop import B, IN, OUT, MLP, Side, Tied, features, setup, snapshot, tokens
 from tests.dist.world import run_world
 
+pytestmark = [pytest.mark.slow]
+
 STEPS = 3
 K = 3
 """Micro-batches per step when accumulating."""

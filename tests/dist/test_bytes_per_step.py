@@ -12,6 +12,8 @@ import pytest
 
 from troupe.compress.topk import topk_count
 
+pytestmark = [pytest.mark.benchmark, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 DENSE = 2 * (431080 + 14) * 4
@@ -64,6 +66,7 @@ def test_counters_on_loopback(tmp_path):
     assert f"| plain | 2 | {DENSE:,} | {DENSE:,} | - | - | 1.0000 | - |" in out
 
 
+@pytest.mark.netns
 def test_veth_agrees_with_the_counters_on_simulated_hosts(tmp_path):
     from troupe.bench.netns import available, leftover
 

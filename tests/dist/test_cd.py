@@ -102,6 +102,7 @@ def _run_example(launcher, script_flags):
     (["-n", "2"], ["--dist-option", "fp16"]),
     (["-n", "2", "--framework", "allreduce"], []),  # parameter servers: 2 workers, 2 co-located servers
 ], ids=["plain", "fp16", "ps-allreduce"])
+@pytest.mark.slow
 def test_the_example_pretrains_and_finetunes_to_the_bar(launcher, script_flags):
     out = _run_example(launcher, script_flags)
     for layer in (1, 2, 3, 4):

@@ -9,6 +9,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.dist.world import run_world
@@ -106,6 +107,7 @@ def _example(*args, timeout=180, launcher=None):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_restart_after_a_crash_matches_an_uninterrupted_run(tmp_path):
     # The three runs are independent: they run side by side (each mostly waits on its own two ranks).
     torchrun_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

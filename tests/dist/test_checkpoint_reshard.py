@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -259,6 +260,7 @@ def _close(a, b):
         all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a[1], b[1]))
 
 
+@pytest.mark.slow
 def test_four_ranks_write_once_and_resume_on_three_two_and_one(tmp_path):
     written = run_world(_write, 4, str(tmp_path), timeout=240)
     saved, after, bn = written[0]

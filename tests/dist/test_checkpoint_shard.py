@@ -17,6 +17,8 @@ from torch import nn
 
 from tests.dist.world import run_world
 
+pytestmark = [pytest.mark.slow]
+
 BATCH = 12  # the global batch: 3, 4 or 6 rows per rank on 4, 3 or 2 ranks
 N, M, K = 3, 2, 1  # steps on 4 ranks, then on 2, then on 3
 TOL = 1e-5

@@ -292,6 +292,7 @@ def test_each_framework_trains_mnist(framework):
 
 
 @pytest.mark.parametrize("framework", ["downpour", "hogwild"])
+@pytest.mark.slow
 def test_async_worker_killed_mid_run_does_not_stop_the_others(framework):
     import subprocess
     import sys

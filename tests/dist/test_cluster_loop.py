@@ -285,6 +285,7 @@ def troupe_run(tmp_path, script: str, *flags: str) -> subprocess.CompletedProces
                           text=True, timeout=TIMEOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow
 def test_troupe_run_starts_servers_without_the_script(tmp_path):
     done = troupe_run(tmp_path, LOOP_SCRIPT, "-n", "3", "--framework", "sandblaster")  # 1 worker, 2 servers
     assert done.returncode == 0, done.stderr[-3000:]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_JOIN_TIMEOUT": "60", "TROUPE_TIMEOUT": "120"}
 
@@ -23,6 +25,7 @@ def numbers(pattern: str, text: str) -> list[float]:
     return [float(v) for v in re.findall(pattern, text)]
 
 
+@pytest.mark.slow
 def test_cifar10_resnet_memorises_a_small_synthetic_set(tmp_path):
     # 64 fixed images, 2 steps an epoch of 2 x 16 images: 16 steps in all, through --accum (no_sync),
     # --clip, OneCycle, BatchNorm buffers averaged before evaluation, and a checkpoint per epoch.
@@ -47,6 +50,7 @@ def test_cifar10_resnet_memorises_a_small_synthetic_set(tmp_path):
     assert numbers(r"Training loss = ([\d.]+)", resumed.stdout)[0] < 0.5, resumed.stdout  # the memorised model
 
 
+@pytest.mark.slow
 def test_word_lm_beats_the_unigram_model():
     # ~190 steps of 2 x 8 streams x 20 tokens on the shipped text (tied weights, --accum 2, clipping).
     proc = troupe_run("word_lm.py", "--dim", "64", "--layers", "1", "--bptt", "20", "--batch-size", "8",

@@ -11,7 +11,7 @@ import pytest
 
 from troupe.bench import netns
 
-pytestmark = pytest.mark.skipif(bool(netns.available()), reason=f"simulated hosts: {netns.available()}")
+pytestmark = [pytest.mark.netns, pytest.mark.benchmark, pytest.mark.skipif(bool(netns.available()), reason=f"simulated hosts: {netns.available()}")]
 
 
 def namespaces() -> str:

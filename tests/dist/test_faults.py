@@ -51,6 +51,7 @@ def test_raising_rank_is_named_with_its_error():
         assert "rank 1 raised ValueError: boom at step 5" in line or "rank 1 exited" in line
 
 
+@pytest.mark.slow
 def test_silent_peer_is_declared_dead_after_peer_timeout():
     code, out, took = fault("stop", "ticket")
     assert code != 0
@@ -59,6 +60,7 @@ def test_silent_peer_is_declared_dead_after_peer_timeout():
     assert took < 60
 
 
+@pytest.mark.slow
 def test_hung_peer_gets_stall_reports_then_a_named_timeout():
     code, out, took = fault("hang", "ticket")
     assert code != 0

@@ -16,6 +16,8 @@ from torch import nn
 
 from tests.dist.world import run_world
 
+pytestmark = [pytest.mark.slow]
+
 VOCAB, DIM, SEQ, BATCH, MICRO, STEPS = 37, 12, 6, 2, 2, 4
 TOL = 1e-5
 

@@ -20,6 +20,8 @@ from torch import nn
 
 from tests.dist.world import run_world
 
+pytestmark = [pytest.mark.slow]
+
 IN, HID, OUT, B = 6, 16, 4, 4
 STEPS = 20
 BUCKET = 64

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = [pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(Path(__file__).parent / "scripts" / "tiny_train.py")
 SITES = dict.fromkeys(Path(p) for p in (sysconfig.get_path("purelib"), sysconfig.get_path("platlib"),

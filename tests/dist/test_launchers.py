@@ -48,6 +48,7 @@ def test_troupe_run(tmp_path):
         check_ranks(tmp_path, 2, "troupe", loop)
 
 
+@pytest.mark.slow
 def test_ticket_multiprocessing(tmp_path):
     run([sys.executable, TINY, str(tmp_path), "--ticket", "3", *loop_args(LOOPS)])
     for loop in LOOPS:
@@ -75,6 +76,7 @@ def test_slurm_srun_environment(tmp_path):
     check_ranks(tmp_path, 2, "slurm")
 
 
+@pytest.mark.mpi
 def test_mpiexec(tmp_path):
     mpiexec = shutil.which("mpiexec")
     try:
@@ -102,6 +104,7 @@ def test_single_process(tmp_path):
 
 
 @pytest.mark.parametrize("loop", [[], ["--loop", "torch", "--accum", "2", "--clip", "5", "--lr-step", "100"]])
+@pytest.mark.slow
 def test_mnist_example_reaches_accuracy(loop):
     """Real MNIST, 2 ranks, one short epoch on 20k images: a real bar, not a smoke test (SINGA's
     train_one_batch, and the PyTorch loop with accumulation, clipping and a scheduler)."""

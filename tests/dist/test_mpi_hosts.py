@@ -45,7 +45,7 @@ def _missing() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(bool(_missing()), reason=str(_missing()))
+pytestmark = [pytest.mark.netns, pytest.mark.mpi, pytest.mark.slow, pytest.mark.skipif(bool(_missing()), reason=str(_missing()))]
 
 
 def mpiexec_on_hosts(hosts: netns.Hosts, slots: list[int], out: Path) -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ import pytest
 from troupe.bench import netns
 from troupe.bench import network_faults as faults
 
-pytestmark = pytest.mark.skipif(bool(netns.available()), reason=f"simulated hosts: {netns.available()}")
+pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.skipif(bool(netns.available()), reason=f"simulated hosts: {netns.available()}")]
 
 STEPS, PACE = 30, 0.1
 TIMEOUTS = (20.0, 6.0)

@@ -66,6 +66,7 @@ def troupe_run(*args: str) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 def test_tensorboard_alone_writes_every_steps_scalars_per_rank(tmp_path):
     pytest.importorskip("tensorboard", reason="pip install tensorboard (the test extra has it)")
     board = tmp_path / "tb"

@@ -5,7 +5,11 @@ from __future__ import annotations
 import re
 import sys
 
+import pytest
+
 from tests.dist.test_launchers import run
+
+pytestmark = [pytest.mark.slow]
 
 
 def _numbers(stdout: str) -> tuple[float, float]:

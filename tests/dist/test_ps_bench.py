@@ -8,9 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.benchmark]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_ps_benchmark_times_ddp_and_a_parameter_server(tmp_path):
     rows = tmp_path / "rows.jsonl"
     cmd = [sys.executable, "-m", "troupe.cli", "bench", "run", "ps", "--args",

@@ -90,6 +90,7 @@ def checkpoints(directory, servers: list[int]) -> list[torch.Tensor]:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_mnist_example_trains_under_two_separate_server_groups(tmp_path):
     """The example under `troupe run`, 4 worker groups and 2 server groups of one server each."""
     cmd = [sys.executable, "-m", "troupe.cli", "run", "--nworker-groups", "4", "--nserver-groups", "2",

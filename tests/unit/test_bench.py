@@ -259,6 +259,7 @@ def test_cli_parses_bench_commands():
     assert build_parser().parse_args(["bench", "plot", "r.jsonl", "o.png"]).out == "o.png"
 
 
+@pytest.mark.process
 def test_bench_is_not_imported_by_troupe():
     import subprocess
     import sys

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.process, pytest.mark.docs]
+
 ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("pdoc", reason="the docs extra is not installed (pip install -e '.[docs]'; make test installs it)")
 pytest.importorskip("markdown", reason="the docs extra is not installed (pip install -e '.[docs]')")

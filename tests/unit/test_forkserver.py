@@ -15,6 +15,8 @@ import pytest
 
 from troupe.runtime.forkserver import ENV_VAR, namespaces, refusal
 
+pytestmark = [pytest.mark.process]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 JOB = """

@@ -15,6 +15,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 ROOT = SRC / "troupe"
 KNOWN_PACKAGES = ("runtime", "sync", "compress", "strategies", "cluster", "observe", "reliability", "bench",
@@ -226,6 +228,7 @@ def test_every_import_runs_down_the_layers():
     assert not upward, "imports that run up or across the layers:\n" + "\n".join(upward)
 
 
+@pytest.mark.process
 def test_troupe_loads_no_torch_module_beyond_import_torch():
     # Every rank of every job pays for what troupe's names import: torch.distributed.checkpoint
     # (about 1 s), torch._dynamo and the like are imported where they are used, not here.
@@ -241,6 +244,7 @@ def test_troupe_loads_no_torch_module_beyond_import_torch():
     assert heavy == [], f"import troupe loads {heavy[:10]}"
 
 
+@pytest.mark.process
 def test_the_command_line_starts_without_torch():
     # `troupe run` only makes a ticket, reads the cluster text and starts processes: the
     # supervisor of every job (and of every restart) would otherwise spend 2-3 s importing torch.

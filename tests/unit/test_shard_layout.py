@@ -59,6 +59,7 @@ def test_a_shard_mode_under_a_cluster_framework_is_refused():
         registry.resolve("plain", Cluster(), "optimizer")
 
 
+@pytest.mark.process
 def test_troupe_run_refuses_shard_with_elastic_or_a_framework(tmp_path):
     import subprocess
     import sys

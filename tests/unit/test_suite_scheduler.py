@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.process]
+
 CONFTEST = '''
 import sys
 sys.path.insert(0, {root!r})

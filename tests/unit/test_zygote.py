@@ -15,7 +15,7 @@ import pytest
 
 from troupe.runtime import zygote
 
-pytestmark = pytest.mark.skipif(not zygote.available(), reason="ranks are forked on Linux only")
+pytestmark = [pytest.mark.process, pytest.mark.skipif(not zygote.available(), reason="ranks are forked on Linux only")]
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys, time

@@ -38,12 +38,12 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float, norm
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     parameters = list(parameters)
-    if any(hasattr(p, SHARD_OF) for p in parameters):
-        return _clip_parts(parameters, max_norm, norm_type, comm)
-    params = [p for p in parameters if p.grad is not None]
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not (norm_type == math.inf or norm_type > 0):
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+    if any(hasattr(p, SHARD_OF) for p in parameters):
+        return _clip_parts(parameters, max_norm, norm_type, comm)
+    params = [p for p in parameters if p.grad is not None]
     job = _job_comm(comm)
     everyone = job.world_size
     shares = lambda p: len(getattr(p, HOLDERS, ())) or everyone  # noqa: E731
@@ -55,28 +55,12 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float, norm
         job, k = w.replica_group, w.membership.options.group_size
         everyone = 1 if job is None else k
         shares = lambda p: everyone if len(getattr(p, HOLDERS, ())) in (0, w.world_size) else 1  # noqa: E731
-    # on the gradients' device (a CUDA rank's norms stay there; the communicator stages as needed)
-    local = torch.zeros(1, dtype=torch.float64, device=params[0].grad.device if params else "cpu")
+    parts, holders = [], []
     for p in params:
-        g, copies = _local_part(p.grad, everyone)
-        holders = copies or shares(p)
-        g = g.detach().double()
-        if g.numel() == 0:  # a shard of a parameter with fewer rows than ranks
-            continue
-        if norm_type == math.inf:
-            local = torch.maximum(local, g.abs().max().reshape(1))
-        else:
-            # every holder adds its share: summed over the job, each distinct tensor counts once
-            local += g.abs().pow(norm_type).sum() / holders
-    if everyone > 1:
-        job.all_reduce(local, "max" if norm_type == math.inf else "sum")
-    total = local if norm_type == math.inf else local.pow(1.0 / norm_type)
-    total = total.to(torch.float32).reshape(())
-    coef = max_norm / (float(total) + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            p.grad.detach().mul_(coef)
-    return total
+        part, copies = _local_part(p.grad, everyone)
+        parts.append(part)
+        holders.append(copies or shares(p))
+    return _clip(parts, holders, max_norm, norm_type, job if everyone > 1 else None, [p.grad for p in params])
 
 
 def _clip_parts(parameters: list[Tensor], max_norm: float, norm_type: float, comm: Communicator | None) -> Tensor:
@@ -89,23 +73,25 @@ def _clip_parts(parameters: list[Tensor], max_norm: float, norm_type: float, com
         if part is not None and part.grad is not None:
             grads.append(part.grad)
             copies.append(getattr(part, SHARD_COPIES, 1))
-    return _clip(grads, float(max_norm), float(norm_type), _job_comm(comm), copies)
+    return _clip(grads, copies, max_norm, norm_type, _job_comm(comm), grads)
 
 
-def _clip(grads: list[Tensor], max_norm: float, norm_type: float, job: Communicator,
-          copies: list[int] | None = None) -> Tensor:
-    """Clip `grads`, which the ranks of `job` hold parts of (disjoint, or each in `copies` ranks alike),
-    by their total norm."""
-    if not (norm_type == math.inf or norm_type > 0):
-        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
-    local = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else "cpu")
-    for g, n in zip(grads, copies or [1] * len(grads)):
+def _clip(parts: list[Tensor], holders: list[int], max_norm: float, norm_type: float, job: Communicator | None,
+          grads: list[Tensor]) -> Tensor:
+    """Scale `grads` by what clips the total norm of `parts` to `max_norm`; return that norm. The ranks of `job`
+    (None: this rank alone) hold the parts, each part in `holders` ranks alike: every holder adds its share of the
+    squares, so that, summed over the job, each distinct tensor counts once."""
+    # on the gradients' device (a CUDA rank's norms stay there; the communicator stages as needed)
+    local = torch.zeros(1, dtype=torch.float64, device=parts[0].device if parts else "cpu")
+    for g, n in zip(parts, holders):
         g = g.detach().double()
+        if g.numel() == 0:  # a shard of a parameter with fewer rows than ranks
+            continue
         if norm_type == math.inf:
             local = torch.maximum(local, g.abs().max().reshape(1))
         else:
             local += g.abs().pow(norm_type).sum() / n
-    if job.world_size > 1:
+    if job is not None and job.world_size > 1:
         job.all_reduce(local, "max" if norm_type == math.inf else "sum")
     total = local if norm_type == math.inf else local.pow(1.0 / norm_type)
     total = total.to(torch.float32).reshape(())

@@ -52,6 +52,10 @@ class Fixed:
     """Every rank makes its DistOpt at the same time, so making it may use collectives."""
     lost: tuple[type[BaseException], ...] = ()
     """Exceptions a step survives (none: a lost peer ends a fixed job)."""
+    constant_batch = False
+    """The global batch is what the present processes draw (only an elastic job may keep it constant)."""
+    data_place: tuple[int, int] | None = None
+    """(index, count) of this process's data shard when it is not its rank in the world (a rejoining worker's)."""
 
     def vote(self, ok: bool, error: BaseException | None = None) -> bool:
         return ok
@@ -79,6 +83,8 @@ class Elastic:
     the quorum's values instead of a broadcast."""
     lost: tuple[type[BaseException], ...] = (RuntimeError,)
     """A failed collective (Gloo raises RuntimeError subclasses) costs the step, not the job."""
+    data_place: tuple[int, int] | None = None
+    """None: each worker group draws its share among the groups present (`troupe.data`)."""
 
     def __init__(self, options: ElasticOptions, rank: int, incarnation: int, backend: str,
                  connect: Callable[[float], dist.Store]):

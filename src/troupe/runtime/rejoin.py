@@ -85,6 +85,8 @@ class Rejoining:
     builds_together = True
     """Nothing is broadcast among the workers anyway (the servers hand out the first values)."""
     lost: tuple[type[BaseException], ...] = ()
+    constant_batch = False
+    """Each worker draws its own batch, whoever else is running."""
 
     def __init__(self, rank: int, incarnation: int, connect: Callable[[float], dist.Store], timeout: float):
         self.rank, self.incarnation = rank, incarnation

@@ -37,7 +37,7 @@ def _data_parallel_place(rank: int | None, world_size: int | None) -> tuple[int,
     world = world_mod.init()
     if world.membership.elastic:  # each worker group its own share, however many groups are present now
         return world.rank, world.world_size
-    place = getattr(world.membership, "data_place", None)
+    place = world.membership.data_place
     if place is not None:  # a parameter-server worker that restarts alone: its share among all the workers
         return place
     if world.settings.cluster and world.comm is world.job:
@@ -414,4 +414,4 @@ def _constant_batch_membership() -> Any:
     from troupe.runtime import world as world_mod
 
     membership = world_mod.init().membership
-    return membership if getattr(membership, "constant_batch", False) else None
+    return membership if membership.constant_batch else None

@@ -10,14 +10,13 @@ do when gradients reached ``p.grad`` without an armed backward.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from troupe.compress import Compressor, residual_norm
 from troupe.runtime.comm import Communicator
-from troupe.strategies.base import StepStats, reduced_buckets_finite
+from troupe.strategies.base import BaseStrategy, StepStats, reduced_buckets_finite
 from troupe.strategies.choice import DistOption
 from troupe.strategies.registry import Capabilities, Context, register
 from troupe.sync.agree import PAYLOAD_BYTES as AGREEMENT_BYTES
@@ -27,7 +26,7 @@ from troupe.sync.hooks.compressed import CompressedReduce
 from troupe.sync.reducer import GradReducer
 
 
-class AllReduce:
+class AllReduce(BaseStrategy):
     """Mean all-reduce of the gradients, then the wrapped optimizer's step on every rank.
 
     With a `compressor` (or a `compressed_hook` that compresses in its own way, as PowerSGD's),
@@ -89,22 +88,10 @@ class AllReduce:
             "residual_norm": residual_norm(self.residuals),
         }
 
-    def start(self) -> None:
-        pass
-
     def per_rank_state(self) -> list[str]:
         if self.compressed is not None and self.residuals:
             return ["top-K/threshold error-feedback residuals (what each rank has not sent yet)"]
         return []
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 @register

@@ -18,13 +18,20 @@ The life of one step, in the PyTorch loop:
 Around the steps: `start()` once, after rank 0's parameters reached every rank (a
 parameter-server worker Puts or Gets the initial values); `close()` once at the end;
 `per_rank_state()` says why a checkpoint of this strategy cannot move to another number
-of ranks. Which regime builds which strategy is `troupe.strategies.registry`'s table.
+of ranks; `no_sync()` accumulates gradients when the strategy reduces without a reducer.
+
+The elastic step (``troupe run --elastic``): `ahead_of_vote()` takes the part of the step that
+must come before the members' vote, `left_out()` undoes it when the vote leaves the step out;
+`reconfigured()` and `holds_work()` answer the membership when the quorum's group changes.
+`BaseStrategy` gives every optional part a no-op default, so DistOpt calls them all directly.
+Which regime builds which strategy is `troupe.strategies.registry`'s table.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -72,6 +79,59 @@ class UpdateStrategy(Protocol):
 
     def close(self) -> None:
         """Leave the job's collective life cleanly (a last sync, telling servers)."""
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Backward inside the block leaves gradients local, summed with the next backward's (used when the
+        strategy reduces without a GradReducer: FSDP2)."""
+
+    def ahead_of_vote(self) -> None:
+        """The part of this step taken before the members' vote: a member lost in it fails the vote, not the job
+        (elastic DiLoCo's exchange, partialUpdate's average)."""
+
+    def left_out(self) -> None:
+        """The vote left this step out: undo what `ahead_of_vote` took."""
+
+    def reconfigured(self) -> None:
+        """The quorum's group was made anew (``Elastic.on_reconfigure``): redo what was in flight on the old one."""
+
+    def holds_work(self) -> bool:
+        """Whether a collective may still run on the quorum's group beyond the step (``Elastic.holds_work``)."""
+
+
+class BaseStrategy:
+    """The no-op defaults of `UpdateStrategy`'s optional parts: nothing to start, save or close, no state that
+    ties a checkpoint to its ranks, accumulation without a reducer that does nothing, and no part in the
+    elastic step beyond the vote."""
+
+    def start(self) -> None:
+        pass
+
+    def per_rank_state(self) -> list[str]:
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def ahead_of_vote(self) -> None:
+        pass
+
+    def left_out(self) -> None:
+        pass
+
+    def reconfigured(self) -> None:
+        pass
+
+    def holds_work(self) -> bool:
+        return False
 
 
 def reduced_buckets_finite(reducer: GradReducer | None, params: Sequence[Tensor]) -> bool:

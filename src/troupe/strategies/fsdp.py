@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from troupe.strategies.base import StepStats
+from troupe.strategies.base import BaseStrategy, StepStats
 from troupe.strategies.choice import Fixed, params_of, refuse
 from troupe.strategies.registry import Capabilities, Regime, Setup, register
 
@@ -114,7 +114,7 @@ def check_cluster(cluster: Any) -> None:
                      "replicate every step use troupe.shard(model, groups=G) (HSDP)")
 
 
-class ShardedStep:
+class ShardedStep(BaseStrategy):
     """The step of a model sharded by FSDP2: its gradients were reduce-scattered (and, across worker
     groups, all-reduced) in backward, so the wrapped optimizer steps the local shards."""
 
@@ -167,15 +167,6 @@ class ShardedStep:
     def per_rank_state(self) -> list[str]:
         """None: the parameters and their optimizer state are DTensors, which DCP saves and reshards."""
         return []
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 @register

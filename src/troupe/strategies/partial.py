@@ -21,7 +21,7 @@ from torch import Tensor
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
 from troupe.strategies.allreduce import dense_bytes
-from troupe.strategies.base import StepUndo
+from troupe.strategies.base import BaseStrategy, StepUndo
 from troupe.strategies.choice import DistOption
 from troupe.strategies.registry import Capabilities, Context, register
 from troupe.sync.agree import Agreement
@@ -112,7 +112,7 @@ class PartialAverager:
             offset += n
 
 
-class PartialUpdate:
+class PartialUpdate(BaseStrategy):
     """SINGA's partial update as a strategy: backward stays local, `step()` steps the wrapped
     optimizer on this rank's own gradient, then averages one chunk of the parameters.
 
@@ -213,9 +213,6 @@ class PartialUpdate:
             stats["chunk"] = chunk
         return stats
 
-    def start(self) -> None:
-        pass
-
     def per_rank_state(self) -> list[str]:
         return ["partial update (each rank's parameters and momentum differ)"]
 
@@ -225,9 +222,6 @@ class PartialUpdate:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.averager is not None:
             self.averager.counter = int(state.get("partial_counter", 0))
-
-    def close(self) -> None:
-        pass
 
 
 @register

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
-from troupe.strategies.base import StepStats, UpdateStrategy
+from troupe.strategies.base import BaseStrategy, StepStats, UpdateStrategy
 from troupe.sync.reducer import GradReducer
 from troupe.util import holders_of, pack, unpack_into
 
@@ -146,7 +146,7 @@ def _take(param: Tensor, slot: Tensor) -> None:
     param.grad = slot
 
 
-class Partitioned:
+class Partitioned(BaseStrategy):
     """`inner` for the replicated parameters, plus the holder-group reduction of the partitioned ones."""
 
     def __init__(self, inner: UpdateStrategy, holders: HolderGroups, job: Communicator,

@@ -40,7 +40,7 @@ from torch import Tensor
 from troupe.reliability.nonfinite import all_finite
 from troupe.reliability.pieces import ElementParts
 from troupe.runtime.comm import Communicator, Handle
-from troupe.strategies.base import StepStats
+from troupe.strategies.base import BaseStrategy, StepStats
 from troupe.strategies.choice import OptionSwitch, params_of, refuse
 from troupe.strategies.partitioned import split_by_holders
 from troupe.strategies.registry import Capabilities, Regime, Setup, lookup, register
@@ -73,7 +73,7 @@ def own_parts(numels: Sequence[int], rank: int, k: int) -> list[tuple[int, int, 
     return parts
 
 
-class ShardedStep:
+class ShardedStep(BaseStrategy):
     """The update of a sharded DistOpt: reduce-scatter in backward, step the own parts, all-gather.
 
     `comm` is the job (the finiteness verdict), `group` the ranks that share the state (the job itself
@@ -166,9 +166,6 @@ class ShardedStep:
 
     # --- UpdateStrategy -----------------------------------------------------------------------
 
-    def start(self) -> None:
-        pass
-
     def describe(self) -> str:
         return f"plain, shard={self.mode}"
 
@@ -210,15 +207,6 @@ class ShardedStep:
             return []
         return [f"the optimizer state is sharded by elements over the {self.k} ranks of each worker group "
                 f"(shard={self.mode!r}); resharding such a checkpoint is not supported yet"]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _ring_group(world, groups: int) -> Communicator:

@@ -37,7 +37,7 @@ from troupe.cluster.workers.layout import Layout, trainable
 from troupe.cluster.wire.links import LINK_FORM_SECONDS
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
-from troupe.strategies.base import reduced_buckets_finite
+from troupe.strategies.base import BaseStrategy, reduced_buckets_finite
 from troupe.sync.hooks.allreduce import MeanAllReduce
 from troupe.sync.hooks.scatter import BucketScatter
 from troupe.sync.reducer import GradReducer
@@ -58,7 +58,7 @@ def colocated_slices(numels: Sequence[int], owned: Sequence[bool], nservers: int
     return slices
 
 
-class CoLocated:
+class CoLocated(BaseStrategy):
     """Workers that host their group's servers: reduce, update own slices, all-gather; groups sync every sync_freq."""
 
     def __init__(self, cluster: ClusterConfig, role: Role, group: Communicator, optimizer: torch.optim.Optimizer,
@@ -190,12 +190,6 @@ class CoLocated:
 
     def per_rank_state(self) -> list[str]:
         return [PS_WORKER_STATE]
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
     def step(self) -> dict:
         with self.holding:

@@ -59,7 +59,7 @@ from troupe.cluster.configuration.config import OUTER_DEFAULT, ClusterConfig, ou
 from troupe.cluster.workers.pseudograd import PendingMean, start_mean
 from troupe.runtime.comm import Communicator
 from troupe.strategies.allreduce import AllReduce
-from troupe.strategies.base import StepStats, StepUndo
+from troupe.strategies.base import BaseStrategy, StepStats, StepUndo
 from troupe.strategies.partitioned import HolderGroups, Partitioned, split_by_holders
 from troupe.sync.reducer import GradReducer
 
@@ -185,7 +185,7 @@ def group_step(params: Sequence[Tensor], group: Communicator, optimizer: torch.o
     return Partitioned(inner, holders, group, reducer)
 
 
-class DiLoCo:
+class DiLoCo(BaseStrategy):
     """A DiLoCo worker: the group's plain all-reduce step, and every sync_freq steps each fragment's outer step."""
 
     name = "diloco"

@@ -28,6 +28,7 @@ from troupe.cluster.serving.mastercopies import MasterCopies, SliceValues
 from troupe.cluster.serving.shard import plan_slices
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator
+from troupe.strategies.base import BaseStrategy
 from troupe.cluster.workers import PS_WORKER_STATE
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 
 
-class SharedMemory:
+class SharedMemory(BaseStrategy):
     """A worker whose parameters live in memory shared with the other workers of its process."""
 
     def __init__(self, cluster: ClusterConfig, role: Role, process: Communicator, optimizer: torch.optim.Optimizer,
@@ -107,12 +108,6 @@ class SharedMemory:
 
     def per_rank_state(self) -> list[str]:
         return [PS_WORKER_STATE]
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
     def step(self) -> dict:
         self.optimizer.step()  # in place, into the shared memory, without a lock

@@ -42,6 +42,7 @@ from troupe.compress.fp16 import half_dtype
 from troupe.reliability.nonfinite import all_finite
 from troupe.runtime.comm import Communicator, Handle
 from troupe.runtime.quorum import REJOIN_EXIT
+from troupe.strategies.base import BaseStrategy
 from troupe.sync.bucket import Bucket
 from troupe.sync.hooks.send import SendBuckets
 from troupe.sync.reducer import GradReducer
@@ -67,7 +68,7 @@ def _leave_evicted(rank: int, server: int) -> NoReturn:
     os._exit(REJOIN_EXIT)  # its launcher starts it again at once (not a failure: no restart spent)
 
 
-class PSClient:
+class PSClient(BaseStrategy):
     """A worker talking to separate servers: an Update per slice, fresh slices back in `step()`.
 
     When the Updates leave (`ClusterConfig.send_updates`): backward packs the gradients into
