@@ -148,7 +148,7 @@ def test_slow_link_lists_diloco_and_powersgd_below_plain_and_picks_exact_sync_sg
     assert pick(cands, PICK_FROM["any"]) == cands[0]
     table = render_table(tiny(), 4, parse_link("100mbit"), cands, pick(cands))
     row = next(line for line in table.splitlines() if line.startswith("DiLoCo 4 groups x 1") and "diloco:100" in line)
-    assert row.split()[-5:-3] == ["diloco:100", "no"] and "no = not equivalent to synchronous SGD" in table
+    assert row.split()[-6:-4] == ["diloco:100", "no"] and "no = not equivalent to synchronous SGD" in table
     assert ("faster with an option that changes the update (diloco:100, sync SGD no): DiLoCo 4 groups x 1 "
             "(--framework diloco --nworker-groups 4 --sync-freq 100): ") in table
 
