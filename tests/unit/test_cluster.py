@@ -354,7 +354,8 @@ def test_several_servers_or_workers_per_process_become_a_process_each_with_a_war
 def test_an_elastic_cluster_block_is_troupe_run_elastic_over_its_groups(monkeypatch, tmp_path):
     """`elastic: true` (and min_groups) in the cluster block: `troupe run --cluster FILE` runs what
     `--elastic --nworker-groups G --min-groups K` runs; a rank handed it by another launcher is refused."""
-    from troupe.cli import _elastic_from_cluster, build_parser
+    from troupe.cli import build_parser
+    from troupe.launcher.resolve import elastic_from_cluster as _elastic_from_cluster
 
     cfg = parse_cluster_text("cluster {\n  nworker_groups: 4\n  nworkers_per_group: 2\n  elastic: true\n"
                              "  min_groups: 3\n}")
@@ -391,7 +392,8 @@ def test_bad_elastic_cluster_blocks_name_their_values(fields, message):
 def test_an_elastic_block_with_separate_servers_is_troupe_run_elastic_over_that_job(tmp_path):
     """`elastic: true` beside Downpour's servers: `troupe run --cluster FILE` runs `--elastic` over the
     parameter-server job as given (its workers restart alone), the cluster kept."""
-    from troupe.cli import _elastic_from_cluster, build_parser
+    from troupe.cli import build_parser
+    from troupe.launcher.resolve import elastic_from_cluster as _elastic_from_cluster
 
     conf = tmp_path / "job.conf"
     conf.write_text("cluster {\n  nworker_groups: 2\n  nserver_groups: 2\n  server_worker_separate: true\n"

@@ -228,7 +228,8 @@ class TestSlurm:
     def test_troupe_run_slurm_takes_this_nodes_place_from_srun(self, monkeypatch):
         """srun --ntasks-per-node=1 troupe run --slurm: each task is one node's launcher, and every one
         derives the same master and token as a Slurm job's ranks would."""
-        from troupe.cli import _from_slurm, build_parser
+        from troupe.cli import build_parser
+        from troupe.launcher.resolve import from_slurm as _from_slurm
         from troupe.runtime import launch
         from troupe.runtime.settings import Settings
 
@@ -266,19 +267,19 @@ class TestSupervisor:
             return self.codes.pop(0) if len(self.codes) > 1 else self.codes[0]
 
     def test_a_killed_rank_seen_after_its_peer_is_named(self):
-        from troupe.cli import _culprit
+        from troupe.launcher.processes import culprit as _culprit
 
         procs = [self.Proc(None), self.Proc(None, None, -9), self.Proc(1)]  # rank 2 (a server) seen first
         assert _culprit(procs, 0, set(), [(2, 1)]) == (1, -9)
 
     def test_without_a_killed_rank_the_first_failure_is_named(self):
-        from troupe.cli import _culprit
+        from troupe.launcher.processes import culprit as _culprit
 
         procs = [self.Proc(None), self.Proc(3), self.Proc(1)]
         assert _culprit(procs, 4, set(), [(6, 1)]) == (5, 3)  # ranks start at 4 on this node
 
     def test_tolerated_ranks_are_never_named(self):
-        from troupe.cli import _culprit
+        from troupe.launcher.processes import culprit as _culprit
 
         procs = [self.Proc(-9), self.Proc(1)]
         assert _culprit(procs, 0, {0}, [(1, 1)]) == (1, 1)

@@ -18,10 +18,11 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 ROOT = SRC / "troupe"
 KNOWN_PACKAGES = ("runtime", "sync", "compress", "strategies", "cluster", "observe", "reliability", "bench",
-                  "partition", "algorithms", "singa", "script", "sharding")
+                  "launcher", "partition", "algorithms", "singa", "script", "sharding")
 LAYERS = (
     ("__main__",),
     ("cli",),
+    ("launcher",),  # troupe run's: the plan, starting ranks, supervising them
     ("bench",),
     ("troupe",),  # the facade: troupe.DistOpt, troupe.data, ... each loaded on first use
     ("distopt", "partition", "script", "algorithms", "sharding"),  # what a training script calls

@@ -12,6 +12,8 @@ import time
 import pytest
 
 from troupe import cli
+from troupe.launcher import processes
+from troupe.launcher.starter import Starter
 
 
 def test_sigterm_while_the_ranks_start_stops_those_started(monkeypatch):
@@ -25,14 +27,14 @@ def test_sigterm_while_the_ranks_start_stops_those_started(monkeypatch):
         started.append(proc)
         return proc
 
-    monkeypatch.setattr(cli._Starter, "__call__", start)
-    monkeypatch.setattr(cli._Starter, "_zygote", lambda self: None)
+    monkeypatch.setattr(Starter, "__call__", start)
+    monkeypatch.setattr(Starter, "_zygote", lambda self: None)
     args = cli.build_parser().parse_args(["run", "-n", "3", "script.py"])
     args.output = None
     before = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(SystemExit) as stopped:
-            cli._run_once(args, {})
+            processes.run_once(args, {})
         assert stopped.value.code == 143
         assert len(started) == 1 and started[0].poll() is not None, "the rank started before the signal runs on"
         assert signal.getsignal(signal.SIGTERM) == before, "the launcher's handler outlived the start"

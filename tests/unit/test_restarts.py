@@ -1,10 +1,10 @@
-"""`troupe run --elastic`'s supervisor (runtime/restarts.py) over scripted processes: no real ones."""
+"""`troupe run --elastic`'s supervisor (launcher/supervisor.py) over scripted processes: no real ones."""
 
 from __future__ import annotations
 
 import pytest
 
-from troupe.runtime import restarts
+from troupe.launcher import supervisor as restarts
 from troupe.runtime.quorum import REJOIN_EXIT
 
 

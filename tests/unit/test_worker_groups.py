@@ -7,7 +7,9 @@ import argparse
 
 import pytest
 
-from troupe.cli import _cluster_env, _worker_groups, build_parser, main
+from troupe.cli import build_parser, main
+from troupe.launcher.resolve import cluster_env as _cluster_env
+from troupe.launcher.resolve import worker_groups_env as _worker_groups
 from troupe.runtime.settings import Settings
 from troupe.runtime.world import check_groups
 
