@@ -11,8 +11,10 @@ import time
 
 import pytest
 
-from troupe import cli
 from troupe.launcher import processes
+from troupe.launcher.flags import Place
+from troupe.launcher.plan import LaunchPlan
+from troupe.launcher.ports import Ports
 from troupe.launcher.starter import Starter
 
 
@@ -29,12 +31,11 @@ def test_sigterm_while_the_ranks_start_stops_those_started(monkeypatch):
 
     monkeypatch.setattr(Starter, "__call__", start)
     monkeypatch.setattr(Starter, "_zygote", lambda self: None)
-    args = cli.build_parser().parse_args(["run", "-n", "3", "script.py"])
-    args.output = None
+    plan = LaunchPlan(place=Place(nproc=3), argv=("script.py",))
     before = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(SystemExit) as stopped:
-            processes.run_once(args, {})
+            processes.run_once(plan, None, Ports(), {})
         assert stopped.value.code == 143
         assert len(started) == 1 and started[0].poll() is not None, "the rank started before the signal runs on"
         assert signal.getsignal(signal.SIGTERM) == before, "the launcher's handler outlived the start"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import re
@@ -13,7 +12,9 @@ import time
 from collections.abc import Callable
 
 from troupe.launcher.processes import kill_now, stop_all
+from troupe.launcher.plan import LaunchPlan
 from troupe.launcher.starter import Starter
+from troupe.runtime.rankio import RankOutput
 
 
 def afresh_unless_quiet() -> None:
@@ -31,7 +32,7 @@ def afresh_unless_quiet() -> None:
     os.execve(sys.executable, [sys.executable, "-m", "troupe", *sys.argv[1:]], env)
 
 
-def load_torch(args: argparse.Namespace, start: Starter, say: Callable[[str], None]) -> None:
+def load_torch(plan: LaunchPlan, start: Starter, say: Callable[[str], None]) -> None:
     """An elastic launcher keeps (node 0) or reaches the job's store, so it imports torch itself.
 
     Node 0's does so with what the ranks share as its environment and forks its zygote from itself
@@ -41,10 +42,11 @@ def load_torch(args: argparse.Namespace, start: Starter, say: Callable[[str], No
     torch with c10's C++ logging at FATAL: c10d warns on every connection where the hostname does not
     resolve (a host without DNS for itself) and logs a page of C++ frames when node 0's store does not
     answer (one line says so here); its ranks get the environment as it was."""
-    if args.node_rank == 0 or "torch" in sys.modules:  # (another node's, forked by a `troupe fork-server`)
+    node_rank = plan.place.node_rank
+    if node_rank == 0 or "torch" in sys.modules:  # (another node's, forked by a `troupe fork-server`)
         from troupe.runtime import zygote
 
-        zygote.fork_shared(start.env(None), say=say if args.node_rank == 0 else None)
+        zygote.fork_shared(start.env(None), say=say if node_rank == 0 else None)
     quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ and "torch" not in sys.modules
     if quiet:
         os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
@@ -53,9 +55,8 @@ def load_torch(args: argparse.Namespace, start: Starter, say: Callable[[str], No
         del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
-def early_failure(house, args: argparse.Namespace) -> Callable[[int, int, subprocess.Popen], str | None]:
+def early_failure(house, output: RankOutput | None) -> Callable[[int, int, subprocess.Popen], str | None]:
     """How a life of a rank failed (its last line of stderr) when it never asked to join the quorum."""
-    output = getattr(args, "output", None)
 
     def early(rank: int, life: int, proc: subprocess.Popen) -> str | None:
         if output is None or house.asked(rank, life):
@@ -66,7 +67,7 @@ def early_failure(house, args: argparse.Namespace) -> Callable[[int, int, subpro
     return early
 
 
-def supervise_restarting(args: argparse.Namespace, start: Starter, house, spare_count: int, ranks: list[int],
+def supervise_restarting(plan: LaunchPlan, start: Starter, house, spare_count: int, ranks: list[int],
                           say: Callable[[str], None], also_poll: Callable[[], None] = lambda: None, **more) -> int:
     """Supervise `ranks` under --elastic (launcher/supervisor.py): a restart runs in a warm spare once `house`
     (the lighthouse, or elastic parameter servers' keeper) says the job has formed; SIGTERM and Ctrl-C
@@ -95,7 +96,7 @@ def supervise_restarting(args: argparse.Namespace, start: Starter, house, spare_
 
     old = signal.signal(signal.SIGTERM, terminated)
     try:
-        return supervise(spawn, ranks, house, restarts_per_rank=args.restarts_per_rank, say=say,
+        return supervise(spawn, ranks, house, restarts_per_rank=plan.elastic.restarts_per_rank, say=say,
                          stop_all=stop_all, every_poll=start_spares, kill=kill_now, **more)
     except EndedElsewhere:
         raise
@@ -105,9 +106,8 @@ def supervise_restarting(args: argparse.Namespace, start: Starter, house, spare_
         signal.signal(signal.SIGTERM, old)
         if spares is not None:
             spares.stop()
-        output = getattr(args, "output", None)
-        if output is not None:
-            output.drain()
+        if start.output is not None:
+            start.output.drain()
 
 
 class EndedElsewhere(KeyboardInterrupt):

@@ -1,4 +1,4 @@
-"""`troupe run`: start the job's ranks on this node, fixed or elastic, and report when they end."""
+"""`troupe run`: resolve the plan, start this node's ranks (fixed or elastic), report when they end."""
 
 from __future__ import annotations
 
@@ -9,82 +9,68 @@ import sys
 from troupe.launcher.elastic import afresh_unless_quiet
 from troupe.launcher.elastic_groups import run_elastic_groups
 from troupe.launcher.elastic_servers import run_elastic_servers
+from troupe.launcher.flags import Flags
+from troupe.launcher.plan import LaunchPlan
+from troupe.launcher.ports import Ports
 from troupe.launcher.processes import run_once
-from troupe.launcher.resolve import (check_elastic, check_paths, cluster_env, elastic_from_cluster, from_slurm,
-                                     rank_output, worker_groups_env)
+from troupe.launcher.resolve import plan_from, prepared
+from troupe.runtime.rankio import RankOutput, parse_ranks
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the job; after a failure restart it from its last checkpoint, up to --max-restarts times."""
-    if args.slurm:
-        from_slurm(args)
-    if args.cluster:
-        elastic_from_cluster(args)
-    if args.elastic and args.node_rank != 0:
-        afresh_unless_quiet()
-    if args.tensorboard:
-        from troupe.observe.tensorboard import require
+    """`troupe run`'s parsed arguments: the plan resolved once, then the job started on this node."""
+    flags = prepared(Flags.from_args(args))
+    if flags.elastic.on and flags.place.node_rank != 0:
+        afresh_unless_quiet()  # before anything is said or made: it may start this launcher again
+    return launch(plan_from(flags))
 
-        require()  # one clear error here, not one per rank, and before any directory is made
-    check_paths(args)
-    if args.max_restarts < 0:
-        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    ckpt_dir = args.resume or args.checkpoint_dir
-    if args.max_restarts and not ckpt_dir:
-        raise ValueError("--max-restarts needs --checkpoint-dir DIR (where the job saves what a restart resumes)")
-    if args.resume and not os.path.isdir(args.resume):
-        raise ValueError(f"--resume: no such directory {args.resume}")
-    extra_env = {"TROUPE_CHECKPOINT_DIR": os.path.abspath(ckpt_dir)} if ckpt_dir else {}
-    for flag, var in ((args.stats, "TROUPE_STATS"), (args.timeline, "TROUPE_TIMELINE")):
-        if flag:
-            if os.path.exists(flag):
-                os.remove(flag)  # stats are appended to: start each job afresh
-            extra_env[var] = os.path.abspath(flag)
-    if args.tensorboard:
-        extra_env["TROUPE_TENSORBOARD"] = os.path.abspath(args.tensorboard)
-    if args.elastic:
-        check_elastic(args)
-    else:
-        for flag, value in (("--min-groups", args.min_groups), ("--evict-after", args.evict_after),
-                            ("--elastic-timeout", args.elastic_timeout), ("--spares", args.spares),
-                            ("--elastic-batch", args.elastic_batch), ("--max-groups", args.max_groups)):
-            if value is not None:
-                raise ValueError(f"{flag} needs --elastic")
-    extra_env.update(worker_groups_env(args))
-    cluster = cluster_env(args)
-    extra_env.update(cluster)
-    if args.shard:
-        if args.elastic or cluster:
-            raise ValueError(f"--shard {args.shard} runs with plain data parallelism only for now: drop "
-                             f"{'--elastic' if args.elastic else 'the cluster framework'}")
-        extra_env["TROUPE_SHARD"] = args.shard
-    args.output = rank_output(args)
-    if args.elastic and getattr(args, "rejoining", False):
-        return run_elastic_servers(args, extra_env)
-    if args.elastic:
-        return run_elastic_groups(args, extra_env)
-    resume = "yes" if args.resume else "no"
-    for attempt in range(args.max_restarts + 1):
-        code = run_once(args, {**extra_env, "TROUPE_RESUME": resume})
-        if code == 0 or code == 130 or attempt == args.max_restarts:
-            _report(args)
+
+def launch(plan: LaunchPlan) -> int:
+    """Start the job; after a failure restart it from its last checkpoint, up to --max-restarts times."""
+    for path in (plan.outputs.stats, plan.outputs.timeline):
+        if path and os.path.exists(path):
+            os.remove(path)  # stats are appended to: start each job afresh
+    output, ports = rank_output(plan), Ports()
+    if plan.mode == "rejoin":
+        return run_elastic_servers(plan, output, ports)
+    if plan.mode == "quorum":
+        return run_elastic_groups(plan, output, ports)
+    recovery = plan.recovery
+    resume = "yes" if recovery.resume else "no"
+    for attempt in range(recovery.max_restarts + 1):
+        code = run_once(plan, output, ports, {"TROUPE_RESUME": resume})
+        if code == 0 or code == 130 or attempt == recovery.max_restarts:
+            report(plan)
             return code
         resume = "auto"
-        print(f"troupe run: restarting from the last checkpoint in {ckpt_dir} "
-              f"(restart {attempt + 1} of {args.max_restarts})", file=sys.stderr)
+        print(f"troupe run: restarting from the last checkpoint in {recovery.directory} "
+              f"(restart {attempt + 1} of {recovery.max_restarts})", file=sys.stderr)
     return code
 
 
-def _report(args: argparse.Namespace) -> None:
+def rank_output(plan: LaunchPlan) -> RankOutput | None:
+    """Where the ranks' output goes: passed on line by line when several ranks share this terminal or
+    --prefix/--log-dir/--ranks ask for it; else (one rank) inherited as it is."""
+    out = plan.outputs
+    ranks = parse_ranks(out.ranks) if out.ranks is not None else None
+    if plan.nproc < 2 and not (out.prefix or out.log_dir or ranks is not None):
+        return None
+    output = RankOutput(prefix=out.prefix, ranks=ranks, log_dir=out.log_dir)
+    output.clear_logs(plan.place.ranks)
+    return output
+
+
+def report(plan: LaunchPlan) -> None:
     """Summarise the stats file and merge the ranks' timelines (on node 0)."""
     from troupe.observe import trace
 
-    if args.stats and os.path.exists(args.stats) and os.path.getsize(args.stats):
-        print(f"troupe run: per-step means from {args.stats}\n{trace.summarize(args.stats)}", file=sys.stderr)
-    if args.timeline and os.path.exists(args.timeline):
-        trace.merge_timelines(args.timeline, args.nproc * args.nnodes)
-        print(f"troupe run: timeline in {args.timeline} (open in chrome://tracing or ui.perfetto.dev)",
+    out = plan.outputs
+    if out.stats and os.path.exists(out.stats) and os.path.getsize(out.stats):
+        print(f"troupe run: per-step means from {out.stats}\n{trace.summarize(out.stats)}", file=sys.stderr)
+    if out.timeline and os.path.exists(out.timeline):
+        trace.merge_timelines(out.timeline, plan.world_size)
+        print(f"troupe run: timeline in {out.timeline} (open in chrome://tracing or ui.perfetto.dev)",
               file=sys.stderr)
-    if args.tensorboard:
-        print(f"troupe run: TensorBoard scalars in {args.tensorboard} (tensorboard --logdir {args.tensorboard})",
+    if out.tensorboard:
+        print(f"troupe run: TensorBoard scalars in {out.tensorboard} (tensorboard --logdir {out.tensorboard})",
               file=sys.stderr)

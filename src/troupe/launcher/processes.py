@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
 import sys
 import time
 
-from troupe.launcher.ports import ticket_for
+from troupe.launcher.plan import LaunchPlan
+from troupe.launcher.ports import Ports
 from troupe.launcher.starter import Starter
-
+from troupe.runtime.rankio import RankOutput
 
 GRACE_SECONDS = 5.0
 """How long a rank gets to exit after SIGTERM before SIGKILL."""
@@ -22,24 +22,22 @@ is gone", code 1) can be collected first, since a killed process's sockets close
 exit status can be collected."""
 
 
-def run_once(args: argparse.Namespace, extra_env: dict[str, str]) -> int:
+def run_once(plan: LaunchPlan, output: RankOutput | None, ports: Ports, extra_env: dict[str, str]) -> int:
     """Start this node's ranks, watch them, and stop them all as soon as one fails."""
-    ticket = ticket_for(args)  # a fresh port and token for every attempt
-    start = Starter(args, extra_env, ticket)
+    ticket = ports.ticket(plan.place)  # a fresh port and token for every attempt
+    start = Starter(plan, ticket, ports, output, extra_env)
     start._zygote()  # first: a rank forked from a zygote this launcher forks leaves through no `finally` below
     procs: list[subprocess.Popen] = []
-    # SIGTERM while the ranks start stops those started (`_supervise` handles it from then on)
+    # SIGTERM while the ranks start stops those started (`supervise_all` handles it from then on)
     old = signal.signal(signal.SIGTERM, lambda *_: (stop_all(procs), sys.exit(143)))
     try:
-        for local_rank in range(args.nproc):
-            procs.append(start(args.node_rank * args.nproc + local_rank))
+        for rank in plan.place.ranks:
+            procs.append(start(rank))
     finally:
         signal.signal(signal.SIGTERM, old)
-    output = getattr(args, "output", None)
     drain = output.drain if output is not None else lambda: None
     try:
-        return supervise_all(procs, first_rank=args.node_rank * args.nproc, tolerate=getattr(args, "tolerate", set()),
-                          drain=drain)
+        return supervise_all(procs, first_rank=plan.place.ranks.start, tolerate=plan.servers.expendable, drain=drain)
     finally:
         drain()
 

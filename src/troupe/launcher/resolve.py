@@ -1,25 +1,48 @@
-"""What `troupe run`'s flags, cluster block, job file and environment ask for, checked before any rank starts."""
+"""From `troupe run`'s flags, cluster block, job file and environment to the one `LaunchPlan`, checked
+before any rank starts.
+
+    flags = prepared(Flags.from_args(args))   # srun's environment; a cluster block with elastic: true
+    plan = plan_from(flags)                   # everything else, once
+
+Nothing here starts a process; `say` is told what was decided (the worker groups, each rank's role).
+"""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
 import warnings
+from collections.abc import Callable
 
+from troupe.launcher.checks import check_elastic, check_paths, check_recovery, refuse_elastic_flags
+from troupe.launcher.flags import ClusterFlags, Flags, Place
+from troupe.launcher.plan import ElasticPlan, LaunchPlan, Servers
 from troupe.runtime import settings
-from troupe.runtime.rankio import RankOutput, parse_ranks
 
 
-def from_slurm(args: argparse.Namespace) -> None:
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def prepared(flags: Flags) -> Flags:
+    """The flags as the job's nodes agree on them: srun's environment (--slurm) and a cluster block with
+    `elastic: true` read in. Whether the launcher is elastic is known from here on."""
+    if flags.slurm:
+        flags = dataclasses.replace(flags, place=from_slurm(flags.place))
+    if flags.cluster.file:
+        flags = elastic_from_cluster(flags)
+    return flags
+
+
+def from_slurm(place: Place) -> Place:
     """`troupe run --slurm`: this node's place in the job from srun's environment (one task per node:
     each is one node's launcher). The master is the step's first node; port and token as a Slurm
     job's ranks compute them (`slurm_ticket`), so every node's launcher agrees without talking."""
     from troupe.runtime.ticket import slurm_ticket
 
-    given = (("--nnodes", args.nnodes != 1), ("--node-rank", args.node_rank != 0), ("--master", args.master is not None),
-             ("--token", args.token != settings.current().token))
+    given = (("--nnodes", place.nnodes != 1), ("--node-rank", place.node_rank != 0),
+             ("--master", place.master is not None), ("--token", place.token != settings.current().token))
     clash = [flag for flag, was_given in given if was_given]
     if clash:
         raise ValueError(f"--slurm reads {', '.join(clash)} from srun's environment: give one or the other")
@@ -34,196 +57,201 @@ def from_slurm(args: argparse.Namespace) -> None:
                          "processes itself: one task per node (srun --ntasks-per-node=1)")
     s = settings.current()
     ticket = slurm_ticket(s.master_addr, s.master_port, s.token)
-    args.nnodes, args.node_rank = int(ntasks), int(procid)
-    args.master, args.token = (ticket.addr, ticket.port), ticket.token
+    return dataclasses.replace(place, nnodes=int(ntasks), node_rank=int(procid), master=(ticket.addr, ticket.port),
+                               token=ticket.token)
 
 
-def worker_groups_env(args: argparse.Namespace) -> dict[str, str]:
+def elastic_from_cluster(flags: Flags) -> Flags:
+    """A cluster block with ``elastic: true`` (`--cluster job.conf`) is ``--elastic`` over its worker
+    groups: ``--nworker-groups`` its nworker_groups, -n its processes, ``--min-groups`` its min_groups
+    (the flags win where given); with separate servers, ``--elastic`` over that parameter-server job."""
+    from troupe.cluster.configuration.config import flag_fields
+    from troupe.cluster.configuration.sources import resolve
+
+    place, c, e = flags.place, flags.cluster, flags.elastic
+    with warnings.catch_warnings():  # a cluster that is not elastic is resolved again, warnings and all, later
+        warnings.simplefilter("ignore")
+        cluster = resolve(c.framework, c.file, place.total, **c.fields)
+    if cluster is None or not cluster.elastic:
+        return flags
+    if cluster.server_worker_separate and cluster.framework != "diloco":
+        # Downpour, Sandblaster: the cluster stays as given; its workers restart alone
+        block = cluster.framework or "a parameter-server cluster"
+        return dataclasses.replace(flags, elastic=dataclasses.replace(e, on=True),
+                                   cluster=dataclasses.replace(c, servers_block=block))
+    if cluster.nprocs % place.nnodes:
+        raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {place.nnodes}")
+    diloco = cluster.framework == "diloco"
+    fields = {f.name: getattr(cluster, f.name) if diloco and getattr(cluster, f.name) != f.default else None
+              for f in flag_fields()}  # what follows is --elastic's (with DiLoCo's fields, as flags)
+    fields["nworker_groups"] = cluster.nworker_groups
+    elastic = dataclasses.replace(e, on=True, min_groups=cluster.min_groups if e.min_groups is None else e.min_groups,
+                                  max_groups=cluster.max_groups if e.max_groups is None else e.max_groups)
+    return dataclasses.replace(flags, place=dataclasses.replace(place, nproc=cluster.nprocs // place.nnodes),
+                               elastic=elastic,
+                               cluster=ClusterFlags(framework="diloco" if diloco else None, fields=fields))
+
+
+def plan_from(flags: Flags, say: Callable[[str], None] = _stderr) -> LaunchPlan:
+    """Check `flags` (already `prepared`) and resolve the job they describe, once."""
+    if flags.outputs.tensorboard:
+        from troupe.observe.tensorboard import require
+
+        require()  # one clear error here, not one per rank, and before any directory is made
+    check_paths(flags)
+    env = check_recovery(flags.recovery) | _output_env(flags)
+    groups = None
+    if flags.elastic.on:
+        flags, groups = check_elastic(flags)
+    else:
+        refuse_elastic_flags(flags.elastic)
+    flags, groups_env = worker_groups(flags, say)
+    cluster = cluster_for(flags)
+    place = _placed(flags.place, cluster)
+    if cluster is not None:
+        _announce(cluster, place, say)
+        env[_cluster_var()] = cluster.to_json()
+    env |= groups_env | _rank_env(flags, cluster)
+    mode = "fixed" if not flags.elastic.on else "quorum" if cluster is None or cluster.framework == "diloco" \
+        else "rejoin"
+    elastic = _elastic_plan(flags, place, mode, groups)
+    env |= _elastic_env(elastic)
+    return LaunchPlan(place=place, argv=flags.argv, mode=mode, env=env, servers=servers_of(cluster),
+                      elastic=elastic, outputs=flags.outputs, recovery=flags.recovery)
+
+
+def _cluster_var() -> str:
+    from troupe.cluster.configuration.config import ENV_VAR
+
+    return ENV_VAR
+
+
+def _output_env(flags: Flags) -> dict[str, str]:
+    """Where the ranks write their stats, timeline and TensorBoard scalars."""
+    out = flags.outputs
+    env = {var: os.path.abspath(path) for var, path in (("TROUPE_STATS", out.stats), ("TROUPE_TIMELINE", out.timeline),
+                                                          ("TROUPE_TENSORBOARD", out.tensorboard)) if path}
+    return env
+
+
+def _rank_env(flags: Flags, cluster) -> dict[str, str]:
+    """--shard, --backend, --timeout, --threads as the ranks' environment."""
+    r = flags.ranks
+    env = {}
+    if r.shard:
+        if flags.elastic.on or cluster is not None:
+            raise ValueError(f"--shard {r.shard} runs with plain data parallelism only for now: drop "
+                             f"{'--elastic' if flags.elastic.on else 'the cluster framework'}")
+        env["TROUPE_SHARD"] = r.shard
+    if r.backend:
+        env["TROUPE_BACKEND"] = r.backend
+    if r.timeout:
+        env["TROUPE_TIMEOUT"] = str(r.timeout)
+    if r.threads:
+        env["OMP_NUM_THREADS"] = str(r.threads)
+    return env
+
+
+def worker_groups(flags: Flags, say: Callable[[str], None] = _stderr) -> tuple[Flags, dict[str, str]]:
     """``--nworker-groups G`` alone (no --framework, --cluster, other cluster flag or --elastic): G synchronous
     worker groups of -n x --nnodes / G consecutive ranks and no parameter-server cluster. The job is plain
     data parallelism over every rank; a sharded DistOpt (--shard) or model (troupe.shard) shards inside each
-    group and the groups replicate (HSDP). The env var that carries it (TROUPE_GROUPS); {} otherwise."""
-    from troupe.cluster.configuration.flags import given
-
-    fields = {name for name, value in given(args).items() if value is not None}
-    if args.elastic or args.framework or args.cluster or fields != {"nworker_groups"}:
-        return {}
-    groups, args.nworker_groups = args.nworker_groups, None  # not a cluster's: cluster_env resolves none
-    args.nproc = args.nproc or 2
-    total = args.nproc * args.nnodes
+    group and the groups replicate (HSDP). The flags left for the cluster (none) and the env var that carries
+    the groups (TROUPE_GROUPS); `flags` and {} otherwise."""
+    c, place = flags.cluster, flags.place
+    if flags.elastic.on or c.framework or c.file or set(c.given()) != {"nworker_groups"}:
+        return flags, {}
+    groups = c.fields["nworker_groups"]
+    place = dataclasses.replace(place, nproc=place.nproc or 2)
+    flags = dataclasses.replace(flags, place=place, cluster=c.with_fields(nworker_groups=None))
+    total = place.total
     if total % groups:
-        on = f" x --nnodes {args.nnodes}" if args.nnodes > 1 else ""
-        raise ValueError(f"--nworker-groups {groups} must divide the job's processes (-n {args.nproc}{on} = {total}) "
+        on = f" x --nnodes {place.nnodes}" if place.nnodes > 1 else ""
+        raise ValueError(f"--nworker-groups {groups} must divide the job's processes (-n {place.nproc}{on} = {total}) "
                          "into groups of equal size")
-    if args.node_rank == 0:
-        print(f"troupe run: {groups} synchronous worker groups of {total // groups} consecutive ranks "
-              "(sharding stays inside a group; the groups replicate)", file=sys.stderr)
-    return {"TROUPE_GROUPS": str(groups)}
+    if place.node_rank == 0:
+        say(f"troupe run: {groups} synchronous worker groups of {total // groups} consecutive ranks "
+            "(sharding stays inside a group; the groups replicate)")
+    return flags, {"TROUPE_GROUPS": str(groups)}
 
 
-def cluster_env(args: argparse.Namespace) -> dict[str, str]:
-    """Resolve the cluster (if any), fix -n from it, print every rank's role; the env var that carries it."""
-    from troupe.cluster.configuration.config import ENV_VAR
-    from troupe.cluster.configuration.flags import given
-    from troupe.cluster.configuration.roles import expendable_ranks, roles
+def cluster_for(flags: Flags):
+    """The parameter-server (or DiLoCo) cluster the flags ask for, checked against --elastic; None: none."""
     from troupe.cluster.configuration.sources import resolve
 
-    total = None if args.nproc is None else args.nproc * args.nnodes
-    cluster = resolve(args.framework, args.cluster, total, **given(args))
+    c, place = flags.cluster, flags.place
+    cluster = resolve(c.framework, c.file, place.total, **c.fields)
     if cluster is None:
-        args.nproc = args.nproc or 2
-        return {}
-    if args.elastic and cluster.framework == "diloco":  # elastic DiLoCo's groups are a quorum's
+        return None
+    if flags.elastic.on and cluster.framework == "diloco":  # elastic DiLoCo's groups are a quorum's
         cluster = dataclasses.replace(cluster, elastic=True)
-    elif args.elastic:  # Downpour, Sandblaster, Hogwild: their workers restart alone
+    elif flags.elastic.on:  # Downpour, Sandblaster, Hogwild: their workers restart alone
         from troupe.cluster.bootstrap import rejoining_problem
 
         problem = rejoining_problem(cluster)
         if problem:
             raise ValueError(problem)
-        args.rejoining = True
-    if cluster.nprocs % args.nnodes:
-        raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {args.nnodes}")
-    args.nproc = cluster.nprocs // args.nnodes
-    args.tolerate = expendable_ranks(cluster)  # asynchronous groups: the others go on when a worker dies
-    # Server-only ranks run the cluster bootstrap, not the script: a server learns the parameters'
-    # sizes and the optimizer from worker 0 (troupe.cluster.configuration.spec), so it never loads data or a model.
-    args.servers = {r.rank for r in roles(cluster) if r.worker is None}
-    args.server_places = {r.rank: r.server for r in roles(cluster) if r.worker is None}
-    args.fails_over = cluster.servers_fail_over  # --elastic: a dead server's workers fail over to another's
-    if args.node_rank == 0:
-        print(f"troupe run: cluster {cluster.to_json()}", file=sys.stderr)
+    if cluster.nprocs % place.nnodes:
+        raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {place.nnodes}")
+    return cluster
+
+
+def _placed(place: Place, cluster) -> Place:
+    """`place` with its -n decided: the cluster's share of this node, else as given, else 2."""
+    nproc = cluster.nprocs // place.nnodes if cluster is not None else place.nproc or 2
+    return dataclasses.replace(place, nproc=nproc)
+
+
+def servers_of(cluster) -> Servers:
+    """The cluster's server-only ranks: they run the cluster bootstrap, not the script (a server learns the
+    parameters' sizes and the optimizer from worker 0, troupe.cluster.configuration.spec, so it never loads
+    data or a model); and the asynchronous workers the others go on without."""
+    if cluster is None:
+        return Servers()
+    from troupe.cluster.configuration.roles import expendable_ranks, roles
+
+    places = {r.rank: r.server for r in roles(cluster) if r.worker is None}
+    return Servers(ranks=frozenset(places), places=places, fail_over=cluster.servers_fail_over,
+                   expendable=frozenset(expendable_ranks(cluster)))
+
+
+def _announce(cluster, place: Place, say: Callable[[str], None]) -> None:
+    """Node 0 prints the cluster and every rank's role."""
+    from troupe.cluster.configuration.roles import roles
+
+    if place.node_rank == 0:
+        say(f"troupe run: cluster {cluster.to_json()}")
         for role in roles(cluster):
-            print(f"troupe run:   {role.describe()}", file=sys.stderr)
-    return {ENV_VAR: cluster.to_json()}
+            say(f"troupe run:   {role.describe()}")
 
 
-def check_paths(args: argparse.Namespace) -> None:
-    """The files and directories the job reads or writes on this node, checked before any rank starts."""
-    script = args.script
-    if not os.path.isfile(script):
-        raise ValueError(f"script not found: {script}" if not os.path.exists(script)
-                         else f"the script {script} is not a file")
-    if not os.access(script, os.R_OK):
-        raise ValueError(f"cannot read the script {script} (permission denied)")
-    for flag, directory in (("--checkpoint-dir", args.checkpoint_dir), ("--log-dir", args.log_dir),
-                            ("--tensorboard", args.tensorboard)):
-        if directory:
-            if os.path.exists(directory) and not os.path.isdir(directory):
-                raise ValueError(f"{flag} {directory}: not a directory")
-            try:
-                os.makedirs(directory, exist_ok=True)
-            except OSError as e:
-                raise ValueError(f"{flag} {directory}: cannot make the directory ({e.strerror})") from None
-            if not os.access(directory, os.W_OK | os.X_OK):
-                raise ValueError(f"{flag} {directory}: the directory is not writable")
-    for flag, path in (("--stats", args.stats), ("--timeline", args.timeline)):
-        parent = os.path.dirname(os.path.abspath(path)) if path else None
-        if parent and not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
-            raise ValueError(f"{flag} {path}: its directory {parent} does not exist or is not writable")
-
-
-def elastic_from_cluster(args: argparse.Namespace) -> None:
-    """A cluster block with ``elastic: true`` (`--cluster job.conf`) is ``--elastic`` over its worker
-    groups: ``--nworker-groups`` its nworker_groups, -n its processes, ``--min-groups`` its min_groups
-    (the flags win where given); with separate servers, ``--elastic`` over that parameter-server job."""
-    from troupe.cluster.configuration.config import flag_fields
-    from troupe.cluster.configuration.flags import given
-    from troupe.cluster.configuration.sources import resolve
-
-    total = None if args.nproc is None else args.nproc * args.nnodes
-    with warnings.catch_warnings():  # a cluster that is not elastic is resolved again, warnings and all, later
-        warnings.simplefilter("ignore")
-        cluster = resolve(args.framework, args.cluster, total, **given(args))
-    if cluster is None or not cluster.elastic:
-        return
-    if cluster.server_worker_separate and cluster.framework != "diloco":
-        # Downpour, Sandblaster: the cluster stays as given; its workers restart alone
-        args.elastic, args.elastic_servers = True, cluster.framework or "a parameter-server cluster"
-        return
-    if cluster.nprocs % args.nnodes:
-        raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {args.nnodes}")
-    diloco = cluster.framework == "diloco"
-    for f in flag_fields():  # what follows is --elastic's (with DiLoCo's fields, as flags)
-        setattr(args, f.name, getattr(cluster, f.name) if diloco and getattr(cluster, f.name) != f.default else None)
-    args.elastic, args.nproc, args.nworker_groups = True, cluster.nprocs // args.nnodes, cluster.nworker_groups
-    args.min_groups = cluster.min_groups if args.min_groups is None else args.min_groups
-    args.max_groups = cluster.max_groups if args.max_groups is None else args.max_groups
-    args.cluster, args.framework = None, "diloco" if diloco else None
-
-
-def check_elastic(args: argparse.Namespace) -> None:
-    """What this step of elastic worker groups runs: data parallelism over groups of processes (one
-    each, or `--nworker-groups` groups of equal size, none across two nodes), no cluster framework."""
-    from troupe.cluster.configuration.flags import given
-
-    if args.max_restarts:
-        raise ValueError("--elastic restarts a dead rank alone; --max-restarts restarts the whole job: give one")
-    cluster_flags = {k: v for k, v in given(args).items() if v is not None and k != "nworker_groups"}
-    diloco, downpour = args.framework == "diloco", args.framework in ("downpour", "sandblaster", "hogwild")
-    block = getattr(args, "elastic_servers", None)  # a cluster block's elastic: true beside separate servers
-    downpour = downpour or bool(block)
-    if (args.framework and not (diloco or downpour)) or (args.cluster and not block) \
-            or (cluster_flags and not (diloco or downpour)) or settings.current().cluster:
-        raise ValueError("--elastic runs data parallelism over worker groups, --framework diloco, or --framework "
-                         "downpour, sandblaster or hogwild (their workers restart alone); not AllReduce or "
-                         "partition yet by cluster flags (--framework/--cluster/cluster flags other than "
-                         "--nworker-groups; to partition inside elastic worker groups, call "
-                         "troupe.partition(model, plan) in the script)")
-    if downpour:
-        _check_elastic_downpour(args, args.framework or block)
-        return
-    if args.nproc is not None and args.nproc * args.nnodes < 2:
-        raise ValueError(f"--elastic needs at least 2 processes (worker groups), got -n {args.nproc}")
-    groups = args.nworker_groups
-    if groups is not None and groups < 2:
-        raise ValueError(f"--elastic --nworker-groups needs at least 2 worker groups (one would have nobody to "
-                         f"heal from), got {groups}")
-    nodes, per_node = args.nnodes, args.nproc or 2
-    if groups is not None and (per_node * nodes) % groups:
-        on = f" x --nnodes {nodes}" if nodes > 1 else ""
-        raise ValueError(f"--elastic: -n {per_node}{on} processes do not split into --nworker-groups {groups} "
-                         f"groups of equal size")
-    if groups is not None and per_node % (per_node * nodes // groups):
-        raise ValueError(f"--elastic: a worker group of {per_node * nodes // groups} processes (--nworker-groups "
-                         f"{groups}) would span two nodes of -n {per_node}: its launcher restarts it whole, on one node")
-    if diloco and args.elastic_batch == "constant":
-        raise ValueError("--elastic-batch constant weighs each step's gradients over the groups; under --framework "
-                         "diloco the groups take their inner steps alone (a missing group's pseudo-gradient is left "
-                         "out of the outer step)")
-    # The groups are the quorum's business, not a cluster's: the ranks see plain data parallelism
-    # (under DiLoCo, a cluster whose worker groups are the quorum's).
-    args.elastic_groups, args.nworker_groups = groups, ((groups or per_node * nodes) if diloco else None)
-    if args.restarts_per_rank < 0:
-        raise ValueError(f"--restarts-per-rank must be >= 0, got {args.restarts_per_rank}")
-    if args.spares is not None and args.spares < 0:
-        raise ValueError(f"--spares must be >= 0, got {args.spares}")
-
-
-def _check_elastic_downpour(args: argparse.Namespace, framework: str) -> None:
-    """Downpour, Sandblaster or Hogwild under --elastic: no quorum (each worker talks to the servers, or the
-    other groups, alone), so the quorum's flags mean nothing there (`--evict-after`: how long a Sandblaster
-    server, or a Hogwild group, waits for a frozen worker)."""
-    for flag, value in (("--min-groups", args.min_groups), ("--max-groups", args.max_groups),
-                        ("--elastic-batch", args.elastic_batch), ("--elastic-timeout", args.elastic_timeout)):
-        if value is not None:
-            raise ValueError(f"{flag} is for synchronous elastic groups (a quorum); under {framework} each worker "
-                             "talks to the servers alone: leave it out")
-    if args.restarts_per_rank < 0:
-        raise ValueError(f"--restarts-per-rank must be >= 0, got {args.restarts_per_rank}")
-    if args.spares is not None and args.spares < 0:
-        raise ValueError(f"--spares must be >= 0, got {args.spares}")
-    if args.evict_after is not None and args.evict_after <= 0:
-        raise ValueError(f"--evict-after must be > 0 seconds, got {args.evict_after}")
-
-
-def rank_output(args: argparse.Namespace) -> RankOutput | None:
-    """Where the ranks' output goes: passed on line by line when several ranks share this terminal or
-    --prefix/--log-dir/--ranks ask for it; else (one rank) inherited as it is."""
-    ranks = parse_ranks(args.ranks) if args.ranks is not None else None
-    if args.nproc < 2 and not (args.prefix or args.log_dir or ranks is not None):
+def _elastic_plan(flags: Flags, place: Place, mode: str, groups: int | None) -> ElasticPlan | None:
+    """How an elastic launcher restarts its ranks; None for a fixed job."""
+    e = flags.elastic
+    if mode == "fixed":
         return None
-    output = RankOutput(prefix=args.prefix, ranks=ranks, log_dir=args.log_dir)
-    first = args.node_rank * args.nproc
-    output.clear_logs(range(first, first + args.nproc))
-    return output
+    if mode == "rejoin":
+        return ElasticPlan(restarts_per_rank=e.restarts_per_rank, spares=1 if e.spares is None else e.spares,
+                           evict_after=e.evict_after)
+    from troupe.runtime.quorum import ElasticOptions
+
+    given = {"timeout": e.timeout, "evict_after": e.evict_after, "batch": e.batch, "max_groups": e.max_groups}
+    total = place.total
+    groups = groups or total
+    options = ElasticOptions(groups=groups, group_size=total // groups, min_groups=e.min_groups or 2,
+                             **{k: v for k, v in given.items() if v is not None})
+    spares = options.group_size if e.spares is None else e.spares  # default: a whole group's worth
+    return ElasticPlan(restarts_per_rank=e.restarts_per_rank, spares=spares, evict_after=e.evict_after,
+                       quorum=options)
+
+
+def _elastic_env(elastic: ElasticPlan | None) -> dict[str, str]:
+    """What an elastic job's ranks are told: the quorum's options, or that they rejoin through the servers."""
+    from troupe.runtime.quorum import ENV_VAR, REJOIN_VAR
+
+    if elastic is None:
+        return {}
+    if elastic.quorum is not None:
+        return {ENV_VAR: elastic.quorum.encode()}
+    evict = {} if elastic.evict_after is None else {"TROUPE_EVICT_AFTER": str(elastic.evict_after)}
+    return {REJOIN_VAR: "1", **evict}  # TROUPE_EVICT_AFTER: Sandblaster's servers

@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 import time
 
-from troupe.launcher.ports import reserved
+from troupe.launcher.plan import LaunchPlan
+from troupe.launcher.ports import Ports
+from troupe.runtime.rankio import RankOutput
 from troupe.runtime.ticket import Ticket
 
 
 class Starter:
     """Starts this node's ranks with the job's environment (and, under --elastic, warm spares)."""
 
-    def __init__(self, args: argparse.Namespace, extra_env: dict[str, str], ticket: Ticket):
-        self.args, self.extra_env, self.ticket = args, extra_env, ticket
-        # torch's env:// contract too, so a plain torch.distributed (DDP) script runs unchanged: its
-        # rendezvous on the next port after troupe's (every node computes the same one).
-        self.master_port = ticket.port + 1 if args.master else reserved(ticket.addr)
-        self.output = getattr(args, "output", None)
+    def __init__(self, plan: LaunchPlan, ticket: Ticket, ports: Ports, output: RankOutput | None,
+                 extra_env: dict[str, str] | None = None):
+        self.plan, self.ticket, self.output = plan, ticket, output
+        self.extra_env = {**plan.env, **(extra_env or {})}
+        self.master_port = ports.torch_port(ticket, plan.place)
         self.started: set[int] = set()
         """The pids of every process this launcher started (ranks, spares): the orphans it inherits are the rest."""
         self._reaped_at = 0.0
@@ -38,23 +38,17 @@ class Starter:
 
     def env(self, rank: int | None, **more: str) -> dict[str, str]:
         """The environment of rank `rank` (None: what every rank shares, a spare's)."""
-        args = self.args
+        plan = self.plan
         env = {**os.environ, **self.extra_env, **more}
         env.update(
             TROUPE_TICKET=self.ticket.encode(),
-            WORLD_SIZE=str(args.nproc * args.nnodes),
-            LOCAL_WORLD_SIZE=str(args.nproc),
+            WORLD_SIZE=str(plan.world_size),
+            LOCAL_WORLD_SIZE=str(plan.nproc),
             MASTER_ADDR=self.ticket.addr,
             MASTER_PORT=str(self.master_port),
         )
         if rank is not None:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank - args.node_rank * args.nproc))
-        if args.backend:
-            env["TROUPE_BACKEND"] = args.backend
-        if args.timeout:
-            env["TROUPE_TIMEOUT"] = str(args.timeout)
-        if args.threads:
-            env["OMP_NUM_THREADS"] = str(args.threads)
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank - plan.place.ranks.start))
         # c10d logs a lost store connection as a warning with pages of C++ frames on every survivor of
         # a stopped job; troupe's watchdog says who died in one line (set the variable to see them).
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -64,8 +58,8 @@ class Starter:
 
     def __call__(self, rank: int, restart: bool = False, **more: str) -> subprocess.Popen:
         """Rank `rank`, forked from this launcher's zygote where it can be (runtime/zygote.py), else afresh."""
-        server = rank in getattr(self.args, "servers", ())
-        argv = ["troupe.cluster.bootstrap"] if server else [self.args.script, *self.args.args]
+        server = rank in self.plan.servers.ranks
+        argv = ["troupe.cluster.bootstrap"] if server else list(self.plan.argv)
         env = self.env(rank, **more)
         proc = self._fork(argv, env, module=server, restart=restart)
         if proc is None:
@@ -83,7 +77,7 @@ class Starter:
         from troupe.runtime import zygote
 
         env = self.env(None)
-        if "torch" in sys.modules and not self.args.elastic:
+        if "torch" in sys.modules and self.plan.mode == "fixed":
             # A launcher forked by a `troupe fork-server` (runtime/forkserver.py) has torch: its zygote is forked
             # from it (one started afresh where it cannot be). Only here, at its first rank, where no `finally`
             # of the launcher's lies between this frame and `main` (a rank leaves through them: `RunRank`); an
@@ -118,7 +112,7 @@ class Starter:
 
     def spare(self) -> subprocess.Popen:
         """A process that imports torch now and runs the script as the rank it is handed later."""
-        cmd = [sys.executable, "-m", "troupe.runtime.spare", self.args.script, *self.args.args]
+        cmd = [sys.executable, "-m", "troupe.runtime.spare", *self.plan.argv]
         proc = self._popen(cmd, self.env(None), stdin=subprocess.PIPE)
         self.started.add(proc.pid)
         return proc
