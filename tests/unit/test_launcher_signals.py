@@ -30,7 +30,7 @@ def test_sigterm_while_the_ranks_start_stops_those_started(monkeypatch):
         return proc
 
     monkeypatch.setattr(Starter, "__call__", start)
-    monkeypatch.setattr(Starter, "_zygote", lambda self: None)
+    monkeypatch.setattr(Starter, "zygote", lambda self: None)
     plan = LaunchPlan(place=Place(nproc=3), argv=("script.py",))
     before = signal.getsignal(signal.SIGTERM)
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -13,8 +12,8 @@ from collections.abc import Callable
 
 from troupe.launcher.processes import kill_now, stop_all
 from troupe.launcher.plan import LaunchPlan
+from troupe.launcher.policies import RestartPolicy
 from troupe.launcher.starter import Starter
-from troupe.runtime.rankio import RankOutput
 
 
 def afresh_unless_quiet() -> None:
@@ -55,59 +54,74 @@ def load_torch(plan: LaunchPlan, start: Starter, say: Callable[[str], None]) -> 
         del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
-def early_failure(house, output: RankOutput | None) -> Callable[[int, int, subprocess.Popen], str | None]:
-    """How a life of a rank failed (its last line of stderr) when it never asked to join the quorum."""
+class ElasticProcesses:
+    """The supervisor's `Processes` under --elastic: ranks started by `start` (a restart in a warm spare
+    once `house` says the job has formed, where ranks start afresh), killed by session."""
 
-    def early(rank: int, life: int, proc: subprocess.Popen) -> str | None:
-        if output is None or house.asked(rank, life):
-            return None
-        # without torch's "[rankN]: " in front (its excepthook's), which differs from rank to rank
-        return re.sub(r"^\[rank\d+\]:\s*", "", output.last_error_line(proc)) or None
+    def __init__(self, start: Starter, house, spare_count: int, others: OtherNodes | None = None):
+        self.starter, self.house, self.spare_count, self.others = start, house, spare_count, others
 
-    return early
+    def start(self, rank: int, incarnation: int) -> subprocess.Popen:
+        return self.starter(rank, incarnation=incarnation)
 
+    def kill(self, proc: subprocess.Popen) -> None:
+        kill_now(proc)
 
-def supervise_restarting(plan: LaunchPlan, start: Starter, house, spare_count: int, ranks: list[int],
-                          say: Callable[[str], None], also_poll: Callable[[], None] = lambda: None, **more) -> int:
-    """Supervise `ranks` under --elastic (launcher/supervisor.py): a restart runs in a warm spare once `house`
-    (the lighthouse, or elastic parameter servers' keeper) says the job has formed; SIGTERM and Ctrl-C
-    stop every rank (130); `also_poll()` runs at each look (it may raise `EndedElsewhere`, which stops
-    every rank too and is raised again here). `more`: the rest of `supervise`'s settings."""
-    from troupe.launcher.supervisor import supervise
-    from troupe.runtime.spare import Spares
+    def stop_all(self, procs: list[subprocess.Popen]) -> None:
+        stop_all(procs)
 
-    spares = None
-
-    def spawn(rank: int, incarnation: int) -> subprocess.Popen:
-        if incarnation == 0 or spares is None:  # the job's start, or no spares: forked or afresh
-            return start(rank, restart=incarnation > 0, TROUPE_INCARNATION=str(incarnation))
-        return start.from_spare(spares, rank, TROUPE_INCARNATION=str(incarnation))
-
-    def start_spares() -> None:
-        nonlocal spares
+    def poll(self) -> None:
         # Forked ranks start in milliseconds: spares only where ranks start afresh (TROUPE_FORK=0, not Linux).
-        if spares is None and spare_count and house.formed_once and not start.forks:
-            spares = Spares(spare_count, start.spare)
-        start.reap_orphans()
-        also_poll()
+        # They start once the job has formed, not before: their imports would slow the ranks' start.
+        if self.house.formed_once and not self.starter.forks:
+            self.starter.keep_spares(self.spare_count)
+        self.starter.reap_orphans()
+        if self.others is not None:
+            self.others.check()
+
+
+def supervise_restarting(plan: LaunchPlan, processes: ElasticProcesses, house, policy: RestartPolicy,
+                         say: Callable[[str], None], **rules) -> int:
+    """Supervise this node's ranks under --elastic (launcher/supervisor.py); SIGTERM and Ctrl-C stop every
+    rank (130); another node's end (`EndedElsewhere`, from `processes.poll`) stops them too and is raised
+    again here. `rules`: the rest of the supervisor's `Rules`."""
+    from troupe.launcher.supervisor import Rules, Supervisor
+
+    assert plan.elastic is not None
 
     def terminated(*_sig):
         raise KeyboardInterrupt  # the supervisor stops every worker
 
     old = signal.signal(signal.SIGTERM, terminated)
+    start = processes.starter
     try:
-        return supervise(spawn, ranks, house, restarts_per_rank=plan.elastic.restarts_per_rank, say=say,
-                         stop_all=stop_all, every_poll=start_spares, kill=kill_now, **more)
+        return Supervisor(list(plan.place.ranks), processes, house, policy,
+                          Rules(restarts_per_rank=plan.elastic.restarts_per_rank, **rules), say).run()
     except EndedElsewhere:
         raise
     except KeyboardInterrupt:
         return 130
     finally:
         signal.signal(signal.SIGTERM, old)
-        if spares is not None:
-            spares.stop()
+        start.stop()
         if start.output is not None:
             start.output.drain()
+
+
+class OtherNodes:
+    """Elastic parameter servers on several nodes: each node's launcher beats through the keeper and
+    learns there when another node stopped the job (a server died there)."""
+
+    def __init__(self, keeper, node_rank: int, say: Callable[[str], None]):
+        self.keeper, self.node_rank, self.say = keeper, node_rank, say
+
+    def check(self) -> None:
+        """Raise `EndedElsewhere` once another node stopped the job: this node's ranks stop too."""
+        self.keeper.beat(self.node_rank)
+        code = self.keeper.ended()
+        if code is not None:
+            self.say(f"troupe run: another node stopped the job (code {code}); stopping this node's ranks")
+            raise EndedElsewhere(code)
 
 
 class EndedElsewhere(KeyboardInterrupt):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from troupe.launcher.elastic import early_failure, keep_store_until_done, load_torch, supervise_restarting
+from troupe.launcher.elastic import ElasticProcesses, keep_store_until_done, load_torch, supervise_restarting
 from troupe.launcher.plan import LaunchPlan
+from troupe.launcher.policies import QuorumPolicy
 from troupe.launcher.ports import Ports
 from troupe.launcher.starter import Starter
 from troupe.runtime import settings
@@ -27,11 +28,10 @@ def run_elastic_groups(plan: LaunchPlan, output: RankOutput | None, ports: Ports
     # The quorum lives in node 0's launcher; another node's tells it what it sees of its own ranks.
     lighthouse = Lighthouse(ticket, options, say=say).start() if place.node_rank == 0 \
         else Reporter(ticket, settings.current().join_timeout or DEFAULT_JOIN_TIMEOUT)
-    # Spares start once the first quorum has formed, not before: their imports would slow the ranks' start.
     try:
-        code = supervise_restarting(plan, start, lighthouse, plan.elastic.spares, list(place.ranks),
-                                    say, group_size=options.group_size, early=early_failure(lighthouse, output),
-                                    fixed=lighthouse.refusal)
+        processes = ElasticProcesses(start, lighthouse, plan.elastic.spares)
+        code = supervise_restarting(plan, processes, lighthouse, QuorumPolicy(lighthouse, output), say,
+                                    group_size=options.group_size)
         if code == 0 and place.nnodes > 1 and place.node_rank == 0:
             keep_store_until_done(lighthouse, options)
         return code

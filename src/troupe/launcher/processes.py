@@ -26,7 +26,7 @@ def run_once(plan: LaunchPlan, output: RankOutput | None, ports: Ports, extra_en
     """Start this node's ranks, watch them, and stop them all as soon as one fails."""
     ticket = ports.ticket(plan.place)  # a fresh port and token for every attempt
     start = Starter(plan, ticket, ports, output, extra_env)
-    start._zygote()  # first: a rank forked from a zygote this launcher forks leaves through no `finally` below
+    start.zygote()  # first: a rank forked from a zygote this launcher forks leaves through no `finally` below
     procs: list[subprocess.Popen] = []
     # SIGTERM while the ranks start stops those started (`supervise_all` handles it from then on)
     old = signal.signal(signal.SIGTERM, lambda *_: (stop_all(procs), sys.exit(143)))

@@ -12,6 +12,12 @@ In worker groups of several processes (`group_size` > 1) a rank that fails takes
 out: the supervisor kills the group's other processes at once (they hold a replica that is now
 incomplete) and restarts them all together. The budget stays per rank and counts only the rank
 that failed: its partners were stopped, they did not fail.
+
+What differs by the kind of job (let a dead server go, stop the job for a rank that cannot come
+back, kill a frozen one) is asked of a `RestartPolicy` (`policies.py`); how processes start and
+stop, of `Processes`; the membership (`House`) is told who was lost and who restarted.
+
+    Supervisor(ranks, processes, house, policy, Rules(restarts_per_rank=10), say).run()
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from troupe.launcher.policies import LetGo, RestartPolicy, StopJob
 from troupe.runtime.quorum import REJOIN_EXIT
 
 POLL_SECONDS = 0.02
@@ -29,6 +37,43 @@ BACKOFF_FIRST = 0.5
 BACKOFF_MAX = 8.0
 QUICK_SECONDS = 60.0
 """Restarts of one rank within this window double its back-off."""
+
+
+class Processes(Protocol):
+    """How the supervisor starts, kills and stops ranks."""
+
+    def start(self, rank: int, incarnation: int) -> subprocess.Popen: ...
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        """Kill one rank now and wait for it (a dead rank's worker-group partner; a frozen server)."""
+
+    def stop_all(self, procs: list[subprocess.Popen]) -> None: ...
+
+    def poll(self) -> None:
+        """Runs at each look at the ranks (warm spares start there; it may raise KeyboardInterrupt)."""
+
+
+class House(Protocol):
+    """The membership the supervisor reports to (the lighthouse, or the parameter servers' keeper)."""
+
+    def lost(self, rank: int, *, finished: bool = False) -> None: ...
+
+    def restarted(self, rank: int) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rules:
+    """The supervisor's settings for one job."""
+
+    restarts_per_rank: int
+    """Restarts after a failure each rank may use before the job stops."""
+    group_size: int = 1
+    """Processes per worker group: a rank that fails takes its group's other processes out with it."""
+    finish_closes: bool = True
+    """The first rank to finish ends the restarts (synchronous groups finish together; asynchronous
+    workers do not)."""
+    left_out: str = "was left out of the quorum while it was paused"
+    """What a rank that exits with REJOIN_EXIT went through (it starts again at once, not a failure)."""
 
 
 @dataclass
@@ -51,131 +96,140 @@ def why(code: int) -> str:
     return f"signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"code {code}"
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    proc.kill()
-    proc.wait()
+class _Stop(Exception):
+    """The job stops with this exit code (every rank was stopped)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
 
 
-def supervise(spawn: Callable[[int, int], subprocess.Popen], ranks: list[int], lighthouse, *,
-              restarts_per_rank: int, say: Callable[[str], None], stop_all: Callable[[list], None],
-              every_poll: Callable[[], None] = lambda: None, group_size: int = 1,
-              kill: Callable[[subprocess.Popen], None] = _kill,
-              fixed: Callable[[int], str | None] = lambda rank: None, finish_closes: bool = True,
-              left_out: str = "was left out of the quorum while it was paused",
-              let_go: Callable[[int], str | None] = lambda rank: None,
-              frozen: Callable[[], dict[int, str]] = dict,
-              early: Callable[[int, int, subprocess.Popen], str | None] = lambda rank, life, proc: None) -> int:
-    """Run `ranks` (each `spawn(rank, incarnation)`) until all finish; restart the dead ones alone (with
-    `group_size` > 1, with the rest of their worker group, which `kill` stops and waits for).
-    `every_poll()` runs at each look at the processes (the launcher starts its spares there).
-    `fixed(rank)`: why that rank cannot restart alone (its death stops the job), or None.
-    `let_go(rank)`: asked first, why that rank is not restarted and the job goes on without it (a separate
-    server whose workers fail over to another server group), or None.
-    `finish_closes`: the first rank to finish ends the restarts (synchronous groups finish together;
-    asynchronous workers do not). `left_out`: what a rank that exits with REJOIN_EXIT went through (it is
-    started again at once, not counted as a failure). `frozen()`: at each look, running ranks to kill now
-    ({rank: why}; a frozen separate server: its death is then handled as any other, by `let_go`).
-    `early(rank, life, proc)`: how that life of the rank failed if it failed before its first step, else None;
-    two lives in a row that fail so, the same way, stop the job (a bug or bad input, not a fault to train through)."""
-    state = {r: _Rank(spawn(r, 0)) for r in ranks}
-    try:
-        return _watch(state, spawn, lighthouse, restarts_per_rank, say, stop_all, every_poll, group_size, kill,
-                      fixed, finish_closes, left_out, let_go, frozen, early)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (troupe run raises it): never leave a worker behind
-        stop_all([s.proc for s in state.values()])
-        raise
+class Supervisor:
+    """Runs `ranks` until all finish; restarts the dead ones alone (or with their worker group)."""
 
+    def __init__(self, ranks: list[int], processes: Processes, house: House, policy: RestartPolicy, rules: Rules,
+                 say: Callable[[str], None]):
+        self.ranks, self.processes, self.house, self.policy, self.rules, self.say = \
+            ranks, processes, house, policy, rules, say
+        self.state: dict[int, _Rank] = {}
+        self.closing = False
 
-def _watch(state: dict[int, _Rank], spawn, lighthouse, restarts_per_rank: int, say, stop_all, every_poll,
-           group_size: int, kill, fixed, finish_closes: bool, left_out: str, let_go, frozen, early) -> int:
-    closing = False
-    while True:
+    def run(self) -> int:
+        """The job's exit code: 0 when every rank finished (or was let go)."""
+        self.state = {r: _Rank(self.processes.start(r, 0)) for r in self.ranks}
+        try:
+            while True:
+                code = self._look()
+                if code is not None:
+                    return code
+                self.processes.poll()
+                time.sleep(POLL_SECONDS)
+        except _Stop as stop:
+            return stop.code
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (troupe run raises it): never leave a worker behind
+            self.processes.stop_all([s.proc for s in self.state.values()])
+            raise
+
+    def _look(self) -> int | None:
+        """One look at every rank; the job's exit code once it is over."""
         now = time.monotonic()
-        for rank, reason in frozen().items():
-            s = state[rank]
-            if not closing and not s.finished and s.due is None and s.proc.poll() is None:
-                say(f"troupe run: rank {rank} {reason}; killing it")
-                kill(s.proc)  # seen dead at this look, below
-        for rank, s in state.items():
+        self._kill_frozen()
+        for rank, s in self.state.items():
             if s.finished:
                 continue
             if s.due is not None:
-                if now >= s.due and not closing:
-                    s.due, s.started = None, now
-                    s.proc = spawn(rank, s.starts)
-                    s.starts += 1
-                    lighthouse.restarted(rank)
+                if now >= s.due and not self.closing:
+                    self._start_again(rank, s, now)
                 continue
             code = s.proc.poll()
-            if code is None:
-                continue
-            lighthouse.lost(rank, finished=code == 0)  # finished or dead, the others step on without it at once
-            if code == 0:
-                s.finished = True
-                closing = closing or finish_closes
-                continue
-            if closing:
-                say(f"troupe run: rank {rank} exited with {why(code)} while the job was finishing")
-                stop_all([x.proc for x in state.values()])
-                return code if code > 0 else 128 - code
-            if code == REJOIN_EXIT:  # left out while paused: started afresh to catch up (not a failure)
-                s.due = now
-                say(f"troupe run: rank {rank} {left_out}; starting it again to rejoin")
-                continue
-            gone = let_go(rank)
-            if gone is not None:
-                s.finished = True
-                say(f"troupe run: rank {rank} exited with {why(code)}; {gone}; the others train on")
-                continue
-            reason = fixed(rank)
-            if reason is not None:
-                say(f"troupe run: rank {rank} exited with {why(code)}; {reason}: stopped the job")
-                stop_all([x.proc for x in state.values()])
-                return code if code > 0 else 128 - code
-            failure, s.early = s.early, early(rank, s.starts - 1, s.proc) if code > 0 else None  # not a kill
-            if failure is not None and failure == s.early:
-                say(f"troupe run: rank {rank} failed again before its first step, the same way ({failure}): not a "
-                    "fault to train through; stopped the job")
-                stop_all([x.proc for x in state.values()])
-                return code if code > 0 else 128 - code
-            if s.restarts >= restarts_per_rank:
-                say(f"troupe run: rank {rank} exited with {why(code)} and has used its {restarts_per_rank} "
-                    "restarts (--restarts-per-rank); stopped the job")
-                stop_all([x.proc for x in state.values()])
-                return code if code > 0 else 128 - code
-            s.restarts += 1
-            s.recent = [t for t in s.recent if now - t < QUICK_SECONDS] + [now]
-            # The first restart in a while at once; more within QUICK_SECONDS back off, doubling.
-            delay = 0.0 if len(s.recent) == 1 else min(BACKOFF_FIRST * 2 ** (len(s.recent) - 2), BACKOFF_MAX)
-            s.due = now + delay
-            if group_size == 1:
-                say(f"troupe run: rank {rank} exited with {why(code)}; restarting it alone in {delay:.1f}s "
-                    f"(restart {s.restarts} of {restarts_per_rank}); the others train on")
-                continue
-            group = rank // group_size
-            partners = _stop_partners(state, rank, group_size, s.due, lighthouse, kill)
-            say(f"troupe run: rank {rank} exited with {why(code)}; stopped its worker group {group}'s other "
-                f"ranks {partners} and restarting the group in {delay:.1f}s (restart {s.restarts} of "
-                f"{restarts_per_rank} for rank {rank}); the other groups train on")
-        if all(s.finished for s in state.values()):
+            if code is not None:
+                self._exited(rank, s, code, now)
+        if all(s.finished for s in self.state.values()):
             return 0
-        if closing and all(s.finished or s.due is not None for s in state.values()):
-            down = sorted(r for r, s in state.items() if s.due is not None)
-            say(f"troupe run: rank(s) {down} were down when the others finished; not restarted")
+        if self.closing and all(s.finished or s.due is not None for s in self.state.values()):
+            down = sorted(r for r, s in self.state.items() if s.due is not None)
+            self.say(f"troupe run: rank(s) {down} were down when the others finished; not restarted")
             return 0
-        every_poll()
-        time.sleep(POLL_SECONDS)
+        return None
 
+    def _kill_frozen(self) -> None:
+        for rank, reason in self.policy.on_freeze().items():
+            s = self.state[rank]
+            if not self.closing and not s.finished and s.due is None and s.proc.poll() is None:
+                self.say(f"troupe run: rank {rank} {reason}; killing it")
+                self.processes.kill(s.proc)  # seen dead at this look
 
-def _stop_partners(state: dict[int, _Rank], rank: int, group_size: int, due: float, lighthouse, kill) -> list[int]:
-    """Kill the other running processes of `rank`'s worker group and make them due with it (a partner
-    already waiting to start again waits for the later of the two)."""
-    first = rank - rank % group_size
-    partners = [r for r in range(first, first + group_size) if r != rank and not state[r].finished]
-    for r in partners:
-        s = state[r]
-        if s.due is None:
-            kill(s.proc)
-            lighthouse.lost(r)
-        s.due = due if s.due is None else max(s.due, due)
-    return partners
+    def _start_again(self, rank: int, s: _Rank, now: float) -> None:
+        s.due, s.started = None, now
+        s.proc = self.processes.start(rank, s.starts)
+        s.starts += 1
+        self.house.restarted(rank)
+
+    def _exited(self, rank: int, s: _Rank, code: int, now: float) -> None:
+        self.house.lost(rank, finished=code == 0)  # finished or dead, the others step on without it at once
+        if code == 0:
+            s.finished = True
+            self.closing = self.closing or self.rules.finish_closes
+            return
+        if self.closing:
+            self._stop(code, f"troupe run: rank {rank} exited with {why(code)} while the job was finishing")
+        if code == REJOIN_EXIT:  # left out while paused: started afresh to catch up (not a failure)
+            s.due = now
+            self.say(f"troupe run: rank {rank} {self.rules.left_out}; starting it again to rejoin")
+            return
+        decision = self.policy.on_exit(rank, code)
+        if isinstance(decision, LetGo):
+            s.finished = True
+            self.say(f"troupe run: rank {rank} exited with {why(code)}; {decision.why}; the others train on")
+            return
+        if isinstance(decision, StopJob):
+            self._stop(code, f"troupe run: rank {rank} exited with {why(code)}; {decision.why}: stopped the job")
+        self._check_failure(rank, s, code)
+        self._restart(rank, s, code, now)
+
+    def _check_failure(self, rank: int, s: _Rank, code: int) -> None:
+        """Stop the job for the same failure before the first step twice in a row, or a budget spent."""
+        early = self.policy.failed_early(rank, s.starts - 1, s.proc) if code > 0 else None  # not a kill
+        failure, s.early = s.early, early
+        if failure is not None and failure == s.early:
+            self._stop(code, f"troupe run: rank {rank} failed again before its first step, the same way ({failure}): "
+                             "not a fault to train through; stopped the job")
+        budget = self.rules.restarts_per_rank
+        if s.restarts >= budget:
+            self._stop(code, f"troupe run: rank {rank} exited with {why(code)} and has used its {budget} "
+                             "restarts (--restarts-per-rank); stopped the job")
+
+    def _restart(self, rank: int, s: _Rank, code: int, now: float) -> None:
+        budget, size = self.rules.restarts_per_rank, self.rules.group_size
+        s.restarts += 1
+        s.recent = [t for t in s.recent if now - t < QUICK_SECONDS] + [now]
+        # The first restart in a while at once; more within QUICK_SECONDS back off, doubling.
+        delay = 0.0 if len(s.recent) == 1 else min(BACKOFF_FIRST * 2 ** (len(s.recent) - 2), BACKOFF_MAX)
+        s.due = now + delay
+        if size == 1:
+            self.say(f"troupe run: rank {rank} exited with {why(code)}; restarting it alone in {delay:.1f}s "
+                     f"(restart {s.restarts} of {budget}); the others train on")
+            return
+        partners = self._stop_partners(rank, s.due)
+        self.say(f"troupe run: rank {rank} exited with {why(code)}; stopped its worker group {rank // size}'s other "
+                 f"ranks {partners} and restarting the group in {delay:.1f}s (restart {s.restarts} of "
+                 f"{budget} for rank {rank}); the other groups train on")
+
+    def _stop_partners(self, rank: int, due: float) -> list[int]:
+        """Kill the other running processes of `rank`'s worker group and make them due with it (a partner
+        already waiting to start again waits for the later of the two)."""
+        size = self.rules.group_size
+        first = rank - rank % size
+        partners = [r for r in range(first, first + size) if r != rank and not self.state[r].finished]
+        for r in partners:
+            s = self.state[r]
+            if s.due is None:
+                self.processes.kill(s.proc)
+                self.house.lost(r)
+            s.due = due if s.due is None else max(s.due, due)
+        return partners
+
+    def _stop(self, code: int, line: str) -> None:
+        self.say(line)
+        self.processes.stop_all([s.proc for s in self.state.values()])
+        raise _Stop(code if code > 0 else 128 - code)
