@@ -40,6 +40,20 @@ def _one_line_error(command: str) -> Callable[[str], NoReturn]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="troupe", description="Distributed training on torch.distributed.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_run_parser(sub)
+    sub.add_parser("info", help="what this machine offers: torch, backends, devices, MPI")
+    serve = sub.add_parser("fork-server", help="fork `troupe run`'s launchers from this process, which imports torch "
+                                               "once (for many short jobs: export TROUPE_FORK_SERVER=SOCKET)")
+    serve.add_argument("socket", help="the path of the Unix socket to listen on")
+    from troupe.bench.arguments import add_bench_parser
+
+    add_bench_parser(sub, positive=_positive)
+    _add_plan_parser(sub)
+    return parser
+
+
+def _add_run_parser(sub) -> None:
+    """`troupe run [flags] SCRIPT [ARGS]` (troupe.launcher does the work)."""
     # No abbreviations: argparse matches them even after the script, so the script's own `--out` was
     # refused as an ambiguous prefix of the cluster's --outer-* flags.
     run = sub.add_parser("run", help="start N local processes of a training script", allow_abbrev=False)
@@ -62,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="DIR", default=None, help="continue from the latest checkpoint in DIR")
     run.add_argument("--max-restarts", type=int, default=0,
                      help="after a failure, restart the job from its last checkpoint up to K times")
+    _add_elastic_flags(run)
+    _add_cluster_flags(run)
+    _add_output_flags(run)
+    run.add_argument("script", help="the training script (a .py file)")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _add_elastic_flags(run: argparse.ArgumentParser) -> None:
+    """--elastic and the flags that tune it."""
     elastic = run.add_argument_group("elastic worker groups (a dead worker restarts alone; the others train on)")
     elastic.add_argument("--elastic", action="store_true",
                          help="every process is a worker group of one (with --nworker-groups G: G groups of -n/G "
@@ -93,7 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "killed so that its workers fail over)")
     elastic.add_argument("--elastic-timeout", type=float, default=None,
                          help="--elastic: seconds a step waits for a frozen peer before leaving it out (default 10)")
-    _add_cluster_flags(run)
+
+
+def _add_output_flags(run: argparse.ArgumentParser) -> None:
+    """Where the ranks' output and the job's records go."""
     run.add_argument("--stats", metavar="FILE", default=None, help="per-step stats of every rank, as JSON lines")
     run.add_argument("--timeline", metavar="FILE", default=None, help="a Chrome trace (chrome://tracing, Perfetto)")
     run.add_argument("--tensorboard", metavar="DIR", default=None,
@@ -104,84 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
                           "in DIR/pids.txt a line 'RANK PID' each time a rank's process starts")
     run.add_argument("--ranks", metavar="LIST", default=None,
                      help="show only these ranks' output here, e.g. 0 or 0,2 or 0-3 (--log-dir keeps all)")
-    run.add_argument("script", help="the training script (a .py file)")
-    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    sub.add_parser("info", help="what this machine offers: torch, backends, devices, MPI")
-    serve = sub.add_parser("fork-server", help="fork `troupe run`'s launchers from this process, which imports torch "
-                                               "once (for many short jobs: export TROUPE_FORK_SERVER=SOCKET)")
-    serve.add_argument("socket", help="the path of the Unix socket to listen on")
-    _add_bench_parser(sub)
-    _add_plan_parser(sub)
-    return parser
-
-
-def _bench_type(parse):
-    """An argparse type from a troupe.bench parser (its ValueError becomes argparse's message)."""
-
-    def convert(text: str):
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    return convert
-
-
-def _add_bench_parser(sub) -> None:
-    """`troupe bench list | run NAME | table FILE | plot FILE OUT` (troupe.bench.command does the work)."""
-    from troupe.bench.options import parse_bucket, parse_size
-
-    bench = sub.add_parser("bench", help="benchmarks: list, run, table, plot (one harness, JSON-lines results)")
-    bsub = bench.add_subparsers(dest="bench_command", required=True)
-    bsub.add_parser("list", help="the benchmarks and what each measures")
-    run = bsub.add_parser("run", help="run one benchmark, print its table, append its records to --out")
-    run.add_argument("name", help="a name from `troupe bench list`")
-    run.add_argument("--out", default=None, help="append the records (JSON lines) to this file")
-    run.add_argument("--reps", type=_positive, default=None, help="repetitions (median over them)")
-    run.add_argument("--steps", type=_positive, default=None, help="measured steps per repetition and contestant")
-    run.add_argument("--burnin", type=int, default=None, help="untimed steps per contestant before measuring")
-    run.add_argument("-n", "--nproc", type=_positive, default=None, help="ranks (local processes; default 2)")
-    run.add_argument("--threads", type=_positive, default=None, help="torch threads per rank (default 1)")
-    run.add_argument("--workload", dest="workloads", nargs="+", default=None, help="cnn, resnet18, mlp")
-    run.add_argument("--data", choices=["mnist", "synthetic"], default=None)
-    run.add_argument("--batch-size", type=_positive, default=None, help="per rank")
-    run.add_argument("--sizes", type=_bench_type(parse_size), nargs="+", default=None,
-                     help="bytes per all-reduce: 4096, 64KiB, 16MiB (collectives)")
-    run.add_argument("--bucket-size", type=_bench_type(parse_bucket), default=None, help="troupe's, in elements")
-    run.add_argument("--sweep", type=_bench_type(lambda t: tuple(parse_bucket(x) for x in t.split(","))),
-                     default=None, help="troupe bucket sizes, comma-separated: 2**16,2**19,all (ddp)")
-    run.add_argument("--local", action="store_true", default=None, help="also the model with no communication")
-    run.add_argument("--flat", action="store_true", default=None, help="also backward + one flat all-reduce (ddp)")
-    run.add_argument("--dist-options", nargs="+", default=None, help="dist_options to compare (compression)")
-    run.add_argument("--powersgd-ranks", type=_positive, nargs="+", default=None,
-                     help="PowerSGD ranks to compare with torch's powerSGD_hook (powersgd; default 1 2 4)")
-    run.add_argument("--micro", type=_positive, default=None, help="micro-batches per step (accumulate)")
-    run.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ max_norm (accumulate)")
-    run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--timeout", type=float, default=None, help="seconds before the run's ranks are killed")
-    run.add_argument("--args", dest="script_args", nargs=argparse.REMAINDER, default=[],
-                     help="everything after --args goes to a job suite (throughput, ps, ...): its own options")
-    faults = bsub.add_parser("faults", help="network faults injected into jobs on simulated hosts (root)")
-    faults.add_argument("--regimes", nargs="+", default=["plain-2", "plain-4", "topk-4", "downpour-4", "hogwild-4"])
-    faults.add_argument("--faults", nargs="+", default=None, help="default: every fault")
-    faults.add_argument("--steps", type=_positive, default=80, help="training steps per job")
-    faults.add_argument("--pace", type=float, default=0.25, help="seconds of simulated compute per step")
-    faults.add_argument("--seed", type=int, default=0, help="picks the step each fault starts at")
-    faults.add_argument("--doc", default=None, help="rewrite the table between its markers in this file")
-    faults.add_argument("--out", default=None, help="append every cell as a JSON line")
-    faults.add_argument("--workdir", default="/tmp/troupe-faults", help="each job's output and checkpoints")
-    chaos = bsub.add_parser("chaos", help="an elastic job (troupe run --elastic) under a SIGKILL/SIGSTOP schedule")
-    from troupe.bench.chaos import add_arguments as add_chaos_arguments
-
-    add_chaos_arguments(chaos)
-    table = bsub.add_parser("table", help="markdown tables of a JSON-lines results file")
-    table.add_argument("results")
-    plot = bsub.add_parser("plot", help="a matplotlib plot of a JSON-lines results file")
-    plot.add_argument("results")
-    plot.add_argument("out", help="image file (.png, .svg, ...)")
-    for p in (table, plot):
-        p.add_argument("--benchmark", default=None, help="only this benchmark's records")
-        p.add_argument("--run", default=None, help="only this run's records (its id)")
 
 
 def _add_plan_parser(sub) -> None:
