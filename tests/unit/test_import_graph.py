@@ -22,8 +22,7 @@ KNOWN_PACKAGES = ("runtime", "sync", "compress", "strategies", "cluster", "obser
 LAYERS = (
     ("__main__",),
     ("cli",),
-    ("launcher",),  # troupe run's: the plan, starting ranks, supervising them
-    ("bench",),
+    ("bench", "launcher"),  # the command's workers: troupe bench's harness; troupe run's plan, ranks, restarts
     ("troupe",),  # the facade: troupe.DistOpt, troupe.data, ... each loaded on first use
     ("distopt", "partition", "script", "algorithms", "sharding"),  # what a training script calls
     ("cluster",),

@@ -22,10 +22,10 @@ def run(args: argparse.Namespace) -> int:
     flags = prepared(Flags.from_args(args))
     if flags.elastic.on and flags.place.node_rank != 0:
         afresh_unless_quiet()  # before anything is said or made: it may start this launcher again
-    return launch(plan_from(flags))
+    return run_plan(plan_from(flags))
 
 
-def launch(plan: LaunchPlan) -> int:
+def run_plan(plan: LaunchPlan) -> int:
     """Start the job; after a failure restart it from its last checkpoint, up to --max-restarts times."""
     for path in (plan.outputs.stats, plan.outputs.timeline):
         if path and os.path.exists(path):

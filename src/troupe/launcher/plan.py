@@ -44,8 +44,8 @@ class ElasticPlan:
     """How an elastic launcher restarts its ranks."""
 
     restarts_per_rank: int = 10
-    spares: int | None = None
-    """Warm spares kept (None: the mode's default)."""
+    spares: int = 1
+    """Warm spares kept where ranks start afresh (--spares, or the mode's default)."""
     evict_after: float | None = None
     """--evict-after as given (the rejoin mode's frozen-server check; the quorum's is in `quorum`)."""
     quorum: ElasticOptions | None = None

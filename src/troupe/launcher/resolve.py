@@ -14,11 +14,18 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from troupe.cluster.configuration.config import ENV_VAR as CLUSTER_VAR
 from troupe.launcher.checks import check_elastic, check_paths, check_recovery, refuse_elastic_flags
 from troupe.launcher.flags import ClusterFlags, Flags, Place
-from troupe.launcher.plan import ElasticPlan, LaunchPlan, Servers
+from troupe.launcher.plan import ElasticPlan, LaunchPlan, Mode, Servers
 from troupe.runtime import settings
+from troupe.runtime.quorum import ENV_VAR as QUORUM_VAR
+from troupe.runtime.quorum import REJOIN_VAR, ElasticOptions
+
+if TYPE_CHECKING:
+    from troupe.cluster.configuration.config import ClusterConfig
 
 
 def _stderr(line: str) -> None:
@@ -110,9 +117,9 @@ def plan_from(flags: Flags, say: Callable[[str], None] = _stderr) -> LaunchPlan:
     place = _placed(flags.place, cluster)
     if cluster is not None:
         _announce(cluster, place, say)
-        env[_cluster_var()] = cluster.to_json()
+        env[CLUSTER_VAR] = cluster.to_json()
     env |= groups_env | _rank_env(flags, cluster)
-    mode = "fixed" if not flags.elastic.on else "quorum" if cluster is None or cluster.framework == "diloco" \
+    mode: Mode = "fixed" if not flags.elastic.on else "quorum" if cluster is None or cluster.framework == "diloco" \
         else "rejoin"
     elastic = _elastic_plan(flags, place, mode, groups)
     env |= _elastic_env(elastic)
@@ -120,21 +127,14 @@ def plan_from(flags: Flags, say: Callable[[str], None] = _stderr) -> LaunchPlan:
                       elastic=elastic, outputs=flags.outputs, recovery=flags.recovery)
 
 
-def _cluster_var() -> str:
-    from troupe.cluster.configuration.config import ENV_VAR
-
-    return ENV_VAR
-
-
 def _output_env(flags: Flags) -> dict[str, str]:
     """Where the ranks write their stats, timeline and TensorBoard scalars."""
     out = flags.outputs
-    env = {var: os.path.abspath(path) for var, path in (("TROUPE_STATS", out.stats), ("TROUPE_TIMELINE", out.timeline),
-                                                          ("TROUPE_TENSORBOARD", out.tensorboard)) if path}
-    return env
+    paths = (("TROUPE_STATS", out.stats), ("TROUPE_TIMELINE", out.timeline), ("TROUPE_TENSORBOARD", out.tensorboard))
+    return {var: os.path.abspath(path) for var, path in paths if path}
 
 
-def _rank_env(flags: Flags, cluster) -> dict[str, str]:
+def _rank_env(flags: Flags, cluster: ClusterConfig | None) -> dict[str, str]:
     """--shard, --backend, --timeout, --threads as the ranks' environment."""
     r = flags.ranks
     env = {}
@@ -175,7 +175,7 @@ def worker_groups(flags: Flags, say: Callable[[str], None] = _stderr) -> tuple[F
     return flags, {"TROUPE_GROUPS": str(groups)}
 
 
-def cluster_for(flags: Flags):
+def cluster_for(flags: Flags) -> ClusterConfig | None:
     """The parameter-server (or DiLoCo) cluster the flags ask for, checked against --elastic; None: none."""
     from troupe.cluster.configuration.sources import resolve
 
@@ -196,13 +196,13 @@ def cluster_for(flags: Flags):
     return cluster
 
 
-def _placed(place: Place, cluster) -> Place:
+def _placed(place: Place, cluster: ClusterConfig | None) -> Place:
     """`place` with its -n decided: the cluster's share of this node, else as given, else 2."""
     nproc = cluster.nprocs // place.nnodes if cluster is not None else place.nproc or 2
     return dataclasses.replace(place, nproc=nproc)
 
 
-def servers_of(cluster) -> Servers:
+def servers_of(cluster: ClusterConfig | None) -> Servers:
     """The cluster's server-only ranks: they run the cluster bootstrap, not the script (a server learns the
     parameters' sizes and the optimizer from worker 0, troupe.cluster.configuration.spec, so it never loads
     data or a model); and the asynchronous workers the others go on without."""
@@ -215,7 +215,7 @@ def servers_of(cluster) -> Servers:
                    expendable=frozenset(expendable_ranks(cluster)))
 
 
-def _announce(cluster, place: Place, say: Callable[[str], None]) -> None:
+def _announce(cluster: ClusterConfig, place: Place, say: Callable[[str], None]) -> None:
     """Node 0 prints the cluster and every rank's role."""
     from troupe.cluster.configuration.roles import roles
 
@@ -225,7 +225,7 @@ def _announce(cluster, place: Place, say: Callable[[str], None]) -> None:
             say(f"troupe run:   {role.describe()}")
 
 
-def _elastic_plan(flags: Flags, place: Place, mode: str, groups: int | None) -> ElasticPlan | None:
+def _elastic_plan(flags: Flags, place: Place, mode: Mode, groups: int | None) -> ElasticPlan | None:
     """How an elastic launcher restarts its ranks; None for a fixed job."""
     e = flags.elastic
     if mode == "fixed":
@@ -233,8 +233,6 @@ def _elastic_plan(flags: Flags, place: Place, mode: str, groups: int | None) -> 
     if mode == "rejoin":
         return ElasticPlan(restarts_per_rank=e.restarts_per_rank, spares=1 if e.spares is None else e.spares,
                            evict_after=e.evict_after)
-    from troupe.runtime.quorum import ElasticOptions
-
     given = {"timeout": e.timeout, "evict_after": e.evict_after, "batch": e.batch, "max_groups": e.max_groups}
     total = place.total
     groups = groups or total
@@ -247,11 +245,9 @@ def _elastic_plan(flags: Flags, place: Place, mode: str, groups: int | None) -> 
 
 def _elastic_env(elastic: ElasticPlan | None) -> dict[str, str]:
     """What an elastic job's ranks are told: the quorum's options, or that they rejoin through the servers."""
-    from troupe.runtime.quorum import ENV_VAR, REJOIN_VAR
-
     if elastic is None:
         return {}
     if elastic.quorum is not None:
-        return {ENV_VAR: elastic.quorum.encode()}
+        return {QUORUM_VAR: elastic.quorum.encode()}
     evict = {} if elastic.evict_after is None else {"TROUPE_EVICT_AFTER": str(elastic.evict_after)}
     return {REJOIN_VAR: "1", **evict}  # TROUPE_EVICT_AFTER: Sandblaster's servers
