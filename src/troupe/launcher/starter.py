@@ -86,7 +86,7 @@ class Fresh:
         return self.popen(cmd, dict(command.env))
 
     def popen(self, cmd: list[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
-        from troupe.runtime.zygote import rank_leader
+        from troupe.runtime.forking import rank_leader
 
         pipes = self.output.pipes() if self.output is not None else {}
         leader = rank_leader("stdin" not in kwargs and os.isatty(0))  # a rank given stdin gets a pipe
