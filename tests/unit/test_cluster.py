@@ -366,19 +366,21 @@ def test_several_servers_or_workers_per_process_become_a_process_each_with_a_war
 def test_an_elastic_cluster_block_is_troupe_run_elastic_over_its_groups(monkeypatch, tmp_path):
     """`elastic: true` (and min_groups) in the cluster block: `troupe run --cluster FILE` runs what
     `--elastic --nworker-groups G --min-groups K` runs; a rank handed it by another launcher is refused."""
-    from troupe.cli import _elastic_from_cluster, build_parser
+    from troupe.cli import build_parser
+    from troupe.launcher.flags import Flags
+    from troupe.launcher.resolve import elastic_from_cluster
 
     cfg = parse_cluster_text("cluster {\n  nworker_groups: 4\n  nworkers_per_group: 2\n  elastic: true\n"
                              "  min_groups: 3\n}")
     assert (cfg.elastic, cfg.min_groups, cfg.nprocs) == (True, 3, 8)
     conf = tmp_path / "job.conf"
     conf.write_text("cluster {\n  nworker_groups: 4\n  elastic: true\n  min_groups: 3\n}\n")
-    args = build_parser().parse_args(["run", "--cluster", str(conf), "train.py"])
-    _elastic_from_cluster(args)
-    assert (args.elastic, args.nproc, args.nworker_groups, args.min_groups, args.cluster) == (True, 4, 4, 3, None)
-    args = build_parser().parse_args(["run", "--cluster", str(conf), "--min-groups", "2", "train.py"])
-    _elastic_from_cluster(args)
-    assert args.min_groups == 2  # the flag wins
+    args = elastic_from_cluster(Flags.from_args(build_parser().parse_args(["run", "--cluster", str(conf), "train.py"])))
+    assert (args.elastic.on, args.place.nproc, args.cluster.fields["nworker_groups"], args.elastic.min_groups,
+            args.cluster.file) == (True, 4, 4, 3, None)
+    args = elastic_from_cluster(Flags.from_args(build_parser().parse_args(["run", "--cluster", str(conf), "--min-groups",
+                                                                           "2", "train.py"])))
+    assert args.elastic.min_groups == 2  # the flag wins
     monkeypatch.setenv("TROUPE_CLUSTER", str(conf))
     with pytest.raises(ValueError, match="asks for elastic worker groups .* only `troupe run --cluster FILE`"):
         from_env()
@@ -403,14 +405,15 @@ def test_bad_elastic_cluster_blocks_name_their_values(fields, message):
 def test_an_elastic_block_with_separate_servers_is_troupe_run_elastic_over_that_job(tmp_path):
     """`elastic: true` beside Downpour's servers: `troupe run --cluster FILE` runs `--elastic` over the
     parameter-server job as given (its workers restart alone), the cluster kept."""
-    from troupe.cli import _elastic_from_cluster, build_parser
+    from troupe.cli import build_parser
+    from troupe.launcher.flags import Flags
+    from troupe.launcher.resolve import elastic_from_cluster
 
     conf = tmp_path / "job.conf"
     conf.write_text("cluster {\n  nworker_groups: 2\n  nserver_groups: 2\n  server_worker_separate: true\n"
                     "  elastic: true\n}\n")
-    args = build_parser().parse_args(["run", "--cluster", str(conf), "train.py"])
-    _elastic_from_cluster(args)
-    assert args.elastic and args.cluster == str(conf) and args.nworker_groups is None
+    args = elastic_from_cluster(Flags.from_args(build_parser().parse_args(["run", "--cluster", str(conf), "train.py"])))
+    assert args.elastic.on and args.cluster.file == str(conf) and args.cluster.fields["nworker_groups"] is None
     assert ClusterConfig(nworker_groups=2, nserver_groups=2, server_worker_separate=True, elastic=True).nprocs == 4
 
 

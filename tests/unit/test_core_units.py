@@ -228,31 +228,32 @@ class TestSlurm:
     def test_troupe_run_slurm_takes_this_nodes_place_from_srun(self, monkeypatch):
         """srun --ntasks-per-node=1 troupe run --slurm: each task is one node's launcher, and every one
         derives the same master and token as a Slurm job's ranks would."""
-        from troupe.cli import _from_slurm, build_parser
+        from troupe.cli import build_parser
+        from troupe.launcher.flags import Flags
+        from troupe.launcher.resolve import from_slurm
         from troupe.runtime import launch
         from troupe.runtime.settings import Settings
 
-        def parsed(*flags):
-            return build_parser().parse_args(["run", "--slurm", *flags, "train.py"])
+        def parsed(*flags):  # this node's place as the flags give it
+            return Flags.from_args(build_parser().parse_args(["run", "--slurm", *flags, "train.py"])).place
 
         for name in ("TROUPE_TOKEN", "TROUPE_MASTER_PORT", "TROUPE_MASTER_ADDR", "SLURM_NPROCS"):
             monkeypatch.delenv(name, raising=False)
         with pytest.raises(ValueError, match="no srun environment here"):
-            _from_slurm(parsed())
+            from_slurm(parsed())
         env = {"SLURM_PROCID": "2", "SLURM_NTASKS": "3", "SLURM_NNODES": "3", "SLURM_JOB_ID": "77",
                "SLURM_STEP_NODELIST": "n[4-6]"}
         for k, v in env.items():
             monkeypatch.setenv(k, v)
-        args = parsed("-n", "4")
-        _from_slurm(args)
+        args = from_slurm(parsed("-n", "4"))
         ranks = launch.slurm_ticket(*[None] * 3)
         assert (args.nnodes, args.node_rank, args.master, args.token) == (3, 2, ("n4", ranks.port), ranks.token)
         assert launch._detect(Settings.from_env({}), None, None, None, None).ticket == ranks  # srun's ranks agree
         with pytest.raises(ValueError, match="--slurm reads --master, --token from srun's environment"):
-            _from_slurm(parsed("--master", "h:1", "--token", "t"))
+            from_slurm(parsed("--master", "h:1", "--token", "t"))
         monkeypatch.setenv("SLURM_NNODES", "1")
         with pytest.raises(ValueError, match="srun started 3 tasks on 1 nodes.*one task per node"):
-            _from_slurm(parsed())
+            from_slurm(parsed())
 
 
 class TestSupervisor:
@@ -266,19 +267,19 @@ class TestSupervisor:
             return self.codes.pop(0) if len(self.codes) > 1 else self.codes[0]
 
     def test_a_killed_rank_seen_after_its_peer_is_named(self):
-        from troupe.cli import _culprit
+        from troupe.launcher.processes import culprit as _culprit
 
         procs = [self.Proc(None), self.Proc(None, None, -9), self.Proc(1)]  # rank 2 (a server) seen first
         assert _culprit(procs, 0, set(), [(2, 1)]) == (1, -9)
 
     def test_without_a_killed_rank_the_first_failure_is_named(self):
-        from troupe.cli import _culprit
+        from troupe.launcher.processes import culprit as _culprit
 
         procs = [self.Proc(None), self.Proc(3), self.Proc(1)]
         assert _culprit(procs, 4, set(), [(6, 1)]) == (5, 3)  # ranks start at 4 on this node
 
     def test_tolerated_ranks_are_never_named(self):
-        from troupe.cli import _culprit
+        from troupe.launcher.processes import culprit as _culprit
 
         procs = [self.Proc(-9), self.Proc(1)]
         assert _culprit(procs, 0, {0}, [(1, 1)]) == (1, 1)

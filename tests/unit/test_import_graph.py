@@ -20,11 +20,11 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src"
 ROOT = SRC / "troupe"
 KNOWN_PACKAGES = ("runtime", "sync", "compress", "strategies", "cluster", "observe", "reliability", "bench",
-                  "partition", "algorithms", "singa", "script", "sharding")
+                  "launcher", "partition", "algorithms", "singa", "script", "sharding")
 LAYERS = (
     ("__main__",),
     ("cli",),
-    ("bench",),
+    ("bench", "launcher"),  # the command's workers: troupe bench's harness; troupe run's plan, ranks, restarts
     ("troupe",),  # the facade: troupe.DistOpt, troupe.data, ... each loaded on first use
     ("distopt", "partition", "script", "algorithms", "sharding"),  # what a training script calls
     ("cluster",),

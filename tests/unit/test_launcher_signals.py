@@ -11,7 +11,11 @@ import time
 
 import pytest
 
-from troupe import cli
+from troupe.launcher import processes
+from troupe.launcher.flags import Place
+from troupe.launcher.plan import LaunchPlan
+from troupe.launcher.ports import Ports
+from troupe.launcher.starter import Starter
 
 
 def test_sigterm_while_the_ranks_start_stops_those_started(monkeypatch):
@@ -25,14 +29,13 @@ def test_sigterm_while_the_ranks_start_stops_those_started(monkeypatch):
         started.append(proc)
         return proc
 
-    monkeypatch.setattr(cli._Starter, "__call__", start)
-    monkeypatch.setattr(cli._Starter, "_zygote", lambda self: None)
-    args = cli.build_parser().parse_args(["run", "-n", "3", "script.py"])
-    args.output = None
+    monkeypatch.setattr(Starter, "__call__", start)
+    monkeypatch.setattr(Starter, "zygote", lambda self: None)
+    plan = LaunchPlan(place=Place(nproc=3), argv=("script.py",))
     before = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(SystemExit) as stopped:
-            cli._run_once(args, {})
+            processes.run_once(plan, None, Ports(), {})
         assert stopped.value.code == 143
         assert len(started) == 1 and started[0].poll() is not None, "the rank started before the signal runs on"
         assert signal.getsignal(signal.SIGTERM) == before, "the launcher's handler outlived the start"

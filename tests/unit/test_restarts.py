@@ -1,10 +1,11 @@
-"""`troupe run --elastic`'s supervisor (runtime/restarts.py) over scripted processes: no real ones."""
+"""`troupe run --elastic`'s supervisor (launcher/supervisor.py) over scripted processes: no real ones."""
 
 from __future__ import annotations
 
 import pytest
 
-from troupe.runtime import restarts
+from troupe.launcher import supervisor as restarts
+from troupe.launcher.policies import RESTART, LetGo, StopJob
 from troupe.runtime.quorum import REJOIN_EXIT
 
 
@@ -38,16 +39,56 @@ def no_sleep(monkeypatch):
     monkeypatch.setattr(restarts, "BACKOFF_FIRST", 0.0)
 
 
+class Processes:
+    """Rank r's k-th process is script[r][k]; `spawns` records (rank, incarnation)."""
+
+    def __init__(self, script, spawns, stop_all, kill):
+        self.script, self.spawns, self.stop_all, self.kill = script, spawns, stop_all, kill
+
+    def start(self, rank, incarnation):
+        self.spawns.append((rank, incarnation))
+        return self.script[rank][sum(1 for r, _ in self.spawns if r == rank) - 1]
+
+    def poll(self):
+        pass
+
+
+class Policy:
+    """A restart policy from plain functions: let_go(rank) and fixed(rank) say why, or None."""
+
+    def __init__(self, fixed=lambda rank: None, let_go=lambda rank: None, frozen=dict,
+                 early=lambda rank, life, proc: None):
+        self.fixed, self.let_go, self.frozen, self.early = fixed, let_go, frozen, early
+
+    def on_exit(self, rank, code):
+        gone, reason = self.let_go(rank), None
+        if gone is None:
+            reason = self.fixed(rank)
+        return LetGo(gone) if gone is not None else StopJob(reason) if reason is not None else RESTART
+
+    def on_freeze(self):
+        return self.frozen()
+
+    def failed_early(self, rank, life, proc):
+        return self.early(rank, life, proc)
+
+
+def _kill(proc):
+    proc.kill()
+
+
+def run_supervisor(script, house, budget, say, stop_all, kill=_kill, group_size=1, finish_closes=True, **policy):
+    spawns = []
+    rules = restarts.Rules(restarts_per_rank=budget, group_size=group_size, finish_closes=finish_closes)
+    code = restarts.Supervisor(sorted(script), Processes(script, spawns, stop_all, kill), house, Policy(**policy),
+                               rules, say).run()
+    return code, spawns
+
+
 def supervise(script: dict[int, list[Proc]], budget: int, **kwargs):
     """Run the supervisor; rank r's k-th process is script[r][k]. Returns (code, spawns, lines, house)."""
-    spawns, lines, house, stopped = [], [], House(), []
-
-    def spawn(rank, incarnation):
-        spawns.append((rank, incarnation))
-        return script[rank][sum(1 for r, _ in spawns if r == rank) - 1]
-
-    code = restarts.supervise(spawn, sorted(script), house, restarts_per_rank=budget, say=lines.append,
-                              stop_all=stopped.append, **kwargs)
+    lines, house, stopped = [], House(), []
+    code, spawns = run_supervisor(script, house, budget, lines.append, stopped.append, **kwargs)
     return code, spawns, lines, house
 
 
@@ -189,14 +230,8 @@ def test_a_dead_rank_restarts_its_whole_worker_group_and_only_it_spends_budget()
     partner = Killable()
     script = {0: [Proc(0, alive=30)], 1: [Proc(0, alive=30)], 2: [partner, Proc(0, alive=3)],
               3: [Proc(-9, alive=2), Proc(0, alive=3)]}
-    spawns, lines, house = [], [], House()
-
-    def spawn(rank, incarnation):
-        spawns.append((rank, incarnation))
-        return script[rank][sum(1 for r, _ in spawns if r == rank) - 1]
-
-    code = restarts.supervise(spawn, sorted(script), house, restarts_per_rank=1, say=lines.append,
-                              stop_all=lambda procs: None, group_size=2, kill=kill)
+    lines, house = [], House()
+    code, spawns = run_supervisor(script, house, 1, lines.append, lambda procs: None, group_size=2, kill=kill)
     assert code == 0 and killed == [partner]
     assert sorted(spawns) == [(0, 0), (1, 0), (2, 0), (2, 1), (3, 0), (3, 1)]  # group 0 never restarted
     assert ("lost", 2) in house.events and ("restarted", 2) in house.events

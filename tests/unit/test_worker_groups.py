@@ -3,17 +3,17 @@ how the launcher's flags resolve to TROUPE_GROUPS, and bad input in one line. No
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
-from troupe.cli import _cluster_env, _worker_groups, build_parser, main
+from troupe.cli import build_parser, main
+from troupe.launcher.flags import Flags
+from troupe.launcher.resolve import cluster_for, worker_groups
 from troupe.runtime.settings import Settings
 from troupe.runtime.world import check_groups
 
 
-def parse(*argv: str) -> argparse.Namespace:
-    return build_parser().parse_args(["run", *argv, "x.py"])
+def parse(*argv: str) -> Flags:
+    return Flags.from_args(build_parser().parse_args(["run", *argv, "x.py"]))
 
 
 @pytest.mark.parametrize("argv,groups,nproc", [
@@ -23,10 +23,10 @@ def parse(*argv: str) -> argparse.Namespace:
     (["-n", "2", "--nnodes", "2", "--nworker-groups", "4"], "4", 2),
 ])
 def test_nworker_groups_alone_is_synchronous_groups_without_a_cluster(argv, groups, nproc):
-    args = parse(*argv)
-    assert _worker_groups(args) == {"TROUPE_GROUPS": groups}
-    assert _cluster_env(args) == {}  # no parameter-server cluster: plain data parallelism over every rank
-    assert args.nproc == nproc
+    args, env = worker_groups(parse(*argv))
+    assert env == {"TROUPE_GROUPS": groups}
+    assert cluster_for(args) is None  # no parameter-server cluster: plain data parallelism over every rank
+    assert args.place.nproc == nproc
 
 
 @pytest.mark.parametrize("argv", [
@@ -37,9 +37,7 @@ def test_nworker_groups_alone_is_synchronous_groups_without_a_cluster(argv, grou
 ])
 def test_with_a_framework_another_cluster_flag_or_elastic_nothing_changes(argv):
     args = parse(*argv)
-    before = vars(args).copy()
-    assert _worker_groups(args) == {}
-    assert vars(args) == before
+    assert worker_groups(args) == (args, {})  # the same flags, unchanged
 
 
 def test_groups_that_do_not_divide_the_job_are_refused_in_one_line(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """troupe's benchmark harness: workloads, contestants, one A/B engine, one result format.
 
-`troupe bench list | run NAME | table FILE | plot FILE OUT` drives it (see `command`).
+`troupe bench list | run NAME | table FILE | plot FILE OUT` drives it (see `command`; its flags are
+in `arguments`).
 
 * `workloads`   the WORKLOADS registry: a model, its data and its loss, by name;
 * `contestants` the CONTESTANTS registry: ways to train one step (DistOpt per dist_option,

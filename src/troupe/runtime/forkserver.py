@@ -34,7 +34,6 @@ is not listening, or has gone, is the same as no server.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import selectors
 import signal
@@ -42,6 +41,8 @@ import socket
 import struct
 import sys
 from typing import Any
+
+from troupe.runtime.forking import STATUS, own_fd, own_session, read_exactly, recv_request, send_request
 
 ENV_VAR = "TROUPE_FORK_SERVER"
 """The path of the fork server's socket (`Settings.fork_server`; unset: every `troupe run` starts its own launcher)."""
@@ -52,8 +53,6 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
 HANDSHAKE_SECONDS = 60.0
 """How long a client waits for the server to take its request (the server's imports at its start included)."""
 
-_LENGTH = struct.Struct("!I")
-_STATUS = struct.Struct("!i")
 _HANDLED = ("PYTHONPATH", "PYTHONUNBUFFERED")
 """PYTHON* variables the forked launcher takes as a fresh interpreter would; any other must be the server's."""
 
@@ -72,18 +71,16 @@ def launch(argv: list[str]) -> int | None:
         return None
     if not path:
         return None
-    from troupe.runtime.zygote import _own, _read_exactly
-
-    request = json.dumps({
+    request = {
         "argv": argv, "argv0": sys.argv[0], "env": dict(os.environ), "cwd": os.getcwd(), "umask": _umask(),
         "executable": sys.executable, "unbuffered": bool(getattr(sys.stdout, "write_through", False)),
-        "uid": os.getuid(), "namespaces": namespaces(), "cgroup": _cgroup()}).encode()
+        "uid": os.getuid(), "namespaces": namespaces(), "cgroup": _cgroup()}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(HANDSHAKE_SECONDS)
     try:
         sock.connect(path)
-        socket.send_fds(sock, [_LENGTH.pack(len(request)) + request], [_own(0), _own(1), _own(2)])
-        (pid,) = _STATUS.unpack(_read_exactly(sock, _STATUS.size))
+        send_request(sock, request, [own_fd(0), own_fd(1), own_fd(2)])
+        (pid,) = STATUS.unpack(read_exactly(sock, STATUS.size))
     except OSError:  # no server, or one that does not answer (a launcher it forked meanwhile sees us go: killed)
         sock.close()
         return None
@@ -94,7 +91,7 @@ def launch(argv: list[str]) -> int | None:
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
     try:
-        (status,) = _STATUS.unpack(_read_exactly(sock, _STATUS.size))
+        (status,) = STATUS.unpack(read_exactly(sock, STATUS.size))
     except OSError:
         print(f"troupe run: the fork server at {path} went away while it ran this job's launcher (pid {pid})",
               file=sys.stderr, flush=True)
@@ -115,7 +112,7 @@ def _forward(pid: int, signum: int) -> None:
 # --- the server's side -----------------------------------------------------------------------------------------
 
 
-class _Launch(BaseException):
+class ForkedLauncher(BaseException):
     """Raised in a forked launcher to leave the server's loop (`serve`)."""
 
     def __init__(self, request: dict[str, Any]):
@@ -175,7 +172,7 @@ def serve(path: str) -> dict[str, Any]:
     interpreter's: threads joined, atexit handlers, the exit status of its exception)."""
     try:
         _serve(path)
-    except _Launch as launched:
+    except ForkedLauncher as launched:
         return launched.request
     raise AssertionError("the fork server's loop returned")  # pragma: no cover
 
@@ -187,7 +184,7 @@ def _serve(path: str) -> None:
     listener.bind(path)
     listener.listen(64)  # clients that come during the imports wait in the backlog
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the jobs; SIGTERM ends the server
-    zygote._preload()
+    zygote.preload()
     gc.freeze()  # as the zygote: the imports are shared pages, never walked by a collection
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -227,24 +224,23 @@ def _serve(path: str) -> None:
 
 
 def _take(conn: socket.socket, selector, wake_r: int, wake_w: int) -> int | None:
-    """Read one request and fork its launcher (which raises `_Launch`); its pid in the server, None when
+    """Read one request and fork its launcher (which raises `ForkedLauncher`); its pid in the server, None when
     refused or unreadable."""
-    from troupe.runtime.zygote import _read_exactly
-
     try:
-        header, fds, _flags, _addr = socket.recv_fds(conn, _LENGTH.size, 3)
-        (length,) = _LENGTH.unpack(header + _read_exactly(conn, _LENGTH.size - len(header)))
-        request = json.loads(_read_exactly(conn, length))
+        received = recv_request(conn)
     except (OSError, ValueError, struct.error):
+        received = None
+    if received is None:
         conn.close()
         return None
+    request, fds = received
     why = refusal(request)
     if why is not None:
         print(f"troupe fork server: refused {request['argv'][:4]}: {why}", flush=True)
         for fd in fds:
             os.close(fd)
         try:
-            conn.sendall(_STATUS.pack(0))
+            conn.sendall(STATUS.pack(0))
         except OSError:
             pass
         conn.close()
@@ -262,12 +258,12 @@ def _take(conn: socket.socket, selector, wake_r: int, wake_w: int) -> int | None
             os.close(fd)
         _become(request, fds)
         conn.close()
-        raise _Launch(request)
+        raise ForkedLauncher(request)
     for fd in fds:
         os.close(fd)
     print(f"troupe fork server: launcher {pid} for {request['argv'][:4]}", flush=True)
     try:
-        conn.sendall(_STATUS.pack(pid))
+        conn.sendall(STATUS.pack(pid))
     except OSError:
         _forward(pid, signal.SIGKILL)  # nobody waits for it
     return pid
@@ -293,7 +289,7 @@ def _reap(wake_r: int, launchers: dict, clients: dict, selector) -> None:
         clients.pop(conn, None)
         selector.unregister(conn)
         try:
-            conn.sendall(_STATUS.pack(os.waitstatus_to_exitcode(status)))
+            conn.sendall(STATUS.pack(os.waitstatus_to_exitcode(status)))
         except OSError:
             pass
         conn.close()
@@ -301,8 +297,6 @@ def _reap(wake_r: int, launchers: dict, clients: dict, selector) -> None:
 
 def _become(request: dict[str, Any], fds: list[int]) -> None:
     """In the forked launcher: what ``python -m troupe.cli ARGV`` started by the client would be."""
-    from troupe.runtime.zygote import own_session
-
     own_session(fds)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)

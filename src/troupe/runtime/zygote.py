@@ -10,7 +10,7 @@ restarts alike, in milliseconds:
     proc = zygote.spawn(["script.py", "--epochs", "3"], rank_env, stdout=w1, stderr=w2)
     proc.poll(); proc.wait(5); os.killpg(proc.pid, signal.SIGTERM)      # as a subprocess.Popen
 
-A forked rank is what ``python script.py`` would be: its own process group (`rank_leader`), the
+A forked rank is what ``python script.py`` would be: its own process group (`forking.rank_leader`), the
 environment it was given, ``sys.argv`` and ``sys.path[0]`` as Python sets them, stdin/stdout/
 stderr on the descriptors the launcher passed, signals at their defaults, the script run as
 ``__main__``, the interpreter's own exit (atexit, flushing, the exit code of an exception or a
@@ -35,17 +35,17 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
 import warnings
 from typing import IO, Any
+
+from troupe.runtime.forking import LENGTH, own_fd, own_group, read_exactly, recv_request, send_request
 
 ENV_VAR = "TROUPE_FORK"
 """TROUPE_FORK=0: start every rank as a fresh interpreter instead of forking it from the zygote."""
@@ -54,7 +54,6 @@ PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "troupe")
 """What the zygote imports before the first rank (torch.optim's optimizers import torch._dynamo)."""
 
 _PR_SET_CHILD_SUBREAPER = 36
-_HEADER = struct.Struct("!I")
 
 
 def available() -> bool:
@@ -154,7 +153,7 @@ class Zygote:
         os.environ.clear()
         os.environ.update(env)
         try:
-            _preload()
+            preload()
         finally:
             os.environ.clear()
             os.environ.update(saved)
@@ -180,13 +179,13 @@ class Zygote:
         """Fork a rank running ``python SCRIPT ARGS`` (``python -m MODULE ARGS`` with `module`); the three
         descriptors default to this process's own (the child gets copies). Raises OSError when the zygote
         is gone (the caller then starts the rank afresh)."""
-        fds = [_own(0) if stdin is None else stdin, _own(1) if stdout is None else stdout,
-               _own(2) if stderr is None else stderr]
-        request = json.dumps({"argv": argv, "env": env, "module": module, "cwd": os.getcwd()}).encode()
+        fds = [own_fd(0) if stdin is None else stdin, own_fd(1) if stdout is None else stdout,
+               own_fd(2) if stderr is None else stderr]
+        request = {"argv": argv, "env": env, "module": module, "cwd": os.getcwd()}
         with self._lock:
-            socket.send_fds(self._sock, [_HEADER.pack(len(request)) + request], fds)
-            reply = _read_exactly(self._sock, _HEADER.size)
-        (pid,) = _HEADER.unpack(reply)
+            send_request(self._sock, request, fds)
+            reply = read_exactly(self._sock, LENGTH.size)
+        (pid,) = LENGTH.unpack(reply)
         if pid == 0:
             raise OSError("the zygote could not fork")
         return Forked(pid, argv)
@@ -286,25 +285,6 @@ def reap_orphans(known: set[int]) -> list[int]:
     return reaped
 
 
-def _own(fd: int) -> int:
-    """This process's descriptor `fd` when open, else /dev/null's (a launcher started with stdin closed)."""
-    try:
-        os.fstat(fd)
-        return fd
-    except OSError:
-        return os.open(os.devnull, os.O_RDWR)
-
-
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise OSError("the zygote closed its socket")
-        data += chunk
-    return data
-
-
 # --- the zygote's side -------------------------------------------------------------------------------------
 
 
@@ -313,13 +293,12 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
     (which then runs it at top level, see `main`), None in the zygote when it is done."""
     while True:
         try:
-            header, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, 3)
-        except (ConnectionResetError, OSError):
+            received = recv_request(sock)
+        except (ConnectionResetError, OSError):  # the launcher is gone
             return None
-        if not header:
+        if received is None:
             return None
-        (length,) = _HEADER.unpack(header + _read_exactly(sock, _HEADER.size - len(header)))
-        request = json.loads(_read_exactly(sock, length))
+        request, fds = received
         sys.stdout.flush()
         sys.stderr.flush()
         readable, writable = os.pipe()
@@ -332,51 +311,15 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
                 sock.close()
                 _become(request, fds)
                 return request
-            os.write(writable, _HEADER.pack(rank))
+            os.write(writable, LENGTH.pack(rank))
             os._exit(0)
         os.close(writable)
         for fd in fds:
             os.close(fd)
         os.waitpid(middle, 0)
-        got = os.read(readable, _HEADER.size)
+        got = os.read(readable, LENGTH.size)
         os.close(readable)
-        sock.sendall(got if len(got) == _HEADER.size else _HEADER.pack(0))
-
-
-def own_session(fds: list[int]) -> None:
-    """In a forked launcher (the fork server's): a session of its own, and `fds` as its stdin, stdout and
-    stderr."""
-    os.setsid()
-    _adopt(fds)
-
-
-def own_group(fds: list[int]) -> None:
-    """In a forked rank: what ``subprocess.Popen(..., **rank_leader(stdin))`` gives a rank started afresh."""
-    if "start_new_session" in rank_leader(os.isatty(fds[0])):
-        os.setsid()
-    else:
-        os.setpgid(0, 0)
-    _adopt(fds)
-
-
-def rank_leader(terminal_stdin: bool) -> dict[str, Any]:
-    """Popen's keywords for a rank: a process group of its own (the launcher's ``killpg`` reaches the
-    rank's children) in the launcher's session. One session keeps the whole job in one of the kernel's
-    scheduling autogroups: a session per rank made each rank a group of its own, and ranks that
-    outnumber the cores then drifted apart between DiLoCo's exchanges (docs/time_to_accuracy.md,
-    "troupe's DiLoCo beside torchft's"). A rank whose stdin is a terminal takes a session of its own instead:
-    job control stops a background process group that reads its terminal."""
-    return {"start_new_session": True} if terminal_stdin else {"process_group": 0}
-
-
-def _adopt(fds: list[int]) -> None:
-    """`fds` as this process's stdin, stdout and stderr."""
-    for target, fd in enumerate(fds):
-        if fd != target:
-            os.dup2(fd, target)
-    for fd in fds:
-        if fd > 2:
-            os.close(fd)
+        sock.sendall(got if len(got) == LENGTH.size else LENGTH.pack(0))
 
 
 def _become(request: dict[str, Any], fds: list[int]) -> None:
@@ -424,16 +367,16 @@ IMPORT_ENV = ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL")
 """What torch reads from the environment as it loads: a zygote forked from a process that imported it
 (`Zygote.fork`) must have imported it with the ranks' values."""
 _imported_with: dict[str, str | None] | None = None
-"""IMPORT_ENV's values when `_preload` imported torch (None: it did not, or not yet)."""
+"""IMPORT_ENV's values when `preload` imported torch (None: it did not, or not yet)."""
 
 
 def imported_with() -> dict[str, str | None] | None:
-    """IMPORT_ENV's values (None: unset) when `_preload` imported torch in this process; None if it did not."""
+    """IMPORT_ENV's values (None: unset) when `preload` imported torch in this process; None if it did not."""
     return None if _imported_with is None else dict(_imported_with)
 
 
 def _imported_as(env: dict[str, str]) -> bool:
-    """Whether torch, imported here by `_preload`, loaded as it would with `env` (unknown: assumed so). Imported
+    """Whether torch, imported here by `preload`, loaded as it would with `env` (unknown: assumed so). Imported
     without OMP_NUM_THREADS it has torch's default threads, a fresh rank's; a rank given the variable sets its
     threads as it starts (`_become`)."""
     if _imported_with is None:
@@ -442,7 +385,8 @@ def _imported_as(env: dict[str, str]) -> bool:
                for name, had in _imported_with.items())
 
 
-def _preload() -> None:
+def preload() -> None:
+    """Import what every rank imports (PRELOAD), noting the environment torch loaded with."""
     import importlib
 
     global _imported_with
@@ -489,7 +433,7 @@ def main() -> None:
         raise SystemExit("usage: python -m troupe.runtime.zygote FD (started by troupe run, never by hand)")
     sock = socket.socket(fileno=int(sys.argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle; it closes the socket
-    _preload()
+    preload()
     torch = sys.modules["torch"]
     if torch.cuda.is_initialized():  # a forked child could not use CUDA: let the launcher start ranks afresh
         print("troupe zygote: CUDA was initialized while importing; ranks start afresh", file=sys.stderr, flush=True)

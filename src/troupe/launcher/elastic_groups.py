@@ -1,0 +1,39 @@
+"""`troupe run --elastic` over synchronous worker groups: the quorum (the lighthouse) lives in node 0's launcher."""
+
+from __future__ import annotations
+
+import sys
+
+from troupe.launcher.elastic import ElasticProcesses, keep_store_until_done, load_torch, supervise_restarting
+from troupe.launcher.plan import LaunchPlan
+from troupe.launcher.policies import QuorumPolicy
+from troupe.launcher.ports import Ports
+from troupe.launcher.starter import Starter
+from troupe.runtime import settings
+from troupe.runtime.rankio import RankOutput
+
+
+def run_elastic_groups(plan: LaunchPlan, output: RankOutput | None, ports: Ports) -> int:
+    """Start the ranks of an elastic job, keep its quorum here, and restart a dead rank alone."""
+    from troupe.runtime.lighthouse import Lighthouse, Reporter
+
+    assert plan.elastic is not None and plan.elastic.quorum is not None
+    ticket = ports.ticket(plan.place)
+    options, place = plan.elastic.quorum, plan.place
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    start = Starter(plan, ticket, ports, output)
+    load_torch(plan, start, say)
+    from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT
+
+    # The quorum lives in node 0's launcher; another node's tells it what it sees of its own ranks.
+    lighthouse = Lighthouse(ticket, options, say=say).start() if place.node_rank == 0 \
+        else Reporter(ticket, settings.current().join_timeout or DEFAULT_JOIN_TIMEOUT)
+    try:
+        processes = ElasticProcesses(start, lighthouse, plan.elastic.spares)
+        code = supervise_restarting(plan, processes, lighthouse, QuorumPolicy(lighthouse, output), say,
+                                    group_size=options.group_size)
+        if code == 0 and place.nnodes > 1 and place.node_rank == 0:
+            keep_store_until_done(lighthouse, options)
+        return code
+    finally:
+        lighthouse.stop()
