@@ -138,7 +138,7 @@ def _rank_env(flags: Flags, cluster: ClusterConfig | None) -> dict[str, str]:
     """--shard, --backend, --timeout, --threads as the ranks' environment."""
     r = flags.ranks
     env = {}
-    if r.shard:
+    if r.shard and not (cluster is not None and cluster.shard == r.shard):  # a sharded AllReduce carries its own
         if flags.elastic.on or cluster is not None:
             raise ValueError(f"--shard {r.shard} runs with plain data parallelism only for now: drop "
                              f"{'--elastic' if flags.elastic.on else 'the cluster framework'}")
@@ -193,6 +193,11 @@ def cluster_for(flags: Flags) -> ClusterConfig | None:
             raise ValueError(problem)
     if cluster.nprocs % place.nnodes:
         raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {place.nnodes}")
+    shard = flags.ranks.shard
+    if shard and not flags.elastic.on and not cluster.server_worker_separate and cluster.framework != "diloco":
+        # AllReduce's co-located servers become the ranks' parts of a sharded DistOpt (the cluster's `shard`);
+        # the cluster says in one line where that cannot be (several asynchronous groups, shared memory)
+        cluster = dataclasses.replace(cluster, shard=shard)
     return cluster
 
 
