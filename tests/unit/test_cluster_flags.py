@@ -62,7 +62,7 @@ def test_fields_that_keep_a_presets_shape():
     kept = {f.name for f in dataclasses.fields(ClusterConfig) if keeps_shape(f.name)}
     assert kept == {"sync_freq", "fetch_freq", "staleness_bound", "share_memory", "group_merge", "send_updates",
                     "wire_dtype", "wire_topk", "fetch", "staleness_lr", "outer_optimizer", "outer_lr",
-                    "outer_momentum", "pseudo_grad_dtype", "fragments", "delay", "merge_alpha"}
+                    "outer_momentum", "pseudo_grad_dtype", "fragments", "delay", "merge_alpha", "shard"}
     assert not keeps_shape("no_such_field")
 
 
