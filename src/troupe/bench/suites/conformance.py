@@ -160,24 +160,26 @@ def launch(cmds: list[tuple[list[str], dict]], cwd: str, timeout: float) -> Ran:
     procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True) for cmd, env in cmds]
     errs, hung = [], False
+    try:
+        for p in procs:
+            try:
+                _, err = p.communicate(timeout=max(0.1, timeout - (time.monotonic() - start)))
+            except subprocess.TimeoutExpired:
+                hung = True
+                _kill(procs)
+                _, err = p.communicate()
+            errs.append(err)
+    finally:
+        _kill(procs)  # what a launcher left behind (its ranks) goes with it
+    return Ran([p.returncode for p in procs], "\n".join(errs), time.monotonic() - start, hung)
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
     for p in procs:
-        try:
-            _, err = p.communicate(timeout=max(0.1, timeout - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            hung = True
-            for q in procs:
-                try:
-                    os.killpg(q.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            _, err = p.communicate()
-        errs.append(err)
-    for p in procs:  # what a launcher left behind (its ranks) goes with it
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return Ran([p.returncode for p in procs], "\n".join(errs), time.monotonic() - start, hung)
 
 
 def _loss(shape: str, state: dict) -> float:
@@ -294,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     keep.mkdir(parents=True, exist_ok=True)
     base = {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_JOIN_TIMEOUT": "20", "TROUPE_TIMEOUT": "30",
             "TROUPE_PEER_TIMEOUT": "20", "TROUPE_ELASTIC_TIMEOUT": "20"}
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # the cells and server go too
     server, sock = _fork_server(keep, base)
     base["TROUPE_FORK_SERVER"] = sock
     start = time.monotonic()
