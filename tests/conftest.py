@@ -55,6 +55,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "mpi": (
         "tests/dist/test_mpi_hosts.py",
         "tests/dist/test_launchers.py::test_mpiexec",
+        "tests/dist/test_conformance_matrix.py",
     ),
     "benchmark": (
         "tests/dist/test_bench_harness.py",
@@ -62,9 +63,11 @@ FAMILIES: dict[str, tuple[str, ...]] = {
         "tests/dist/test_bytes_per_step.py",
         "tests/dist/test_ps_bench.py",
         "tests/dist/test_fault_harness.py",
+        "tests/dist/test_conformance_matrix.py",
     ),
     "docs": ("tests/unit/test_docs_site.py",),
     "slow": (  # a subprocess per rank (each imports torch), or an example trained to its bar
+        "tests/dist/test_conformance_matrix.py",
         "tests/dist/test_checkpoint.py::test_restart_after_a_crash_matches_an_uninterrupted_run",
         "tests/dist/test_bytes_per_step.py",
         "tests/dist/test_ps_bench.py::test_ps_benchmark_times_ddp_and_a_parameter_server",

@@ -124,9 +124,10 @@ def dist_opt(opt: torch.optim.Optimizer, regime: str, joins: dict) -> troupe.Dis
 
 
 def torch_loop(model, opt, batches, shape, regime: str, accum: int = 2) -> None:
-    """Micro-batches under no_sync, synchronize, GradScaler, clipping, StepLR (a partitioned model clips with
-    troupe.clip_grad_norm_, as docs/script.md says: torch's sees only this worker's slices)."""
-    clip = troupe.clip_grad_norm_ if regime == "partition" else torch.nn.utils.clip_grad_norm_
+    """Micro-batches under no_sync, synchronize, GradScaler, clipping, StepLR (a partitioned model and a sharded
+    DistOpt clip with troupe.clip_grad_norm_, as the docs say: torch's sees this worker's slices, or no p.grad)."""
+    own = regime == "partition" or regime.startswith("shard-")
+    clip = troupe.clip_grad_norm_ if own else torch.nn.utils.clip_grad_norm_
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     scaler = torch.amp.GradScaler("cpu")
     for x, y in batches:

@@ -280,6 +280,12 @@ def _fork_server(keep: Path, base: dict) -> tuple[subprocess.Popen, str]:
     return proc, sock
 
 
+def environment() -> dict[str, str]:
+    """The cells' environment: one thread, and timeouts short enough that a stuck cell fails before it is killed."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_JOIN_TIMEOUT": "20", "TROUPE_TIMEOUT": "30",
+            "TROUPE_PEER_TIMEOUT": "20"}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="troupe bench run conformance --args", description=__doc__.splitlines()[0])
     p.add_argument("--regimes", nargs="+", default=list(REGIMES), metavar="R", help=f"of {list(REGIMES)}")
@@ -294,8 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"unknown regime(s) {unknown}; choose from {list(REGIMES)}")
     keep = Path(args.keep or tempfile.mkdtemp(prefix="troupe-conformance-"))
     keep.mkdir(parents=True, exist_ok=True)
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_JOIN_TIMEOUT": "20", "TROUPE_TIMEOUT": "30",
-            "TROUPE_PEER_TIMEOUT": "20", "TROUPE_ELASTIC_TIMEOUT": "20"}
+    base = environment()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # the cells and server go too
     server, sock = _fork_server(keep, base)
     base["TROUPE_FORK_SERVER"] = sock
