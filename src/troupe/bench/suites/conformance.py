@@ -280,10 +280,48 @@ def _fork_server(keep: Path, base: dict) -> tuple[subprocess.Popen, str]:
     return proc, sock
 
 
+def render(rows: list[dict]) -> str:
+    """The cells as three grids (the planes), each cell its outcome; a note per distinct detail that is not a pass."""
+    notes: dict[str, int] = {}
+
+    def cell(row: dict | None) -> str:
+        if row is None:
+            return ""
+        if row["outcome"] in ("matched", "reached"):
+            return row["outcome"]
+        detail = re.sub(r"rank \d+", "rank R", row["detail"])
+        n = notes.setdefault(f"{row['outcome']}: {detail}", len(notes) + 1)
+        return f"{row['outcome']} [{n}]"
+
+    at = {(r["regime"], r["shape"], r["launcher"]): r for r in rows}
+    regimes = list(dict.fromkeys(r["regime"] for r in rows))
+
+    def grid(title: str, names: list[str], columns: list[str], key) -> list[str]:
+        shown = [n for n in names if any(at.get(key(n, c)) for c in columns)]
+        if not shown:
+            return []
+        out = [f"### {title}", "", f"| | {' | '.join(columns)} |", "| --- |" + " --- |" * len(columns)]
+        out += [f"| {n} | {' | '.join(cell(at.get(key(n, c))) for c in columns)} |" for n in shown]
+        return [*out, ""]
+
+    lines = grid("Every regime with every script shape, under troupe run", regimes, list(SHAPES),
+                 lambda r, s: (r, s, "troupe"))
+    lines += grid("Every regime under every launcher, the PyTorch loop", regimes, list(LAUNCHERS),
+                  lambda r, launcher: (r, "torch", launcher))
+    lines += grid("Every script shape under every launcher, plain", list(SHAPES), list(LAUNCHERS),
+                  lambda s, launcher: ("plain", s, launcher))
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    lines += [f"{len(rows)} cells: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + ".", ""]
+    lines += [f"{n}. {text}" for text, n in notes.items()]
+    return "\n".join(lines)
+
+
 def environment() -> dict[str, str]:
     """The cells' environment: one thread, and timeouts short enough that a stuck cell fails before it is killed."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_JOIN_TIMEOUT": "20", "TROUPE_TIMEOUT": "30",
-            "TROUPE_PEER_TIMEOUT": "20"}
+            "TROUPE_PEER_TIMEOUT": "20", "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no pool of compile workers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,7 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cell-timeout", type=float, default=90.0, help="seconds before a cell's processes are killed")
     p.add_argument("--keep", default=None, help="where failed cells keep their output (default: a temporary folder)")
     p.add_argument("--out", default=None, help="append every cell as a JSON line")
+    p.add_argument("--render", default=None, metavar="JSONL", help="print the grids of a run's cells (no run)")
     args = p.parse_args(argv)
+    if args.render:
+        print(render([json.loads(line) for line in Path(args.render).read_text().splitlines() if line.strip()]))
+        return 0
     unknown = sorted(set(args.regimes) - set(REGIMES))
     if unknown:
         raise ValueError(f"unknown regime(s) {unknown}; choose from {list(REGIMES)}")
@@ -306,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     base["TROUPE_FORK_SERVER"] = sock
     start = time.monotonic()
     counts: dict[str, int] = {}
+    done: list[dict] = []
     try:
         refs = references(args.shapes, base, keep, args.cell_timeout)
         todo = cells(args.regimes, args.shapes, args.launchers)
@@ -315,16 +358,18 @@ def main(argv: list[str] | None = None) -> int:
             outcome, said, secs = run_cell(REGIMES[regime], shape, launcher, base, args.cell_timeout,
                                            refs.get(shape), keep)
             counts[outcome] = counts.get(outcome, 0) + 1
+            done.append({"regime": regime, "shape": shape, "launcher": launcher, "outcome": outcome,
+                         "detail": said, "seconds": round(secs, 2)})
             said = said.replace("|", "\\|")
             print(f"| {regime} | {shape} | {launcher} | {outcome} | {said} | {secs:.1f} |", flush=True)
             if args.out:
                 with open(args.out, "a") as f:
-                    f.write(json.dumps({"regime": regime, "shape": shape, "launcher": launcher, "outcome": outcome,
-                                        "detail": said, "seconds": round(secs, 2)}) + "\n")
+                    f.write(json.dumps(done[-1]) + "\n")
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
     total = time.monotonic() - start
     print(f"\n{sum(counts.values())} cells in {total / 60:.1f} min: "
-          + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), flush=True)
+          + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + "\n", flush=True)
+    print(render(done), flush=True)
     return 0 if set(counts) <= {"matched", "reached", "refused", "warned"} else 1
