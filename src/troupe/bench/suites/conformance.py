@@ -82,8 +82,10 @@ REGIMES = {r.name: r for r in (
     _cluster("streaming-diloco", 2, ("--framework", "diloco", *GROUP_FLAGS, "--fragments", "2"),
              {**DILOCO, "fragments": 2}, ASYNC),
     Regime("partition", script="partition"),
-    Regime("shard-optimizer", flags=("--shard", "optimizer"), env={"TROUPE_SHARD": "optimizer"}),
-    Regime("shard-gradients", flags=("--shard", "gradients"), env={"TROUPE_SHARD": "gradients"}),
+    Regime("shard-optimizer", flags=("--shard", "optimizer"), env={"TROUPE_SHARD": "optimizer"},
+           script="shard-optimizer"),
+    Regime("shard-gradients", flags=("--shard", "gradients"), env={"TROUPE_SHARD": "gradients"},
+           script="shard-gradients"),
     Regime("shard-parameters", script="shard-parameters"),
 )}
 ELASTIC = ("plain", "fp16", "bf16", "sparseTopK", "sparseThreshold", "powerSGD", "partialUpdate", "sandblaster",
