@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -126,6 +127,5 @@ class Model(nn.Module):
 
 def _sharded(module: nn.Module) -> bool:
     """Sharded by FSDP2 (troupe.shard): its forward must run through the module's call."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # never imported: nothing is sharded (and no import here)
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
