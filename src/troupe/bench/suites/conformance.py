@@ -217,7 +217,8 @@ def judge(regime: Regime, shape: str, ran: Ran, out: Path, reference: dict | Non
     if failed:
         if ran.seconds > 10:
             return "SLOW REFUSAL", f"after {ran.seconds:.0f} s: {lines[-1][:200] if lines else ''}"
-        return "refused", lines[-1][:220] if lines else "(no message)"
+        said = next((line for line in lines if line.startswith("troupe: ")), lines[-1] if lines else "(no message)")
+        return "refused", said[:220]  # a rank's own line says why; the launcher's last may only say who stopped
     if not (out / "model.pt").is_file():
         return "SILENT", "exited 0 without worker 0's model"
     import torch
