@@ -272,7 +272,7 @@ def test_elastic_partition_slices_by_the_groups_place_and_labels_the_job_s_ranks
 
 def test_elastic_partition_refuses_another_group_size_and_an_auto_plan_without_a_sample(monkeypatch):
     _elastic_world(monkeypatch)
-    with pytest.raises(ValueError, match="workers_per_group 3 differs from the elastic job's worker groups of 2"):
+    with pytest.raises(Refusal, match="workers_per_group 3 differs from the elastic job's worker groups of 2"):
         tp.partition(nn.Sequential(nn.Linear(8, 16)), 1, workers_per_group=3)
     with pytest.raises(ValueError, match="plan 'auto' needs sample="):
         tp.partition(nn.Sequential(nn.Linear(8, 16)), "auto")

@@ -126,9 +126,9 @@ def _partition_elastic(model: nn.Module, plan: Plan, workers_per_group: int | No
     membership = w.membership
     k = membership.options.group_size
     if workers_per_group not in (None, k):
-        raise ValueError(f"workers_per_group {workers_per_group} differs from the elastic job's worker groups of {k} "
-                         "processes (troupe run --elastic --nworker-groups): under --elastic a worker group "
-                         "computes one replica")
+        raise Refusal(f"workers_per_group {workers_per_group} differs from the elastic job's worker groups of {k} "
+                      f"processes: under --elastic a worker group computes one replica (troupe run --elastic "
+                      f"--nworker-groups G for groups of {workers_per_group}, or workers_per_group={k})")
     if isinstance(plan, str) and plan == "auto":
         plan = _shared_auto_plan(w, model, k, sample, link)
     dims = resolve_plan(model, plan, k, default=default)
