@@ -207,7 +207,7 @@ FRAMES = re.compile(r"frame #\d+|Exception raised from|\.cpp:\d+")
 
 def judge(regime: Regime, shape: str, ran: Ran, out: Path, reference: dict | None) -> tuple[str, str]:
     """(outcome, what the table says)."""
-    lines = [line for line in ran.err.splitlines() if line.strip()]
+    lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in ran.err.splitlines() if line.strip()]
     if ran.hung:
         return "HUNG", f"killed after {ran.seconds:.0f} s: {lines[-1][:150] if lines else ''}"
     failed = any(ran.codes)
@@ -309,7 +309,8 @@ def render(rows: list[dict]) -> str:
 
     lines = grid("Every regime with every script shape, under troupe run", regimes, list(SHAPES),
                  lambda r, s: (r, s, "troupe"))
-    lines += grid("Every regime under every launcher, the PyTorch loop", regimes, list(LAUNCHERS),
+    lines += grid("Every regime under every launcher, the PyTorch loop", [r for r in regimes if not r.endswith(
+        "--elastic")], list(LAUNCHERS),
                   lambda r, launcher: (r, "torch", launcher))
     lines += grid("Every script shape under every launcher, plain", list(SHAPES), list(LAUNCHERS),
                   lambda s, launcher: ("plain", s, launcher))
