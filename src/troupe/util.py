@@ -13,6 +13,34 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 
+class Refusal(ValueError):
+    """A combination troupe refuses by design, named with what to do instead: said in one line, not a traceback."""
+
+
+class _OneLineRefusals:
+    """sys.excepthook: an uncaught `Refusal` is printed as ``troupe: MESSAGE`` (the interpreter then exits 1);
+    anything else goes to the hook that was there before."""
+
+    def __init__(self, previous) -> None:
+        self.previous = previous
+
+    def __call__(self, kind, value, tb) -> None:
+        if isinstance(value, Refusal):
+            import sys
+
+            print(f"troupe: {value}", file=sys.stderr, flush=True)
+        else:
+            self.previous(kind, value, tb)
+
+
+def one_line_refusals() -> None:
+    """Make an uncaught `Refusal` one line on stderr, whatever the launcher (idempotent)."""
+    import sys
+
+    if not isinstance(sys.excepthook, _OneLineRefusals):
+        sys.excepthook = _OneLineRefusals(sys.excepthook)
+
+
 def check_int(name: str, value: object, minimum: int = 1) -> int:
     """`value` as an int >= `minimum` (bools refused), else a ValueError naming `name` and the value."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -110,8 +110,8 @@ def train_loop(rank, world_size, loop):
 
 def reference(nworkers: int, loop: dict, clip: str) -> dict[str, torch.Tensor]:
     """One process on the combined batch: each worker's accumulated gradient, clipped per worker
-    (``clip="worker"``, separate servers: the worker clips its own before the servers average) or
-    after the mean (``clip="mean"``, co-located: ``p.grad`` holds the group's mean), averaged."""
+    (``clip="worker"``: a Downpour group of one worker clips its own before the servers average) or
+    after the mean (``clip="mean"``: ``p.grad`` holds the group's mean, co-located or Sandblaster), averaged."""
     torch.manual_seed(100)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -173,8 +173,9 @@ def test_sandblaster_sends_during_backward_with_several_buckets_in_one_storage()
 
 
 def test_sandblaster_loop_clipping_every_step_sends_in_step():
+    # backward leaves the group's mean in p.grad: clipping clips what one process on the combined batch does
     results = run(SANDBLASTER, {"clip_from": 0})
-    expected = reference(2, {"clip_from": 0}, clip="worker")
+    expected = reference(2, {"clip_from": 0}, clip="mean")
     for out in results[:2]:
         assert_equal_to(expected, out["params"])
         assert out["overlap"] is False  # the loop changes gradients: they leave in step(), after clipping
@@ -186,11 +187,11 @@ def test_sandblaster_send_at_step_clipping_from_a_later_step_and_nan_skip():
     loop = {"clip_from": 3, "nan_at": 5, "nan_policy": "skip"}
     results = run(cluster, loop)
     assert results[2:] == ["server", "server"]
-    expected = reference(2, loop, clip="worker")
+    expected = reference(2, loop, clip="mean")
     for out in results[:2]:
         assert_equal_to(expected, out["params"])
-    # worker 1 had the non-finite gradient and skipped; worker 0's step left its values unchanged
-    assert [out["skipped"] for out in results[:2]] == [0, 1]
+    # worker 1 had the non-finite gradient: the group's mean is non-finite, so both workers skip the step
+    assert [out["skipped"] for out in results[:2]] == [1, 1]
 
 
 def test_allreduce_loop_clips_the_group_mean_and_skips_together():

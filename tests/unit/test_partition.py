@@ -15,6 +15,7 @@ from torch import nn
 import troupe
 import troupe.partition as tp
 from troupe.partition import check_world, resolve_plan, slice_rows
+from troupe.util import Refusal
 
 
 class CNN(nn.Module):
@@ -196,8 +197,8 @@ def test_a_shared_layer_is_replaced_under_both_names(world):
 def test_a_tied_parameter_cannot_be_partitioned(world):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model[1].weight = model[0].weight
-    with pytest.raises(ValueError, match=r"1 shares a parameter .*'0.weight', '1.weight'"):
-        tp.partition(model, {"1": 1}, 1)
+    with pytest.raises(Refusal, match=r"1 shares a parameter .*'0.weight', '1.weight'.*leave 1 out of the plan"):
+        tp.partition(model, {"1": 1}, 1)  # a Refusal (a ValueError) reads as one line when uncaught
     with pytest.raises(ValueError, match=r"workers_per_group \(2\) must divide the world size \(1\)"):
         tp.partition(model, {"1": 1}, 2)
 
@@ -271,7 +272,7 @@ def test_elastic_partition_slices_by_the_groups_place_and_labels_the_job_s_ranks
 
 def test_elastic_partition_refuses_another_group_size_and_an_auto_plan_without_a_sample(monkeypatch):
     _elastic_world(monkeypatch)
-    with pytest.raises(ValueError, match="workers_per_group 3 differs from the elastic job's worker groups of 2"):
+    with pytest.raises(Refusal, match="workers_per_group 3 differs from the elastic job's worker groups of 2"):
         tp.partition(nn.Sequential(nn.Linear(8, 16)), 1, workers_per_group=3)
     with pytest.raises(ValueError, match="plan 'auto' needs sample="):
         tp.partition(nn.Sequential(nn.Linear(8, 16)), "auto")

@@ -9,8 +9,8 @@ from typing import Any
 
 from troupe.bench.options import Options
 from troupe.bench.records import Record
-from troupe.bench.suites import (accumulate, bytes_per_step, collectives, compression, ddp, fault_detection, graph,
-                                 powersgd, ps, throughput, time_to_accuracy)
+from troupe.bench.suites import (accumulate, bytes_per_step, collectives, compression, conformance, ddp, fault_detection,
+                                 graph, powersgd, ps, throughput, time_to_accuracy)
 
 COMMON = frozenset({"reps", "steps", "burnin", "nproc", "threads", "seed", "timeout"})
 """Options every engine benchmark takes."""
@@ -92,6 +92,8 @@ JOB_SUITES = {
     "time_to_accuracy": (time_to_accuracy, "training time to an MNIST accuracy for one dist_option (loopback or "
                                            "simulated hosts)"),
     "fault_detection": (fault_detection, "time to detect each injected fault (kill, raise, stop, hang, nan)"),
+    "conformance": (conformance, "every regime with every script shape and launcher: matched, reached or refused "
+                                 "in one line (docs/conformance.md)"),
 }
 """name -> (suite, what it measures): the suites that start whole jobs."""
 for _name, (_suite, _help) in JOB_SUITES.items():

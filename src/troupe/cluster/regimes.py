@@ -70,9 +70,15 @@ class SeparateServers(ClusterWorker):
 
         job, role = ctx.job, ctx.job.role
         group = job.group_comms[role.worker[0]]
-        agree = group if ctx.layout.partitioned and ctx.cluster.nworkers_per_group > 1 else None
+        several = ctx.cluster.nworkers_per_group > 1
+        agree = group if ctx.layout.partitioned and several else None
+        # A replica's workers (not partitioned, not restarting alone, an exact wire) average their gradients where
+        # the loop looks at them before step(): clipping then sees the group's gradient, as in one process. A
+        # half-precision or top-K wire keeps each worker's own (rounded or selected as its own, as SINGA sends).
+        exact = ctx.cluster.wire_dtype == "fp32" and ctx.cluster.wire_topk is None
+        average = group if several and exact and not ctx.layout.partitioned and job.links is None else None
         return PSClient(ctx.cluster, role, job.everyone, job.channel, ctx.params, ctx.bucket_size, ctx.optimizer,
-                        ctx.nan_policy, layout=ctx.layout, agree=agree, rejoined=job.rejoined,
+                        ctx.nan_policy, layout=ctx.layout, agree=agree, average=average, rejoined=job.rejoined,
                         alone=job.workers_comm if job.links is not None else None, fail_over=job.fails_over,
                         gone=sorted(job.gone))
 

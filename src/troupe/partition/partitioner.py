@@ -19,6 +19,7 @@ from troupe.cluster.configuration import sources as cluster_config
 from troupe.partition.connect import WorkerGroup
 from troupe.partition.layers import FeatureSplit, OnOneWorker, PartitionedLayer
 from troupe.partition.plan import Plan, check_world, resolve_plan
+from troupe.util import Refusal
 from troupe.runtime import world
 from troupe.util import HOLDERS
 
@@ -125,9 +126,9 @@ def _partition_elastic(model: nn.Module, plan: Plan, workers_per_group: int | No
     membership = w.membership
     k = membership.options.group_size
     if workers_per_group not in (None, k):
-        raise ValueError(f"workers_per_group {workers_per_group} differs from the elastic job's worker groups of {k} "
-                         "processes (troupe run --elastic --nworker-groups): under --elastic a worker group "
-                         "computes one replica")
+        raise Refusal(f"workers_per_group {workers_per_group} differs from the elastic job's worker groups of {k} "
+                      f"processes: under --elastic a worker group computes one replica (troupe run --elastic "
+                      f"--nworker-groups G for groups of {workers_per_group}, or workers_per_group={k})")
     if isinstance(plan, str) and plan == "auto":
         plan = _shared_auto_plan(w, model, k, sample, link)
     dims = resolve_plan(model, plan, k, default=default)
@@ -231,8 +232,9 @@ def _check_untied(model: nn.Module, names: list[str]) -> None:
     for name in names:
         for p in model.get_submodule(name).parameters():
             if len(owners[id(p)]) > 1:
-                raise ValueError(f"{name} shares a parameter with another module ({sorted(owners[id(p)].values())}): "
-                                 "a tied parameter cannot be partitioned")
+                raise Refusal(f"{name} shares a parameter with another module ({sorted(owners[id(p)].values())}): "
+                              f"a tied parameter cannot be partitioned; leave {name} out of the plan (partition_dim "
+                              "0: it stays whole on every worker)")
 
 
 def _make_group(job: Communicator, k: int, ngroups: int) -> WorkerGroup:

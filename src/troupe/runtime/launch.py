@@ -36,6 +36,7 @@ from troupe.runtime import netif
 from troupe.runtime.quorum import refusal_key
 from troupe.runtime.settings import Settings
 from troupe.runtime.ticket import LOOPBACK, Ticket, first_host, free_port, slurm_ticket  # noqa: F401  (re-exported)
+from troupe.util import Refusal, one_line_refusals
 
 log = logging.getLogger("troupe")
 
@@ -239,14 +240,15 @@ def _join_rejoining(env: Settings, how: _Launch, backend: str, timeout: float, j
 
 
 def _refuse(env: Settings, rank: int, why: str) -> NoReturn:
-    """Raise ValueError(why), first telling `troupe run --elastic`'s launcher through its store."""
+    """Raise Refusal(why) (one line, no traceback), first telling `troupe run --elastic`'s launcher through its store."""
     try:
         ticket = Ticket.decode(env.ticket)
         store = dist.PrefixStore(f"troupe/{ticket.token}/", open_store(ticket, False, 10.0))
         store.set(refusal_key(rank), why)
     except (RuntimeError, ConnectionError, OSError, ValueError):
         pass  # no launcher's store to tell: a restart fails again, and its launcher stops the job then
-    raise ValueError(f"rank {rank}: {why}")
+    one_line_refusals()
+    raise Refusal(f"rank {rank}: {why}")
 
 
 def meet_where_rank0_listens(env: Settings) -> None:

@@ -28,6 +28,7 @@ from troupe.observe import trace
 from troupe.observe.trace import Recorder
 from troupe.runtime import watchdog as watchdog_mod
 from troupe.runtime.comm import Communicator, Traffic
+from troupe.util import one_line_refusals
 from troupe.runtime.elastic import Fixed
 from troupe.runtime.launch import DistInfo, Joined, Ticket, join
 from troupe.runtime.settings import Settings
@@ -252,6 +253,7 @@ def init(
     global _current
     if _current is not None:
         return _current
+    one_line_refusals()  # what troupe refuses by design, in a rank, reads as one line under every launcher
     env = Settings.from_env()
     joined = join(env, ticket, local_rank, world_size, rank=rank, backend=backend, timeout=timeout,
                   join_timeout=join_timeout)

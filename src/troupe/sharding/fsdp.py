@@ -20,6 +20,7 @@ from torch import nn
 from troupe.cluster.configuration.sources import from_env as cluster_from_env
 from troupe.runtime import world as world_mod
 from troupe.strategies.fsdp import CLAIMED_BY, SHARDED_BY, Sharding, check_cluster
+from troupe.util import Refusal
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -72,8 +73,8 @@ def shard(model: nn.Module, *, blocks: Blocks | None = None, mixed_precision: st
     policy = _policy(mixed_precision)
     world = world_mod.init()
     if world.membership.elastic:
-        raise ValueError("troupe.shard cannot run under troupe run --elastic yet: elastic worker groups heal by "
-                         "copying whole models")
+        raise Refusal("troupe.shard cannot run under troupe run --elastic yet: elastic worker groups heal by "
+                      "copying whole models; leave --elastic out, or leave the model unsharded")
     groups = _groups(world, groups)
     _same_start(world, model)
     mesh = _mesh(world, groups)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,8 +34,29 @@ class Model(nn.Module):
         arguments than `inputs` (``model(x, y)``, ``model(x, y, dist_option, spars)``) runs
         `train_one_batch`; any other call is `forward`, as in torch."""
         if self._train_arity is not None and len(args) > self._train_arity:
+            own = "forward" in self.__dict__ or "train_one_batch" in self.__dict__  # a graph (compile(use_graph))
+            if not own and (self._forward_hooks or self._forward_pre_hooks or _sharded(self)):
+                return self._with_hooked_forward(*args, **kwargs)
             return self.train_one_batch(*args, **kwargs)
         return super().__call__(*args, **kwargs)
+
+    def _with_hooked_forward(self, *args, **kwargs):
+        """train_one_batch with its ``self.forward(x)`` run through nn.Module's call, so the module's hooks run:
+        a model sharded by troupe.shard gathers its parameters in them (SINGA's idiom would skip them)."""
+        nn_call = super().__call__
+
+        def hooked(*a, **k):
+            del self.forward  # inside the call, forward is the class's again
+            try:
+                return nn_call(*a, **k)
+            finally:
+                self.forward = hooked
+
+        self.forward = hooked
+        try:
+            return self.train_one_batch(*args, **kwargs)
+        finally:
+            del self.forward
 
     def set_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Attach the optimizer; a DistOpt also copies rank 0's parameters and buffers to every rank."""
@@ -83,7 +105,7 @@ class Model(nn.Module):
         self.__dict__.pop("forward", None)  # undo an earlier graph
         self.__dict__.pop("train_one_batch", None)
         with torch.no_grad():
-            self.forward(*inputs)
+            self(*inputs)  # through nn.Module's call: its hooks run (a sharded model gathers in them)
         if not use_graph:
             return
         if is_train and isinstance(self.optimizer, SingaMethods):
@@ -101,3 +123,9 @@ class Model(nn.Module):
         else:
             # An instance attribute shadows the method, so self.forward(x) and self(x) both use the graph.
             self.forward = compiled
+
+
+def _sharded(module: nn.Module) -> bool:
+    """Sharded by FSDP2 (troupe.shard): its forward must run through the module's call."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # never imported: nothing is sharded (and no import here)
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)

@@ -92,7 +92,8 @@ class PSClient(BaseStrategy):
     def __init__(self, cluster: ClusterConfig, role: Role, everyone: Sequence[Role], world: Communicator | Links,
                  params: Sequence[Tensor], bucket_size: int, optimizer: torch.optim.Optimizer,
                  nan_policy: str = "raise", *, layout: Layout | None = None, agree: Communicator | None = None,
-                 rejoined: bool = False, alone: Communicator | None = None, fail_over: bool = False,
+                 average: Communicator | None = None, rejoined: bool = False, alone: Communicator | None = None,
+                 fail_over: bool = False,
                  gone: Sequence[int] = ()):
         self.cluster, self.role, self.world = cluster, role, world
         self.rejoined = rejoined
@@ -118,6 +119,11 @@ class PSClient(BaseStrategy):
             self.by_param[s.param].append(s)
         self.agree = agree
         """A partitioned model's worker group: its workers agree on the step's nan verdict."""
+        self.average = average
+        """A replica's worker group (Sandblaster; Downpour's groups of several): where the Updates leave in
+        step(), backward leaves the group's mean gradient in ``p.grad``, so a loop that clips clips what one
+        process would (each worker's own norm is not the group's). The servers average the group's Updates:
+        k equal means give what k own gradients give."""
         servers = sorted((r.server, r.rank) for r in everyone if r.server)
         self.all_servers = [rank for _, rank in servers]
         self.server_group = cluster.server_group_of(role.worker[0])
@@ -333,8 +339,16 @@ class PSClient(BaseStrategy):
         self.overlap = self.may_overlap
 
     def _hold_bucket(self, bucket: Bucket) -> Handle:
-        self._seal(bucket)
-        return Handle(None)
+        if self.average is None:
+            self._seal(bucket)
+            return Handle(None)
+        inner = self.average.all_reduce(bucket.data, "mean", async_op=True)
+
+        def then() -> None:
+            inner.wait()
+            self._seal(bucket)  # the group's mean is what backward left, not a change of the loop's
+
+        return Handle(None, then, label=bucket.label)
 
     def _send_bucket(self, bucket: Bucket) -> Handle:
         self._seal(bucket)
