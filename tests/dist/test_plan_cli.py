@@ -33,13 +33,14 @@ def test_plan_mnist_cnn_prints_candidates_and_a_pick():
     assert "conv1, conv2, linear1, linear2" in lines[1]
     rows = [line.split() for line in lines if line.startswith(("data parallel", "best for", "one weird", "all dim"))]
     dp = [r for r in rows if r[:2] == ["data", "parallel"] and "plain" in r]
-    assert len(dp) == 1 and dp[0][-6:-3] == ["0,0,0,0", "plain", "exact"], dp
-    times = [float(r[-3]) for r in rows]
+    assert len(dp) == 1 and dp[0][-7:-4] == ["0,0,0,0", "plain", "exact"], dp
+    times = [float(r[-4]) for r in rows]
     assert times == sorted(times) and all(t > 0 for t in times)
-    assert float(dp[0][-1]) == 1.724  # param MB/worker: 431,080 fp32 parameters
+    assert float(dp[0][-2]) == 1.724  # param MB/worker: 431,080 fp32 parameters
+    assert float(dp[0][-1]) == 3.449  # state MB/worker: and their gradients
     picked = [line for line in lines if line.startswith("picked: ")]
     assert len(picked) == 1 and "option plain" in picked[0]
-    fastest_plain = min(float(r[-3]) for r in rows if "plain" in r)
+    fastest_plain = min(float(r[-4]) for r in rows if "plain" in r)
     assert f"{fastest_plain:.2f} ms/step" in picked[0]
 
 
