@@ -99,15 +99,9 @@ def job(args: argparse.Namespace) -> None:
                   flush=True)
 
 
-def rate_bits(rate: str) -> float:
-    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
-    for unit, scale in units.items():
-        if rate.endswith(unit):
-            return float(rate[: -len(unit)]) * scale
-    raise ValueError(f"a rate like 1gbit or 100mbit, got {rate!r}")
-
-
 def drive(args: argparse.Namespace) -> None:
+    from busbw import rate_bits  # benchmarks/busbw.py: tc's rate spelling in bits per second
+
     from troupe.bench.jobs import run_job
     from troupe.bench.netns import available
 
