@@ -42,7 +42,8 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -n 0 -m "not process" tests/unit $(ARGS)
 
-# The API reference (pdoc) and the guides (docs/*.md) as one static site, links checked.
+# The API reference (pdoc) and the guides (docs/*.md) as one static site; checked that every guide and
+# the API reference are on it and no internal link is broken (the suite does not build it: .ci/run runs this).
 docs: setup
 	$(BIN)/python tools/build_docs.py build/docs
 	$(BIN)/python tools/check_docs.py build/docs --links

@@ -195,13 +195,34 @@ def _playwright_has_chromium() -> bool:
         return Path(pw.chromium.executable_path).is_file()
 
 
+API_MODULES = ("troupe", "troupe/distopt", "troupe/runtime/launch", "troupe/script/data")
+"""API pages the site must have (a sample: pdoc leaves out a module it cannot import)."""
+
+
+def missing_pages(site: Path, guides: Path) -> list[str]:
+    """What the index does not link to or the site lacks: the API reference's root, every guide of
+    `guides` (docs/*.md), the `API_MODULES`, and DistOpt on its page."""
+    index = (site / "index.html").read_text()
+    problems = [] if 'href="api/troupe.html"' in index else ["index.html: no link to api/troupe.html"]
+    for md in sorted(guides.glob("*.md")):
+        if f'href="docs/{md.stem}.html"' not in index or not (site / "docs" / f"{md.stem}.html").is_file():
+            problems.append(f"docs/{md.name}: not on the site, or not linked from index.html")
+    api = site / "api"
+    modules = {p.relative_to(api).with_suffix("").as_posix() for p in api.rglob("*.html")} if api.is_dir() else set()
+    problems += [f"api/{m}.html: missing" for m in API_MODULES if m not in modules]
+    distopt = api / "troupe" / "distopt.html"
+    if distopt.is_file() and "DistOpt" not in distopt.read_text():
+        problems.append("api/troupe/distopt.html: does not document DistOpt")
+    return problems
+
+
 def main(argv: list[str]) -> int:
     args = [a for a in argv if not a.startswith("--")]
     site = Path(args[0]) if args else Path(__file__).resolve().parents[1] / "build" / "docs"
     if not (site / "index.html").is_file():
         print(f"no site at {site}: build it first (make docs)", file=sys.stderr)
         return 2
-    problems = broken_links(site)
+    problems = missing_pages(site, Path(__file__).resolve().parents[1] / "docs") + broken_links(site)
     npages = len(list(site.rglob("*.html")))
     print(f"links: {npages} pages, {len(problems)} broken")
     missing = None if "--links" in argv else _no_browser()
