@@ -17,15 +17,20 @@ class Refusal(ValueError):
     """A combination troupe refuses by design, named with what to do instead: said in one line, not a traceback."""
 
 
+class LostLauncher(ConnectionError):
+    """The launcher that holds the job's store (node 0's `troupe run`) is gone: a rank cannot go on, and its
+    traceback says nothing more than this one line does (its launcher, or the other node's, says the rest)."""
+
+
 class _OneLineRefusals:
-    """sys.excepthook: an uncaught `Refusal` is printed as ``troupe: MESSAGE`` (the interpreter then exits 1);
-    anything else goes to the hook that was there before."""
+    """sys.excepthook: an uncaught `Refusal` or `LostLauncher` is printed as ``troupe: MESSAGE`` (the interpreter
+    then exits 1); anything else goes to the hook that was there before."""
 
     def __init__(self, previous) -> None:
         self.previous = previous
 
     def __call__(self, kind, value, tb) -> None:
-        if isinstance(value, Refusal):
+        if isinstance(value, (Refusal, LostLauncher)):
             import sys
 
             print(f"troupe: {value}", file=sys.stderr, flush=True)

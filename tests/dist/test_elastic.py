@@ -603,6 +603,59 @@ def test_another_node_without_node_0_says_so_in_one_line(tmp_path):
     assert "could not reach the job's rendezvous at 127.0.0.1:" in proc.stderr
 
 
+LONG_JOB = """
+import os, sys, time
+import torch
+import troupe
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.01))
+troupe.track(model=model, optimizer=opt)
+for step in range(100000):
+    opt.zero_grad()
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    if step == 3:
+        open(os.path.join(sys.argv[1], "stepping" + os.environ["RANK"]), "w").close()
+    time.sleep(0.02)
+"""
+
+
+def test_another_node_ends_in_one_line_when_node_0_s_launcher_is_killed(tmp_path):
+    """Node 0's `troupe run` (the job's store and quorum) SIGKILLed mid-run: node 1's launcher stops its ranks
+    and exits 1 within the bound (`StoreWatch`: 15 s of silence), saying so in one line; its ranks say one
+    line each, not a traceback."""
+    from troupe.launcher.elastic import STORE_SILENCE_SECONDS
+    from troupe.runtime.ticket import free_port
+
+    script = tmp_path / "long.py"
+    script.write_text(LONG_JOB)
+    where = ["--nnodes", "2", "--master", f"127.0.0.1:{free_port('127.0.0.1')}", "--token", "n0-dies"]
+    procs = [subprocess.Popen([sys.executable, "-m", "troupe.cli", "run", "-n", "1", *where, "--node-rank", str(node),
+                               "--elastic", str(script), str(tmp_path)], cwd=tmp_path, env=ENV, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for node in (0, 1)]
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "stepping1").exists() and time.monotonic() < deadline and procs[1].poll() is None:
+            time.sleep(0.1)
+        assert (tmp_path / "stepping1").exists(), "node 1's rank never stepped"
+        procs[0].kill()
+        killed = time.monotonic()
+        _, err = procs[1].communicate(timeout=STORE_SILENCE_SECONDS + 45)
+        took = time.monotonic() - killed
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert procs[1].returncode == 1, err
+    assert took < STORE_SILENCE_SECONDS + 20, took
+    assert "troupe run: node 0's launcher (the job's store at 127.0.0.1:" in err and "has not answered for" in err, err
+    assert "Traceback" not in err, err
+    assert "lost the elastic job's store (the launcher)" in err, err
+
+
 def test_min_groups_without_elastic_is_refused(tmp_path):
     cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "2", "--min-groups", "2", str(SCRIPT), str(tmp_path), "ok"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=60)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -58,7 +59,7 @@ class ElasticProcesses:
     """The supervisor's `Processes` under --elastic: ranks started by `start` (a restart in a warm spare
     once `house` says the job has formed, where ranks start afresh), killed by session."""
 
-    def __init__(self, start: Starter, house, spare_count: int, others: OtherNodes | None = None):
+    def __init__(self, start: Starter, house, spare_count: int, others: OtherNodes | StoreWatch | None = None):
         self.starter, self.house, self.spare_count, self.others = start, house, spare_count, others
 
     def start(self, rank: int, incarnation: int) -> subprocess.Popen:
@@ -108,15 +109,70 @@ def supervise_restarting(plan: LaunchPlan, processes: ElasticProcesses, house, p
             start.output.drain()
 
 
-class OtherNodes:
-    """Elastic parameter servers on several nodes: each node's launcher beats through the keeper and
-    learns there when another node stopped the job (a server died there)."""
+STORE_SILENCE_SECONDS = 15.0
+"""Another node's elastic launcher ends the job on its node once node 0's store (in node 0's launcher) has not
+answered for this long: node 0's launcher is gone, and with it the quorum (or the servers' keeper) that every
+step and restart needs. A store on a loaded host still answers within a second or two (it serves from a
+thread of its own); 15 s is the default step timeout plus eviction bound (`ElasticOptions`)."""
 
-    def __init__(self, keeper, node_rank: int, say: Callable[[str], None]):
-        self.keeper, self.node_rank, self.say = keeper, node_rank, say
+PING_SECONDS = 1.0
+"""How often `StoreWatch` asks node 0's store, and how long one try may take."""
+
+
+class StoreWatch:
+    """Another node's launcher: whether node 0's launcher, which hosts the job's store, still answers.
+
+    A daemon thread asks the store a cheap question every `PING_SECONDS` on a connection of its own with a
+    short timeout (the launcher's own connection waits as long as a join may, and the supervisor's loop must
+    not wait at all); `check`, from the supervisor's loop, ends this node's part of the job once the store
+    has been silent for `silence` seconds. Without it another node's ranks, whose votes fail, would restart
+    again and again, each waiting out its join timeout, for as long as the restart budget lasts."""
+
+    def __init__(self, ticket, say: Callable[[str], None], silence: float = STORE_SILENCE_SECONDS):
+        self.ticket, self.say, self.silence = ticket, say, silence
+        self.answered = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._ping, name="troupe-store-watch", daemon=True)
+        self._thread.start()
+
+    def _ping(self) -> None:
+        from troupe.runtime.launch import open_store
+
+        store = None
+        while not self._stop.wait(PING_SECONDS):
+            try:
+                if store is None:
+                    store = open_store(self.ticket, False, PING_SECONDS)
+                store.check(["troupe/digest"])
+                self.answered = time.monotonic()
+            except (RuntimeError, ConnectionError, OSError):
+                store = None  # connect afresh next time: node 0's launcher may be back at the same address
 
     def check(self) -> None:
-        """Raise `EndedElsewhere` once another node stopped the job: this node's ranks stop too."""
+        """Raise `EndedElsewhere` (code 1) once node 0's store has been silent for `silence` seconds."""
+        silent = time.monotonic() - self.answered
+        if silent > self.silence:
+            self.say(f"troupe run: node 0's launcher (the job's store at {self.ticket.addr}:{self.ticket.port}) has "
+                     f"not answered for {silent:.0f} s: the job cannot go on without it; stopping this node's ranks")
+            raise EndedElsewhere(1)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class OtherNodes:
+    """Elastic parameter servers on several nodes: each node's launcher beats through the keeper and
+    learns there when another node stopped the job (a server died there); another node's also watches
+    node 0's store (`StoreWatch`)."""
+
+    def __init__(self, keeper, node_rank: int, say: Callable[[str], None], watch: StoreWatch | None = None):
+        self.keeper, self.node_rank, self.say, self.watch = keeper, node_rank, say, watch
+
+    def check(self) -> None:
+        """Raise `EndedElsewhere` once another node stopped the job, or node 0's launcher is gone: this
+        node's ranks stop too."""
+        if self.watch is not None:
+            self.watch.check()
         self.keeper.beat(self.node_rank)
         code = self.keeper.ended()
         if code is not None:

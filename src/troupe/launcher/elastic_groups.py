@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import sys
 
-from troupe.launcher.elastic import ElasticProcesses, keep_store_until_done, load_torch, supervise_restarting
+from troupe.launcher.elastic import (
+    ElasticProcesses,
+    EndedElsewhere,
+    StoreWatch,
+    keep_store_until_done,
+    load_torch,
+    supervise_restarting,
+)
 from troupe.launcher.plan import LaunchPlan
 from troupe.launcher.policies import QuorumPolicy
 from troupe.launcher.ports import Ports
@@ -28,12 +35,17 @@ def run_elastic_groups(plan: LaunchPlan, output: RankOutput | None, ports: Ports
     # The quorum lives in node 0's launcher; another node's tells it what it sees of its own ranks.
     lighthouse = Lighthouse(ticket, options, say=say).start() if place.node_rank == 0 \
         else Reporter(ticket, settings.current().join_timeout or DEFAULT_JOIN_TIMEOUT)
+    watch = StoreWatch(ticket, say) if place.node_rank != 0 else None
     try:
-        processes = ElasticProcesses(start, lighthouse, plan.elastic.spares)
+        processes = ElasticProcesses(start, lighthouse, plan.elastic.spares, watch)
         code = supervise_restarting(plan, processes, lighthouse, QuorumPolicy(lighthouse, output), say,
                                     group_size=options.group_size)
         if code == 0 and place.nnodes > 1 and place.node_rank == 0:
             keep_store_until_done(lighthouse, options)
         return code
+    except EndedElsewhere as e:  # node 0's launcher is gone (`StoreWatch`)
+        return e.code
     finally:
+        if watch is not None:
+            watch.stop()
         lighthouse.stop()

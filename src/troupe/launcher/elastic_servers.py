@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import sys
 
-from troupe.launcher.elastic import ElasticProcesses, EndedElsewhere, OtherNodes, load_torch, supervise_restarting
+from troupe.launcher.elastic import (
+    ElasticProcesses,
+    EndedElsewhere,
+    OtherNodes,
+    StoreWatch,
+    load_torch,
+    supervise_restarting,
+)
 from troupe.launcher.plan import LaunchPlan
 from troupe.launcher.policies import ServerFailover
 from troupe.launcher.ports import Ports
@@ -37,8 +44,9 @@ def run_elastic_servers(plan: LaunchPlan, output: RankOutput | None, ports: Port
                     timeout=settings.current().join_timeout or DEFAULT_JOIN_TIMEOUT)
     evict_after = plan.elastic.evict_after or settings.current().evict_after
     policy = ServerFailover(keeper, servers, list(plan.place.ranks), evict_after)
+    watch = StoreWatch(ticket, say) if node_rank != 0 else None
     processes = ElasticProcesses(start, keeper, plan.elastic.spares,
-                                 OtherNodes(keeper, node_rank, say) if nodes > 1 else None)
+                                 OtherNodes(keeper, node_rank, say, watch) if nodes > 1 else None)
     left_out = "was evicted by its server while it was frozen" if servers.ranks else \
         "was frozen past --evict-after: the other groups went on without it"
     code = 1
@@ -49,6 +57,8 @@ def run_elastic_servers(plan: LaunchPlan, output: RankOutput | None, ports: Port
         code = e.code
         return code
     finally:
+        if watch is not None:
+            watch.stop()
         if nodes > 1:
             keeper.end(node_rank, code)
             if node_rank == 0:  # the store is the job's: up until every node is done with it

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from troupe.runtime.quorum import REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready, round_key
+from troupe.util import LostLauncher
 
 log = logging.getLogger("troupe.elastic")
 PARTNER_GRACE = 2.0
@@ -262,7 +263,8 @@ class Elastic:
                 self.store.compare_set(key("d"), "", Decision(bad == 0, self._proposal() or q).encode())
             self.decision = Decision.decode(self.store.get(key("d")))
         except RuntimeError as e:
-            raise ConnectionError(f"rank {self.rank}: lost the elastic job's store (the launcher): {e}") from None
+            raise LostLauncher(f"rank {self.rank}: lost the elastic job's store (the launcher): "
+                               f"{str(e).splitlines()[0][:160]}") from None
         self.stepped_with = q.members if self.decision.commit else None
         self._failed_step = not self.decision.commit
         if not ok and self.decision.by == "vote" and error is not None and self.decision.next == q:
