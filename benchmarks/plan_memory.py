@@ -9,7 +9,9 @@ Per model size, one job of 4 processes on loopback (2 worker groups of 2 where k
    it) the planner lists its candidates (`candidates(..., options=("plain", "shard"), memory=budget)`:
    data parallel, each k's best plan, its best within the budget and the hand plans, each plain and
    with the shard modes a sharded DistOpt offers it) and picks the fastest that fits, with the named
-   link's constants (`--link`, default loopback, as ``troupe.partition(model, "auto")`` does). Full
+   link's constants (`--link`, default loopback, as ``troupe.partition(model, "auto")`` does), or with
+   ``--link job`` with this job's costs timed in the step first (`instep.calibrate`, as
+   ``troupe.partition(model, "auto", link="job")`` does). Full
    parameter sharding (troupe.shard) is left out of both lists: it is not a partition plan;
 3. every candidate of every budget (each once) is built and trained, all taking turns step by step in the
    same processes (`troupe.observe.turns.run_ab`: burn-in, then `--reps` repetitions of `--steps` steps,
@@ -103,15 +105,15 @@ def build(cand: dict, size: int, data):
     return Contestant(cand["name"], step), lambda: held[0]
 
 
-def plan_candidates(profile, budgets: list[float], link) -> tuple[list[dict], list[dict]]:
+def plan_candidates(profile, budgets: list[float], setup_args: dict) -> tuple[list[dict], list[dict]]:
     """(every candidate of every budget, each once; the pick of each budget, as an index into the first list)."""
     from troupe.partition.planner import candidates, pick
 
     listed: dict[tuple, dict] = {}
     picks = []
     for budget in budgets:
-        cands = [c for c in candidates(profile, WORKERS, link, options=("plain", "shard"), optimizer_slots=SLOTS,
-                                       memory=budget) if c.option != "shard:parameters"]
+        cands = [c for c in candidates(profile, WORKERS, options=("plain", "shard"), optimizer_slots=SLOTS,
+                                       memory=budget, **setup_args) if c.option != "shard:parameters"]
         for c in cands:
             key = (c.workers_per_group, c.dims, c.option)
             listed.setdefault(key, {"name": f"k={c.workers_per_group} {c.dims_text()} {c.option}", "planner_name": c.name, "k": c.workers_per_group, "plan": c.plan,
@@ -127,7 +129,7 @@ def plan_candidates(profile, budgets: list[float], link) -> tuple[list[dict], li
 def worker(rank: int, world_size: int, size: int, fractions: list[float], args: argparse.Namespace) -> dict | None:
     import troupe
     from troupe.observe.turns import Schedule, run_ab
-    from troupe.partition.planner import Setup, parse_link, profile_model
+    from troupe.partition.planner import Setup, instep, parse_link, profile_model
     from troupe.partition.planner.memory import state_bytes
 
     torch.set_num_threads(1)
@@ -137,10 +139,14 @@ def worker(rank: int, world_size: int, size: int, fractions: list[float], args: 
     data = [(torch.randn(BATCH, 784, generator=g), torch.randint(0, 10, (BATCH,), generator=g)) for _ in range(4)]
     profile = profile_model(MLP(size), data[0][0], [1, 2, 4], reps=5)
     profile = world.comm.all_gather_object(profile)[0]
-    link = parse_link(args.link)
+    link = parse_link("loopback" if args.link == "job" else args.link)
     plain = state_bytes(profile, tuple(0 for _ in profile.layers), Setup(world_size=WORKERS, link=link,
                                                                          optimizer_slots=SLOTS))
-    cands, picks = plan_candidates(profile, [f * plain for f in fractions], link)
+    setup_args: dict = {"link": link}
+    if args.link == "job":  # this job's costs, timed in the step first (as troupe.partition(.., "auto", link="job"))
+        measured = instep.calibrate(world.comm, local_step(size, data), reps=args.reps, steps=args.steps, burnin=2)
+        profile, setup_args = measured.scaled(profile), measured.setup_args()
+    cands, picks = plan_candidates(profile, [f * plain for f in fractions], setup_args)
     made = [build(c, size, data) for c in cands]
     measured = run_ab([c for c, _ in made], Schedule(reps=args.reps, steps=args.steps, burnin=2, align=True),
                       world.comm)
@@ -154,8 +160,23 @@ def worker(rank: int, world_size: int, size: int, fractions: list[float], args: 
         c["step_s"] = statistics.median(m.value for m in measured if m.contestant == i and m.metric == "step_time")
         c["held"] = float(held[i])
     params = sum(p.numel() for p in MLP(size).parameters())
-    return {"size": size, "params": params, "plain_state": plain, "candidates": cands, "picks": picks,
+    return {"size": size, "link": args.link, "params": params, "plain_state": plain, "candidates": cands, "picks": picks,
             "peak_mib": float(hwm)}
+
+
+def local_step(size: int, data):
+    """The model's step without communication (what `instep` calibrates the profile's compute by)."""
+    torch.manual_seed(0)
+    model = MLP(size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(i: int) -> None:
+        x, y = data[i % len(data)]
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return step
 
 
 def vm_hwm_mib() -> float:
@@ -189,7 +210,7 @@ def main() -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[256, 768, 1536], help="the MLP's width d")
     p.add_argument("--budgets", type=float, nargs="+", default=[0.7, 0.45, 0.3],
                    help="memory budgets, as fractions of plain data parallelism's model state per worker")
-    p.add_argument("--link", default="loopback")
+    p.add_argument("--link", default="loopback", help="the planner's link: a troupe plan --link spelling, or 'job'")
     p.add_argument("--reps", type=int, default=11)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", default=None, help="append the results (JSON lines) here")
