@@ -369,8 +369,9 @@ def plan_cost(profile: ModelProfile, dims: Sequence[int], setup: Setup) -> Cost:
 def shard_cost(profile: ModelProfile, setup: Setup, shard: str, dims: Sequence[int] | None = None) -> Cost:
     """A step of plan `dims` (None: data parallel) with `shard`: the plan's step (a reduce-scatter and an
     all-gather send what the all-reduce did, and the reduce-scatter overlaps backward as the all-reduce
-    did), plus the all-gather of the updated parameters, exposed after the update: the replicated and
-    dim-0 ones over W (in buckets), a partitioned plan's slices over their G holders (one message);
+    did), plus the all-gather of the updated parameters, exposed after the update, on the all-gather's
+    link (`Setup.exchange`): the replicated and dim-0 ones over W (in buckets), a partitioned plan's
+    slices over their G holders (one message);
     "parameters" (data parallel only) also gathers every block for forward ((W-1)/W of the parameters
     more on the wire, 3(W-1)/W in all)."""
     dims = tuple(0 for _ in profile.layers) if dims is None else tuple(dims)
@@ -380,12 +381,13 @@ def shard_cost(profile: ModelProfile, setup: Setup, shard: str, dims: Sequence[i
     check_shard(shard, dims)
     n, s = setup.world_size, profile.bytes_per_element
     step = plan_cost(profile, dims, setup)
+    gather = setup.exchange("all_gather")  # an all-gather's own cost where the job's were measured (`instep`)
     everyone = dim0_held(profile, dims)
     gathered = (n - 1) / n * everyone * s
-    extra = Cost(reduce=setup.link.seconds(gathered, _buckets(everyone, setup))) if everyone else ZERO
+    extra = Cost(reduce=gather.seconds(gathered, _buckets(everyone, setup))) if everyone else ZERO
     sliced = sliced_held(profile, dims, setup.workers_per_group)
     if sliced and setup.groups > 1:
-        extra = extra + Cost(reduce=setup.link.seconds((setup.groups - 1) / setup.groups * sliced * s))
+        extra = extra + Cost(reduce=gather.seconds((setup.groups - 1) / setup.groups * sliced * s))
     if shard == "parameters":
         extra = extra + Cost(reduce=setup.link.seconds(gathered, len(profile.layers) or 1), bytes=gathered)
     return step + extra
