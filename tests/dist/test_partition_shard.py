@@ -4,8 +4,9 @@ ranks in 2 worker groups of 2, against one process training the whole model on t
 One world runs every case (shard mode x optimizer): a model with a replicated layer norm, dim-0 layers, a
 dim-1 layer split over the group and a dim -1 layer on worker 0, with accumulation under no_sync and
 `troupe.clip_grad_norm_`; each rank reports the model it ends with (`full_state_dict`) and what it holds
-(parameters, gradients, optimizer state), which is checked against the planner's `state_bytes`. The same
-world checks the refusals: troupe.shard on a partitioned model, a checkpoint of its sharded state.
+(parameters, gradients, optimizer state), which is checked against the planner's `state_bytes`; one more
+case shards the replicated parameters inside each group only (HSDP, ``groups=2``). The same world checks
+the refusals: troupe.shard on a partitioned model, a checkpoint of its sharded state.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ W, K = 4, 2  # 2 worker groups of 2
 STEPS, MICRO, BATCH = 4, 2, 3
 PLAN = {"fc0": 0, "fc1": 1, "fc2": -1, "fc3": 0}
 CASES = [(mode, opt) for mode in ("optimizer", "gradients") for opt in ("sgd", "adamw")]
+HSDP = ("optimizer", "adamw", 2)
+"""The replicated parameters sharded inside each of 2 worker groups and replicated across them (``groups=2``)."""
 
 
 class Net(nn.Module):
@@ -56,13 +59,13 @@ def rows(step: int, micro: int, rank: int) -> slice:
     return slice(start, start + BATCH)
 
 
-def train_case(rank: int, mode: str, opt_name: str) -> dict:
+def train_case(rank: int, mode: str, opt_name: str, groups: int | None = None) -> dict:
     import troupe
 
     torch.manual_seed(0)
     model = troupe.partition(Net(), PLAN, workers_per_group=K)
     model, opt = make(opt_name, model)
-    sgd = troupe.DistOpt(opt, shard=mode, bucket_size=100, first_bucket_size=50)
+    sgd = troupe.DistOpt(opt, shard=mode, bucket_size=100, first_bucket_size=50, groups=groups)
     x, y = batches()
     norms = []
     for step in range(STEPS):
@@ -112,7 +115,7 @@ def refusals(rank: int) -> list[str]:
 
 def world(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
-    out = {case: train_case(rank, *case) for case in CASES}
+    out = {case: train_case(rank, *case) for case in [*CASES, HSDP]}
     out["refusals"] = refusals(rank)
     return out
 
@@ -136,7 +139,7 @@ def ranks():
     return run_world(world, W, timeout=120)
 
 
-@pytest.mark.parametrize("case", CASES, ids="-".join)
+@pytest.mark.parametrize("case", [*CASES, HSDP], ids=lambda case: "-".join(map(str, case)))
 def test_equals_one_process_on_the_combined_batch(ranks, case):
     ref, ref_norms = reference(case[1])
     for r, res in enumerate(ranks):
