@@ -75,13 +75,13 @@ def _auto(rank: int, world_size: int, link: str) -> tuple[dict[str, int], list[s
     own = batch[rank * B_OWN : (rank + 1) * B_OWN]
     wrong = torch.randn(B_OWN, 3, 16, 16)
     if link == "job":  # rank 1's step fails while rank 0's would not
-        bad = [("job", wrong if rank == 1 else own)]
-    else:  # no sample (every rank); rank 0 cannot profile
-        bad = [("loopback", None), ("loopback", wrong)]
+        bad = [("job", wrong if rank == 1 else own, None)]
+    else:  # no sample (every rank); rank 0 cannot profile; a memory budget no plan fits
+        bad = [("loopback", None, None), ("loopback", wrong, None), ("loopback", own, 1000)]
     errors: list[str | None] = []
-    for bad_link, sample in bad:
+    for bad_link, sample, memory in bad:
         try:
-            troupe.partition(CNN(), "auto", workers_per_group=2, sample=sample, link=bad_link)
+            troupe.partition(CNN(), "auto", workers_per_group=2, sample=sample, link=bad_link, memory_per_rank=memory)
             errors.append(None)
         except ValueError as e:
             errors.append(str(e))
@@ -101,6 +101,8 @@ def test_partition_auto_gives_every_rank_rank0s_plan():
     assert errors0 == errors1
     assert errors0[0].startswith("plan 'auto' needs sample=")
     assert errors0[1].startswith("plan 'auto' failed on rank 0: ValueError: profiling CNN's forward")
+    assert errors0[2].startswith("plan 'auto' failed on rank 0: ValueError: no partition plan for workers_per_group 2 "
+                                 "fits 0.0 MiB of model state per worker: the smallest needs ")
 
 
 def _calibrate(rank: int, world_size: int):

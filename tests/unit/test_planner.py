@@ -141,7 +141,8 @@ def test_memory_per_worker():
 
 def test_model_state_per_worker_and_the_shard_modes_by_hand():
     """P = 3160 parameters of 4 bytes, W = 4, Adam's 2 slots: parameters + gradients + state per worker."""
-    from troupe.partition.planner.cost import shard_cost, state_bytes
+    from troupe.partition.planner.memory import state_bytes
+    from troupe.partition.planner.cost import shard_cost
 
     profile, dp = chain(), setup(1, optimizer_slots=2)
     assert state_bytes(profile, (0, 0, 0), dp) == 3160 * 4 * (2 + 2)                    # 16 bytes a parameter
@@ -152,8 +153,8 @@ def test_model_state_per_worker_and_the_shard_modes_by_hand():
     assert param_bytes(profile, (0, 0, 0), dp, "optimizer") == 3160 * 4 * (1 + 2 / 4)  # the state column less
     assert param_bytes(profile, (0, 0, 0), dp, "gradients") == 3160 * 4 * (1 + 2 / 4)  # the gradients held
     assert param_bytes(profile, (0, 0, 0), dp, "parameters") == 3160 * 4 * 3 / 4 + 3000 * 4
-    with pytest.raises(ValueError, match="data-parallel plans only"):
-        state_bytes(profile, (0, 1, 0), setup(optimizer_slots=2), "optimizer")
+    with pytest.raises(ValueError, match=r"shard 'parameters' \(troupe.shard\) cannot shard a partitioned model"):
+        state_bytes(profile, (0, 1, 0), setup(optimizer_slots=2), "parameters")  # partition + shard: test_planner_memory
     plain = plan_cost(profile, (0, 0, 0), dp)
     gather = ALPHA + 0.75 * 3160 * 4 * BETA  # (W-1)/W of the parameters, one bucket, after the update
     assert shard_cost(profile, dp, "optimizer").seconds == pytest.approx(plain.seconds + gather)
@@ -175,7 +176,7 @@ def test_a_memory_budget_picks_the_fastest_plan_that_fits_or_names_the_smallest_
     assert chosen.seconds == min(c.seconds for c in cands if c.regime in ("plain", "shard")
                                  and c.state_bytes <= budget)
     with pytest.raises(ValueError, match=r"no plan fits 0.0 MiB of model state per worker: the smallest needs 0.0 MiB "
-                                         r"\(data parallel, shard gradients, option shard:gradients\)"):
+                                         r"\(all dim 1, shard gradients, option shard:gradients\)"):
         pick(cands, memory=1000)
 
 

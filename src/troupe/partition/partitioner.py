@@ -41,6 +41,8 @@ def partition(
     default: int | None = None,
     sample: Tensor | None = None,
     link: str | Link = "loopback",
+    memory_per_rank: float | str | None = None,
+    optimizer_slots: int = 0,
 ) -> nn.Module:
     """Partition `model`'s nn.Linear / nn.Conv2d layers inside worker groups (SINGA 0.x), in place.
 
@@ -71,7 +73,12 @@ def partition(
         sample, link: for plan "auto": rank 0 profiles the model on `sample` (one batch of this
             worker's input) and the planner picks every layer's dim for this k on `link` (a
             planner Link or spelling; default the "loopback" constants); every rank gets rank 0's plan.
+        memory_per_rank, optimizer_slots: for plan "auto": the bytes of model state a worker may hold
+            (a number, or "2GiB"), counting parameters, gradients and `optimizer_slots` optimizer states
+            (1 for SGD with momentum, 2 for Adam): the fastest plan that fits, or one ValueError naming the
+            smallest need (docs/planner.md).
     """
+    budget = _check_budget(plan, memory_per_rank, optimizer_slots)
     cluster = cluster_config.from_env() if comm is None else None
     if cluster is not None:
         plan = cluster.partition_dim if plan is None else plan
@@ -82,7 +89,7 @@ def partition(
                              f"({cluster.nworkers_per_group}): under a cluster a worker group computes one replica")
         workers_per_group = cluster.nworkers_per_group
         if cluster.elastic:  # elastic DiLoCo: its worker groups are the elastic groups
-            return _partition_elastic(model, plan, workers_per_group, default, sample, link)
+            return _partition_elastic(model, plan, workers_per_group, default, sample, link, budget, optimizer_slots)
         resolve_plan(model, plan if plan != "auto" else 0, workers_per_group, default=default)  # before joining
         from troupe.cluster import bootstrap  # the cluster's worker groups (its heavier modules load here only)
 
@@ -95,13 +102,14 @@ def partition(
             return model
         job = _job_comm(comm)
         if comm is None and world.init().membership.elastic:
-            return _partition_elastic(model, plan, workers_per_group, default, sample, link)
+            return _partition_elastic(model, plan, workers_per_group, default, sample, link, budget, optimizer_slots)
         if workers_per_group is None:
             raise ValueError("partition needs workers_per_group (the workers computing one replica)")
     if isinstance(plan, str) and plan == "auto":
         from troupe.partition.planner.auto import auto_plan  # only "auto" needs the planner and its profiling
 
-        plan = auto_plan(model, workers_per_group, job, sample=sample, link=link)
+        plan = auto_plan(model, workers_per_group, job, sample=sample, link=link, memory=budget,
+                         optimizer_slots=optimizer_slots)
     dims = resolve_plan(model, plan, workers_per_group, default=default)
     ngroups = check_world(job.world_size, workers_per_group)
     moved = [name for name, dim in dims.items() if dim != 0]
@@ -116,8 +124,18 @@ def partition(
     return _slice(model, dims, group)
 
 
+def _check_budget(plan: Plan | None, memory_per_rank: float | str | None, optimizer_slots: int) -> float | None:
+    """The budget of plan "auto" in bytes (None: none), checked on every rank before any collective."""
+    if memory_per_rank is None and optimizer_slots == 0:
+        return None  # the planner (and its imports) only for plan "auto"
+    from troupe.partition.planner.auto import check_budget
+
+    return check_budget(plan, memory_per_rank, optimizer_slots)
+
+
 def _partition_elastic(model: nn.Module, plan: Plan, workers_per_group: int | None, default: int | None,
-                       sample: Tensor | None = None, link: str | Link = "loopback") -> nn.Module:
+                       sample: Tensor | None = None, link: str | Link = "loopback", budget: float | None = None,
+                       optimizer_slots: int = 0) -> nn.Module:
     """Under `troupe run --elastic`: the worker group computing one replica is the elastic group
     (`--nworker-groups`), whose communicator is made anew for every quorum. Nothing is broadcast:
     the process stands by alone until `troupe.track`, whose heal gives every group the source
@@ -130,7 +148,7 @@ def _partition_elastic(model: nn.Module, plan: Plan, workers_per_group: int | No
                       f"processes: under --elastic a worker group computes one replica (troupe run --elastic "
                       f"--nworker-groups G for groups of {workers_per_group}, or workers_per_group={k})")
     if isinstance(plan, str) and plan == "auto":
-        plan = _shared_auto_plan(w, model, k, sample, link)
+        plan = _shared_auto_plan(w, model, k, sample, link, budget, optimizer_slots)
     dims = resolve_plan(model, plan, k, default=default)
     _check_untied(model, [name for name, dim in dims.items() if dim != 0])
     comm = None
@@ -144,7 +162,8 @@ AUTO_PLAN_KEY = "partition/auto-plan"
 """Where an elastic job keeps its plan "auto" in the launcher's store, for every process and every restart."""
 
 
-def _shared_auto_plan(w: world.World, model: nn.Module, k: int, sample: Tensor | None, link: str | Link) -> Plan:
+def _shared_auto_plan(w: world.World, model: nn.Module, k: int, sample: Tensor | None, link: str | Link,
+                      budget: float | None = None, optimizer_slots: int = 0) -> Plan:
     """Plan "auto" under --elastic: every process stands by alone when it partitions, so rank 0 plans for the
     whole job in its own process and posts the plan in the launcher's store; every other process waits for
     it there, and a process started again later takes the same plan (the groups must compute one replica).
@@ -168,7 +187,8 @@ def _shared_auto_plan(w: world.World, model: nn.Module, k: int, sample: Tensor |
 
         try:
             with membership.first_lives(AUTO_PLAN_KEY, w.world_size):
-                timed = auto_plan(model, k, Communicator(), sample=sample, link="job")
+                timed = auto_plan(model, k, Communicator(), sample=sample, link="job", memory=budget,
+                                  optimizer_slots=optimizer_slots)
             store.compare_set(AUTO_PLAN_KEY, "", json.dumps(["ok", timed]))
         except RuntimeError as e:
             if w.rank == 0:
@@ -176,7 +196,7 @@ def _shared_auto_plan(w: world.World, model: nn.Module, k: int, sample: Tensor |
                               f"({str(e).splitlines()[0][:160]}); planned with the loopback link's constants")
     if not store.check([AUTO_PLAN_KEY]) and w.rank == 0:
         named = parse_link("loopback") if in_job else link if isinstance(link, LinkType) else parse_link(link)
-        status, value = plan_here(model, k, w.world_size, sample, named)
+        status, value = plan_here(model, k, w.world_size, sample, named, None, budget, optimizer_slots)
         store.compare_set(AUTO_PLAN_KEY, "", json.dumps([status, value]))
     return plan_of(json.loads(store.get(AUTO_PLAN_KEY)))  # waits for the plan
 

@@ -20,7 +20,7 @@ from torch import nn
 from troupe.cluster.configuration.sources import from_env as cluster_from_env
 from troupe.runtime import world as world_mod
 from troupe.strategies.fsdp import CLAIMED_BY, SHARDED_BY, Sharding, check_cluster
-from troupe.util import Refusal
+from troupe.util import HOLDERS, Refusal
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -75,6 +75,10 @@ def shard(model: nn.Module, *, blocks: Blocks | None = None, mixed_precision: st
     if world.membership.elastic:
         raise Refusal("troupe.shard cannot run under troupe run --elastic yet: elastic worker groups heal by "
                       "copying whole models; leave --elastic out, or leave the model unsharded")
+    if any(len(getattr(p, HOLDERS, range(world.world_size))) < world.world_size for p in model.parameters()):
+        raise Refusal("troupe.shard cannot shard a model partitioned by troupe.partition (its slices differ from "
+                      "rank to rank): shard its optimizer state instead, DistOpt(opt, shard='optimizer' or "
+                      "'gradients'), which cuts each slice over the ranks that hold it")
     groups = _groups(world, groups)
     _same_start(world, model)
     mesh = _mesh(world, groups)

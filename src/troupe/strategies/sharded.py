@@ -47,7 +47,7 @@ from troupe.strategies.registry import Capabilities, Regime, Setup, lookup, regi
 from troupe.sync.bucket import Bucket
 from troupe.sync.hooks.shard import ShardReduce
 from troupe.sync.reducer import GradReducer
-from troupe.util import SHARD_COPIES, SHARD_OF
+from troupe.util import SHARD_COPIES, SHARD_OF, Refusal
 
 SHARD_MODES = ("optimizer", "gradients")
 """``DistOpt(shard=...)``: what is cut over the ranks besides the optimizer's work."""
@@ -156,13 +156,17 @@ class ShardedStep(BaseStrategy):
         """Each rank checks its own chunks; one small all-reduce gives every rank the verdict. Where any
         rank's chunk is not finite, every rank's first part with a gradient is made NaN, so that a check
         of the parts on one rank (torch's GradScaler) skips the step on every rank alike."""
-        bad = torch.tensor([0.0 if all_finite([g for g in self.grads if g.numel()]) else 1.0])
+        bad = torch.tensor([0.0 if all_finite(self._own_chunks()) else 1.0])
         self.comm.all_reduce(bad, "sum")
         self._finite = bool(bad.item() == 0)
         if not self._finite:
             first = next((part for part in self.part_of.values() if part.grad is not None), None)
             if first is not None and first.numel():
                 first.grad.view(-1)[0] = float("nan")
+
+    def _own_chunks(self) -> list[Tensor]:
+        """This rank's chunks of the mean gradients."""
+        return [g for g in self.grads if g.numel()]
 
     # --- UpdateStrategy -----------------------------------------------------------------------
 
@@ -238,11 +242,20 @@ class ShardedChoice:
         if setup.optimizer.state:
             raise ValueError(f"shard={regime.name!r}: the optimizer already has state; make the DistOpt before "
                              "the first step (load a checkpoint into the DistOpt afterwards)")
-        self.reducer = GradReducer(self.model_params, comm, setup.bucket_size, setup.first_bucket_size,
+        everyone, partitioned = split_by_holders(self.model_params, comm.world_size)
+        self.partitioned = bool(partitioned)
+        """A model partitioned by troupe.partition: its slices are cut over their holders (`sharded_slices`)."""
+        self.reducer = GradReducer(everyone, comm, setup.bucket_size, setup.first_bucket_size,
                                    hook_for_step=lambda: self.current.reduce_hook(),
                                    describe_step=lambda: self.current.describe(), pad_to=group.world_size)
-        self.current = ShardedStep(mode=regime.name, comm=comm, reducer=self.reducer, optimizer=setup.optimizer,
-                                   group=group, across=across, ring=ring)
+        kwargs = dict(mode=regime.name, comm=comm, reducer=self.reducer, optimizer=setup.optimizer, group=group,
+                      across=across, ring=ring)
+        if partitioned:
+            from troupe.strategies.sharded_slices import PartitionedShardedStep, SliceShards  # (it imports this)
+
+            self.current = PartitionedShardedStep(slices=SliceShards(comm, partitioned, regime.name), **kwargs)
+        else:
+            self.current = ShardedStep(**kwargs)
 
     def select(self, option: str, **args: Any) -> ShardedStep:
         self.regime.accept(lookup(option))
@@ -275,6 +288,9 @@ class ShardedChoice:
         return self.current.per_rank_state()
 
     def optimizer_parts(self) -> ElementParts:
+        if self.partitioned:
+            raise Refusal("troupe.checkpoint cannot save a partitioned model's sharded optimizer state yet (its parts "
+                          "are cut from each rank's own slices): checkpoint with shard=None, or without partition")
         return self.current.parts
 
     def state_dict(self) -> dict[str, Any]:
@@ -288,17 +304,13 @@ class Shard(Regime):
     """Sharded data parallelism: a DistOpt whose optimizer state (and gradients) are cut over the ranks."""
 
     kind = "shard"
-    supports = Capabilities(per_call=False, join=False, add_param_group=False, partition=False)
+    supports = Capabilities(per_call=False, join=False, add_param_group=False)
 
     @classmethod
     def choose(cls, setup: Setup) -> ShardedChoice | OptionSwitch:
         world = setup.world
         if world.membership.elastic:
             raise refuse("elastic", cls.where)
-        _, partitioned = split_by_holders(params_of(setup.optimizer), world.comm.world_size)
-        if partitioned:
-            raise ValueError(f"shard={cls.name!r} cannot shard a model partitioned by troupe.partition: use "
-                             "shard=None with the partitioned model")
         groups = world.sync_groups(setup.groups, "DistOpt")
         if world.comm.world_size == groups:  # each rank holds everything: nothing to cut
             return OptionSwitch(setup, "plain")

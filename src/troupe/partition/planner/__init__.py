@@ -3,9 +3,11 @@
     profile.py  what each layer costs on this machine (measured once, or built by hand)
     link.py     the link's alpha (seconds per message) and beta (seconds per byte)
     instep.py   the link as a step in this job sees it (sync, reductions, exchanges), measured
-    cost.py     predicted step time, bytes per step and parameter memory of a plan (and of DiLoCo)
-    search.py   the exact dynamic programme over the layer chain, the candidate list (plans, options,
-                powerSGD ranks, DiLoCo's H), each marked against synchronous SGD, the pick
+    cost.py     predicted step time and bytes per step of a plan (and of DiLoCo, and of the shard modes)
+    memory.py   model-state bytes per worker of a plan, unsharded or with a shard mode
+    search.py   the exact dynamic programme over the layer chain (also within a memory budget), the
+                candidate list (plans, options, powerSGD ranks, DiLoCo's H, the shard modes), each
+                marked against synchronous SGD, the pick
     auto.py     ``troupe.partition(model, "auto", ...)``: rank 0 plans, every rank gets the plan
     command.py  ``troupe plan SCRIPT.py -n W --link 1gbit``
 
@@ -34,7 +36,9 @@ from troupe.partition.planner.cost import (
 )
 from troupe.partition.planner.link import Link, link_from_text, measure_link, parse_link
 from troupe.partition.planner.profile import LayerProfile, ModelProfile, profile_model, proportional_times
-from troupe.partition.planner.search import Candidate, best_chain, best_dims, candidates, pick, plan_for
+from troupe.partition.planner.memory import state_bytes
+from troupe.partition.planner.search import (Candidate, best_chain, best_dims, best_dims_within, candidates, pick,
+                                             plan_for)
 
 __all__ = [
     "OPTIONS",
@@ -48,6 +52,7 @@ __all__ = [
     "auto_plan",
     "best_chain",
     "best_dims",
+    "best_dims_within",
     "calibrate",
     "candidates",
     "diloco_cost",
@@ -61,5 +66,6 @@ __all__ = [
     "plan_for",
     "profile_model",
     "proportional_times",
+    "state_bytes",
     "transition_cost",
 ]

@@ -36,6 +36,8 @@ def auto_plan(
     *,
     sample: Tensor | None,
     link: str | Link = "loopback",
+    memory: float | None = None,
+    optimizer_slots: int = 0,
 ) -> dict[str, int]:
     """{layer name: partition_dim} for `model`, the same on every rank (a collective).
 
@@ -45,6 +47,9 @@ def auto_plan(
             "loopback" constants suit one machine: pass the real link for several. "job":
             measure this job's costs in the step (`instep`); every rank runs the model's
             forward and backward on its `sample` (a copy of the model; the model is untouched).
+        memory: bytes of model state (parameters, gradients, `optimizer_slots` optimizer states) each
+            worker may hold: the fastest plan that fits (`search.best_dims_within`), or an error naming
+            the smallest need on every rank.
     """
     check_sample(sample)
     in_job = isinstance(link, str) and link.strip().lower() == "job"
@@ -53,10 +58,32 @@ def auto_plan(
     measured = _calibrate(model, sample, job) if in_job else None
     result: tuple[str, object] | None = None
     if job.rank == 0:
-        result = plan_here(model, workers_per_group, job.world_size, sample, link, measured)
+        result = plan_here(model, workers_per_group, job.world_size, sample, link, measured, memory, optimizer_slots)
     if job.world_size > 1:
         result = job.all_gather_object(result)[0]
     return plan_of(result)
+
+
+def check_budget(plan: object, memory_per_rank: float | str | None, optimizer_slots: int) -> float | None:
+    """`memory_per_rank` in bytes (a number, or a size such as "2GiB"), checked before any collective;
+    only plan "auto" takes a budget."""
+    from troupe.util import check_int
+
+    check_int("optimizer_slots", optimizer_slots, minimum=0)
+    if memory_per_rank is None:
+        return None
+    if not (isinstance(plan, str) and plan == "auto"):
+        raise ValueError(f"memory_per_rank is for plan 'auto' (the planner picks the fastest plan that fits), "
+                         f"got plan {plan!r}")
+    if isinstance(memory_per_rank, str):
+        from troupe.partition.planner.command import parse_bytes
+
+        return parse_bytes(memory_per_rank, "memory_per_rank")
+    if isinstance(memory_per_rank, bool) or not isinstance(memory_per_rank, (int, float)) or \
+            not 0 < memory_per_rank < float("inf"):
+        raise ValueError(f"memory_per_rank must be a positive number of bytes or a size such as '2GiB', "
+                         f"got {memory_per_rank!r}")
+    return float(memory_per_rank)
 
 
 def check_sample(sample: object) -> None:
@@ -76,7 +103,8 @@ def plan_of(result: tuple[str, object]) -> dict[str, int]:
 
 
 def plan_here(model: nn.Module, workers_per_group: int, world_size: int, sample: Tensor, link: Link,
-              measured: InStep | None = None) -> tuple[str, object]:
+              measured: InStep | None = None, memory: float | None = None,
+              optimizer_slots: int = 0) -> tuple[str, object]:
     """("ok", {layer name: dim}) planned in this process for a job of `world_size`, or ("error", why): the
     caller hands either to the other processes (which would otherwise wait for a plan that never comes)."""
     try:
@@ -84,10 +112,11 @@ def plan_here(model: nn.Module, workers_per_group: int, world_size: int, sample:
         if measured is not None:
             profile = measured.scaled(profile)
             setup = measured.apply(Setup(world_size=world_size, workers_per_group=workers_per_group,
-                                         link=measured.reduce))
+                                         link=measured.reduce, optimizer_slots=optimizer_slots))
         else:
-            setup = Setup(world_size=world_size, workers_per_group=workers_per_group, link=link)
-        return ("ok", plan_for(profile, setup))
+            setup = Setup(world_size=world_size, workers_per_group=workers_per_group, link=link,
+                          optimizer_slots=optimizer_slots)
+        return ("ok", plan_for(profile, setup, memory))
     except Exception as e:  # noqa: BLE001  (raised on every process by the caller)
         return ("error", f"{type(e).__name__}: {e}")
 

@@ -76,7 +76,7 @@ def _plan(args: argparse.Namespace) -> int:
                        sync_freqs=sync_freqs, pseudo_grad_dtype=args.pseudo_grad_dtype,
                        fragments=positive(args.fragments, "--fragments"), delay=args.delay, spars=args.spars,
                        overlap=args.overlap,
-                       optimizer_slots=args.optimizer_slots)
+                       optimizer_slots=args.optimizer_slots, memory=budget)
     chosen = pick(cands, PICK_FROM[args.pick_from], budget)
     if args.json:
         print_json(profile, world, link, cands, chosen, budget)
@@ -212,6 +212,9 @@ def describe_pick(c: Candidate) -> str:
     if c.worker_groups is not None:  # DiLoCo: a cluster framework, set on `troupe run`
         how = (f"--framework diloco --nworker-groups {c.worker_groups} --sync-freq {c.option.split(':')[1]}"
                f"{c.run_flags}")
+    elif c.regime == SHARD and any(c.dims):  # a partition plan with a sharded DistOpt
+        dims = " ".join(f"{name}:{d}" for name, d in c.plan.items())
+        how = f"workers_per_group={c.workers_per_group}, dims {dims}, troupe run{c.run_flags}"
     elif c.regime == SHARD:
         how = f"troupe run{c.run_flags}"
     else:

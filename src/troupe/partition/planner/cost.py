@@ -51,6 +51,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from troupe.partition.planner.link import Link
+from troupe.partition.planner.memory import (  # noqa: F401  (param_bytes, state_bytes: the cost model's memory terms)
+    SHARD_MODES,
+    check_dims,
+    check_shard,
+    dim0_held,
+    param_bytes,
+    sliced_held,
+    state_bytes,
+)
 from troupe.partition.planner.profile import LayerProfile, ModelProfile
 from troupe.sync.bucket import DEFAULT_BUCKET_SIZE
 from troupe.util import check_int
@@ -341,14 +350,9 @@ def dim0_params(profile: ModelProfile, dims: Sequence[int]) -> int:
     return profile.replicated_params + sum(layer.params for layer, d in zip(profile.layers, dims) if d == 0)
 
 
-def _check_dims(profile: ModelProfile, dims: Sequence[int]) -> None:
-    if len(dims) != len(profile.layers):
-        raise ValueError(f"a plan needs one dim per layer ({len(profile.layers)}: {profile.names}), got {list(dims)}")
-
-
 def plan_cost(profile: ModelProfile, dims: Sequence[int], setup: Setup) -> Cost:
     """Predicted cost per step of the whole plan (`dims` in `profile.layers` order)."""
-    _check_dims(profile, dims)
+    check_dims(profile, dims)
     s = profile.bytes_per_element
     total = replicated_cost(profile, setup) + partial_update(dim0_params(profile, dims), setup, s)
     if setup.world_size > 1:
@@ -362,68 +366,28 @@ def plan_cost(profile: ModelProfile, dims: Sequence[int], setup: Setup) -> Cost:
     return total
 
 
-def param_bytes(profile: ModelProfile, dims: Sequence[int], setup: Setup, shard: str | None = None) -> float:
-    """Parameter (and optimizer-state) bytes on the worker holding the most: worker 0 of a group
-    holds P of a dim-0 or dim -1 layer and P/k of a dim-1 layer. With `shard`: `state_bytes` without
-    the gradients."""
-    if shard is not None:
-        total = profile.replicated_params + sum(layer.params for layer in profile.layers)
-        e, n = profile.bytes_per_element, setup.world_size
-        grads = total * e / n if shard != "optimizer" else total * e
-        if shard == "parameters":
-            grads += max([layer.params for layer in profile.layers] + [profile.replicated_params]) * e
-        return state_bytes(profile, dims, setup, shard) - grads
-    _check_dims(profile, dims)
-    k = setup.workers_per_group
-    held = profile.replicated_params + sum(layer.params / k if d == 1 else layer.params
-                                           for layer, d in zip(profile.layers, dims))
-    return held * profile.bytes_per_element * (1 + setup.optimizer_slots)
-
-
-SHARD_MODES = ("optimizer", "gradients", "parameters")
-"""What `state_bytes` prices besides an unsharded plan: ZeRO-1, ZeRO-2 (``--shard``) and full sharding
-(``troupe.shard``), over all W ranks of a data-parallel plan."""
-
-
-def state_bytes(profile: ModelProfile, dims: Sequence[int], setup: Setup, shard: str | None = None) -> float:
-    """Model-state bytes on the worker holding the most: parameters, gradients and `optimizer_slots`
-    optimizer states of what it holds (`param_bytes`' elements). With `shard` (data parallel only) the
-    ideal split over the W ranks, as measured in docs/sharding.md: "optimizer" keeps the parameters and
-    gradients whole and 1/W of the state; "gradients" the parameters whole; "parameters" 1/W of
-    everything plus the largest layer gathered whole with its gradient."""
-    _check_dims(profile, dims)
-    e, slots, n = profile.bytes_per_element, setup.optimizer_slots, setup.world_size
+def shard_cost(profile: ModelProfile, setup: Setup, shard: str, dims: Sequence[int] | None = None) -> Cost:
+    """A step of plan `dims` (None: data parallel) with `shard`: the plan's step (a reduce-scatter and an
+    all-gather send what the all-reduce did, and the reduce-scatter overlaps backward as the all-reduce
+    did), plus the all-gather of the updated parameters, exposed after the update, on the all-gather's
+    link (`Setup.exchange`): the replicated and dim-0 ones over W (in buckets), a partitioned plan's
+    slices over their G holders (one message);
+    "parameters" (data parallel only) also gathers every block for forward ((W-1)/W of the parameters
+    more on the wire, 3(W-1)/W in all)."""
+    dims = tuple(0 for _ in profile.layers) if dims is None else tuple(dims)
+    check_dims(profile, dims)
     if shard is None:
-        k = setup.workers_per_group
-        held = profile.replicated_params + sum(layer.params / k if d == 1 else layer.params
-                                               for layer, d in zip(profile.layers, dims))
-        return held * e * (2 + slots)
-    if shard not in SHARD_MODES:
-        raise ValueError(f"shard must be one of {SHARD_MODES}, got {shard!r}")
-    if any(dims):
-        raise ValueError("the shard modes are priced for data-parallel plans only (every dim 0)")
-    total = profile.replicated_params + sum(layer.params for layer in profile.layers)
-    if shard == "optimizer":
-        return total * e * (2 + slots / n)
-    if shard == "gradients":
-        return total * e * (1 + (1 + slots) / n)
-    largest = max([layer.params for layer in profile.layers] + [profile.replicated_params])
-    return total * e * (2 + slots) / n + 2 * largest * e
-
-
-def shard_cost(profile: ModelProfile, setup: Setup, shard: str) -> Cost:
-    """A data-parallel step with `shard`: plain's step (a reduce-scatter and an all-gather send what the
-    all-reduce did, and the reduce-scatter overlaps backward as the all-reduce did), plus the
-    all-gather of the updated parameters, exposed after the update; "parameters" also gathers every
-    block for forward ((W-1)/W of the parameters more on the wire, 3(W-1)/W in all)."""
-    if shard not in SHARD_MODES:
-        raise ValueError(f"shard must be one of {SHARD_MODES}, got {shard!r}")
-    n = setup.world_size
-    total = profile.replicated_params + sum(layer.params for layer in profile.layers)
-    step = plan_cost(profile, tuple(0 for _ in profile.layers), setup)
-    gathered = (n - 1) / n * total * profile.bytes_per_element
-    messages = _buckets(total, setup)
-    extra = Cost(reduce=setup.link.seconds(gathered, messages))
+        raise ValueError(f"shard must be one of {SHARD_MODES}, got None")
+    check_shard(shard, dims)
+    n, s = setup.world_size, profile.bytes_per_element
+    step = plan_cost(profile, dims, setup)
+    gather = setup.exchange("all_gather")  # an all-gather's own cost where the job's were measured (`instep`)
+    everyone = dim0_held(profile, dims)
+    gathered = (n - 1) / n * everyone * s
+    extra = Cost(reduce=gather.seconds(gathered, _buckets(everyone, setup))) if everyone else ZERO
+    sliced = sliced_held(profile, dims, setup.workers_per_group)
+    if sliced and setup.groups > 1:
+        extra = extra + Cost(reduce=gather.seconds((setup.groups - 1) / setup.groups * sliced * s))
     if shard == "parameters":
         extra = extra + Cost(reduce=setup.link.seconds(gathered, len(profile.layers) or 1), bytes=gathered)
     return step + extra

@@ -12,22 +12,29 @@ Each candidate says how its update relates to synchronous SGD (`Candidate.sync_s
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+import math
 from dataclasses import dataclass, replace
 
 from troupe.partition.planner.cost import (
     OPTIONS,
     OUTER_SLOTS,
-    SHARD_MODES,
     Cost,
     Setup,
     diloco_cost,
     dim0_params,
     layer_cost,
-    param_bytes,
     plan_cost,
     shard_cost,
-    state_bytes,
     transition_cost,
+)
+from troupe.partition.planner.memory import (
+    PLAN_SHARD_MODES,
+    SHARD_MODES,
+    check_shard,
+    layer_state,
+    param_bytes,
+    replicated_state,
+    state_bytes,
 )
 from troupe.partition.planner.link import Link
 from troupe.partition.planner.profile import ModelProfile
@@ -98,9 +105,70 @@ def best_dims(profile: ModelProfile, setup: Setup) -> tuple[int, ...]:
     return dims
 
 
-def plan_for(profile: ModelProfile, setup: Setup) -> dict[str, int]:
-    """`best_dims` as a plan for `troupe.partition`: every layer by name (unused ones dim 0)."""
-    return {**dict(zip(profile.names, best_dims(profile, setup))), **{name: 0 for name in profile.unused}}
+MEMORY_STEPS = 2**14
+"""`best_dims_within` counts memory in steps of the budget / MEMORY_STEPS, rounded up per layer."""
+
+
+def best_dims_within(profile: ModelProfile, setup: Setup, memory: float, shard: str | None = None) -> tuple[int, ...]:
+    """The cheapest dims for `setup` whose model state on the worker holding the most (`memory.state_bytes`,
+    with `shard`) fits in `memory` bytes; a ValueError naming the smallest need when none does.
+
+    A constrained shortest path over the chain, solved exactly by dynamic programming over (previous
+    dim, memory used): each state keeps the Pareto front of (memory, seconds), so no plan that fits
+    and is faster is lost. A Lagrangian sweep of `best_chain` over seconds + lambda * bytes would
+    find only the plans on the convex hull of the front and can miss the fastest one that fits; the
+    front is small because a layer's memory takes two values (P, or P/k under dim 1). Memory is
+    counted in steps of budget / `MEMORY_STEPS`, each layer's rounded up, so the plan found always
+    fits; it may miss one within `len(layers)` steps of the budget (where it returns the
+    least-memory plan if nothing else fits).
+    """
+    if shard not in (None, *PLAN_SHARD_MODES):
+        raise ValueError(f"a partition plan composes with the shard modes {PLAN_SHARD_MODES} only, got {shard!r}")
+    layers, k, s = profile.layers, setup.workers_per_group, profile.bytes_per_element
+    fast = best_dims(profile, setup)
+    if state_bytes(profile, fast, setup, shard) <= memory:
+        return fast
+    allowed = [layer.dims(k) for layer in layers]
+    need = [{d: layer_state(layer, d, setup, s, shard) for d in dims} for layer, dims in zip(layers, allowed)]
+    least = tuple(min(dims, key=lambda d: (n[d], dims.index(d))) for dims, n in zip(allowed, need))
+    smallest = state_bytes(profile, least, setup, shard)
+    if smallest > memory:
+        what = "" if shard is None else f" with shard {shard!r}"
+        raise ValueError(f"no partition plan for workers_per_group {k}{what} fits {memory / 2**20:,.1f} MiB of model "
+                         f"state per worker: the smallest needs {smallest / 2**20:,.1f} MiB (dims "
+                         f"{dict(zip(profile.names, least))}); a larger memory_per_rank, more workers per group, "
+                         "or a sharded DistOpt")
+    room = memory - replicated_state(profile, setup, shard)
+    quantum = room / MEMORY_STEPS
+    front: dict[int | None, list[tuple[int, float, tuple[int, ...]]]] = {None: [(0, 0.0, ())]}
+    for i, dims in enumerate(allowed):
+        step = {}
+        for d in dims:
+            seconds = layer_cost(layers[i], d, setup, profile.batch, s).seconds
+            used = math.ceil(need[i][d] / quantum)
+            step[d] = _pareto([(q + used, t + transition_cost(prev, d, layers[i], setup).seconds + seconds, path + (d,))
+                               for prev, entries in front.items() for q, t, path in entries
+                               if q + used <= MEMORY_STEPS])
+        front = step
+    found = [entry for entries in front.values() for entry in entries]
+    return min(found, key=lambda entry: entry[1])[2] if found else least
+
+
+def _pareto(entries: list[tuple[int, float, tuple[int, ...]]]) -> list[tuple[int, float, tuple[int, ...]]]:
+    """The entries no other beats in both memory and seconds (the first of equal ones), by memory."""
+    kept: list[tuple[int, float, tuple[int, ...]]] = []
+    for entry in sorted(entries, key=lambda e: (e[0], e[1])):
+        if not kept or entry[1] < kept[-1][1]:
+            kept.append(entry)
+    return kept
+
+
+def plan_for(profile: ModelProfile, setup: Setup, memory: float | None = None,
+             shard: str | None = None) -> dict[str, int]:
+    """`best_dims` (within `memory` bytes of model state per worker, if given: `best_dims_within`) as a plan
+    for `troupe.partition`: every layer by name (unused ones dim 0)."""
+    dims = best_dims(profile, setup) if memory is None else best_dims_within(profile, setup, memory, shard)
+    return {**dict(zip(profile.names, dims)), **{name: 0 for name in profile.unused}}
 
 
 @dataclass(frozen=True)
@@ -183,16 +251,22 @@ SHARD_HOW = {"optimizer": " --shard optimizer", "gradients": " --shard gradients
 """How to ask troupe for each shard mode (`describe_pick`)."""
 
 
-def shard_candidates(profile: ModelProfile, base: Setup) -> list[Candidate]:
-    """Data parallel over all W ranks with each shard mode: plain's update, its state cut over the ranks."""
+def shard_candidates(profile: ModelProfile, base: Setup,
+                     plans: Sequence[tuple[str, Setup, tuple[int, ...]]] = ()) -> list[Candidate]:
+    """Data parallel over all W ranks with each shard mode: plain's update, its state cut over the ranks;
+    and each partition plan of `plans` (name, setup with its k, dims) with the modes a sharded DistOpt
+    offers a partitioned model (`PLAN_SHARD_MODES`: the slices cut over their G holders)."""
     if base.world_size == 1:
         return []
     setup = replace(base, workers_per_group=1, option="plain")
     zeros = tuple(0 for _ in profile.layers)
-    return [Candidate(f"{DATA_PARALLEL}, shard {mode}", 1, zeros, profile.names, f"{SHARD}:{mode}",
-                      shard_cost(profile, setup, mode), param_bytes(profile, zeros, setup, mode),
-                      run_flags=SHARD_HOW[mode], state_bytes=state_bytes(profile, zeros, setup, mode))
-            for mode in SHARD_MODES]
+    listed = [(DATA_PARALLEL, setup, zeros, SHARD_MODES)]
+    listed += [(name, replace(s, option="plain"), dims, PLAN_SHARD_MODES) for name, s, dims in plans
+               if any(dims) and s.groups > 1]  # one group: each slice has one holder, nothing to cut
+    return [Candidate(f"{name}, shard {mode}", s.workers_per_group, dims, profile.names, f"{SHARD}:{mode}",
+                      shard_cost(profile, s, mode, dims), param_bytes(profile, dims, s, mode),
+                      run_flags=SHARD_HOW[mode], state_bytes=state_bytes(profile, dims, s, mode))
+            for name, s, dims, modes in listed for mode in modes]
 
 
 def _variants(setup: Setup, options: Sequence[str], ranks: Sequence[int]) -> list[Setup]:
@@ -226,8 +300,10 @@ def diloco_candidates(profile: ModelProfile, base: Setup, sync_freqs: Sequence[i
             for g in divisors(base.world_size) if g > 1 for h in sync_freqs]
 
 
-def _plans(profile: ModelProfile, base: Setup, ks: Iterable[int]) -> list[tuple[str, Setup, tuple[int, ...]]]:
-    """(name, setup with its k, dims) of every plan to list, plain option."""
+def _plans(profile: ModelProfile, base: Setup, ks: Iterable[int],
+           memory: float | None = None) -> list[tuple[str, Setup, tuple[int, ...]]]:
+    """(name, setup with its k, dims) of every plan to list, plain option; with `memory`, also each k's
+    fastest plan within it (`best_dims_within`) where that differs from its fastest."""
     zeros = tuple(0 for _ in profile.layers)
     plans = [(DATA_PARALLEL, replace(base, workers_per_group=1), zeros)]
     for k in ks:
@@ -235,6 +311,11 @@ def _plans(profile: ModelProfile, base: Setup, ks: Iterable[int]) -> list[tuple[
             continue
         setup = replace(base, workers_per_group=k)
         plans.append((f"best for k={k}", setup, best_dims(profile, setup)))
+        if memory is not None:
+            try:
+                plans.append((f"best for k={k} within budget", setup, best_dims_within(profile, setup, memory)))
+            except ValueError:
+                pass  # no plan for this k fits: the others say how much each needs
         plans += [(name, setup, dims) for name, dims in hand_plans(profile, k).items()]
     return plans
 
@@ -251,6 +332,7 @@ def candidates(
     pseudo_grad_dtype: str = "fp32",
     fragments: int = 1,
     delay: int = 0,
+    memory: float | None = None,
     **setup_args: object,
 ) -> list[Candidate]:
     """Every plan worth listing, priced, fastest first.
@@ -263,6 +345,10 @@ def candidates(
     listed once per rank of `powersgd_ranks` when the profile knows its parameters' shapes;
     "diloco" adds `diloco_candidates` (every G >= 2 dividing W, every H of `sync_freqs`; its
     pseudo-gradients in `pseudo_grad_dtype`, Streaming DiLoCo with `fragments` and `delay`).
+
+    "shard" adds `shard_candidates`: data parallel with each shard mode, and each partition plan
+    listed with the modes that compose with it. With `memory` (bytes of model state per worker) each
+    k also lists its fastest plan within that budget (`best_dims_within`).
 
     `setup_args` go to `cost.Setup` (spars, chunk_size, bucket_size, overlap, optimizer_slots).
     """
@@ -279,7 +365,8 @@ def candidates(
     if not profile.shapes_known:  # hand-built profiles: powerSGD cannot tell matrices from vectors
         options = tuple(o for o in options if o != "powerSGD")
     found: dict[tuple, Candidate] = {}
-    for name, setup, dims in _plans(profile, base, ks):
+    plans = _plans(profile, base, ks, memory)
+    for name, setup, dims in plans:
         variants = options if name == DATA_PARALLEL or name.startswith("best") else ("plain",)
         for variant in _variants(setup, variants, powersgd_ranks):
             if variant.option != "plain" and dim0_params(profile, dims) == 0:
@@ -289,7 +376,10 @@ def candidates(
     if DILOCO in options:
         listed += diloco_candidates(profile, base, sync_freqs, pseudo_grad_dtype, fragments, delay)
     if SHARD in options:
-        listed += shard_candidates(profile, base)
+        shards: dict[tuple, Candidate] = {}
+        for cand in shard_candidates(profile, base, plans):
+            _add(shards, cand)
+        listed += list(shards.values())
     return sorted(listed, key=lambda c: c.seconds)
 
 
