@@ -479,6 +479,13 @@ def test_a_killed_process_restarts_its_whole_group_which_heals_place_by_place(tm
     for r in (2, 3):
         healed = torch.load(tmp_path / f"rank{r}.pt")["healed"]
         assert healed["steps"] == runs[r]["resumed_at"] and healed["momentum"]
+    # Peer to peer: each joiner received its state from its counterpart in group 0, which sent at least that
+    # (also to group 1's first life, if it joined late at the start); the launcher's store carried none of it.
+    sent, received = [r["heal_bytes"] for r in runs[:2]], [r["heal_bytes"] for r in runs[2:]]
+    assert all(0 < got <= out for got, out in zip(received, sent)), (sent, received)
+    if not plan:  # at least the model's parameters and momentum
+        own = sum(p.numel() * p.element_size() for p in params)
+        assert all(got > 2 * own for got in received), (received, own)
 
 
 @pytest.mark.timeout(240)

@@ -111,6 +111,8 @@ class Elastic:
         (shutting it down would wait for that collective, for the group's whole timeout if a peer is gone)."""
         self.heals = 0
         """Times this process received state from a peer."""
+        self.heal_bytes = 0
+        """Bytes of state this process sent to or received from peers in heals (peer to peer: `_heal_if_ready`)."""
         self.stepped_with: tuple[int, ...] | None = None
         """The worker groups whose processes' gradients the last step averaged (None: the step was left out)."""
         self._pending_heal: tuple[Quorum, str] | None = None
@@ -351,9 +353,36 @@ class Elastic:
         handle = torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
 
     def _heal_if_ready(self) -> None:
+        """Peer to peer, over the quorum's own process group (Gloo): the source group's process at this place
+        sends its state to the joining groups' processes at the same place, which load it before their first
+        step; nothing of it passes through the launcher's store. Both ends arrive here right after forming that
+        group (`_enter`), the source as it moves to the quorum, a joiner as it joins; the others go on to the
+        step, whose reduction waits for them. Under another backend the state goes through the store."""
         if self._pending_heal is None or not self.objects:
             return
         (q, key), self._pending_heal = self._pending_heal, None
+        if self.backend != "gloo":
+            self._heal_through_store(q, key)
+            return
+        if self.group == q.source:
+            blob = _pack(self.objects)
+            for joiner in q.joiners:
+                peer = q.index(joiner * q.group_size + self.place)
+                try:
+                    _send_blob(blob, peer)
+                except RuntimeError as e:  # the joiner died meanwhile: the step's vote leaves its group out
+                    log.warning("troupe: rank %d: its state did not reach worker group %d's process (%s)", self.rank,
+                                joiner, str(e).splitlines()[0][:160])
+                    continue
+                self.heal_bytes += len(blob)
+        else:
+            blob = _recv_blob(q.index(q.source * q.group_size + self.place))
+            self.heal_bytes += len(blob)
+            _unpack(blob, self.objects)
+            self.heals += 1
+
+    def _heal_through_store(self, q: Quorum, key: str) -> None:
+        """The heal through the launcher's store (a backend whose process group carries no CPU tensors)."""
         if self.group == q.source:
             self.store.set(key, _pack(self.objects))
             if self._posted is not None:
@@ -454,6 +483,21 @@ def _leave_group(set_aside: Callable[[Any], None] | None = None) -> None:
     # torch names the next default group by a counter it resets only when a destroy completes; every
     # member of the next quorum must use the same name (it prefixes the group's rendezvous keys).
     c10d._world.group_count = 0
+
+
+def _send_blob(blob: bytes, peer: int) -> None:
+    """`blob` to `peer` of the default process group: its length, then its bytes, as tensors."""
+    dist.send(torch.tensor([len(blob)], dtype=torch.int64), peer)
+    dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), peer)
+
+
+def _recv_blob(peer: int) -> bytes:
+    """What `_send_blob` sent from `peer`."""
+    length = torch.zeros(1, dtype=torch.int64)
+    dist.recv(length, peer)
+    data = torch.empty(int(length.item()), dtype=torch.uint8)
+    dist.recv(data, peer)
+    return data.numpy().tobytes()
 
 
 def _pack(objects: dict[str, Any]) -> bytes:
