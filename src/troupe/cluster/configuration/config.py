@@ -259,7 +259,9 @@ class ClusterConfig:
     optimizer state (and the reduced gradients) over the group's processes by elements, as
     ``DistOpt(shard=...)`` does (ZeRO-1 / ZeRO-2, docs/sharding.md): each process holds its server's
     1/k of the state and no second copy of its slice. Unset: each co-located server keeps its slice's
-    values beside the full parameters and gradients, as before."""
+    values beside the full parameters and gradients, as before. Under framework diloco, "optimizer"
+    cuts the outer parameters and outer optimizer state over each group's processes, each exchanging
+    only its chunk of the pseudo-gradient (docs/diloco.md)."""
 
     elastic: bool = option(False)
     """Elastic worker groups (what `troupe run --elastic` runs): synchronous data parallelism (or
@@ -317,6 +319,7 @@ class ClusterConfig:
                              "--framework downpour|sandblaster, with the cluster as flags)")
         if diloco:
             self._check_diloco()
+            self._check_shard()
 
     def _check_elastic_servers(self) -> None:
         """elastic: true beside separate servers (Downpour, Sandblaster): the workers restart alone and fetch
@@ -340,12 +343,28 @@ class ClusterConfig:
     def _check_shard(self) -> None:
         if self.shard is None:
             return
-        if self.framework == "diloco" or self.nworker_groups > 1 or self.share_memory:
+        if self.framework == "diloco":
+            self._check_diloco_shard()
+            return
+        if self.nworker_groups > 1 or self.share_memory:
             raise ValueError(
                 f"shard {self.shard} runs in one worker group of co-located servers (AllReduce); several "
                 "asynchronous groups (Hogwild), DiLoCo and shared memory do not shard yet: leave out shard, or "
                 "for synchronous sharded groups (HSDP) run without a framework: troupe run --nworker-groups G "
                 "--shard ...")
+
+    def _check_diloco_shard(self) -> None:
+        """DiLoCo's ``shard: optimizer`` cuts its outer state over each group's processes (cluster/workers/diloco_shard.py)."""
+        if self.shard != "optimizer":
+            raise ValueError(f"shard {self.shard} under framework diloco: only shard optimizer (DiLoCo's outer "
+                             "parameters and outer optimizer state cut over each group's processes) is available; "
+                             "the inner step keeps its gradients and optimizer state whole")
+        if self.nworkers_per_group < 2:
+            raise ValueError(f"shard optimizer under framework diloco cuts the outer state over each group's "
+                             f"processes and needs nworkers_per_group >= 2, got {self.nworkers_per_group}")
+        if self.partition_dim is not None:
+            raise ValueError(f"shard optimizer under framework diloco needs the whole model in each process of a "
+                             f"group: leave out partition_dim {self.partition_dim!r} or shard")
 
     def _check_diloco(self) -> None:
         if self.framework != "diloco":

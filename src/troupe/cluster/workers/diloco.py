@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from troupe.cluster.configuration.config import OUTER_DEFAULT, ClusterConfig, outer_optimizer_class
+from troupe.cluster.workers.diloco_shard import GroupCut, ShardedOuterStep
 from troupe.cluster.workers.pseudograd import PendingMean, start_mean
 from troupe.runtime.comm import Communicator
 from troupe.strategies.allreduce import AllReduce
@@ -127,6 +128,16 @@ class OuterStep:
         """theta_outer - theta for each parameter (new tensors)."""
         return [o - p.detach() for o, p in zip(self.outer, params)]
 
+    def blank(self) -> list[Tensor]:
+        """A zero pseudo-gradient (a group that has none still joins the sum)."""
+        return [torch.zeros_like(o) for o in self.outer]
+
+    def held_bytes(self) -> int:
+        """Bytes of outer state this process holds: theta_outer and the outer optimizer's state."""
+        from troupe.cluster.workers.diloco_shard import _state_bytes
+
+        return _state_bytes(self.outer, self.optimizer)
+
     @torch.no_grad()
     def step(self, mean_delta: Sequence[Tensor], params: Sequence[Tensor], alpha: float = 0.0) -> None:
         """Step theta_outer with the groups' mean pseudo-gradient, then merge it into `params`:
@@ -151,6 +162,9 @@ class OuterStep:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "chunk" in state:
+            raise ValueError(f"the checkpoint's DiLoCo state holds a chunk of the outer parameters (shard "
+                             f"optimizer), this process them whole: resume with the same shard")
         if len(state["outer"]) != len(self.outer):
             raise ValueError(f"the checkpoint's DiLoCo state holds {len(state['outer'])} outer parameters, "
                              f"this worker {len(self.outer)}")
@@ -191,14 +205,17 @@ class DiLoCo(BaseStrategy):
     name = "diloco"
 
     def __init__(self, cluster: ClusterConfig, inner: AllReduce, place: Communicator, params: Sequence[Tensor],
-                 step_count: Callable[[], int]):
+                 step_count: Callable[[], int], shard: GroupCut | None = None):
         self.cluster, self.inner, self.place = cluster, inner, place
         self.reducer = inner.reducer
         self.params = list(params)
         self.step_count = step_count
         self.bounds = fragment_bounds([p.numel() for p in self.params], cluster.fragments)
-        self.outers = [OuterStep(cluster, self.params[a:b]) for a, b in self.bounds]
-        """One outer step per fragment: its own theta_outer and outer optimizer state."""
+        self.outers: list[OuterStep | ShardedOuterStep] = \
+            [OuterStep(cluster, self.params[a:b]) if shard is None else
+             ShardedOuterStep(cluster, self.params[a:b], shard) for a, b in self.bounds]
+        """One outer step per fragment: its own theta_outer and outer optimizer state (with `shard`: this
+        process's chunk of them, `troupe.cluster.workers.diloco_shard`)."""
         self.in_flight: list[tuple[int, int, PendingMean]] = []
         """(step count to merge at, fragment, exchange) in the order started: the same on every worker."""
 
@@ -262,6 +279,10 @@ class DiLoCo(BaseStrategy):
 
     def per_rank_state(self) -> list[str]:
         return [DILOCO_STATE]
+
+    def outer_bytes(self) -> int:
+        """Bytes of outer state (theta_outer and the outer optimizer's) this process holds, over all fragments."""
+        return sum(outer.held_bytes() for outer in self.outers)
 
     def state_dict(self) -> dict[str, Any]:
         if self.in_flight:
@@ -331,8 +352,8 @@ class ElasticDiLoCo(DiLoCo):
     """
 
     def __init__(self, cluster: ClusterConfig, inner: AllReduce, place: Communicator, params: Sequence[Tensor],
-                 step_count: Callable[[], int]):
-        super().__init__(cluster, inner, place, params, step_count)
+                 step_count: Callable[[], int], shard: GroupCut | None = None):
+        super().__init__(cluster, inner, place, params, step_count, shard)
         self.flights: list[Flight] = []
         """Exchanges started and not merged, in the order started: the same on every member."""
         self.generation = 0
@@ -379,14 +400,13 @@ class ElasticDiLoCo(DiLoCo):
         """The flight's mean pseudo-gradient over the groups that took it and are present (None: none is)."""
         if flight.generation == self.generation:
             return flight.pending.wait()
-        a, b = self.bounds[flight.fragment]
         have = torch.tensor([0.0 if flight.kept is None else 1.0])
         self.place.all_reduce(have, "sum")
         groups = int(have.item())
         if groups == 0:
             return None
         deltas = [d.clone() for d in flight.kept] if flight.kept is not None else \
-            [torch.zeros_like(p) for p in self.params[a:b]]
+            self.outers[flight.fragment].blank()
         pending = start_mean(self.place, deltas, self.cluster.pseudo_grad_dtype)
         pending.groups = groups  # the sum over those who took it, divided by their number
         return pending.wait()
