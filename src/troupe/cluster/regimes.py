@@ -158,9 +158,8 @@ def _outer_shard(cluster: Any, group: Any, place: int, partitioned: bool) -> Any
     """DiLoCo with ``shard: optimizer``: how the outer state is cut over the group (None: kept whole)."""
     if cluster.shard is None:
         return None
-    from troupe.cluster.workers.diloco_shard import GroupCut, check_shardable
+    from troupe.cluster.workers.diloco_shard import GroupCut
 
-    check_shardable(cluster)
     if partitioned:
         raise ValueError(f"shard {cluster.shard} under framework diloco cuts the outer state over a group's "
                          "processes, which needs the whole model in each of them: leave out troupe.partition or shard")

@@ -121,6 +121,11 @@ def outer_optimizer_class(name: object) -> str:
     return found
 
 
+ELEMENTWISE_OUTER = ("ASGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop",
+                     "SGD")
+"""torch.optim optimizers whose step on a chunk of a flat vector equals their step on the whole tensors:
+DiLoCo's outer optimizer under ``shard: optimizer`` (troupe.cluster.workers.diloco_shard)."""
+
 _SIZE = Flag()
 """A size or count flag: an integer >= 1, no help text."""
 
@@ -365,6 +370,12 @@ class ClusterConfig:
         if self.partition_dim is not None:
             raise ValueError(f"shard optimizer under framework diloco needs the whole model in each process of a "
                              f"group: leave out partition_dim {self.partition_dim!r} or shard")
+        name = outer_optimizer_class(self.outer_optimizer)
+        if name not in ELEMENTWISE_OUTER:
+            raise ValueError(f"shard {self.shard} under framework diloco steps each process's chunk of the outer "
+                             f"parameters alone, which torch.optim.{name} (outer_optimizer {self.outer_optimizer!r}) "
+                             f"cannot (it looks beyond each element): use one of {', '.join(ELEMENTWISE_OUTER)}, or "
+                             "leave out shard")
 
     def _check_diloco(self) -> None:
         if self.framework != "diloco":

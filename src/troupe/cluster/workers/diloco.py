@@ -20,7 +20,9 @@ optimizer's state is never averaged. Distributed Hogwild's master copies
 without momentum; DiLoCo's groups wait for each other at the outer step, so a synchronous
 all-reduce serves it and no master copy, thread or channel is needed.
 
-The pseudo-gradients travel in `pseudo_grad_dtype` (`troupe.cluster.workers.pseudograd`).
+The pseudo-gradients travel in `pseudo_grad_dtype` (`troupe.cluster.workers.pseudograd`). With the
+cluster's ``shard: optimizer`` the outer state is cut over each group's processes instead, each
+exchanging only its chunk of the pseudo-gradient (`troupe.cluster.workers.diloco_shard`).
 
 Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512): with
 `fragments` K > 1 the parameter tensors, in order, are cut into K contiguous fragments balanced

@@ -16,7 +16,8 @@ each of the fragment's outer steps::
 The groups' processes at place j hold the same chunk, so the sum over the groups is the unsharded
 one, element by element; an outer optimizer that updates each element from its own gradient and
 state (SGD, Adam, ...) then takes the same step on the chunk as on the whole tensors. Optimizers
-that look at shapes or at the whole vector (Adafactor, Muon, LBFGS) are refused.
+that look at shapes or at the whole vector (Adafactor, Muon, LBFGS) are refused by the cluster
+(`ELEMENTWISE_OUTER`).
 
 Costs per outer step and process, for P elements over G groups of k: across groups the pseudo-gradient's
 exchange on P/k elements (fp32: 2(G-1)/G * 4P/k); inside the group an all-gather of (k-1)/k * 4P (the
@@ -33,23 +34,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from troupe.cluster.configuration.config import ClusterConfig, outer_optimizer_class
+from troupe.cluster.configuration.config import ClusterConfig
 from troupe.runtime.comm import Communicator
 from troupe.strategies.sharded import chunk_range
-
-ELEMENTWISE = ("ASGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD")
-"""torch.optim optimizers whose step on a chunk of a flat vector equals their step on the whole tensors."""
-
-
-def check_shardable(cluster: ClusterConfig) -> None:
-    """Refuse, in one line, an outer optimizer whose step on a chunk differs from its step on the whole."""
-    name = outer_optimizer_class(cluster.outer_optimizer)
-    if name not in ELEMENTWISE:
-        raise ValueError(f"shard {cluster.shard} under framework diloco steps each process's chunk of the outer "
-                         f"parameters alone, which torch.optim.{name} (outer_optimizer {cluster.outer_optimizer!r}) "
-                         f"cannot (it looks beyond each element): use one of {', '.join(ELEMENTWISE)}, or leave "
-                         "out shard")
-
 
 @dataclass(frozen=True)
 class GroupCut:
