@@ -15,8 +15,8 @@ from torch import nn
 
 from tests.dist.world import run_world
 from troupe.cluster.configuration.config import ClusterConfig
-from troupe.cluster.workers.diloco import fragment_bounds
-from troupe.cluster.workers.pseudograd import decode, encode, wire_size
+from troupe.strategies.diloco import fragment_bounds
+from troupe.strategies.pseudograd import decode, encode, wire_size
 
 GROUPS, PER_GROUP = 2, 2
 H = 3
@@ -170,7 +170,7 @@ def group_deltas(group: int) -> list[torch.Tensor]:
 
 def quantised_means(place, group: int) -> dict[str, tuple[list[torch.Tensor], int]]:
     """Each pseudo_grad_dtype's mean of the groups' deltas over the place communicator, and its wire bytes."""
-    from troupe.cluster.workers.pseudograd import mean_over_groups
+    from troupe.strategies.pseudograd import mean_over_groups
 
     out = {}
     for dtype in DTYPES:

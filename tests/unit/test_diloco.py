@@ -11,8 +11,8 @@ from troupe.cluster.configuration.config import ClusterConfig
 from troupe.cluster.configuration.flags import given
 from troupe.cluster.configuration.roles import expendable_ranks, roles
 from troupe.cluster.configuration.sources import parse_cluster_text, resolve
-from troupe.cluster.workers.diloco import OuterStep, fragment_bounds, outer_optimizer, sync_offset
-from troupe.cluster.workers.pseudograd import CHUNK, decode, encode, wire_size
+from troupe.strategies.diloco import OuterStep, fragment_bounds, outer_optimizer, sync_offset
+from troupe.strategies.pseudograd import CHUNK, decode, encode, wire_size
 
 
 def diloco(**fields) -> ClusterConfig:
@@ -224,7 +224,7 @@ def test_a_merge_with_alpha_mixes_the_groups_parameters_with_the_outer_ones():
 def test_each_fragment_keeps_its_own_outer_state_in_the_checkpoint():
     from types import SimpleNamespace
 
-    from troupe.cluster.workers.diloco import DiLoCo
+    from troupe.strategies.diloco import DiLoCo
 
     params = [torch.zeros(4), torch.zeros(2), torch.zeros(3)]
     worker = DiLoCo(diloco(fragments=2), SimpleNamespace(reducer=None), None, params, lambda: 0)
@@ -279,7 +279,7 @@ def test_elastic_diloco_takes_a_syncing_step_ahead_of_the_vote_and_undoes_it_whe
     """ElasticDiLoCo: at a step that syncs, ahead_of_vote() takes the inner step and the exchange; step()
     then only takes the outer step; left_out() restores the parameters and inner optimizer state (the
     same step syncs again); a failed exchange raises out of ahead_of_vote (DistOpt votes it out)."""
-    from troupe.cluster.workers.diloco import ElasticDiLoCo
+    from troupe.strategies.diloco import ElasticDiLoCo
     from troupe.strategies.allreduce import AllReduce
 
     torch.manual_seed(0)
@@ -349,7 +349,7 @@ def test_elastic_streaming_diloco_redoes_an_exchange_in_flight_over_a_new_quorum
     mean; after `reconfigured()` (a group lost or joined meanwhile) it is redone over the groups that took
     it: the peer's pseudo-gradient counted when it has one, left out (and not counted) when it joined
     after; the list in flight goes to a joiner through state_dict, without a pseudo-gradient."""
-    from troupe.cluster.workers.diloco import ElasticDiLoCo
+    from troupe.strategies.diloco import ElasticDiLoCo
     from troupe.strategies.allreduce import AllReduce
 
     cfg = ClusterConfig(framework="diloco", nworker_groups=2, nserver_groups=2, sync_freq=2, delay=1, outer_lr=1.0,
@@ -457,7 +457,7 @@ def test_outer_state_sharded_over_a_group_steps_as_the_whole_and_holds_its_chunk
     chunk steps as the whole outer state does; the group's chunks add up to it, in bytes too."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from troupe.cluster.workers.diloco_shard import GroupCut, ShardedOuterStep
+    from troupe.strategies.diloco_shard import GroupCut, ShardedOuterStep
 
     cluster = diloco(nworker_groups=groups, nworkers_per_group=k, shard="optimizer")
     torch.manual_seed(0)
@@ -503,3 +503,17 @@ def test_outer_state_sharded_over_a_group_steps_as_the_whole_and_holds_its_chunk
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="holds a chunk of the outer parameters"):
         outers[0].load_state_dict(state)
+
+
+def test_the_old_import_paths_re_export_diloco():
+    import troupe.cluster.workers.diloco as old
+    import troupe.cluster.workers.diloco_shard as old_shard
+    import troupe.cluster.workers.pseudograd as old_wire
+    import troupe.strategies.diloco as new
+    import troupe.strategies.diloco_shard as new_shard
+    import troupe.strategies.pseudograd as new_wire
+
+    assert (old.DiLoCo, old.ElasticDiLoCo, old.OuterStep, old.outer_optimizer) == \
+        (new.DiLoCo, new.ElasticDiLoCo, new.OuterStep, new.outer_optimizer)
+    assert (old_shard.ShardedOuterStep, old_wire.encode, old_wire.wire_size) == \
+        (new_shard.ShardedOuterStep, new_wire.encode, new_wire.wire_size)

@@ -144,7 +144,7 @@ class DiLoCoWorker(ClusterWorker):
 
     @classmethod
     def build(cls, ctx: WorkerContext) -> Any:
-        from troupe.cluster.workers.diloco import DiLoCo, group_step
+        from troupe.strategies.diloco import DiLoCo, group_step
 
         job, role = ctx.job, ctx.job.role
         group = job.group_comms[role.worker[0]]
@@ -158,7 +158,7 @@ def _outer_shard(cluster: Any, group: Any, place: int, partitioned: bool) -> Any
     """DiLoCo with ``shard: optimizer``: how the outer state is cut over the group (None: kept whole)."""
     if cluster.shard is None:
         return None
-    from troupe.cluster.workers.diloco_shard import GroupCut
+    from troupe.strategies.diloco_shard import GroupCut
 
     if partitioned:
         raise ValueError(f"shard {cluster.shard} under framework diloco cuts the outer state over a group's "
@@ -180,7 +180,7 @@ class ElasticDiLoCoWorker(ClusterWorker):
 
     @classmethod
     def choose(cls, setup: Setup) -> Fixed:
-        from troupe.cluster.workers.diloco import ElasticDiLoCo, group_step
+        from troupe.strategies.diloco import ElasticDiLoCo, group_step
         from troupe.strategies.allreduce import AllReduce
         from troupe.strategies.choice import params_of
 

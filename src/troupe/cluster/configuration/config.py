@@ -124,7 +124,7 @@ def outer_optimizer_class(name: object) -> str:
 ELEMENTWISE_OUTER = ("ASGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop",
                      "SGD")
 """torch.optim optimizers whose step on a chunk of a flat vector equals their step on the whole tensors:
-DiLoCo's outer optimizer under ``shard: optimizer`` (troupe.cluster.workers.diloco_shard)."""
+DiLoCo's outer optimizer under ``shard: optimizer`` (troupe.strategies.diloco_shard)."""
 
 _SIZE = Flag()
 """A size or count flag: an integer >= 1, no help text."""
@@ -234,7 +234,7 @@ class ClusterConfig:
     """DiLoCo: the dtype the pseudo-gradients travel in. fp32: one all-reduce. bf16, fp8 (e4m3), int8, int4
     (fp8 and the integers with absmax scaling per chunk of 1024 elements, int4 two codes a byte): all-gathered, then decoded and summed in
     fp32 in group order, so that every group gets the same mean bit for bit
-    (`troupe.cluster.workers.pseudograd`)."""
+    (`troupe.strategies.pseudograd`)."""
     fragments: int = option(1, keeps_shape=True, flag=Flag(
         "Streaming DiLoCo: cut the model into K fragments that sync at staggered steps (default 1)", metavar="K"))
     """Streaming DiLoCo (arXiv 2501.18512): the parameters, in `parameters()` order, cut into K contiguous
@@ -359,7 +359,7 @@ class ClusterConfig:
                 "--shard ...")
 
     def _check_diloco_shard(self) -> None:
-        """DiLoCo's ``shard: optimizer`` cuts its outer state over each group's processes (cluster/workers/diloco_shard.py)."""
+        """DiLoCo's ``shard: optimizer`` cuts its outer state over each group's processes (strategies/diloco_shard.py)."""
         if self.shard != "optimizer":
             raise ValueError(f"shard {self.shard} under framework diloco: only shard optimizer (DiLoCo's outer "
                              "parameters and outer optimizer state cut over each group's processes) is available; "
@@ -400,6 +400,24 @@ class ClusterConfig:
                              f"nservers_per_group out (they follow the workers), got {self.nserver_groups}x"
                              f"{self.nservers_per_group} servers for {self.nworker_groups}x"
                              f"{self.nworkers_per_group} workers")
+
+    def make_outer_optimizer(self, params: typing.Sequence[Any]) -> Any:
+        """DiLoCo's outer optimizer over `params`: SGD with Nesterov momentum by default, or the named torch.optim one."""
+        import inspect
+        import warnings
+
+        import torch
+
+        name = outer_optimizer_class(self.outer_optimizer)
+        cls = getattr(torch.optim, name)
+        kwargs: dict[str, Any] = {"lr": self.outer_lr}
+        if self.outer_optimizer == OUTER_DEFAULT:
+            kwargs.update(momentum=self.outer_momentum, nesterov=True)
+        elif "momentum" in inspect.signature(cls).parameters:
+            kwargs["momentum"] = self.outer_momentum
+        elif self.outer_momentum != _FIELDS["outer_momentum"].default:
+            warnings.warn(f"outer_momentum {self.outer_momentum} has no effect: torch.optim.{name} takes no momentum")
+        return cls(params, **kwargs)
 
     # --- derived sizes -------------------------------------------------------------
 
