@@ -279,7 +279,7 @@ def test_elastic_diloco_takes_a_syncing_step_ahead_of_the_vote_and_undoes_it_whe
     """ElasticDiLoCo: at a step that syncs, ahead_of_vote() takes the inner step and the exchange; step()
     then only takes the outer step; left_out() restores the parameters and inner optimizer state (the
     same step syncs again); a failed exchange raises out of ahead_of_vote (DistOpt votes it out)."""
-    from troupe.strategies.diloco import ElasticDiLoCo
+    from troupe.strategies.diloco_elastic import ElasticDiLoCo
     from troupe.strategies.allreduce import AllReduce
 
     torch.manual_seed(0)
@@ -349,7 +349,7 @@ def test_elastic_streaming_diloco_redoes_an_exchange_in_flight_over_a_new_quorum
     mean; after `reconfigured()` (a group lost or joined meanwhile) it is redone over the groups that took
     it: the peer's pseudo-gradient counted when it has one, left out (and not counted) when it joined
     after; the list in flight goes to a joiner through state_dict, without a pseudo-gradient."""
-    from troupe.strategies.diloco import ElasticDiLoCo
+    from troupe.strategies.diloco_elastic import ElasticDiLoCo
     from troupe.strategies.allreduce import AllReduce
 
     cfg = ClusterConfig(framework="diloco", nworker_groups=2, nserver_groups=2, sync_freq=2, delay=1, outer_lr=1.0,
@@ -510,10 +510,11 @@ def test_the_old_import_paths_re_export_diloco():
     import troupe.cluster.workers.diloco_shard as old_shard
     import troupe.cluster.workers.pseudograd as old_wire
     import troupe.strategies.diloco as new
+    import troupe.strategies.diloco_elastic as new_elastic
     import troupe.strategies.diloco_shard as new_shard
     import troupe.strategies.pseudograd as new_wire
 
     assert (old.DiLoCo, old.ElasticDiLoCo, old.OuterStep, old.outer_optimizer) == \
-        (new.DiLoCo, new.ElasticDiLoCo, new.OuterStep, new.outer_optimizer)
+        (new.DiLoCo, new_elastic.ElasticDiLoCo, new.OuterStep, new.outer_optimizer)
     assert (old_shard.ShardedOuterStep, old_wire.encode, old_wire.wire_size) == \
         (new_shard.ShardedOuterStep, new_wire.encode, new_wire.wire_size)

@@ -180,9 +180,10 @@ class ElasticDiLoCoWorker(ClusterWorker):
 
     @classmethod
     def choose(cls, setup: Setup) -> Fixed:
-        from troupe.strategies.diloco import ElasticDiLoCo, group_step
         from troupe.strategies.allreduce import AllReduce
         from troupe.strategies.choice import params_of
+        from troupe.strategies.diloco import group_step
+        from troupe.strategies.diloco_elastic import ElasticDiLoCo
 
         world, membership = setup.world, setup.world.membership
         if not membership.elastic:

@@ -3,11 +3,10 @@
 from troupe.strategies.diloco import (  # noqa: F401  (re-exported)
     DILOCO_STATE,
     DiLoCo,
-    ElasticDiLoCo,
-    Flight,
     OuterStep,
     fragment_bounds,
     group_step,
     outer_optimizer,
     sync_offset,
 )
+from troupe.strategies.diloco_elastic import ElasticDiLoCo, Flight  # noqa: F401  (re-exported)
