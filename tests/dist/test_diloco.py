@@ -15,8 +15,8 @@ from torch import nn
 
 from tests.dist.world import run_world
 from troupe.cluster.configuration.config import ClusterConfig
-from troupe.cluster.workers.diloco import fragment_bounds
-from troupe.cluster.workers.pseudograd import decode, encode, wire_size
+from troupe.strategies.diloco import fragment_bounds
+from troupe.strategies.pseudograd import decode, encode, wire_size
 
 GROUPS, PER_GROUP = 2, 2
 H = 3
@@ -92,6 +92,7 @@ def train(rank: int, world_size: int, streaming_clusters: list[str], cluster: st
     out["wire"] = quantised_means(opt.strategy.place, rank // PER_GROUP)
     out["streaming"] = [streaming(c) for c in streaming_clusters]
     out["partitioned"] = partitioned(cluster)
+    out["sharded"] = sharded(cluster)
     return out
 
 
@@ -113,6 +114,11 @@ def streaming(cluster: str) -> list[torch.Tensor]:
 def sgd_every_step(cluster: str, plan: dict | None = None) -> list[torch.Tensor]:
     """A second DistOpt in the same world (it reads the cluster when it is made), SGD inner, over the model
     (partitioned by `plan` inside each group when given): the whole model after every step."""
+    return sgd_run(cluster, plan)[0]
+
+
+def sgd_run(cluster: str, plan: dict | None = None) -> tuple[list[torch.Tensor], object, int]:
+    """`sgd_every_step`, the DistOpt, and the bytes its place communicator sent meanwhile."""
     import os
 
     import troupe
@@ -120,14 +126,37 @@ def sgd_every_step(cluster: str, plan: dict | None = None) -> list[torch.Tensor]
     os.environ["TROUPE_CLUSTER"] = cluster
     model = make_model() if plan is None else troupe.partition(make_model(), plan)
     opt = troupe.DistOpt(INNER["sgd"](model.parameters()))
-    every_step = []
+    every_step, before = [], opt.strategy.place.bytes_sent()
     for t in range(STEPS):
         loss_of(model, *batch(t, opt.global_rank)).backward()
         opt.step()
         opt.zero_grad()
         every_step.append(flat(model) if plan is None else
                           torch.cat([v.reshape(-1) for v in troupe.partition.full_state_dict(model).values()]))
-    return every_step
+    return every_step, opt, opt.strategy.place.bytes_sent() - before
+
+
+SHARDED = ({"fragments": 1}, {"fragments": FRAGMENTS, "delay": 1, "merge_alpha": 0.5})
+"""DiLoCo with its outer state sharded over each group's 2 processes: plain, then Streaming overlapped."""
+
+
+def sharded(cluster: str) -> list[dict]:
+    """Each SHARDED variant (SGD inner) unsharded then sharded: the parameters after every step, the outer
+    state's bytes this process holds, the place communicator's bytes, the chunk each fragment's state holds."""
+    out = []
+    for variant in SHARDED:
+        runs = {}
+        for shard in (None, "optimizer"):
+            config = dataclasses.replace(ClusterConfig.from_json(cluster), shard=shard, **variant)
+            every_step, opt, sent = sgd_run(config.to_json())
+            state = opt.strategy.state_dict()["diloco"]
+            states = state if isinstance(state, list) else [state]
+            runs[shard] = {"every_step": every_step, "outer_bytes": opt.strategy.outer_bytes(),
+                           "place_bytes": sent, "strategy": opt.strategy.name,
+                           "chunks": [s.get("chunk") for s in states],
+                           "saved": sum(s["outer"][0].numel() for s in states) if shard else None}
+        out.append(runs)
+    return out
 
 
 DTYPES = ("fp32", "bf16", "fp8", "int8", "int4")
@@ -141,7 +170,7 @@ def group_deltas(group: int) -> list[torch.Tensor]:
 
 def quantised_means(place, group: int) -> dict[str, tuple[list[torch.Tensor], int]]:
     """Each pseudo_grad_dtype's mean of the groups' deltas over the place communicator, and its wire bytes."""
-    from troupe.cluster.workers.pseudograd import mean_over_groups
+    from troupe.strategies.pseudograd import mean_over_groups
 
     out = {}
     for dtype in DTYPES:
@@ -248,6 +277,44 @@ def test_diloco_groups_match_a_single_process_simulation_and_resume_mid_period()
         assert (want - exact).abs().max() < bound, dtype
     check_streaming(ranks)
     check_partitioned(ranks)
+    check_sharded(ranks)
+
+
+def check_sharded(ranks: list[dict]) -> None:
+    """The outer state cut over each group's 2 processes: every step within 1e-5 of unsharded DiLoCo (and of
+    the simulation); each process holds its chunk of theta_outer and the momentum (counted in bytes: the
+    group's chunks add up to one unsharded copy) and sends only its chunk across the groups."""
+    total = sum(p.numel() for p in make_model().parameters())
+    for run, variant in enumerate(SHARDED):
+        _, _, want = reference("sgd", variant["fragments"], variant.get("delay", 0), variant.get("merge_alpha", 0.0))
+        got = [r["sharded"][run] for r in ranks]
+        for rank, r in enumerate(got):
+            for t in range(STEPS):
+                torch.testing.assert_close(r["optimizer"]["every_step"][t], r[None]["every_step"][t], rtol=0,
+                                           atol=1e-5, msg=lambda m: f"{variant} step {t} rank {rank}: {m}")
+                torch.testing.assert_close(r["optimizer"]["every_step"][t], want[t][rank // PER_GROUP], rtol=0,
+                                           atol=1e-5, msg=lambda m: f"{variant} step {t} rank {rank}: {m}")
+            place = rank % PER_GROUP
+            chunks = r["optimizer"]["chunks"]
+            held = sum(hi - lo for lo, hi, _ in chunks)
+            assert r["optimizer"]["saved"] == held, (variant, rank)  # the checkpoint holds the chunk, no more
+            # theta_outer and the Nesterov momentum buffer, 4 bytes each per element held
+            assert r[None]["outer_bytes"] == 2 * 4 * total, (variant, rank)
+            assert r["optimizer"]["outer_bytes"] == 2 * 4 * held, (variant, rank)
+            assert 0 < r["optimizer"]["place_bytes"] < r[None]["place_bytes"], (variant, rank)
+            # the same place in every group holds the same chunks
+            assert chunks == got[place]["optimizer"]["chunks"], (variant, rank)
+        # a group's chunks of the state, and their bytes on the wire across groups (fp32, 2 groups: a ring
+        # all-reduce sends 2(G-1)/G = 1 x each exchanged chunk), add up to one unsharded process's
+        for g in range(GROUPS):
+            group = got[g * PER_GROUP:(g + 1) * PER_GROUP]
+            assert sum(hi - lo for r in group for lo, hi, _ in r["optimizer"]["chunks"]) == total, variant
+            # beside it each process's verdict on finiteness, one fp32 flag per syncing step
+            syncs = sum(any((t + 1) % H == j * H // variant["fragments"] for j in range(variant["fragments"]))
+                        for t in range(STEPS))
+            flags = (PER_GROUP - 1) * 4 * syncs
+            assert sum(r["optimizer"]["place_bytes"] for r in group) == got[0][None]["place_bytes"] + flags, variant
+            assert sum(r["optimizer"]["outer_bytes"] for r in group) == got[0][None]["outer_bytes"], variant
 
 
 def check_partitioned(ranks: list[dict]) -> None:

@@ -387,17 +387,19 @@ def test_streaming_diloco_over_elastic_groups_redoes_an_exchange_in_flight_and_r
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("plan", [None, {"0": 1, "2": -1}], ids=["whole", "partitioned"])
-def test_diloco_over_elastic_groups_of_two_heals_place_by_place_and_replays(tmp_path, plan):
+@pytest.mark.parametrize("plan, shard", [(None, None), ({"0": 1, "2": -1}, None), (None, "optimizer")],
+                         ids=["whole", "partitioned", "sharded"])
+def test_diloco_over_elastic_groups_of_two_heals_place_by_place_and_replays(tmp_path, plan, shard):
     """--elastic --framework diloco --nworker-groups 2 on 4 processes: the inner step all-reduces inside
     each group, the outer exchange runs place by place; rank 3 dies in the second outer step, its whole
     group restarts and heals place by place from group 0; bit for bit the one-process replay. With the
     model partitioned inside each group (troupe.partition: a slice's gradient is the group's sum over
-    its samples, divided by 2 in the inner step) the whole models equal the replay's within 1e-5."""
+    its samples, divided by 2 in the inner step) the whole models equal the replay's within 1e-5; with the
+    outer state sharded over each group (--shard optimizer: each place heals its own chunk of it) too."""
     h, fault_at = 5, 9
     env = {"ELASTIC_TEST_FAULT_AT": str(fault_at), **({"ELASTIC_TEST_PARTITION": json.dumps(plan)} if plan else {})}
     proc = troupe_run(tmp_path, "group-kill", "--framework", "diloco", "--sync-freq", str(h), "--nworker-groups",
-                      "2", n=4, env=env)
+                      "2", *(["--shard", shard] if shard else []), n=4, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = reports(tmp_path, n=4)
     assert len({r["sha256"] for r in runs}) == 1, "the processes ended with different parameters"
@@ -406,7 +408,7 @@ def test_diloco_over_elastic_groups_of_two_heals_place_by_place_and_replays(tmp_
     assert all(r["heals"] == 1 and r["resumed_at"] == fault_at for r in runs[2:])
     got = torch.load(tmp_path / "rank0.pt")["params"]
     for g, want in zip(got, replay_diloco(runs, h, group_size=2), strict=True):
-        torch.testing.assert_close(g, want, rtol=0, atol=1e-5 if plan else 0)
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-5 if plan or shard else 0)
 
 
 @pytest.mark.timeout(240)

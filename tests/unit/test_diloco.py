@@ -11,8 +11,8 @@ from troupe.cluster.configuration.config import ClusterConfig
 from troupe.cluster.configuration.flags import given
 from troupe.cluster.configuration.roles import expendable_ranks, roles
 from troupe.cluster.configuration.sources import parse_cluster_text, resolve
-from troupe.cluster.workers.diloco import OuterStep, fragment_bounds, outer_optimizer, sync_offset
-from troupe.cluster.workers.pseudograd import CHUNK, decode, encode, wire_size
+from troupe.strategies.diloco import OuterStep, fragment_bounds, outer_optimizer, sync_offset
+from troupe.strategies.pseudograd import CHUNK, decode, encode, wire_size
 
 
 def diloco(**fields) -> ClusterConfig:
@@ -224,7 +224,7 @@ def test_a_merge_with_alpha_mixes_the_groups_parameters_with_the_outer_ones():
 def test_each_fragment_keeps_its_own_outer_state_in_the_checkpoint():
     from types import SimpleNamespace
 
-    from troupe.cluster.workers.diloco import DiLoCo
+    from troupe.strategies.diloco import DiLoCo
 
     params = [torch.zeros(4), torch.zeros(2), torch.zeros(3)]
     worker = DiLoCo(diloco(fragments=2), SimpleNamespace(reducer=None), None, params, lambda: 0)
@@ -279,7 +279,7 @@ def test_elastic_diloco_takes_a_syncing_step_ahead_of_the_vote_and_undoes_it_whe
     """ElasticDiLoCo: at a step that syncs, ahead_of_vote() takes the inner step and the exchange; step()
     then only takes the outer step; left_out() restores the parameters and inner optimizer state (the
     same step syncs again); a failed exchange raises out of ahead_of_vote (DistOpt votes it out)."""
-    from troupe.cluster.workers.diloco import ElasticDiLoCo
+    from troupe.strategies.diloco_elastic import ElasticDiLoCo
     from troupe.strategies.allreduce import AllReduce
 
     torch.manual_seed(0)
@@ -349,7 +349,7 @@ def test_elastic_streaming_diloco_redoes_an_exchange_in_flight_over_a_new_quorum
     mean; after `reconfigured()` (a group lost or joined meanwhile) it is redone over the groups that took
     it: the peer's pseudo-gradient counted when it has one, left out (and not counted) when it joined
     after; the list in flight goes to a joiner through state_dict, without a pseudo-gradient."""
-    from troupe.cluster.workers.diloco import ElasticDiLoCo
+    from troupe.strategies.diloco_elastic import ElasticDiLoCo
     from troupe.strategies.allreduce import AllReduce
 
     cfg = ClusterConfig(framework="diloco", nworker_groups=2, nserver_groups=2, sync_freq=2, delay=1, outer_lr=1.0,
@@ -392,3 +392,129 @@ def test_elastic_streaming_diloco_redoes_an_exchange_in_flight_over_a_new_quorum
     joiner = ElasticDiLoCo(cfg, strategy.inner, strategy.place, params, lambda: 2)
     joiner.load_state_dict({**strategy.state_dict(), "in_flight": [[3, 0]]})
     assert [(f.merge_at, f.fragment, f.kept) for f in joiner.flights] == [(3, 0, None)]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"shard": "gradients", "nworkers_per_group": 2}, r"shard gradients under framework diloco: only shard optimizer "
+                                                      r"\(DiLoCo's outer parameters and outer optimizer state"),
+    ({"shard": "optimizer"}, "shard optimizer under framework diloco cuts the outer state over each group's "
+                             "processes and needs nworkers_per_group >= 2, got 1"),
+    ({"shard": "optimizer", "nworkers_per_group": 2, "partition_dim": 1},
+     "shard optimizer under framework diloco needs the whole model in each process of a group"),
+    ({"shard": "gradients", "nworkers_per_group": 2, "elastic": True}, "shard gradients under framework diloco"),
+])
+def test_bad_sharded_diloco_fields_are_one_line(fields, message):
+    with pytest.raises(ValueError, match=message) as e:
+        diloco(**fields)
+    assert "\n" not in str(e.value)
+
+
+def test_an_outer_optimizer_that_looks_beyond_each_element_cannot_be_sharded():
+    assert diloco(shard="optimizer", nworkers_per_group=2, outer_optimizer="adamw").shard == "optimizer"
+    with pytest.raises(ValueError, match=r"torch.optim.LBFGS \(outer_optimizer 'lbfgs'\) cannot .* use one of "
+                                         r"ASGD, .*SGD, or leave out shard") as e:
+        diloco(shard="optimizer", nworkers_per_group=2, outer_optimizer="lbfgs")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("elastic", [[], ["--elastic"]])
+def test_troupe_run_shard_optimizer_with_framework_diloco_shards_the_outer_state(elastic):
+    from troupe.launcher.flags import Flags
+    from troupe.launcher.resolve import cluster_for
+
+    args = build_parser().parse_args(["run", "-n", "4", "--framework", "diloco", "--nworker-groups", "2",
+                                      "--shard", "optimizer", *elastic, "x.py"])
+    c = cluster_for(Flags.from_args(args))
+    assert (c.framework, c.shard, c.nworkers_per_group, c.elastic) == ("diloco", "optimizer", 2, bool(elastic))
+    assert c.worker_regime == ("elastic-diloco" if elastic else "diloco")
+
+
+class _Group:
+    """The communicator of one worker group's k processes, run as threads: an all-gather meets at a barrier."""
+
+    def __init__(self, k: int):
+        import threading
+
+        self.world_size, self.barrier, self.slots = k, threading.Barrier(k), [None] * k
+
+    def as_rank(self, rank: int) -> "_Group":
+        import copy
+
+        me = copy.copy(self)
+        me.rank = rank
+        return me
+
+    def all_gather_into(self, output, input):
+        self.slots[self.rank] = input.clone()
+        self.barrier.wait()
+        output.copy_(torch.cat(self.slots))
+        self.barrier.wait()
+
+
+@pytest.mark.parametrize("groups, k", [(4, 2), (2, 3)])
+def test_outer_state_sharded_over_a_group_steps_as_the_whole_and_holds_its_chunk(groups, k):
+    """G groups of k processes (threads) with Nesterov outer SGD over 3 fragments, 3 outer steps: each process's
+    chunk steps as the whole outer state does; the group's chunks add up to it, in bytes too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from troupe.strategies.diloco_shard import GroupCut, ShardedOuterStep
+
+    cluster = diloco(nworker_groups=groups, nworkers_per_group=k, shard="optimizer")
+    torch.manual_seed(0)
+    init = [torch.randn(n) for n in (30, 5, 15, 3)]
+    bounds = fragment_bounds([p.numel() for p in init], 3)
+    whole = [[p.clone() for p in init] for _ in range(groups)]  # each group's parameters, unsharded DiLoCo
+    cut = [[[p.clone() for p in init] for _ in range(k)] for _ in range(groups)]  # ... and each process's, sharded
+    outers = [OuterStep(cluster, init[a:b]) for a, b in bounds]
+    comms = [_Group(k) for _ in range(groups)]
+    shards = [[[ShardedOuterStep(cluster, init[a:b], GroupCut(comms[g].as_rank(j), j, k)) for a, b in bounds] for j in range(k)]
+              for g in range(groups)]
+    for g, j, f in ((g, j, f) for g in range(groups) for j in range(k) for f in range(len(bounds))):
+        shards[g][j][f].reset(init[slice(*bounds[f])])
+    for outer_step in range(3):
+        for g in range(groups):  # the groups' inner steps: each group moves its own way
+            drift = [torch.randn(p.shape) * 0.1 for p in init]
+            for params in [whole[g], *cut[g]]:
+                for p, d in zip(params, drift):
+                    p.add_(d)
+        for f, (a, b) in enumerate(bounds):
+            deltas = [outers[f].pseudo_gradient(whole[g][a:b]) for g in range(groups)]
+            outers[f].step([sum(d[i] for d in deltas) / groups for i in range(b - a)], whole[0][a:b])
+            for g in range(1, groups):
+                for p, q in zip(whole[g][a:b], whole[0][a:b]):
+                    p.copy_(q)
+            chunks = [[shards[g][j][f].pseudo_gradient(cut[g][j][a:b])[0] for j in range(k)] for g in range(groups)]
+            means = [sum(chunks[g][j] for g in range(groups)) / groups for j in range(k)]
+            with ThreadPoolExecutor(groups * k) as pool:
+                list(pool.map(lambda gj: shards[gj[0]][gj[1]][f].step([means[gj[1]]], cut[gj[0]][gj[1]][a:b]),
+                              [(g, j) for g in range(groups) for j in range(k)]))
+        for g in range(groups):
+            for j in range(k):
+                torch.testing.assert_close(torch.cat(cut[g][j]), torch.cat(whole[g]), rtol=0, atol=1e-6)
+    for f in range(len(bounds)):
+        for g in range(groups):
+            assert sum(shards[g][j][f].held_bytes() for j in range(k)) == outers[f].held_bytes()
+        assert max(shards[0][j][f].held_bytes() for j in range(k)) <= -(-outers[f].held_bytes() // (8 * k)) * 8
+    state = shards[0][1][0].state_dict()
+    shards[1][1][0].load_state_dict(state)  # the same place in another group: its chunk
+    with pytest.raises(ValueError, match=r"the checkpoint's DiLoCo state holds elements \[\d+, \d+\) of 30, this "
+                                         r"process elements \[0, \d+\) of 30") as e:
+        shards[1][0][0].load_state_dict(state)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="holds a chunk of the outer parameters"):
+        outers[0].load_state_dict(state)
+
+
+def test_the_old_import_paths_re_export_diloco():
+    import troupe.cluster.workers.diloco as old
+    import troupe.cluster.workers.diloco_shard as old_shard
+    import troupe.cluster.workers.pseudograd as old_wire
+    import troupe.strategies.diloco as new
+    import troupe.strategies.diloco_elastic as new_elastic
+    import troupe.strategies.diloco_shard as new_shard
+    import troupe.strategies.pseudograd as new_wire
+
+    assert (old.DiLoCo, old.ElasticDiLoCo, old.OuterStep, old.outer_optimizer) == \
+        (new.DiLoCo, new_elastic.ElasticDiLoCo, new.OuterStep, new.outer_optimizer)
+    assert (old_shard.ShardedOuterStep, old_wire.encode, old_wire.wire_size) == \
+        (new_shard.ShardedOuterStep, new_wire.encode, new_wire.wire_size)

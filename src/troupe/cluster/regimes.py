@@ -144,12 +144,26 @@ class DiLoCoWorker(ClusterWorker):
 
     @classmethod
     def build(cls, ctx: WorkerContext) -> Any:
-        from troupe.cluster.workers.diloco import DiLoCo, group_step
+        from troupe.strategies.diloco import DiLoCo, group_step
 
         job, role = ctx.job, ctx.job.role
-        inner = group_step(ctx.params, job.group_comms[role.worker[0]], ctx.optimizer, ctx.bucket_size,
+        group = job.group_comms[role.worker[0]]
+        shard = _outer_shard(ctx.cluster, group, group.rank, ctx.layout.partitioned)
+        inner = group_step(ctx.params, group, ctx.optimizer, ctx.bucket_size,
                            workers=ctx.cluster.nworkers, partitioned_model=ctx.layout.partitioned)
-        return DiLoCo(ctx.cluster, inner, job.place_comms[role.worker[1]], ctx.params, ctx.step_count)
+        return DiLoCo(ctx.cluster, inner, job.place_comms[role.worker[1]], ctx.params, ctx.step_count, shard)
+
+
+def _outer_shard(cluster: Any, group: Any, place: int, partitioned: bool) -> Any:
+    """DiLoCo with ``shard: optimizer``: how the outer state is cut over the group (None: kept whole)."""
+    if cluster.shard is None:
+        return None
+    from troupe.strategies.diloco_shard import GroupCut
+
+    if partitioned:
+        raise ValueError(f"shard {cluster.shard} under framework diloco cuts the outer state over a group's "
+                         "processes, which needs the whole model in each of them: leave out troupe.partition or shard")
+    return GroupCut(group, place, cluster.nworkers_per_group)
 
 
 @register
@@ -166,9 +180,10 @@ class ElasticDiLoCoWorker(ClusterWorker):
 
     @classmethod
     def choose(cls, setup: Setup) -> Fixed:
-        from troupe.cluster.workers.diloco import ElasticDiLoCo, group_step
         from troupe.strategies.allreduce import AllReduce
         from troupe.strategies.choice import params_of
+        from troupe.strategies.diloco import group_step
+        from troupe.strategies.diloco_elastic import ElasticDiLoCo
 
         world, membership = setup.world, setup.world.membership
         if not membership.elastic:
@@ -186,7 +201,8 @@ class ElasticDiLoCoWorker(ClusterWorker):
             inner = group_step(params, group, setup.optimizer, setup.bucket_size, workers=world.world_size,
                                partitioned_model=world.partitioned, elastic=True,
                                first_bucket_size=setup.first_bucket_size)
-        strategy = ElasticDiLoCo(setup.cluster, inner, place, params, setup.step_count)
+        shard = None if k == 1 else _outer_shard(setup.cluster, group, world.rank % k, world.partitioned)
+        strategy = ElasticDiLoCo(setup.cluster, inner, place, params, setup.step_count, shard)
         membership.on_reconfigure.append(strategy.reconfigured)  # its exchanges in flight are redone
         membership.holds_work.append(strategy.holds_work)
         return Fixed(cls, strategy)

@@ -194,9 +194,9 @@ def cluster_for(flags: Flags) -> ClusterConfig | None:
     if cluster.nprocs % place.nnodes:
         raise ValueError(f"the cluster's {cluster.nprocs} processes do not divide among --nnodes {place.nnodes}")
     shard = flags.ranks.shard
-    if shard and not flags.elastic.on and not cluster.server_worker_separate and cluster.framework != "diloco":
-        # AllReduce's co-located servers become the ranks' parts of a sharded DistOpt (the cluster's `shard`);
-        # the cluster says in one line where that cannot be (several asynchronous groups, shared memory)
+    if shard and not cluster.server_worker_separate and (cluster.framework == "diloco" or not flags.elastic.on):
+        # AllReduce's co-located servers become the ranks' parts of a sharded DistOpt, DiLoCo's outer state is cut
+        # over each group (the cluster's `shard`); the cluster says in one line where that cannot be
         cluster = dataclasses.replace(cluster, shard=shard)
     return cluster
 

@@ -121,6 +121,11 @@ def outer_optimizer_class(name: object) -> str:
     return found
 
 
+ELEMENTWISE_OUTER = ("ASGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop",
+                     "SGD")
+"""torch.optim optimizers whose step on a chunk of a flat vector equals their step on the whole tensors:
+DiLoCo's outer optimizer under ``shard: optimizer`` (troupe.strategies.diloco_shard)."""
+
 _SIZE = Flag()
 """A size or count flag: an integer >= 1, no help text."""
 
@@ -229,7 +234,7 @@ class ClusterConfig:
     """DiLoCo: the dtype the pseudo-gradients travel in. fp32: one all-reduce. bf16, fp8 (e4m3), int8, int4
     (fp8 and the integers with absmax scaling per chunk of 1024 elements, int4 two codes a byte): all-gathered, then decoded and summed in
     fp32 in group order, so that every group gets the same mean bit for bit
-    (`troupe.cluster.workers.pseudograd`)."""
+    (`troupe.strategies.pseudograd`)."""
     fragments: int = option(1, keeps_shape=True, flag=Flag(
         "Streaming DiLoCo: cut the model into K fragments that sync at staggered steps (default 1)", metavar="K"))
     """Streaming DiLoCo (arXiv 2501.18512): the parameters, in `parameters()` order, cut into K contiguous
@@ -259,7 +264,9 @@ class ClusterConfig:
     optimizer state (and the reduced gradients) over the group's processes by elements, as
     ``DistOpt(shard=...)`` does (ZeRO-1 / ZeRO-2, docs/sharding.md): each process holds its server's
     1/k of the state and no second copy of its slice. Unset: each co-located server keeps its slice's
-    values beside the full parameters and gradients, as before."""
+    values beside the full parameters and gradients, as before. Under framework diloco, "optimizer"
+    cuts the outer parameters and outer optimizer state over each group's processes, each exchanging
+    only its chunk of the pseudo-gradient (docs/diloco.md)."""
 
     elastic: bool = option(False)
     """Elastic worker groups (what `troupe run --elastic` runs): synchronous data parallelism (or
@@ -317,6 +324,7 @@ class ClusterConfig:
                              "--framework downpour|sandblaster, with the cluster as flags)")
         if diloco:
             self._check_diloco()
+            self._check_shard()
 
     def _check_elastic_servers(self) -> None:
         """elastic: true beside separate servers (Downpour, Sandblaster): the workers restart alone and fetch
@@ -340,12 +348,34 @@ class ClusterConfig:
     def _check_shard(self) -> None:
         if self.shard is None:
             return
-        if self.framework == "diloco" or self.nworker_groups > 1 or self.share_memory:
+        if self.framework == "diloco":
+            self._check_diloco_shard()
+            return
+        if self.nworker_groups > 1 or self.share_memory:
             raise ValueError(
                 f"shard {self.shard} runs in one worker group of co-located servers (AllReduce); several "
                 "asynchronous groups (Hogwild), DiLoCo and shared memory do not shard yet: leave out shard, or "
                 "for synchronous sharded groups (HSDP) run without a framework: troupe run --nworker-groups G "
                 "--shard ...")
+
+    def _check_diloco_shard(self) -> None:
+        """DiLoCo's ``shard: optimizer`` cuts its outer state over each group's processes (strategies/diloco_shard.py)."""
+        if self.shard != "optimizer":
+            raise ValueError(f"shard {self.shard} under framework diloco: only shard optimizer (DiLoCo's outer "
+                             "parameters and outer optimizer state cut over each group's processes) is available; "
+                             "the inner step keeps its gradients and optimizer state whole")
+        if self.nworkers_per_group < 2:
+            raise ValueError(f"shard optimizer under framework diloco cuts the outer state over each group's "
+                             f"processes and needs nworkers_per_group >= 2, got {self.nworkers_per_group}")
+        if self.partition_dim is not None:
+            raise ValueError(f"shard optimizer under framework diloco needs the whole model in each process of a "
+                             f"group: leave out partition_dim {self.partition_dim!r} or shard")
+        name = outer_optimizer_class(self.outer_optimizer)
+        if name not in ELEMENTWISE_OUTER:
+            raise ValueError(f"shard {self.shard} under framework diloco steps each process's chunk of the outer "
+                             f"parameters alone, which torch.optim.{name} (outer_optimizer {self.outer_optimizer!r}) "
+                             f"cannot (it looks beyond each element): use one of {', '.join(ELEMENTWISE_OUTER)}, or "
+                             "leave out shard")
 
     def _check_diloco(self) -> None:
         if self.framework != "diloco":
@@ -370,6 +400,24 @@ class ClusterConfig:
                              f"nservers_per_group out (they follow the workers), got {self.nserver_groups}x"
                              f"{self.nservers_per_group} servers for {self.nworker_groups}x"
                              f"{self.nworkers_per_group} workers")
+
+    def make_outer_optimizer(self, params: typing.Sequence[Any]) -> Any:
+        """DiLoCo's outer optimizer over `params`: SGD with Nesterov momentum by default, or the named torch.optim one."""
+        import inspect
+        import warnings
+
+        import torch
+
+        name = outer_optimizer_class(self.outer_optimizer)
+        cls = getattr(torch.optim, name)
+        kwargs: dict[str, Any] = {"lr": self.outer_lr}
+        if self.outer_optimizer == OUTER_DEFAULT:
+            kwargs.update(momentum=self.outer_momentum, nesterov=True)
+        elif "momentum" in inspect.signature(cls).parameters:
+            kwargs["momentum"] = self.outer_momentum
+        elif self.outer_momentum != _FIELDS["outer_momentum"].default:
+            warnings.warn(f"outer_momentum {self.outer_momentum} has no effect: torch.optim.{name} takes no momentum")
+        return cls(params, **kwargs)
 
     # --- derived sizes -------------------------------------------------------------
 

@@ -3,9 +3,9 @@
 Owns `ps_client` (`PSClient`: servers in processes of their own, Sandblaster and Downpour),
 `colocated` (`CoLocated`: servers sharing the workers' processes, AllReduce and Distributed
 Hogwild), `in_memory` (`SharedMemory`: in-memory Hogwild, workers of one process sharing its
-parameter memory), `diloco` (`DiLoCo`: synchronous groups and an outer optimizer over them; Streaming
-DiLoCo's fragments), `pseudograd` (the pseudo-gradients' dtype on the wire) and `layout` (the job parameters of a partitioned model, and a worker's
-trainable parameters).
+parameter memory) and `layout` (the job parameters of a partitioned model, and a worker's
+trainable parameters). `diloco`, `diloco_shard` and `pseudograd` are the old import paths of DiLoCo,
+a synchronous algorithm that lives in `troupe.strategies`.
 
 Must not touch: a rank's role or the job's process groups (`troupe.cluster.bootstrap` decides
 them and hands each strategy its communicators), or a server's loop.

@@ -1,0 +1,3 @@
+"""Sharded DiLoCo's old import path: `troupe.strategies.diloco_shard`."""
+
+from troupe.strategies.diloco_shard import GroupCut, ShardedOuterStep  # noqa: F401  (re-exported)
