@@ -342,7 +342,7 @@ def test_elastic_auto_plan_timed_in_the_job_is_the_first_lives_for_everyone_or_r
                 raise RuntimeError("Connection closed by peer")
             yield
 
-        def timed(m, k, job, *, sample, link, made=made):
+        def timed(m, k, job, *, sample, link, memory=None, optimizer_slots=2, made=made):
             made.append((job, link))
             return {"0": 1, "2": -1}
 
