@@ -134,6 +134,7 @@ def test_elastic_refuses_a_script_with_its_own_group_and_stops_at_a_repeated_ear
         line = err.strip().splitlines()[-1]
         assert line.startswith("troupe run: rank ") and last in line, err
         assert ("restart 1 of" in err) == (lives == 2) and "restart 2 of" not in err and "frame #" not in err, err
-        if lives == 1:  # troupe's refusal: one line from each rank (no traceback), then the launcher's
-            assert "Traceback" not in err and err.count("troupe: rank ") == 2, err
+        if lives == 1:  # troupe's refusal: one line from each rank that got to say it before the launcher
+            # stopped the job (the first rank's refusal stops the others: one or both), no traceback
+            assert "Traceback" not in err and 1 <= err.count("troupe: rank ") <= 2, err
     assert time.monotonic() - start < 30
