@@ -15,7 +15,7 @@ MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rm
 # third worker on 2 cores took it from 602 s to 540 s (two runs back to back, 2026-11-27).
 # Simulated hosts (troupe.bench.netns) exist one set at a time (a file lock), whoever asks.
 # TEST_WORKERS=0 runs them in one process.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 
 .PHONY: setup train test test-fast docs docs-check clean
 

@@ -157,7 +157,10 @@ class StoreWatch:
             raise EndedElsewhere(1)
 
     def stop(self) -> None:
+        """Stop asking, and wait for a question in flight (at most `PING_SECONDS` to connect, as long to
+        answer): a thread still inside torch's store client when the interpreter exits aborts the process."""
         self._stop.set()
+        self._thread.join(timeout=3 * PING_SECONDS + 1.0)
 
 
 class OtherNodes:
