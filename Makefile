@@ -1,6 +1,6 @@
 # Two entry points on a fresh machine:
 #   make train   set up .venv, then train the MNIST CNN on 2 local processes
-#   make test    set up .venv, then run the test suite (8-13 minutes on 2 cores, by the load)
+#   make test    set up .venv, then run the test suite (12-14 minutes on 2 cores, by the load)
 #   make test-fast  the unit tests that start no process (under a minute)
 #   make docs    set up .venv, then build the documentation site into build/docs
 PYTHON ?= python3
@@ -12,7 +12,8 @@ MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rm
 # Tests run in this many pytest workers (pytest-xdist): much of a multi-process test is waiting
 # (timeouts, eviction bounds, jobs on simulated hosts), which other workers fill; since troupe run
 # forks its ranks from one process (runtime/zygote.py) the suite uses half the CPU it did, and a
-# third worker on 2 cores took it from 602 s to 540 s (two runs back to back, 2026-11-27).
+# third worker on 2 cores took it from 602 s to 540 s (two runs back to back, 2026-11-27). A fourth did not
+# help (736 s against 727 s on fresh clones, 2026-11-28) and two timing-bound tests failed under it.
 # Simulated hosts (troupe.bench.netns) exist one set at a time (a file lock), whoever asks.
 # TEST_WORKERS=0 runs them in one process.
 TEST_WORKERS ?= 3
