@@ -18,23 +18,7 @@ from troupe.partition.planner.memory import param_bytes, state_bytes
 from troupe.partition.planner.profile import proportional_times
 from troupe.partition.planner.search import best_dims, best_dims_within
 
-ALPHA, BETA = 1e-3, 1e-6
-LINK = Link(ALPHA, BETA)
-
-
-def chain() -> ModelProfile:
-    """test_planner's chain: replicated 10, conv 100 (4 filters), fc1 3000 (8 outputs), fc2 50 (5 outputs)."""
-    conv = LayerProfile(name="conv", kind="Conv2d", params=100, in_elems=10, out_elems=20, out_size=4,
-                        input_grad=False, times={(2, 1): 0.010, (4, 1): 0.020, (4, 2): 0.011})
-    fc1 = LayerProfile(name="fc1", kind="Linear", params=3000, in_elems=20, out_elems=8, out_size=8,
-                       times={(2, 1): 0.004, (4, 1): 0.008, (4, 2): 0.005})
-    fc2 = LayerProfile(name="fc2", kind="Linear", params=50, in_elems=8, out_elems=5, out_size=5,
-                       times={(2, 1): 0.001, (4, 1): 0.002})
-    return ModelProfile(batch=2, layers=(conv, fc1, fc2), replicated_params=10, replicated_seconds=0.003)
-
-
-def setup(k: int = 2, **kw) -> Setup:
-    return Setup(world_size=4, workers_per_group=k, link=LINK, **kw)
+from tests.unit.test_planner import ALPHA, BETA, LINK, chain, setup  # the same hand-written chain and link
 
 
 def test_partition_plus_shard_state_by_hand():
