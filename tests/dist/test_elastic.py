@@ -491,6 +491,40 @@ def test_a_killed_process_restarts_its_whole_group_which_heals_place_by_place(tm
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("shard, optimizer, mode", [("optimizer", "sgd", "group-kill"),
+                                                     ("gradients", "adamw", "group-kill-in-step")])
+def test_a_sharded_group_restarts_and_heals_each_chunk_from_its_place_in_a_live_group(tmp_path, shard, optimizer,
+                                                                                    mode, monkeypatch):
+    """--shard under --elastic: 2 groups of 2, each cutting the optimizer state (and under "gradients" the mean
+    gradients) over its 2 processes. Rank 3 dies at a step boundary, or inside its optimizer's step after the
+    step was committed (its partner, in the all-gather, leaves for the group's restart); group 1 restarts,
+    each process heals its chunk from its place in group 0, and the job equals one process replaying the
+    committed steps; every process ends with the same parameters."""
+    env = {"ELASTIC_TEST_ADAMW": "1"} if optimizer == "adamw" else {}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)  # the replay's optimizer too
+    proc = troupe_run(tmp_path, mode, "--nworker-groups", "2", "--min-groups", "2", "--shard", shard, n=4, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 3 exited with signal 9 (SIGKILL); stopped its worker group 1's other ranks [2]" in proc.stderr
+    runs = reports(tmp_path, n=4)
+    assert [r["incarnation"] for r in runs] == [0, 0, 1, 1], "group 0 was restarted, or group 1 not as a whole"
+    assert len({r["sha256"] for r in runs}) == 1, "the processes ended with different parameters"
+    assert [r["heals"] for r in runs[2:]] == [1, 1] and runs[2]["resumed_at"] == runs[3]["resumed_at"] > 0
+    params = torch.load(tmp_path / "rank0.pt")["params"]
+    for got, want in zip(params, replay([r["log"] for r in runs], group_size=2)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # Each joiner holds (and was handed) its chunk of the optimizer state, half of the model's elements per
+    # buffer (momentum; AdamW's two moments), within one bucket's padding.
+    own = sum(p.numel() for p in params)
+    buffers = 2 if optimizer == "adamw" else 1
+    for r in (2, 3):
+        held = torch.load(tmp_path / f"rank{r}.pt")["healed"]["momentum"]
+        assert held and abs(sum(t.numel() for t in held) - buffers * own / 2) <= buffers, (r, [t.shape for t in held])
+    sent, received = [r["heal_bytes"] for r in runs[:2]], [r["heal_bytes"] for r in runs[2:]]
+    assert all(0 < got <= out for got, out in zip(received, sent)), (sent, received)
+
+
+@pytest.mark.timeout(240)
 def test_a_partitioned_model_s_group_restarts_heals_its_slices_and_replays(tmp_path):
     """troupe.partition inside elastic groups: 3 groups of 2, the first layer's outputs split over each
     group's two processes (dim 1), the second layer on each group's process 0 (dim -1), a constant global

@@ -60,15 +60,18 @@ def test_a_shard_mode_under_a_cluster_framework_is_refused():
 
 
 @pytest.mark.process
-def test_troupe_run_refuses_shard_with_elastic_or_a_framework(tmp_path):
+def test_troupe_run_refuses_shard_with_a_framework_or_elastic_groups_of_one(tmp_path):
     import subprocess
     import sys
 
     script = tmp_path / "x.py"
     script.write_text("")
-    for extra, word in ((["--elastic"], "--elastic"), (["--framework", "downpour"], "cluster framework")):
+    for extra, said in ((["--framework", "downpour"], "--shard optimizer runs with plain data parallelism only for "
+                                                      "now: drop the cluster framework"),
+                        (["--elastic"], "--shard optimizer under --elastic cuts the state inside each worker group, "
+                                        "and these groups are of one process: give --nworker-groups G")):
         out = subprocess.run([sys.executable, "-m", "troupe.cli", "run", "-n", "4", "--shard", "optimizer", *extra,
                               str(script)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2, out.stderr
-        assert "--shard optimizer runs with plain data parallelism only for now" in out.stderr and word in out.stderr
+        assert said in out.stderr
         assert "Traceback" not in out.stderr

@@ -122,6 +122,10 @@ def plan_from(flags: Flags, say: Callable[[str], None] = _stderr) -> LaunchPlan:
     mode: Mode = "fixed" if not flags.elastic.on else "quorum" if cluster is None or cluster.framework == "diloco" \
         else "rejoin"
     elastic = _elastic_plan(flags, place, mode, groups)
+    if flags.ranks.shard and elastic is not None and elastic.quorum is not None and cluster is None \
+            and elastic.quorum.group_size == 1:
+        raise ValueError(f"--shard {flags.ranks.shard} under --elastic cuts the state inside each worker group, and "
+                         f"these groups are of one process: give --nworker-groups G (groups of 2 or more processes)")
     env |= _elastic_env(elastic)
     return LaunchPlan(place=place, argv=flags.argv, mode=mode, env=env, servers=servers_of(cluster),
                       elastic=elastic, outputs=flags.outputs, recovery=flags.recovery)
@@ -139,10 +143,10 @@ def _rank_env(flags: Flags, cluster: ClusterConfig | None) -> dict[str, str]:
     r = flags.ranks
     env = {}
     if r.shard and not (cluster is not None and cluster.shard == r.shard):  # a sharded AllReduce carries its own
-        if flags.elastic.on or cluster is not None:
-            raise ValueError(f"--shard {r.shard} runs with plain data parallelism only for now: drop "
-                             f"{'--elastic' if flags.elastic.on else 'the cluster framework'}")
-        env["TROUPE_SHARD"] = r.shard
+        if cluster is not None:
+            raise ValueError(f"--shard {r.shard} runs with plain data parallelism only for now: drop the cluster "
+                             "framework")
+        env["TROUPE_SHARD"] = r.shard  # under --elastic each worker group shards, the groups present replicate
     if r.backend:
         env["TROUPE_BACKEND"] = r.backend
     if r.timeout:

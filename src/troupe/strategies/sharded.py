@@ -31,7 +31,7 @@ each add 1/G, `SHARD_COPIES`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -81,14 +81,20 @@ class ShardedStep(BaseStrategy):
 
     def __init__(self, *, mode: str, comm: Communicator, reducer: GradReducer, optimizer: torch.optim.Optimizer,
                  group: Communicator | None = None, across: Communicator | None = None,
-                 ring: Communicator | None = None):
+                 ring: Communicator | None = None, cut: tuple[int, int] | None = None,
+                 gather_in: Communicator | None = None):
         self.name, self.mode = f"plain, shard={mode}", mode
         self.comm, self.reducer, self.optimizer = comm, reducer, optimizer
         self.group = comm if group is None else group
         self.across = across
-        self.copies = 1 if across is None else across.world_size
-        """Ranks holding the same part: one per worker group."""
-        self.k, self.rank = self.group.world_size, self.group.rank
+        self.k, self.rank = (self.group.world_size, self.group.rank) if cut is None else cut
+        """The group's size and this rank's place in it (`cut`: given apart from `group` in an elastic job, whose
+        group communicator has one member until the group joins a quorum)."""
+        self.gather_in = self.group if gather_in is None else gather_in
+        self.partner_lost: Callable[[BaseException], None] | None = None
+        """An elastic job's: a process of this group lost in the gather after a committed step (never returns)."""
+        """Where the updated chunks are all-gathered (an elastic job: the group, without giving up when another
+        group is lost, which would cost this group its partner's chunks after a committed step)."""
         self.values: list[Tensor] = []
         """Per bucket, the flat buffer its parameters are views of (the bucket's layout, padded)."""
         self.grads: list[Tensor] = []
@@ -101,6 +107,7 @@ class ShardedStep(BaseStrategy):
         """The optimizer's groups as given, and each part's parameter and first element (for checkpoints)."""
         for b in reducer.buckets:
             self._lay_out(b)
+        self.count_copies()
         self.hook = ShardReduce(self.group, lambda b: self.grads[b.index], across, ring=ring)
         reducer.also_reduce = self._hand_over
         if mode == "gradients":  # the full buckets exist only while a step reduces them
@@ -128,8 +135,18 @@ class ShardedStep(BaseStrategy):
             part = torch.nn.Parameter(values[at + start : at + stop], requires_grad=True)
             self.part_of[id(p)], self._at[id(p)] = part, at + start - self.rank * chunk
             self.parts.start[id(part)] = (p, start)
-            setattr(part, SHARD_COPIES, self.copies)
             setattr(p, SHARD_OF, part)
+
+    @property
+    def copies(self) -> int:
+        """Ranks holding the same part: one per worker group (present, in an elastic job)."""
+        return 1 if self.across is None else self.across.world_size
+
+    def count_copies(self) -> None:
+        """Mark each part with its copies (`troupe.clip_grad_norm_` counts each part once over the job); again
+        when an elastic job's quorum changes."""
+        for part in self.part_of.values():
+            setattr(part, SHARD_COPIES, self.copies)
 
     def _regroup(self) -> None:
         """The wrapped optimizer's groups hold this rank's parts in place of the sharded parameters."""
@@ -185,7 +202,12 @@ class ShardedStep(BaseStrategy):
 
     def step(self) -> StepStats:
         self.optimizer.step()
-        self.gather()
+        try:
+            self.gather()
+        except RuntimeError as e:
+            if self.partner_lost is None:
+                raise
+            self.partner_lost(e)  # the step was committed everywhere; this group restarts and heals
         now = self._bytes_sent()
         sent, self._bytes_mark = now - self._bytes_mark, now
         return {"option": f"shard={self.mode}", "bytes_sent": sent}
@@ -200,7 +222,7 @@ class ShardedStep(BaseStrategy):
         for values in self.values:
             chunk = values.numel() // self.k
             mine = values[self.rank * chunk : (self.rank + 1) * chunk].clone()
-            handles.append(self.group.all_gather_into(values, mine, async_op=True))
+            handles.append(self.gather_in.all_gather_into(values, mine, async_op=True))
         for h in handles:
             h.wait()
 
@@ -234,9 +256,18 @@ class ShardedChoice:
 
     def __init__(self, regime: type[Regime], setup: Setup, groups: int = 1):
         self.regime = regime
-        comm = setup.world.comm
-        group, across = (comm, None) if groups == 1 else setup.world.group_comms(groups)
-        ring = _ring_group(setup.world, groups) if comm.backend != "nccl" and group.world_size > 1 else None
+        world = setup.world
+        comm = world.comm
+        cut = gather_in = ring = None
+        if world.membership.elastic:  # the group and its place across the groups present, made anew per quorum
+            k = world.membership.options.group_size
+            group, across = world.replica_comms()
+            gather_in = world.replica_comms(escape=False)[0]
+            cut = (k, world.rank % k)
+        else:
+            group, across = (comm, None) if groups == 1 else world.group_comms(groups)
+            if comm.backend != "nccl" and group.world_size > 1:
+                ring = _ring_group(world, groups)
         self.model_params = params_of(setup.optimizer)
         """The model's parameters, as given to the optimizer (its groups then hold this rank's parts)."""
         if setup.optimizer.state:
@@ -247,15 +278,19 @@ class ShardedChoice:
         """A model partitioned by troupe.partition: its slices are cut over their holders (`sharded_slices`)."""
         self.reducer = GradReducer(everyone, comm, setup.bucket_size, setup.first_bucket_size,
                                    hook_for_step=lambda: self.current.reduce_hook(),
-                                   describe_step=lambda: self.current.describe(), pad_to=group.world_size)
+                                   describe_step=lambda: self.current.describe(),
+                                   pad_to=group.world_size if cut is None else cut[0])
         kwargs = dict(mode=regime.name, comm=comm, reducer=self.reducer, optimizer=setup.optimizer, group=group,
-                      across=across, ring=ring)
+                      across=across, ring=ring, cut=cut, gather_in=gather_in)
         if partitioned:
             from troupe.strategies.sharded_slices import PartitionedShardedStep, SliceShards  # (it imports this)
 
             self.current = PartitionedShardedStep(slices=SliceShards(comm, partitioned, regime.name), **kwargs)
         else:
             self.current = ShardedStep(**kwargs)
+        if world.membership.elastic:
+            world.membership.on_reconfigure.append(self.current.count_copies)  # the groups present changed
+            self.current.partner_lost = world.membership.partner_lost
 
     def select(self, option: str, **args: Any) -> ShardedStep:
         self.regime.accept(lookup(option))
@@ -304,17 +339,34 @@ class Shard(Regime):
     """Sharded data parallelism: a DistOpt whose optimizer state (and gradients) are cut over the ranks."""
 
     kind = "shard"
-    supports = Capabilities(per_call=False, join=False, add_param_group=False)
+    supports = Capabilities(per_call=False, join=False, add_param_group=False, elastic=True)
 
     @classmethod
     def choose(cls, setup: Setup) -> ShardedChoice | OptionSwitch:
         world = setup.world
         if world.membership.elastic:
-            raise refuse("elastic", cls.where)
+            return cls._elastic(setup)
         groups = world.sync_groups(setup.groups, "DistOpt")
         if world.comm.world_size == groups:  # each rank holds everything: nothing to cut
             return OptionSwitch(setup, "plain")
         return ShardedChoice(cls, setup, groups)
+
+    @classmethod
+    def _elastic(cls, setup: Setup) -> ShardedChoice | OptionSwitch:
+        """Elastic worker groups (`troupe run --elastic --nworker-groups G`): each group of k processes cuts the
+        state over its members, as a group that is present or not as a whole; the groups present replicate. A
+        restarted group's process at place j heals from place j of a live group (runtime/elastic.py): its
+        chunk of the optimizer state, peer to peer."""
+        world, options = setup.world, setup.world.membership.options
+        if setup.groups is not None and setup.groups != options.groups:
+            raise ValueError(f"DistOpt(groups={setup.groups}) differs from the elastic job's {options.groups} worker "
+                             "groups: under troupe run --elastic leave groups out (--nworker-groups sets them)")
+        if world.partitioned:
+            raise Refusal(f"shard={cls.name!r} cannot cut a partitioned model's slices under troupe run --elastic yet: "
+                          "leave --elastic out, or shard=None (elastic groups heal a partitioned model's slices)")
+        if options.group_size == 1:  # a group of one process: nothing to cut, the groups replicate
+            return OptionSwitch(setup, "plain")
+        return ShardedChoice(cls, setup)
 
     @classmethod
     def accept(cls, option: type[Regime]) -> None:

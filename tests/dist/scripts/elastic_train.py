@@ -18,8 +18,10 @@ MODE (faults in first incarnations only, unless said otherwise):
   group-kill    rank 3 (group 1's second process) SIGKILLs itself at step 6: its whole group restarts
   nodes-kill    on 2 nodes of 2: rank 3 (node 1) SIGKILLs itself at step 6; once it is back, rank 0 raises
   group-stop    rank 3 (group 1's second process) SIGSTOPs itself at step 6 and writes OUT/stopped
+  group-kill-in-step  rank 3 SIGKILLs itself in its optimizer's step of step 6 (after the step's vote committed it)
 ELASTIC_TEST_CHUNK: partialUpdate's chunk size. ELASTIC_TEST_PARTITION (a JSON troupe.partition plan, e.g. {"0": 1, "2": -1},
-or "auto-job": plan "auto" with link "job") partitions the model inside each worker group; OUT/rank{r}.pt then holds the whole model, put together from the group's slices.
+or "auto-job": plan "auto" with link "job") partitions the model inside each worker group; ELASTIC_TEST_ADAMW=1: AdamW
+(weight decay 0.1) instead of SGD with momentum; OUT/rank{r}.pt then holds the whole model, put together from the group's slices.
 The job trains until it has taken MIN_STEPS steps and the last FULL_STREAK of them had every group (or
 --max-groups of them)
 (the same verdict on every member: they commit the same steps); under DiLoCo, until such a step is
@@ -86,6 +88,8 @@ def model_and_optimizer(plan=None):
                                  link="job")
     elif plan is not None:
         model = troupe.partition(model, plan)
+    if os.environ.get("ELASTIC_TEST_ADAMW") == "1":
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
@@ -102,7 +106,7 @@ def main(out: Path, mode: str, dist_option: str = "plain") -> None:
     opt = troupe.DistOpt(sgd, dist_option=dist_option, spars=0.25 if dist_option.startswith("sparse") else None,
                          **({"compression": troupe.CompressionConfig(chunk_size=chunk)} if chunk else {}))
     rank = opt.global_rank
-    if mode == "kill-in-step" and rank == 1 and not incarnation:
+    if (mode, rank) in (("kill-in-step", 1), ("group-kill-in-step", 3)) and not incarnation:
         step = sgd.step
 
         def dying_step(*args, **kwargs):
@@ -119,8 +123,9 @@ def main(out: Path, mode: str, dist_option: str = "plain") -> None:
     start_epoch, start_batch = where["epoch"], where["position"] // (opt.world_size * BATCH)
     membership = opt.world.membership
     healed = {"steps": steps, "params": [p.detach().clone() for p in model.parameters()],
-              "momentum": [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()
-                           if "momentum_buffer" in opt.state[p]],
+              # the optimizer's state as held (a sharded DistOpt's: its parts' only), every tensor of it
+              "momentum": [v.clone() for g in opt.param_groups for p in g["params"]
+                           for v in opt.state[p].values() if torch.is_tensor(v) and v.dim()],
               "strategy": opt.state_dict()["strategies"]} if incarnation else None
     log: list = []
     streak = 0
