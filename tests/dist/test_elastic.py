@@ -492,19 +492,26 @@ def test_a_killed_process_restarts_its_whole_group_which_heals_place_by_place(tm
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("shard, optimizer, mode", [("optimizer", "sgd", "group-kill"),
-                                                     ("gradients", "adamw", "group-kill-in-step")])
+                                                     ("gradients", "adamw", "group-kill-in-step"),
+                                                     ("parameters", "adamw", "group-kill")])
 def test_a_sharded_group_restarts_and_heals_each_chunk_from_its_place_in_a_live_group(tmp_path, shard, optimizer,
                                                                                     mode, monkeypatch):
     """--shard under --elastic: 2 groups of 2, each cutting the optimizer state (and under "gradients" the mean
-    gradients) over its 2 processes. Rank 3 dies at a step boundary, or inside its optimizer's step after the
-    step was committed (its partner, in the all-gather, leaves for the group's restart); group 1 restarts,
-    each process heals its chunk from its place in group 0, and the job equals one process replaying the
-    committed steps; every process ends with the same parameters."""
+    gradients) over its 2 processes; "parameters": the model sharded by troupe.shard (FSDP2 over the group's own
+    process group), the shards' gradients all-reduced across the groups present. Rank 3 dies at a step
+    boundary, or inside its optimizer's step after the step was committed (its partner, in the all-gather,
+    leaves for the group's restart); group 1 restarts, each process heals its chunk from its place in group
+    0, and the job equals one process replaying the committed steps; every process ends with the same
+    parameters, and the partner says in one line that it leaves (no traceback)."""
     env = {"ELASTIC_TEST_ADAMW": "1"} if optimizer == "adamw" else {}
     for name, value in env.items():
         monkeypatch.setenv(name, value)  # the replay's optimizer too
-    proc = troupe_run(tmp_path, mode, "--nworker-groups", "2", "--min-groups", "2", "--shard", shard, n=4, env=env)
+    flags = ["--shard", shard] if shard != "parameters" else []
+    if shard == "parameters":
+        env["ELASTIC_TEST_FSDP"] = "1"  # troupe.shard in the job only: the replay trains the whole model
+    proc = troupe_run(tmp_path, mode, "--nworker-groups", "2", "--min-groups", "2", *flags, n=4, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "rank 3 exited with signal 9 (SIGKILL); stopped its worker group 1's other ranks [2]" in proc.stderr
     runs = reports(tmp_path, n=4)
     assert [r["incarnation"] for r in runs] == [0, 0, 1, 1], "group 0 was restarted, or group 1 not as a whole"

@@ -108,7 +108,8 @@ def test_a_sharded_model_picks_its_regime_and_refuses_other_options():
 def test_fsdp_is_a_regime_that_only_a_sharded_model_runs():
     regime = registry.lookup("fsdp")
     assert regime is fsdp.FullySharded and not regime.replicated
-    assert not (regime.supports.graph_mode or regime.supports.elastic or regime.supports.partition)
+    assert not (regime.supports.graph_mode or regime.supports.partition)
+    assert regime.supports.elastic  # inside each elastic worker group (tests/dist/test_elastic.py)
     world = SimpleNamespace(membership=SimpleNamespace(elastic=False))
     setup = SimpleNamespace(world=world, optimizer=torch.optim.SGD(Net().parameters(), lr=0.1))
     with pytest.raises(ValueError, match=r"dist_option 'fsdp' trains a model sharded by troupe.shard: call model = "

@@ -7,7 +7,8 @@ groups of k processes, each reading its own shard, the model partitioned inside 
 driver only injects the faults (SIGKILL a random worker every `--kill-every` seconds; SIGSTOP
 one every `--stop-every` for `--stop-for`), watches the launcher's log for workers that died
 without being killed (crashes), and at the end stops every group at one step. The files it
-leaves are `chaos_summary`'s: events.jsonl, faults.jsonl, final.jsonl (plus logs/, host.json).
+leaves are `chaos_summary`'s: events.jsonl, faults.jsonl, final.jsonl (plus logs/, host.json: the launcher's
+peak resident set among it; heals.jsonl: the bytes each restarted process received in its heal).
 
     troupe bench chaos --out runs/kill30 --kill-every 30 --duration 300
     troupe bench chaos --out runs/diloco30 --kill-every 30 --duration 300 --diloco 50
@@ -16,6 +17,8 @@ leaves are `chaos_summary`'s: events.jsonl, faults.jsonl, final.jsonl (plus logs
     troupe bench chaos --out runs/failover --kill-every 30 --duration 300 --downpour 2 --kill-server-at 100
     troupe bench chaos --out runs/hogwild30 --kill-every 30 --duration 300 --hogwild 10
     troupe bench chaos --out runs/hybrid30 --kill-every 30 --duration 300 --groups 3 --group-size 2 --partition hybrid
+    troupe bench chaos --out runs/zero30 --kill-every 30 --duration 300 --groups 2 --group-size 2 --shard optimizer
+    troupe bench chaos --out runs/fsdp30 --kill-every 30 --duration 300 --groups 2 --group-size 2 --shard parameters
     python -m troupe.bench.chaos job OUT     # one worker (what troupe run starts)
 """
 
@@ -47,7 +50,7 @@ PLANS = {"hybrid": {"conv*": 0, "linear*": 1}, "model": {"*": 1}}
 
 
 def job(out: Path, batch_size: int, lr: float, seed: int, dist_option: str = "plain", spars: float | None = None,
-        partition: str | None = None) -> None:
+        partition: str | None = None, shard_model: bool = False) -> None:
     """One process: train until the stop step, then evaluate and hash the parameters. Each process of a
     worker group reads its own shard; the group's process 0 writes the group's events and result."""
     import torch
@@ -61,6 +64,8 @@ def job(out: Path, batch_size: int, lr: float, seed: int, dist_option: str = "pl
     model = build_cnn()
     if partition:
         model = troupe.partition(model, PLANS[partition])  # inside the elastic worker group
+    if shard_model:
+        model = troupe.shard(model)  # FSDP2 inside each worker group
     sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), dist_option=dist_option,
                          spars=spars)
     options = getattr(sgd.world.membership, "options", None)  # Downpour's rejoining workers: groups of one
@@ -70,6 +75,18 @@ def job(out: Path, batch_size: int, lr: float, seed: int, dist_option: str = "pl
     shard = Shard(x, y, rank, sgd.world_size, batch_size, seed)
     troupe.track(model=model, optimizer=sgd)  # a restarted group copies a live one's state here
     (out / "pids" / str(rank)).write_text(str(os.getpid()))
+    membership = sgd.world.membership
+    if int(os.environ.get("TROUPE_INCARNATION", "0")):  # what this restarted process received from its peer
+        def size(t: torch.Tensor) -> int:  # this process's shard of a DTensor
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
+
+        held = sum(size(v) for g in sgd.param_groups for p in g["params"]
+                   for v in sgd.state[p].values() if torch.is_tensor(v) and v.dim())
+        with open(out / "heals.jsonl", "a") as heals:
+            heals.write(json.dumps({"t": time.time() - t0, "rank": rank, "received": getattr(membership, "heal_bytes", 0),
+                                    "params_bytes": sum(size(p) for p in model.parameters()),
+                                    "optimizer_bytes": held}) + "\n")
     with open(out / "events.jsonl", "a") as events:
         while True:
             stop = stop_step(out)
@@ -90,6 +107,9 @@ def job(out: Path, batch_size: int, lr: float, seed: int, dist_option: str = "pl
         if partition:  # the group's slices put together (every process of the group takes part)
             whole = build_cnn()
             whole.load_state_dict(troupe.partition.full_state_dict(model))
+        if shard_model:  # the group's shards put together (every process of the group takes part)
+            whole = build_cnn()
+            whole.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
     if place == 0:
         (out / f"final.{group}.json").write_text(json.dumps({"group": group, "eval_acc": acc,
                                                              "params_sha256": params_sha256(whole)}))
@@ -115,6 +135,11 @@ class Driver:
                "--lr", str(args.lr), "--seed", str(args.seed), "--dist-option", args.dist_option,
                *(["--spars", str(args.spars)] if args.spars is not None else []),
                *(["--partition", args.partition] if args.partition else [])]
+        if args.shard == "parameters":  # troupe.shard in the script: FSDP2 inside each group
+            cmd.append("--shard-model")
+        elif args.shard:  # each group cuts the optimizer state (and gradients) over its processes
+            at = cmd.index("--ranks")
+            cmd[at:at] = ["--shard", args.shard]
         if self.k > 1:  # worker groups of several processes
             at = cmd.index("--min-groups")
             cmd[at:at] = ["--nworker-groups", str(args.groups)]
@@ -232,6 +257,7 @@ class Driver:
                 break
         steps = [json.loads(x)["step"] for x in (self.out / "events.jsonl").read_text().splitlines() if x.strip()]
         stop = max(steps, default=0) + 10
+        self.launcher_peak_kib = _peak_kib(self.proc.pid)
         if self.args.diloco:  # after an outer step's merge: only there do the groups hold the same parameters
             h, tau = self.args.diloco, self.args.delay
             stop = -(-(stop - tau) // h) * h + tau
@@ -252,6 +278,17 @@ class Driver:
                 f.write(json.dumps({**result, "exit_code": code}) + "\n")
 
 
+def _peak_kib(pid: int) -> int | None:
+    """The peak resident set (VmHWM) of process `pid`, in KiB; None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """One chaos run of troupe's elastic mode into args.out; returns its summary."""
     out = Path(args.out)
@@ -269,6 +306,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.delay and not args.diloco or not 0 <= args.delay < (args.diloco or 1):
         raise ValueError(f"--delay is Streaming DiLoCo's, from 0 to below --diloco H: got {args.delay} with H "
                          f"{args.diloco}")
+    if args.shard and (args.group_size < 2 or args.diloco or args.partition):
+        raise ValueError("--shard cuts the optimizer state inside worker groups of 2 or more processes (--group-size), "
+                         "without --diloco or --partition")
     if args.partition and args.diloco:
         raise ValueError("--partition runs without --diloco (troupe.partition inside elastic groups runs without a "
                          "framework)")
@@ -286,8 +326,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             driver.proc.terminate()
             driver.proc.wait()
     host["loadavg_after"] = os.getloadavg()
+    host["launcher_peak_rss_kib"] = getattr(driver, "launcher_peak_kib", None)
     (out / "host.json").write_text(json.dumps(host))
     summary = summarize(out)
+    heals = [json.loads(x) for x in (out / "heals.jsonl").read_text().splitlines()] \
+        if (out / "heals.jsonl").exists() else []
+    if heals:  # what each restarted process received in its heal, beside what it holds
+        summary["heal_received_bytes_max"] = max(h["received"] for h in heals)
+        summary["heal_held_bytes"] = max(h["params_bytes"] + h["optimizer_bytes"] for h in heals)
+        summary["heals_recorded"] = len(heals)
+    summary["launcher_peak_rss_kib"] = host["launcher_peak_rss_kib"]
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -299,6 +347,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--nworker-groups); a kill takes a random process, its group restarts")
     p.add_argument("--partition", choices=sorted(PLANS), default=None,
                    help="partition the CNN inside each worker group (troupe.partition; needs --group-size >= 2)")
+    p.add_argument("--shard", choices=("optimizer", "gradients", "parameters"), default=None,
+                   help="troupe run --shard: each worker group cuts the optimizer state (and gradients) over its "
+                        "processes; parameters: the script shards the model with troupe.shard (FSDP2); needs "
+                        "--group-size >= 2")
     p.add_argument("--min-groups", type=int, default=2)
     p.add_argument("--duration", type=float, default=300.0, help="seconds of the fault phase")
     p.add_argument("--kill-every", type=float, default=30.0, help="SIGKILL a random worker every T s (0: never)")
@@ -338,8 +390,9 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--dist-option", default="plain")
         p.add_argument("--spars", type=float, default=None)
         p.add_argument("--partition", choices=sorted(PLANS), default=None)
+        p.add_argument("--shard-model", action="store_true")
         a = p.parse_args(argv[1:])
-        job(a.out, a.batch_size, a.lr, a.seed, a.dist_option, a.spars, a.partition)
+        job(a.out, a.batch_size, a.lr, a.seed, a.dist_option, a.spars, a.partition, a.shard_model)
         return
     p = argparse.ArgumentParser(prog="troupe bench chaos")
     add_arguments(p)

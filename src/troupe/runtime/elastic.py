@@ -115,6 +115,9 @@ class Elastic:
         """Bytes of state this process sent to or received from peers in heals (peer to peer: `_heal_if_ready`)."""
         self.stepped_with: tuple[int, ...] | None = None
         """The worker groups whose processes' gradients the last step averaged (None: the step was left out)."""
+        self._kept: Any = None
+        """The worker group's own process group, when `troupe.shard` asked for one (`group_process_group`)."""
+        self._kept_saved: dict[str, Any] | None = None
         self._pending_heal: tuple[Quorum, str] | None = None
         self._failed_step = False
         self._graveyard: list[tuple[float, Any]] = []
@@ -162,6 +165,72 @@ class Elastic:
             _leave_group(self._set_aside if failed else None)
             _init_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
 
+    def group_process_group(self) -> Any:
+        """A process group of this worker group's k processes alone, made once per life of the group (they live,
+        die and restart together) on the launcher's store, and kept across quorums: torch's FSDP2
+        (`troupe.shard`) keeps the group it shards over, which the quorum's groups, made anew for every quorum,
+        cannot be. Made while this process stands by, before it joins; every process of the group calls it."""
+        if self._kept is not None:
+            return self._kept
+        if self.joined:
+            raise RuntimeError("troupe.shard under troupe run --elastic must come before troupe.track (before this "
+                               "process joins the job)")
+        k = self.options.group_size
+        wait = max(self.options.form_within, self.options.timeout)
+        _leave_group()
+        try:
+            # Meanwhile the default group is the worker group, each process at its place: a mesh made over the kept
+            # group now finds each process at its place.
+            _init_group(self.backend, store=dist.PrefixStore(f"group/{self.group}/{self.incarnation}/", self.store),
+                        rank=self.place, world_size=k, timeout=datetime.timedelta(seconds=wait))
+            self._kept = dist.new_group(list(range(k)), timeout=datetime.timedelta(seconds=self.options.timeout),
+                                        use_local_synchronization=True)
+        except RuntimeError as e:
+            raise RuntimeError(f"rank {self.rank}: worker group {self.group}'s processes did not meet within {wait:.0f} s "
+                               f"({str(e).splitlines()[0][:160]})") from None
+        return self._kept
+
+    def make_mesh(self, build: Callable[[Any], Any]) -> Any:
+        """`build(group)` while the default group is this worker group (`group_process_group`), then stand by alone
+        again, keeping the group."""
+        group = self.group_process_group()
+        try:
+            return build(group)
+        finally:
+            self._leave()
+            _init_group(self.backend, store=dist.HashStore(), rank=0, world_size=1)
+            self._restore_kept({0: self.place})
+
+    def _leave(self, set_aside: Callable[[Any], None] | None = None) -> None:
+        """`_leave_group`, keeping the worker group's own process group (`group_process_group`) alive: its entries in
+        torch's tables of groups are taken out first (leaving the default group shuts down and forgets every group
+        in them) and put back by `_restore_kept` once the next default group exists."""
+        if self._kept is not None:
+            from torch.distributed import distributed_c10d as c10d
+
+            w, pg = c10d._world, self._kept
+            if pg in w.pg_map:
+                self._kept_saved = {"map": w.pg_map.pop(pg), "name": w.pg_names.pop(pg),
+                                    "backend": w.pg_backend_config.pop(pg), "tag": w.pg_to_tag.pop(pg, None)}
+                w.pg_group_ranks.pop(pg, None)
+                for tagged in w.tags_to_pg.values():
+                    if pg in tagged:
+                        tagged.remove(pg)
+        _leave_group(set_aside)
+
+    def _restore_kept(self, ranks: dict[int, int]) -> None:
+        """Put the kept group back in torch's tables, with `ranks` (this quorum's rank -> place) as its members."""
+        if self._kept is None or self._kept_saved is None:
+            return
+        from torch.distributed import distributed_c10d as c10d
+
+        w, pg, saved = c10d._world, self._kept, self._kept_saved
+        w.pg_map[pg], w.pg_names[pg], w.pg_backend_config[pg] = saved["map"], saved["name"], saved["backend"]
+        if saved["tag"] is not None:
+            w.pg_to_tag[pg] = saved["tag"]
+        w.pg_group_ranks[pg] = ranks
+        c10d._register_process_group(saved["name"], pg)
+
     @property
     def joined(self) -> bool:
         return self.quorum is not None
@@ -197,10 +266,12 @@ class Elastic:
         `tag` tells apart two groups of one quorum: a failed round rebuilds the same members' group."""
         self._bury()
         busy = self._failed_step or any(holds() for holds in self.holds_work)
-        _leave_group(self._set_aside if busy else None)
+        self._leave(self._set_aside if busy else None)
         store = dist.PrefixStore(f"pg/{quorum.id}/{tag}/", self._pg_store)
         _init_group(self.backend, store=store, rank=quorum.index(self.rank), world_size=quorum.size,
                     timeout=datetime.timedelta(seconds=self.options.timeout))
+        k = self.options.group_size
+        self._restore_kept({quorum.index(self.group * k + j): j for j in range(k)})
         self.quorum, self.round = quorum, 0
         for hook in self.on_reconfigure:
             hook()
@@ -444,7 +515,7 @@ class _Tensors:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for i, p in enumerate(self.params):
-            p.copy_(state[str(i)])
+            (p.to_local() if _is_dtensor(p) else p).copy_(state[str(i)])
 
 
 def _init_group(backend: str, **kwargs: Any) -> None:
@@ -501,7 +572,7 @@ def _recv_blob(peer: int) -> bytes:
 
 
 def _pack(objects: dict[str, Any]) -> bytes:
-    state = {name: obj.state_dict() for name, obj in objects.items()}
+    state = {name: _undress(obj.state_dict()) for name, obj in objects.items()}
     state["__rng__"] = torch.get_rng_state()
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -511,5 +582,54 @@ def _pack(objects: dict[str, Any]) -> bytes:
 def _unpack(blob: bytes, objects: dict[str, Any]) -> None:
     state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
     for name, obj in objects.items():
-        obj.load_state_dict(state[name])
+        obj.load_state_dict(_dress_like(obj, state[name]))
+        _dress_optimizer_state(obj)
     torch.set_rng_state(state["__rng__"])
+
+
+def _is_dtensor(t: Any) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")  # none exists before troupe.shard imports it
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _undress(state: Any) -> Any:
+    """A state dict with each DTensor (a model sharded by troupe.shard) as its local shard: the heal's source and
+    joiner at one place hold the same shards, so the local tensor is what moves."""
+    if _is_dtensor(state):
+        return state.to_local().detach().clone()
+    if isinstance(state, dict):
+        return {k: _undress(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_undress(v) for v in state)
+    return state
+
+
+def _dress_like(obj: Any, state: Any) -> Any:
+    """A module's state with each local shard made again the DTensor its own state holds there."""
+    if not isinstance(obj, torch.nn.Module):
+        return state
+    own = obj.state_dict()
+    return {k: _as_dtensor(v, own[k]) if _is_dtensor(own.get(k)) and not _is_dtensor(v) else v
+            for k, v in state.items()}
+
+
+def _as_dtensor(local: torch.Tensor, like: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
+def _dress_optimizer_state(obj: Any) -> None:
+    """An optimizer's state loaded for DTensor parameters: each per-element buffer (a local shard) made a DTensor
+    like its parameter, as the optimizer made it."""
+    if not (hasattr(obj, "param_groups") and hasattr(obj, "state")):
+        return
+    for group in obj.param_groups:
+        for p in group["params"]:
+            if not _is_dtensor(p) or p not in obj.state:
+                continue
+            state = obj.state[p]
+            for k, v in list(state.items()):
+                if torch.is_tensor(v) and not _is_dtensor(v) and v.dim() and v.shape == p.to_local().shape:
+                    state[k] = _as_dtensor(v, p)

@@ -66,26 +66,34 @@ def shard(model: nn.Module, *, blocks: Blocks | None = None, mixed_precision: st
     if isinstance(mixed_precision, str) and mixed_precision != "bf16":
         raise ValueError(f"troupe.shard: mixed_precision must be 'bf16', a torch MixedPrecisionPolicy or None, "
                          f"got {mixed_precision!r}")
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if isinstance(model, FSDPModule) or any(hasattr(p, SHARDED_BY) for p in model.parameters()):
         raise ValueError("troupe.shard: this model is already sharded")
     policy = _policy(mixed_precision)
     world = world_mod.init()
-    if world.membership.elastic:
-        raise Refusal("troupe.shard cannot run under troupe run --elastic yet: elastic worker groups heal by "
-                      "copying whole models; leave --elastic out, or leave the model unsharded")
     if any(len(getattr(p, HOLDERS, range(world.world_size))) < world.world_size for p in model.parameters()):
         raise Refusal("troupe.shard cannot shard a model partitioned by troupe.partition (its slices differ from "
                       "rank to rank): shard its optimizer state instead, DistOpt(opt, shard='optimizer' or "
                       "'gradients'), which cuts each slice over the ranks that hold it")
-    groups = _groups(world, groups)
-    _same_start(world, model)
-    mesh = _mesh(world, groups)
-    modules = dict(model.named_modules())
-    for name in sorted(names, key=lambda n: -n.count(".")):  # innermost first
-        fully_shard(modules[name], mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+    def wrap(mesh: DeviceMesh) -> None:
+        modules = dict(model.named_modules())
+        for name in sorted(names, key=lambda n: -n.count(".")):  # innermost first
+            fully_shard(modules[name], mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+    if world.membership.elastic:
+        groups = _elastic_groups(world, groups)
+        # Over the worker group's own process group, kept across quorums; the groups present replicate (the
+        # regime all-reduces the shards' gradients across them). A joining group's values come from its heal.
+        world.membership.make_mesh(lambda group: wrap(DeviceMesh.from_group(group, world.device.type)))
+        _watch_partners(model, world.membership.partner_lost)
+    else:
+        groups = _groups(world, groups)
+        _same_start(world, model)
+        wrap(_mesh(world, groups))
     sharding = Sharding(weakref.ref(model), groups, world.world_size // groups)
     for p in model.parameters():
         setattr(p, SHARDED_BY, sharding)
@@ -165,6 +173,51 @@ def _groups(world: World, groups: int | None) -> int:
             return world.sync_groups(None, "troupe.shard")
         groups = cluster.nworker_groups
     return world_mod.check_groups(groups, world.world_size, "troupe.shard: groups")
+
+
+def _watch_partners(model: nn.Module, lost: Any) -> None:
+    """An elastic group's FSDP2 exchanges (the all-gathers of forward and backward, the reduce-scatters) wait to
+    completion, and a failed one (a partner process died, or froze past the group's timeout) hands the error
+    to `lost` (`Elastic.partner_lost`: one line, then the group restarts), not to the script as a traceback."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    class Allocate:
+        def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+    class Gather(Allocate, AllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):  # noqa: ANN001
+            try:
+                dist.all_gather_single(output_tensor, input_tensor, group=group)
+            except RuntimeError as e:
+                lost(e)
+            return None
+
+    class Scatter(Allocate, ReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001
+            try:
+                dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group)
+            except RuntimeError as e:
+                lost(e)
+            return None
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(Gather())
+            m.set_custom_reduce_scatter(Scatter())
+
+
+def _elastic_groups(world: World, groups: int | None) -> int:
+    """troupe run --elastic: the job's worker groups (--nworker-groups), each of 2 or more processes."""
+    options = world.membership.options
+    if groups is not None and groups != options.groups:
+        raise ValueError(f"troupe.shard(groups={groups}) differs from the elastic job's {options.groups} worker groups: "
+                         "under troupe run --elastic leave groups out (--nworker-groups sets them)")
+    if options.group_size == 1:
+        raise Refusal("troupe.shard under troupe run --elastic shards the model inside each worker group, and these "
+                      "groups are of one process: give --nworker-groups G (groups of 2 or more processes)")
+    return options.groups
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from troupe.strategies.base import BaseStrategy, StepStats
-from troupe.strategies.choice import Fixed, params_of, refuse
+from troupe.strategies.choice import Fixed, params_of
 from troupe.strategies.registry import Capabilities, Regime, Setup, register
 
 if TYPE_CHECKING:
@@ -169,26 +169,69 @@ class ShardedStep(BaseStrategy):
         return []
 
 
+class ElasticShardedStep(ShardedStep):
+    """An elastic job's sharded model (`troupe.shard` under ``troupe run --elastic --nworker-groups G``): FSDP2
+    reduce-scatters each gradient over the worker group's own process group in backward (the mean over its k
+    processes); `synchronize`, before the step's vote, all-reduces every local shard's gradient with the
+    processes at this place in the other groups present (1/k of the gradients crosses groups, as under HSDP)
+    and divides by their number. A group that joins heals place by place: process j copies process j of a live
+    group, which holds the same shards."""
+
+    def __init__(self, comm: Communicator, optimizer: torch.optim.Optimizer, params: Sequence[Tensor],
+                 sharding: Sharding, across: Communicator, membership: Any):
+        super().__init__(comm, optimizer, params, sharding)
+        self.across, self.membership = across, membership
+
+    def synchronize(self) -> None:
+        """The mean over the groups present of each local gradient shard (a parameter without a gradient in any
+        group gets zeros; one without in every group keeps None); under a constant global batch each group's
+        counts for the batches it took."""
+        with torch.no_grad():
+            grads = [_local(p.grad) if p.grad is not None else None for p in self.params]
+            sizes = [_local(p).numel() for p in self.params]
+            flat = torch.zeros(sum(sizes) + len(sizes), dtype=torch.float32)
+            at = 0
+            for i, (g, n) in enumerate(zip(grads, sizes)):
+                if g is not None:
+                    flat[at : at + n].copy_(g.reshape(-1))
+                    flat[sum(sizes) + i] = 1.0
+                at += n
+            if self.membership.constant_batch:
+                flat[: sum(sizes)].mul_(self.membership.grad_weight())
+            self.across.all_reduce(flat, "sum")
+            flat[: sum(sizes)].div_(self.across.world_size)
+            at = 0
+            for i, (p, g, n) in enumerate(zip(self.params, grads, sizes)):
+                if flat[sum(sizes) + i] > 0:
+                    if g is None:
+                        p.grad = torch.zeros_like(p)
+                        g = _local(p.grad)
+                    g.view(-1).copy_(flat[at : at + n])
+                at += n
+
+
 @register
 class FullySharded(Regime):
     """A model sharded by `troupe.shard` (FSDP2): DistOpt picks it from the parameters, never by name alone."""
 
     name, method = "fsdp", "backward_and_update"
     supports = Capabilities(per_call=False, join=False, graph_mode=False, add_param_group=False, partition=False,
-                            elastic=False)
+                            elastic=True)
     where = "for a model sharded by troupe.shard"
     replicated = False
 
     @classmethod
     def choose(cls, setup: Setup) -> Fixed:
-        if setup.world.membership.elastic:
-            raise refuse("elastic", cls.where)
         params = params_of(setup.optimizer)
         sharding = sharding_of(params)
         if sharding is None:
             raise ValueError("dist_option 'fsdp' trains a model sharded by troupe.shard: call model = "
                              "troupe.shard(model) before making the optimizer over model.parameters()")
-        return Fixed(cls, ShardedStep(setup.world.job, setup.optimizer, params, sharding))
+        world = setup.world
+        if world.membership.elastic:  # FSDP2 inside the worker group; the shards' gradients across the groups present
+            return Fixed(cls, ElasticShardedStep(world.comm, setup.optimizer, params, sharding,
+                                                 world.replica_comms()[1], world.membership))
+        return Fixed(cls, ShardedStep(world.job, setup.optimizer, params, sharding))
 
     @classmethod
     def accept(cls, option: type[Regime]) -> None:

@@ -21,7 +21,8 @@ MODE (faults in first incarnations only, unless said otherwise):
   group-kill-in-step  rank 3 SIGKILLs itself in its optimizer's step of step 6 (after the step's vote committed it)
 ELASTIC_TEST_CHUNK: partialUpdate's chunk size. ELASTIC_TEST_PARTITION (a JSON troupe.partition plan, e.g. {"0": 1, "2": -1},
 or "auto-job": plan "auto" with link "job") partitions the model inside each worker group; ELASTIC_TEST_ADAMW=1: AdamW
-(weight decay 0.1) instead of SGD with momentum; OUT/rank{r}.pt then holds the whole model, put together from the group's slices.
+(weight decay 0.1) instead of SGD with momentum; ELASTIC_TEST_FSDP=1: the model sharded by troupe.shard inside each
+worker group (its parameters written whole); OUT/rank{r}.pt then holds the whole model, put together from the group's slices.
 The job trains until it has taken MIN_STEPS steps and the last FULL_STREAK of them had every group (or
 --max-groups of them)
 (the same verdict on every member: they commit the same steps); under DiLoCo, until such a step is
@@ -79,8 +80,9 @@ def data():
     return torch.randn(SAMPLES, 8, generator=g), torch.randint(0, 4, (SAMPLES,), generator=g)
 
 
-def model_and_optimizer(plan=None):
-    """The model (partitioned inside the worker group by `plan`, a troupe.partition plan) and its optimizer."""
+def model_and_optimizer(plan=None, shard=False):
+    """The model (partitioned inside the worker group by `plan`, a troupe.partition plan; sharded by troupe.shard
+    with `shard`) and its optimizer."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     if plan == "auto-job":  # planned with the step's costs timed in this job
@@ -88,20 +90,28 @@ def model_and_optimizer(plan=None):
                                  link="job")
     elif plan is not None:
         model = troupe.partition(model, plan)
+    if shard:
+        model = troupe.shard(model)
     if os.environ.get("ELASTIC_TEST_ADAMW") == "1":
         return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a DTensor (troupe.shard's), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def main(out: Path, mode: str, dist_option: str = "plain") -> None:
     torch.set_num_threads(1)
     incarnation = int(os.environ.get("TROUPE_INCARNATION", "0"))
     plan = json.loads(os.environ["ELASTIC_TEST_PARTITION"]) if os.environ.get("ELASTIC_TEST_PARTITION") else None
-    model, sgd = model_and_optimizer(plan)
+    model, sgd = model_and_optimizer(plan, shard=os.environ.get("ELASTIC_TEST_FSDP") == "1")
     if incarnation:
         torch.manual_seed(1000 + incarnation)  # a restart starts from other values: the heal must overwrite them
-        for p in model.parameters():
-            p.data.normal_()
+        with torch.no_grad():
+            for p in model.parameters():
+                local(p).normal_()
     chunk = int(os.environ.get("ELASTIC_TEST_CHUNK", "0"))  # partialUpdate's chunk size
     opt = troupe.DistOpt(sgd, dist_option=dist_option, spars=0.25 if dist_option.startswith("sparse") else None,
                          **({"compression": troupe.CompressionConfig(chunk_size=chunk)} if chunk else {}))
@@ -122,9 +132,9 @@ def main(out: Path, mode: str, dist_option: str = "plain") -> None:
     where = train.sampler.state_dict()
     start_epoch, start_batch = where["epoch"], where["position"] // (opt.world_size * BATCH)
     membership = opt.world.membership
-    healed = {"steps": steps, "params": [p.detach().clone() for p in model.parameters()],
+    healed = {"steps": steps, "params": [local(p).detach().clone() for p in model.parameters()],
               # the optimizer's state as held (a sharded DistOpt's: its parts' only), every tensor of it
-              "momentum": [v.clone() for g in opt.param_groups for p in g["params"]
+              "momentum": [local(v).clone() for g in opt.param_groups for p in g["params"]
                            for v in opt.state[p].values() if torch.is_tensor(v) and v.dim()],
               "strategy": opt.state_dict()["strategies"]} if incarnation else None
     log: list = []
@@ -150,8 +160,10 @@ def main(out: Path, mode: str, dist_option: str = "plain") -> None:
         else:
             continue
         break
-    params = [p.detach() for p in model.parameters()] if plan is None else \
-        list(troupe.partition.full_state_dict(model).values())  # the group's slices put together
+    if plan is not None:
+        params = list(troupe.partition.full_state_dict(model).values())  # the group's slices put together
+    else:  # a sharded model's shards gathered inside the group
+        params = [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
     digest = hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest()
     torch.save({"params": params, "healed": healed}, out / f"rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps({
