@@ -67,6 +67,11 @@ def add_bench_parser(sub, positive: Callable[[str], int]) -> None:
     from troupe.bench.chaos import add_arguments as add_chaos_arguments
 
     add_chaos_arguments(chaos)
+    scale = bsub.add_parser("scale", help="an elastic job's control plane against its number of processes, measured "
+                                          "and fitted (docs/scale.md)")
+    from troupe.bench.scale import add_arguments as add_scale_arguments
+
+    add_scale_arguments(scale)
     table = bsub.add_parser("table", help="markdown tables of a JSON-lines results file")
     table.add_argument("results")
     plot = bsub.add_parser("plot", help="a matplotlib plot of a JSON-lines results file")

@@ -50,7 +50,7 @@ PLANS = {"hybrid": {"conv*": 0, "linear*": 1}, "model": {"*": 1}}
 
 
 def job(out: Path, batch_size: int, lr: float, seed: int, dist_option: str = "plain", spars: float | None = None,
-        partition: str | None = None, shard_model: bool = False) -> None:
+        partition: str | None = None, shard_model: bool = False, pad_mb: float = 0.0) -> None:
     """One process: train until the stop step, then evaluate and hash the parameters. Each process of a
     worker group reads its own shard; the group's process 0 writes the group's events and result."""
     import torch
@@ -62,6 +62,8 @@ def job(out: Path, batch_size: int, lr: float, seed: int, dist_option: str = "pl
     torch.manual_seed(seed)
     t0 = float(os.environ["TROUPE_CHAOS_T0"])
     model = build_cnn()
+    if pad_mb:  # a larger model to heal: one more parameter, in the loss with weight 0 (its gradient is zero)
+        model.pad = torch.nn.Parameter(torch.zeros(int(pad_mb * 2**20 / 4)))
     if partition:
         model = troupe.partition(model, PLANS[partition])  # inside the elastic worker group
     if shard_model:
@@ -93,7 +95,10 @@ def job(out: Path, batch_size: int, lr: float, seed: int, dist_option: str = "pl
             if stop is not None and sgd.step_count >= stop:
                 break
             bx, by = shard.batch(sgd.step_count)
-            F.cross_entropy(model(bx), by).backward()
+            loss = F.cross_entropy(model(bx), by)
+            if pad_mb:
+                loss = loss + 0.0 * model.pad.sum()
+            loss.backward()
             before = sgd.step_count
             sgd.step()
             sgd.zero_grad()
@@ -109,7 +114,7 @@ def job(out: Path, batch_size: int, lr: float, seed: int, dist_option: str = "pl
             whole.load_state_dict(troupe.partition.full_state_dict(model))
         if shard_model:  # the group's shards put together (every process of the group takes part)
             whole = build_cnn()
-            whole.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+            whole.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items() if k != "pad"})
     if place == 0:
         (out / f"final.{group}.json").write_text(json.dumps({"group": group, "eval_acc": acc,
                                                              "params_sha256": params_sha256(whole)}))
@@ -134,7 +139,8 @@ class Driver:
                "--ranks", "0", __file__, "job", str(self.out), "--batch-size", str(args.batch_size),
                "--lr", str(args.lr), "--seed", str(args.seed), "--dist-option", args.dist_option,
                *(["--spars", str(args.spars)] if args.spars is not None else []),
-               *(["--partition", args.partition] if args.partition else [])]
+               *(["--partition", args.partition] if args.partition else []),
+               *(["--pad-mb", str(args.pad_mb)] if args.pad_mb else [])]
         if args.shard == "parameters":  # troupe.shard in the script: FSDP2 inside each group
             cmd.append("--shard-model")
         elif args.shard:  # each group cuts the optimizer state (and gradients) over its processes
@@ -309,6 +315,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.shard and (args.group_size < 2 or args.diloco or args.partition):
         raise ValueError("--shard cuts the optimizer state inside worker groups of 2 or more processes (--group-size), "
                          "without --diloco or --partition")
+    if args.pad_mb and (args.partition or args.downpour or args.hogwild or args.pad_mb < 0):
+        raise ValueError("--pad-mb is a size in MiB for the synchronous jobs (not --partition, --downpour, --hogwild)")
     if args.partition and args.diloco:
         raise ValueError("--partition runs without --diloco (troupe.partition inside elastic groups runs without a "
                          "framework)")
@@ -351,6 +359,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="troupe run --shard: each worker group cuts the optimizer state (and gradients) over its "
                         "processes; parameters: the script shards the model with troupe.shard (FSDP2); needs "
                         "--group-size >= 2")
+    p.add_argument("--pad-mb", type=float, default=0.0,
+                   help="one more parameter of this many MiB in the model (weight 0 in the loss): a larger state "
+                        "to heal, for the launcher's memory against the model's size")
     p.add_argument("--min-groups", type=int, default=2)
     p.add_argument("--duration", type=float, default=300.0, help="seconds of the fault phase")
     p.add_argument("--kill-every", type=float, default=30.0, help="SIGKILL a random worker every T s (0: never)")
@@ -391,8 +402,9 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--spars", type=float, default=None)
         p.add_argument("--partition", choices=sorted(PLANS), default=None)
         p.add_argument("--shard-model", action="store_true")
+        p.add_argument("--pad-mb", type=float, default=0.0)
         a = p.parse_args(argv[1:])
-        job(a.out, a.batch_size, a.lr, a.seed, a.dist_option, a.spars, a.partition, a.shard_model)
+        job(a.out, a.batch_size, a.lr, a.seed, a.dist_option, a.spars, a.partition, a.shard_model, a.pad_mb)
         return
     p = argparse.ArgumentParser(prog="troupe bench chaos")
     add_arguments(p)

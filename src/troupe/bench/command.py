@@ -6,6 +6,7 @@
     troupe bench table results.jsonl
     troupe bench plot results.jsonl out.png
     troupe bench faults --doc docs/network_faults.md          # network faults on simulated hosts
+    troupe bench scale --sizes 2 4 8 16 32 64                 # the elastic control plane against N
 """
 
 from __future__ import annotations
@@ -127,6 +128,11 @@ def main(args: argparse.Namespace) -> int:
             from troupe.bench.chaos import run as run_chaos
 
             print(json.dumps(run_chaos(args), indent=1))
+            return 0
+        if args.bench_command == "scale":
+            from troupe.bench.scale import run as run_scale
+
+            run_scale(args)
             return 0
         if args.bench_command == "table":
             print(table(args.results, args.benchmark, args.run))

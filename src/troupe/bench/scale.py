@@ -1,0 +1,276 @@
+"""`troupe bench scale`: the control plane of an elastic job against the number of processes, measured here
+and extrapolated by a fitted cost model.
+
+Each point is one job, `troupe run -n N --elastic` (groups of one process, a model of 36 parameters, so that
+the control plane and not compute grows with N), that takes `--steps` steps after `--warmup`. What it
+measures, per N:
+
+* **start_s**: from `troupe run`'s start until every process has committed its first step (the launcher
+  forks the ranks, each joins the first quorum, the first quorum heals everyone from its source);
+* **vote_ms**: per step, from the moment the last process starts its vote until the last process has the
+  round's decision: the cost of the vote itself (every member adds to two counters on the launcher's store
+  and reads the decision; the last one writes it), without the members' skew in reaching it. The median
+  over the measured steps;
+* **step_ms**: the median step, as the slowest process sees it (a 36-parameter all-reduce over N processes
+  on loopback, plus the vote);
+* **launcher_cpu**: the launcher's CPU time (its store server, the lighthouse reading N heartbeat counters
+  every 0.1 s, the supervisor) per second of training, in cores.
+
+Each is fitted to ``a + b * N`` by least squares on the points up to `--fit-upto` processes and checked on
+the points above it (goal: within 20 %). The fitted costs then give, for a step of 1 s and of 100 ms, the
+largest job whose vote costs at most 5 % of the step and whose launcher needs at most one core.
+
+    troupe bench scale --sizes 2 4 8 16 32 64 --out runs/scale.json
+    troupe bench scale --render runs/scale.json              # the table and the limits again
+    python -m troupe.bench.scale job OUT                      # one process (what troupe run starts)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+START_TIMEOUT_S = 300.0
+"""A job of N processes must end within this (plus 2 s per process)."""
+STEP_BUDGET = 0.05
+"""The share of a step the control plane may take."""
+METRICS = ("start_s", "vote_ms", "step_ms", "launcher_cpu")
+
+
+def job(out: Path, steps: int, warmup: int) -> None:
+    """One process: `warmup + steps` steps of a tiny model; each step's vote timed (the wall clock, which every
+    process on this host shares); OUT/rank{r}.json gets the times."""
+    import torch
+    import torch.nn.functional as F
+
+    import troupe
+
+    t0 = float(os.environ["TROUPE_SCALE_T0"])
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=0.01))
+    membership = opt.world.membership
+    arrived: list[float] = []
+    decided: list[float] = []
+    vote = membership.vote
+
+    def timed_vote(ok: bool, error: BaseException | None = None) -> bool:
+        arrived.append(time.time())
+        try:
+            return vote(ok, error)
+        finally:
+            decided.append(time.time())
+
+    membership.vote = timed_vote
+    troupe.track(model=model, optimizer=opt)
+    g = torch.Generator().manual_seed(opt.global_rank)
+    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+    ends: list[float] = []
+    while opt.step_count < warmup + steps:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        ends.append(time.time())
+        if len(ends) == 1 and opt.global_rank == 0:
+            (out / "stepped").touch()  # the driver starts counting the launcher's CPU
+    (out / f"rank{opt.global_rank}.json").write_text(json.dumps({
+        "rank": opt.global_rank, "first_step": ends[0] - t0, "arrived": arrived, "decided": decided, "ends": ends,
+        "warmup": warmup}))
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(n: int, out: Path, steps: int, warmup: int) -> dict[str, Any]:
+    """One job of `n` processes into `out`; its point."""
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    env = {**os.environ, "TROUPE_SCALE_T0": repr(t0), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", str(n), "--elastic", "--min-groups", "2",
+           "--ranks", "0", __file__, "job", str(out), "--steps", str(steps), "--warmup", str(warmup)]
+    with open(out / "launcher.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            cpu = _launcher_cpu(proc, out, n)
+            code = proc.wait(timeout=START_TIMEOUT_S + 2 * n)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if code != 0:
+        raise RuntimeError(f"the job of {n} processes exited with code {code}: see {out / 'launcher.log'}")
+    return point(n, [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)], cpu)
+
+
+def _launcher_cpu(proc: subprocess.Popen, out: Path, n: int) -> float | None:
+    """The launcher's CPU seconds per wall second while the job trains: from the first rank's first step to the
+    first rank's report (sampled from /proc while it runs)."""
+    deadline = time.time() + START_TIMEOUT_S + 2 * n
+    start = None
+    while time.time() < deadline and proc.poll() is None:
+        files = list(out.glob("rank*.json"))
+        try:
+            if start is None and _any_stepped(out):
+                start = (time.time(), _cpu_seconds(proc.pid))
+            if start is not None and files:
+                end = (time.time(), _cpu_seconds(proc.pid))
+                return (end[1] - start[1]) / max(end[0] - start[0], 1e-9)
+        except OSError:
+            return None
+        time.sleep(0.05)
+    return None
+
+
+def _any_stepped(out: Path) -> bool:
+    marker = out / "stepped"
+    return marker.exists()
+
+
+def point(n: int, ranks: list[dict[str, Any]], launcher_cpu: float | None) -> dict[str, Any]:
+    """The measures of one job from its processes' reports (see the module docstring)."""
+    warmup = ranks[0]["warmup"]
+    steps = min(len(r["decided"]) for r in ranks)
+    votes, step_ms = [], []
+    for s in range(warmup, steps):
+        last_in = max(r["arrived"][s] for r in ranks)
+        votes.append((max(r["decided"][s] for r in ranks) - last_in) * 1e3)
+        if s > 0:
+            step_ms.append(max(r["ends"][s] - r["ends"][s - 1] for r in ranks) * 1e3)
+    return {"n": n, "start_s": max(r["first_step"] for r in ranks), "vote_ms": statistics.median(votes),
+            "step_ms": statistics.median(step_ms), "launcher_cpu": launcher_cpu, "steps": len(votes)}
+
+
+@dataclass(frozen=True)
+class Fit:
+    """``a + b * n``, fitted by least squares."""
+
+    a: float
+    b: float
+
+    def __call__(self, n: float) -> float:
+        return self.a + self.b * n
+
+    @staticmethod
+    def of(points: list[tuple[float, float]]) -> Fit:
+        if len(points) < 2:
+            raise ValueError("a fit needs at least 2 points")
+        xs, ys = [p[0] for p in points], [p[1] for p in points]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+        return Fit(my - b * mx, b)
+
+
+def fits(points: list[dict[str, Any]], upto: int) -> dict[str, Fit]:
+    """Each metric fitted on the points of at most `upto` processes."""
+    return {m: Fit.of([(p["n"], p[m]) for p in points if p["n"] <= upto and p.get(m) is not None])
+            for m in METRICS if sum(1 for p in points if p["n"] <= upto and p.get(m) is not None) >= 2}
+
+
+def limits(fit: dict[str, Fit]) -> dict[str, Any]:
+    """The largest job (processes, i.e. groups of one) whose control plane fits, per step time: the vote within
+    `STEP_BUDGET` of the step, the launcher within one core; and which gives out first."""
+    found: dict[str, Any] = {}
+    cpu = fit.get("launcher_cpu")
+    cpu_limit = None if cpu is None else _reach(cpu, 1.0)
+    for step_s in (1.0, 0.1):
+        vote_limit = _reach(fit["vote_ms"], STEP_BUDGET * step_s * 1e3)
+        bounds = {k: v for k, v in (("vote", vote_limit), ("launcher CPU", cpu_limit)) if v is not None}
+        first = min(bounds, key=bounds.get) if bounds else None
+        found[f"{step_s:g} s"] = {"processes": bounds.get(first) if first else None, "first": first, **bounds}
+    return found
+
+
+def _reach(fit: Fit, bound: float) -> int | None:
+    """The largest n with fit(n) <= bound; None when it does not grow with n (no bound)."""
+    if fit.b <= 1e-12:
+        return None
+    return math.floor((bound - fit.a) / fit.b + 1e-9)
+
+
+def report(points: list[dict[str, Any]], upto: int) -> str:
+    """The table of measured points, the fits with their error on the points they did not see, the limits."""
+    fit = fits(points, upto)
+    lines = ["| processes | start (s) | vote (ms) | step (ms) | launcher CPU (cores) |", "|---|---|---|---|---|"]
+    for p in sorted(points, key=lambda p: p["n"]):
+        cpu = "-" if p.get("launcher_cpu") is None else f"{p['launcher_cpu']:.2f}"
+        lines.append(f"| {p['n']} | {p['start_s']:.2f} | {p['vote_ms']:.2f} | {p['step_ms']:.1f} | {cpu} |")
+    lines += ["", f"Fitted on the points of at most {upto} processes, checked on the others:", "",
+              "| measure | a (constant) | b (per process) | held-out points: measured / predicted |", "|---|---|---|---|"]
+    for m, f in fit.items():
+        held = [f"{p['n']}: {p[m]:.3g} / {f(p['n']):.3g} ({(f(p['n']) - p[m]) / p[m]:+.0%})"
+                for p in points if p["n"] > upto and p.get(m)]
+        lines.append(f"| {m} | {f.a:.4g} | {f.b:.4g} | {'; '.join(held) or '-'} |")
+    if "vote_ms" in fit:
+        lines += ["", "| step | largest job whose vote is <= 5 % of the step | launcher within one core | first to give out |",
+                  "|---|---|---|---|"]
+        for step, lim in limits(fit).items():
+            lines.append(f"| {step} | {lim.get('vote', '-')} | {lim.get('launcher CPU', '-')} | {lim['first'] or '-'} |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.render:
+        data = json.loads(Path(args.render).read_text())
+        print(report(data["points"], data["fit_upto"]))
+        return data
+    sizes = sorted(set(args.sizes))
+    if not sizes or sizes[0] < 2:
+        raise ValueError(f"--sizes must be 2 or more processes each, got {args.sizes}")
+    if len([s for s in sizes if s <= args.fit_upto]) < 2:
+        raise ValueError(f"--fit-upto {args.fit_upto} leaves fewer than 2 sizes to fit on ({sizes})")
+    work = Path(args.workdir)
+    points = []
+    for n in sizes:
+        print(f"troupe bench scale: {n} processes", file=sys.stderr, flush=True)
+        points.append(measure(n, work / f"n{n}", args.steps, args.warmup))
+        print(f"troupe bench scale: {json.dumps(points[-1])}", file=sys.stderr, flush=True)
+    data = {"points": points, "fit_upto": args.fit_upto, "steps": args.steps, "warmup": args.warmup,
+            "cpus": os.cpu_count(), "loadavg": os.getloadavg()}
+    if args.out:
+        Path(args.out).write_text(json.dumps(data, indent=1))
+    print(report(points, args.fit_upto))
+    return data
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64], help="processes per job")
+    p.add_argument("--steps", type=int, default=150, help="steps measured per job (after --warmup)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--fit-upto", type=int, default=32, help="fit the cost model on the jobs of at most this many "
+                   "processes; the larger ones check it")
+    p.add_argument("--workdir", default="/tmp/troupe-scale", help="each job's reports and launcher log")
+    p.add_argument("--out", default=None, help="write the points as JSON")
+    p.add_argument("--render", default=None, metavar="FILE", help="print the table of a --out FILE again")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["job"]:
+        p = argparse.ArgumentParser(prog="troupe.bench.scale job")
+        p.add_argument("out", type=Path)
+        p.add_argument("--steps", type=int, default=40)
+        p.add_argument("--warmup", type=int, default=5)
+        a = p.parse_args(argv[1:])
+        job(a.out, a.steps, a.warmup)
+        return
+    p = argparse.ArgumentParser(prog="troupe bench scale")
+    add_arguments(p)
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""`troupe bench scale`'s arithmetic, without processes: a job's point from its processes' reports, the
+least-squares fit, the limits it gives, the table; and its bad input (troupe bench chaos's new flags too)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from troupe.bench import chaos, scale
+
+
+def reports(n: int, steps: int, warmup: int = 1) -> list[dict]:
+    """n processes' reports: process r reaches each step's vote r ms after process 0 (the skew), the last one gets
+    the decision 2 ms after it arrives, the others 1 ms after that; a step every 10 ms, process r's r ms late."""
+    out = []
+    for r in range(n):
+        arrived = [s * 0.010 + r * 0.001 for s in range(steps)]
+        decided = [s * 0.010 + (n - 1) * 0.001 + 0.002 + (0.0 if r == n - 1 else 0.001) for s in range(steps)]
+        ends = [d + 0.0005 for d in decided]
+        out.append({"rank": r, "first_step": 3.0 + r, "arrived": arrived, "decided": decided, "ends": ends,
+                    "warmup": warmup})
+    return out
+
+
+def test_a_point_is_the_vote_after_the_last_arrival_not_the_skew():
+    p = scale.point(4, reports(4, steps=6), launcher_cpu=0.25)
+    assert p["n"] == 4 and p["steps"] == 5  # the warm-up step left out
+    assert p["vote_ms"] == pytest.approx(3.0)  # from the last arrival until the last decision: 2 ms + 1 ms
+    assert p["step_ms"] == pytest.approx(10.0)
+    assert p["start_s"] == 6.0 and p["launcher_cpu"] == 0.25  # the slowest process's first step
+
+
+def test_the_fit_recovers_a_line_and_the_limits_follow_from_it():
+    f = scale.Fit.of([(2, 1.2), (4, 1.4), (8, 1.8), (16, 2.6)])
+    assert f.a == pytest.approx(1.0) and f.b == pytest.approx(0.1) and f(100) == pytest.approx(11.0)
+    lim = scale.limits({"vote_ms": f, "launcher_cpu": scale.Fit(0.1, 0.001)})
+    # 5 % of 1 s is 50 ms: (50 - 1) / 0.1 = 490 processes; the launcher reaches one core at (1 - 0.1) / 0.001 = 900
+    assert lim["1 s"] == {"processes": 490, "first": "vote", "vote": 490, "launcher CPU": 900}
+    assert lim["0.1 s"]["vote"] == 40 and lim["0.1 s"]["first"] == "vote"  # (5 - 1) / 0.1
+    with pytest.raises(ValueError, match="at least 2 points"):
+        scale.Fit.of([(2, 1.0)])
+
+
+def test_the_report_checks_the_fit_on_the_points_it_did_not_see():
+    points = [{"n": n, "start_s": 1.0 + n, "vote_ms": 1.0 + 0.1 * n, "step_ms": 5.0 + n, "launcher_cpu": 0.1}
+              for n in (2, 4, 8)] + [{"n": 16, "start_s": 17.0, "vote_ms": 3.0, "step_ms": 21.0, "launcher_cpu": 0.1}]
+    text = scale.report(points, upto=8)
+    assert "| 16 | 17.00 | 3.00 | 21.0 | 0.10 |" in text
+    assert "16: 3 / 2.6 (-13%)" in text  # vote: measured 3.0, the line through the first three says 2.6
+    assert "| 1 s | 490 |" in text
+
+
+def test_bad_sizes_are_refused_in_one_line(tmp_path):
+    args = argparse.Namespace(render=None, sizes=[1, 4], fit_upto=32, workdir=str(tmp_path), steps=3, warmup=1,
+                              out=None)
+    with pytest.raises(ValueError, match="--sizes must be 2 or more processes each"):
+        scale.run(args)
+    args.sizes, args.fit_upto = [4, 8], 4
+    with pytest.raises(ValueError, match="--fit-upto 4 leaves fewer than 2 sizes to fit on"):
+        scale.run(args)
+
+
+def test_chaos_refuses_a_shard_without_groups_and_a_pad_with_partition(tmp_path):
+    p = argparse.ArgumentParser()
+    chaos.add_arguments(p)
+    with pytest.raises(ValueError, match="--shard cuts the optimizer state inside worker groups of 2 or more"):
+        chaos.run(p.parse_args(["--out", str(tmp_path / "a"), "--shard", "optimizer"]))
+    with pytest.raises(ValueError, match="--pad-mb is a size in MiB for the synchronous jobs"):
+        chaos.run(p.parse_args(["--out", str(tmp_path / "b"), "--group-size", "2", "--partition", "hybrid",
+                                "--pad-mb", "8"]))
