@@ -52,13 +52,12 @@ def test_the_report_checks_the_fit_on_the_points_it_did_not_see():
 
 
 def test_bad_sizes_are_refused_in_one_line(tmp_path):
-    args = argparse.Namespace(render=None, sizes=[1, 4], fit_upto=32, workdir=str(tmp_path), steps=3, warmup=1,
-                              out=None)
+    p = argparse.ArgumentParser()
+    scale.add_arguments(p)
     with pytest.raises(ValueError, match="--sizes must be 2 or more processes each"):
-        scale.run(args)
-    args.sizes, args.fit_upto = [4, 8], 4
+        scale.run(p.parse_args(["--sizes", "1", "4", "--workdir", str(tmp_path)]))
     with pytest.raises(ValueError, match="--fit-upto 4 leaves fewer than 2 sizes to fit on"):
-        scale.run(args)
+        scale.run(p.parse_args(["--sizes", "4", "8", "--fit-upto", "4", "--workdir", str(tmp_path)]))
 
 
 def test_chaos_refuses_a_shard_without_groups_and_a_pad_with_partition(tmp_path):
@@ -69,3 +68,21 @@ def test_chaos_refuses_a_shard_without_groups_and_a_pad_with_partition(tmp_path)
     with pytest.raises(ValueError, match="--pad-mb is a size in MiB for the synchronous jobs"):
         chaos.run(p.parse_args(["--out", str(tmp_path / "b"), "--group-size", "2", "--partition", "hybrid",
                                 "--pad-mb", "8"]))
+
+
+def test_control_plane_limits_from_measured_costs():
+    """Store: 10,000 ops/s; a tick read 0.1 ms per rank before the fix, and 1 ms + 0.01 ms per rank after."""
+    costs = {"store_ops_per_s": 10_000.0, "clients": 4,
+             "sizes": {n: {"tick_before_ms": 0.1 * n, "tick_after_ms": 1.0 + 0.01 * n} for n in (64, 1024, 4096)}}
+    lim = scale.control_plane_limits(costs)
+    one = lim["1 s"]
+    assert abs(one["vote"] - 249) <= 4  # (2n + 2) / 10,000 <= 0.05 s
+    assert abs(one["lighthouse before"] - 200) <= 4  # 0.1 ms x n within one 20 ms tick
+    # after: 4 reads a second of 1 + 0.01 n ms and 50 ticks of the smallest size's read (1.64 ms) <= 500 ms up
+    # to n = 10,350: past the 10,000 looked at
+    assert one["lighthouse after"] == 10_000
+    assert abs(one["store capacity"] - 2499) <= 40  # (2n + 2) + 2n ops per second <= 10,000
+    assert (one["first before"], one["first after"]) == ("lighthouse", "vote")
+    assert lim["0.1 s"]["vote"] < one["vote"] / 9
+    text = scale.store_report(costs)
+    assert "| 1024 | 102.40 | 11.24 |" in text and "| 1 s | " in text

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from troupe.runtime.lighthouse import Lighthouse
-from troupe.runtime.quorum import Decision, ElasticOptions, Quorum, Ready, round_key
+from troupe.runtime.quorum import ASKED, Decision, ElasticOptions, Quorum, Ready, round_key
 from troupe.runtime.ticket import Ticket
 
 
@@ -28,7 +28,9 @@ def beat(client, *ranks):
 
 
 def ask(client, rank, token, step=-1):
+    """What a worker's `Elastic.join` does: its request, then its rank in the log the lighthouse reads."""
     client.set(f"ready/{rank}", Ready(token, step).encode())
+    client.append(ASKED, f"{rank} ")
 
 
 def latest(client) -> Quorum:
@@ -41,6 +43,7 @@ def tick_for_6s(lh, client, monkeypatch, beating) -> None:
     monkeypatch.setattr("troupe.runtime.lighthouse.time.monotonic", lambda: clock[0])
     for b in lh.beats.values():
         b.changed = clock[0]
+    lh.beats_read_at = clock[0] - 1.0  # the last read of the counters, on the frozen clock too
     for _ in range(3):
         clock[0] += 2.0
         beat(client, *beating)

@@ -17,11 +17,20 @@ measures, per N:
   every 0.1 s, the supervisor) per second of training, in cores.
 
 Each is fitted to ``a + b * N`` by least squares on the points up to `--fit-upto` processes and checked on
-the points above it (goal: within 20 %). The fitted costs then give, for a step of 1 s and of 100 ms, the
-largest job whose vote costs at most 5 % of the step and whose launcher needs at most one core.
+the points above it (goal: within 20 %). On this machine N processes share 2 cores, so the vote's and the
+step's growth here is mostly the processes waiting for a core; the fitted limits say what holds on this host.
+
+What grows with the job wherever it runs is what passes through node 0's launcher: its store (every vote, every
+heartbeat) and its lighthouse (every rank's liveness and requests). `store_costs` measures those directly at
+up to 10,000 ranks' keys (no process started: the operations themselves, on a real TCPStore), and
+`control_plane_limits` gives from them, per step time, the largest job each part carries: the vote within 5 %
+of the step (2 store operations per process and step), the store's capacity (votes and heartbeats), the
+lighthouse's tick (before the fix: two round trips per rank each tick; now: every heartbeat counter in one
+message 4 times a second and a log of requests), and which gives out first.
 
     troupe bench scale --sizes 2 4 8 16 32 64 --out runs/scale.json
     troupe bench scale --render runs/scale.json              # the table and the limits again
+    troupe bench scale --store-only --out runs/store.json    # the launcher's costs at 64 .. 10,000 ranks only
     python -m troupe.bench.scale job OUT                      # one process (what troupe run starts)
 """
 
@@ -222,10 +231,131 @@ def report(points: list[dict[str, Any]], upto: int) -> str:
     return "\n".join(lines)
 
 
+def store_costs(sizes: list[int], reps: int = 5, clients: int = 4) -> dict[str, Any]:
+    """The launcher's side of the control plane measured directly, in this process, for jobs of `sizes`
+    processes (no process started: the keys of that many ranks on a real TCPStore, libuv server, over loopback):
+
+    * tick_before_ms: what one lighthouse tick read before the fix, two round trips per rank (its heartbeat
+      counter, its request key), one rank after another; tick_after_ms: what it reads now, every counter in one
+      message and the log of requests (`Lighthouse._read_beats`, `_read_requests`). Medians of `reps`;
+    * store_ops_per_s: the store's throughput of small adds from `clients` connections at once (an elastic
+      step's vote is 2 such operations per process, and a heartbeat one per process every 0.5 s)."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), use_libuv=True)
+
+    def client() -> Any:
+        return dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=datetime.timedelta(seconds=60))
+
+    store, out = client(), {"sizes": {}}
+    for n in sizes:
+        hb, ready = [f"n{n}/hb/{r}" for r in range(n)], [f"n{n}/ready/{r}" for r in range(n)]
+        for k in hb:
+            store.add(k, 1)
+        store.set(f"n{n}/asked", "")
+        before, after = [], []
+        for _ in range(reps):
+            t = time.perf_counter()
+            for a, b in zip(hb, ready):
+                store.add(a, 0)
+                store.check([b])
+            before.append((time.perf_counter() - t) * 1e3)
+            t = time.perf_counter()
+            store.multi_get(hb)
+            store.get(f"n{n}/asked")
+            after.append((time.perf_counter() - t) * 1e3)
+        out["sizes"][n] = {"tick_before_ms": statistics.median(before), "tick_after_ms": statistics.median(after)}
+    per_client = 4000
+    conns = [client() for _ in range(clients)]
+    threads = [threading.Thread(target=lambda c=c, i=i: [c.add(f"ops/{i}", 1) for _ in range(per_client)])
+               for i, c in enumerate(conns)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    out["store_ops_per_s"] = clients * per_client / (time.perf_counter() - t)
+    out["clients"] = clients
+    return out
+
+
+TICKS_PER_S = 50
+"""The lighthouse's ticks per second (runtime/lighthouse.py's TICK_SECONDS = 0.02)."""
+BEAT_READS_PER_S = 4
+"""Its reads of every heartbeat counter per second since the fix (twice a 0.5-s heartbeat)."""
+
+
+def control_plane_limits(costs: dict[str, Any], n_max: int = 10_000) -> dict[str, Any]:
+    """From the measured costs: per step time, the largest elastic job (groups of one process, up to `n_max`)
+    whose vote costs the store at most 5 % of the step, and whose lighthouse needs at most half a core (it shares
+    the launcher with the store's server), before and after the fix; what gives out first. The lighthouse's cost
+    at n processes is interpolated linearly between the measured sizes (extrapolated beyond the largest)."""
+    sizes = sorted(int(n) for n in costs["sizes"])
+    ops = costs["store_ops_per_s"]
+
+    def tick_ms(n: int, which: str) -> float:
+        """Linear between the measured sizes; the smallest's cost below them; the last two's line beyond."""
+        pts = [(m, costs["sizes"][m if m in costs["sizes"] else str(m)][which]) for m in sizes]
+        if n <= pts[0][0] or len(pts) == 1:
+            return pts[0][1]
+        lo, hi = next(((a, b) for a, b in zip(pts, pts[1:]) if n <= b[0]), (pts[-2], pts[-1]))
+        return lo[1] + (hi[1] - lo[1]) * (n - lo[0]) / (hi[0] - lo[0])
+
+    def largest(ok: Any) -> int:
+        n = 2
+        while n < n_max and ok(n + 1):
+            n = min(n_max, n + max(1, n // 64))
+        return n
+
+    found = {}
+    for step_s in (1.0, 0.1):
+        vote = largest(lambda n: (2 * n + 2) / ops <= STEP_BUDGET * step_s)
+        # before: the tick read every rank's keys each time; past one tick period (20 ms) of reading, the
+        # launcher's thread spends more than half its time in it and every tick comes late
+        before = largest(lambda n: tick_ms(n, "tick_before_ms") <= 1e3 / TICKS_PER_S)
+        # after: every counter read 4 times a second; every tick reads the log (the smallest size's read)
+        after = largest(lambda n: (BEAT_READS_PER_S * tick_ms(n, "tick_after_ms")
+                                   + TICKS_PER_S * tick_ms(0, "tick_after_ms")) / 1e3 <= 0.5)
+        capacity = largest(lambda n: (2 * n + 2) / step_s + 2 * n <= ops)
+        found[f"{step_s:g} s"] = {"vote": vote, "lighthouse before": before, "lighthouse after": after,
+                                  "store capacity": capacity,
+                                  "first before": min(("vote", vote), ("lighthouse", before),
+                                                      ("store capacity", capacity), key=lambda x: x[1])[0],
+                                  "first after": min(("vote", vote), ("lighthouse", after),
+                                                     ("store capacity", capacity), key=lambda x: x[1])[0]}
+    return found
+
+
+def store_report(costs: dict[str, Any]) -> str:
+    lines = ["| processes | lighthouse tick's reads before (ms) | after (ms) |", "|---|---|---|"]
+    for n, c in sorted(costs["sizes"].items(), key=lambda x: int(x[0])):
+        lines.append(f"| {n} | {c['tick_before_ms']:.2f} | {c['tick_after_ms']:.2f} |")
+    lines += ["", f"The store: {costs['store_ops_per_s']:.0f} small adds/s from {costs['clients']} connections.", "",
+              "| step | vote within 5 % (store) | lighthouse within half a core: before / after | store capacity "
+              "(votes + heartbeats) | first to give out: before / after |", "|---|---|---|---|---|"]
+    for step, lim in control_plane_limits(costs).items():
+        lines.append(f"| {step} | {lim['vote']} | {lim['lighthouse before']} / {lim['lighthouse after']} | "
+                     f"{lim['store capacity']} | {lim['first before']} / {lim['first after']} |")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.render:
         data = json.loads(Path(args.render).read_text())
-        print(report(data["points"], data["fit_upto"]))
+        if data.get("points"):
+            print(report(data["points"], data["fit_upto"]))
+        if data.get("store"):
+            print("\n" + store_report(data["store"]))
+        return data
+    if args.store_only:
+        data = {"points": [], "store": store_costs(args.store_sizes), "cpus": os.cpu_count(),
+                "loadavg": os.getloadavg()}
+        if args.out:
+            Path(args.out).write_text(json.dumps(data, indent=1))
+        print(store_report(data["store"]))
         return data
     sizes = sorted(set(args.sizes))
     if not sizes or sizes[0] < 2:
@@ -239,10 +369,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         points.append(measure(n, work / f"n{n}", args.steps, args.warmup))
         print(f"troupe bench scale: {json.dumps(points[-1])}", file=sys.stderr, flush=True)
     data = {"points": points, "fit_upto": args.fit_upto, "steps": args.steps, "warmup": args.warmup,
-            "cpus": os.cpu_count(), "loadavg": os.getloadavg()}
+            "store": store_costs(args.store_sizes), "cpus": os.cpu_count(), "loadavg": os.getloadavg()}
     if args.out:
         Path(args.out).write_text(json.dumps(data, indent=1))
-    print(report(points, args.fit_upto))
+    print(report(points, args.fit_upto) + "\n\n" + store_report(data["store"]))
     return data
 
 
@@ -255,6 +385,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default="/tmp/troupe-scale", help="each job's reports and launcher log")
     p.add_argument("--out", default=None, help="write the points as JSON")
     p.add_argument("--render", default=None, metavar="FILE", help="print the table of a --out FILE again")
+    p.add_argument("--store-sizes", type=int, nargs="+", default=[64, 1024, 4096, 10_000],
+                   help="job sizes at which the launcher's store and lighthouse costs are measured (no processes)")
+    p.add_argument("--store-only", action="store_true", help="measure only those (seconds, no job started)")
 
 
 def main(argv: list[str] | None = None) -> None:

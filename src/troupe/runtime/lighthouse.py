@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from troupe.runtime.quorum import Decision, ElasticOptions, Quorum, Ready, refusal_key, round_key
+from troupe.runtime.quorum import ASKED, Decision, ElasticOptions, Quorum, Ready, refusal_key, round_key
 from troupe.runtime.ticket import Ticket
 
 TICK_SECONDS = 0.02
@@ -68,6 +68,16 @@ class Lighthouse:
         self.reports = 0
         """Other nodes' reports read so far (`Reporter`)."""
         self.beats = {r: _Beat() for r in range(options.processes)}
+        # Every rank's heartbeat counter exists from the start and the log of ranks asking is empty: a tick reads
+        # all counters in one message (`_read_beats`) and only the requests logged since its last look.
+        for r in range(options.processes):
+            self.store.add(f"hb/{r}", 0)
+        self.store.set(ASKED, "")
+        self.asked_seen = 0
+        """Characters of the log of ranks asking (`ASKED`) read so far."""
+        self.requests: dict[int, Ready] = {}
+        """Per rank, its latest request to be admitted (`ready/<rank>`)."""
+        self.beats_read_at = float("-inf")
         self.admitted: dict[int, str] = {}
         """Per rank, the `Ready` token of the request it was last admitted with."""
         self.active: Quorum | None = None
@@ -152,15 +162,10 @@ class Lighthouse:
         self._read_reports()
         self._read_byes()
         now = time.monotonic()
-        beating = set()
-        for rank, beat in self.beats.items():
-            if rank in self.dead:
-                continue
-            count = self.store.add(f"hb/{rank}", 0)
-            if count != beat.count:
-                beat.count, beat.changed = count, now
-            if now - beat.changed < self.options.evict_after:
-                beating.add(rank)
+        self._read_beats(now)
+        self._read_requests()
+        beating = {r for r, beat in self.beats.items()
+                   if r not in self.dead and now - beat.changed < self.options.evict_after}
         alive = self._whole(beating)
         asking_ranks = self._asking_ranks(beating)
         asking = self._asking(asking_ranks, alive)
@@ -218,15 +223,32 @@ class Lighthouse:
                 if self.store.get(f"bye/{rank}") == b"done":
                     self.leaving.add(rank)
 
+    def _read_beats(self, now: float) -> None:
+        """Every live rank's heartbeat counter, in one message, twice a heartbeat (not every tick: silence is
+        judged in seconds, and a job of thousands of processes would spend the tick reading them one by one)."""
+        if now - self.beats_read_at < self.options.heartbeat / 2:
+            return
+        self.beats_read_at = now
+        ranks = [r for r in self.beats if r not in self.dead]
+        for rank, count in zip(ranks, self.store.multi_get([f"hb/{r}" for r in ranks]) if ranks else []):
+            beat = self.beats[rank]
+            if int(count) != beat.count:
+                beat.count, beat.changed = int(count), now
+
+    def _read_requests(self) -> None:
+        """The requests of the ranks that logged one since the last look (one read a tick; a worker writes its
+        `ready/<rank>` first, then appends its rank to the log)."""
+        log = self.store.get(ASKED).decode()
+        if len(log) == self.asked_seen:
+            return
+        ranks = sorted({int(r) for r in log[self.asked_seen:].split()})
+        self.asked_seen = len(log)
+        for rank, blob in zip(ranks, self.store.multi_get([f"ready/{r}" for r in ranks])):
+            self.requests[rank] = Ready.decode(blob)
+
     def _asking_ranks(self, beating: set[int]) -> dict[int, Ready]:
         """The live processes with a request not admitted yet."""
-        out = {}
-        for rank in sorted(beating):
-            if self.store.check([f"ready/{rank}"]):
-                ready = Ready.decode(self.store.get(f"ready/{rank}"))
-                if ready.token != self.admitted.get(rank):
-                    out[rank] = ready
-        return out
+        return {r: q for r, q in sorted(self.requests.items()) if r in beating and q.token != self.admitted.get(r)}
 
     def _asking(self, asking_ranks: dict[int, Ready], alive: set[int]) -> dict[int, Ready]:
         """The live groups every process of which asks: one request each, its processes' tokens

@@ -10,7 +10,8 @@ Keys (under the job's ``troupe/<token>/`` prefix):
 
 * ``hb/<rank>``      a counter each worker's heartbeat thread adds to (the lighthouse evicts a
                      rank's group when its counter stands still for ``evict_after`` seconds: SIGSTOP, a hang);
-* ``ready/<rank>``   a worker asks to be (re)admitted: a `Ready` record;
+* ``ready/<rank>``   a worker asks to be (re)admitted: a `Ready` record; then it appends ``"<rank> "`` to
+                    ``asked`` (`ASKED`), the log the lighthouse reads instead of every rank's key;
 * ``proposal``       the lighthouse's next quorum, not yet adopted;
 * ``latest``         the newest adopted quorum (what a joining worker waits for);
 * ``q<id>/r<k>/n``, ``/bad``, ``/d``   round k of quorum id: votes, failed votes, the decision
@@ -37,6 +38,8 @@ BATCH_MODES = {
                 "averages over the whole global batch, as a fault-free run does",
 }
 """`troupe run --elastic-batch`: what a missing worker group does to the global batch."""
+ASKED = "asked"
+"""The log of ranks that asked to be admitted since the job started (``"<rank> "`` each, appended after the request)."""
 REJOIN_EXIT = 75
 """The exit code of a worker that was left out of the quorum and asks its launcher to start it again."""
 ENV_VAR = "TROUPE_ELASTIC"
