@@ -22,7 +22,6 @@ is in a quorum or out of it as a whole:
 from __future__ import annotations
 
 import datetime
-import io
 import logging
 import os
 import sys
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from troupe.runtime import handoff
 from troupe.runtime.quorum import ASKED, REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready, round_key
 from troupe.util import LostLauncher
 
@@ -516,7 +516,7 @@ class _Tensors:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for i, p in enumerate(self.params):
-            (p.to_local() if _is_dtensor(p) else p).copy_(state[str(i)])
+            (p.to_local() if handoff.is_dtensor(p) else p).copy_(state[str(i)])
 
 
 def _init_group(backend: str, **kwargs: Any) -> None:
@@ -573,64 +573,9 @@ def _recv_blob(peer: int) -> bytes:
 
 
 def _pack(objects: dict[str, Any]) -> bytes:
-    state = {name: _undress(obj.state_dict()) for name, obj in objects.items()}
-    state["__rng__"] = torch.get_rng_state()
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
+    """The whole state of the objects a script tracks (`handoff.pack`)."""
+    return handoff.pack({name: obj.state_dict() for name, obj in objects.items()})
 
 
 def _unpack(blob: bytes, objects: dict[str, Any]) -> None:
-    state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
-    for name, obj in objects.items():
-        obj.load_state_dict(_dress_like(obj, state[name]))
-        _dress_optimizer_state(obj)
-    torch.set_rng_state(state["__rng__"])
-
-
-def _is_dtensor(t: Any) -> bool:
-    module = sys.modules.get("torch.distributed.tensor")  # none exists before troupe.shard imports it
-    return module is not None and isinstance(t, module.DTensor)
-
-
-def _undress(state: Any) -> Any:
-    """A state dict with each DTensor (a model sharded by troupe.shard) as its local shard: the heal's source and
-    joiner at one place hold the same shards, so the local tensor is what moves."""
-    if _is_dtensor(state):
-        return state.to_local().detach().clone()
-    if isinstance(state, dict):
-        return {k: _undress(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_undress(v) for v in state)
-    return state
-
-
-def _dress_like(obj: Any, state: Any) -> Any:
-    """A module's state with each local shard made again the DTensor its own state holds there."""
-    if not isinstance(obj, torch.nn.Module):
-        return state
-    own = obj.state_dict()
-    return {k: _as_dtensor(v, own[k]) if _is_dtensor(own.get(k)) and not _is_dtensor(v) else v
-            for k, v in state.items()}
-
-
-def _as_dtensor(local: torch.Tensor, like: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                              stride=like.stride())
-
-
-def _dress_optimizer_state(obj: Any) -> None:
-    """An optimizer's state loaded for DTensor parameters: each per-element buffer (a local shard) made a DTensor
-    like its parameter, as the optimizer made it."""
-    if not (hasattr(obj, "param_groups") and hasattr(obj, "state")):
-        return
-    for group in obj.param_groups:
-        for p in group["params"]:
-            if not _is_dtensor(p) or p not in obj.state:
-                continue
-            state = obj.state[p]
-            for k, v in list(state.items()):
-                if torch.is_tensor(v) and not _is_dtensor(v) and v.dim() and v.shape == p.to_local().shape:
-                    state[k] = _as_dtensor(v, p)
+    handoff.load_states(objects, handoff.unpack(blob))

@@ -16,7 +16,6 @@ the servers applied it and before the record was written is taken again from the
 
 from __future__ import annotations
 
-import io
 import logging
 import threading
 import time
@@ -25,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from troupe.runtime import handoff
 
 log = logging.getLogger("troupe.elastic")
 
@@ -163,21 +164,19 @@ class Rejoining:
 def _record(objects: dict[str, Any]) -> bytes:
     """The state a restarted worker needs of its own: not the model's parameters nor the optimizer's
     state (the servers hold them), but the DistOpt's step counter, its model's buffers and the rest."""
-    state: dict[str, Any] = {"__rng__": torch.get_rng_state()}
+    states: dict[str, Any] = {}
     for name, obj in objects.items():
         if name == "optimizer":
-            state[name] = {"step_count": obj.step_count, "skipped_steps": obj.skipped_steps}
+            states[name] = {"step_count": obj.step_count, "skipped_steps": obj.skipped_steps}
         elif name == "model":
-            state[name] = {k: b.detach().clone() for k, b in obj.named_buffers()}
+            states[name] = {k: b.detach().clone() for k, b in obj.named_buffers()}
         else:
-            state[name] = obj.state_dict()
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
+            states[name] = obj.state_dict()
+    return handoff.pack(states)
 
 
 def _restore(blob: bytes, objects: dict[str, Any]) -> None:
-    state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
+    state = handoff.unpack(blob)
     for name, obj in objects.items():
         if name == "optimizer":
             obj.step_count, obj.skipped_steps = state[name]["step_count"], state[name]["skipped_steps"]
@@ -188,5 +187,3 @@ def _restore(blob: bytes, objects: dict[str, Any]) -> None:
                     buffers[k].copy_(value)
         else:
             obj.load_state_dict(state[name])
-    torch.set_rng_state(state["__rng__"])
-
