@@ -4,7 +4,7 @@
 Unsharded, every process keeps theta_outer and the outer optimizer's state whole (two more copies of
 the model with Nesterov momentum) and averages the whole pseudo-gradient with the processes at its
 place in the other groups. Sharded, the k processes of a group cut each fragment's parameters, flattened
-in order, into k chunks balanced by elements (`troupe.strategies.sharded.chunk_range`, the layout of
+in order, into k chunks balanced by elements (`troupe.strategies.sharded_step.chunk_range`, the layout of
 ``DistOpt(shard=...)``): process j keeps chunk j of theta_outer and of the outer optimizer state, and at
 each of the fragment's outer steps::
 
@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from troupe.runtime.comm import Communicator
-from troupe.strategies.sharded import chunk_range
+from troupe.strategies.sharded_step import chunk_range
 
 if TYPE_CHECKING:
     from troupe.cluster.configuration.config import ClusterConfig

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from troupe.runtime.comm import Communicator
 from troupe.strategies.partitioned import HolderGroups
-from troupe.strategies.sharded import ShardedStep, chunk_range, own_parts
+from troupe.strategies.sharded_step import ShardedStep, chunk_range, own_parts
 from troupe.util import SHARD_COPIES, SHARD_OF, Refusal
 
 

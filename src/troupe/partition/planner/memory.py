@@ -20,12 +20,20 @@ the constrained search (`search.best_dims_within`) runs over the chain exactly a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from troupe.partition.planner.profile import LayerProfile, ModelProfile
 
-if TYPE_CHECKING:
-    from troupe.partition.planner.cost import Setup
+
+class Setup(Protocol):
+    """What the memory terms read of a run (`troupe.partition.planner.cost.Setup` has it)."""
+
+    world_size: int
+    workers_per_group: int
+    optimizer_slots: int
+
+    @property
+    def groups(self) -> int: ...
 
 SHARD_MODES = ("optimizer", "gradients", "parameters")
 """What `state_bytes` prices besides an unsharded plan: ZeRO-1, ZeRO-2 (``--shard``) and full sharding
