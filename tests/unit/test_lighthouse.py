@@ -371,7 +371,7 @@ def test_elastic_parameter_servers_keepers_tell_each_other_how_their_node_ended(
     """Node 0's Keeper hosts the store, another node's connects: a node that stops the job says so with its code
     (the others stop too), and node 0 keeps the store until every node has ended or fallen silent."""
     from troupe.runtime import lighthouse
-    from troupe.runtime.lighthouse import Keeper
+    from troupe.runtime.keeper import Keeper
 
     ticket = Ticket()
     host = Keeper(ticket, 6, host=True)
@@ -395,7 +395,7 @@ def test_elastic_parameter_servers_keepers_tell_each_other_how_their_node_ended(
 def test_a_keeper_finds_a_server_frozen_once_its_beat_stood_still_past_evict_after_never_one_starting_or_leaving(
         monkeypatch):
     from troupe.runtime import lighthouse
-    from troupe.runtime.lighthouse import Keeper
+    from troupe.runtime.keeper import Keeper
     from troupe.runtime.rejoin import beat_key, closing_key
 
     keeper = Keeper(Ticket(), 4, host=True)

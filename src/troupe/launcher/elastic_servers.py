@@ -30,7 +30,7 @@ def run_elastic_servers(plan: LaunchPlan, output: RankOutput | None, ports: Port
     under Hogwild, by copying a live group (cluster/serving/groupsync.py); a dead separate server ends the
     job, on every node, unless its workers can fail over to another server group's (asynchronous groups,
     several server groups): then the job goes on without it (`policies.ServerFailover`)."""
-    from troupe.runtime.lighthouse import Keeper
+    from troupe.runtime.keeper import Keeper
 
     assert plan.elastic is not None
     ticket = ports.ticket(plan.place)

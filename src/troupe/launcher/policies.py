@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Protocol
 from troupe.launcher.plan import Servers
 
 if TYPE_CHECKING:
-    from troupe.runtime.lighthouse import Keeper, Lighthouse, Reporter
+    from troupe.runtime.keeper import Keeper
+    from troupe.runtime.lighthouse import Lighthouse, Reporter
     from troupe.runtime.rankio import RankOutput
 
 

@@ -227,3 +227,9 @@ def refusal_key(rank: int) -> str:
     """Where a rank of `troupe run --elastic` says why it refuses the job: its launcher stops the job rather
     than restart a rank that would be refused again."""
     return f"refused/{rank}"
+
+
+def read_refusal(store, rank: int) -> str | None:  # noqa: ANN001  (a torch.distributed Store)
+    """Why `rank` refused the job (`refusal_key`), or None."""
+    key = refusal_key(rank)
+    return store.get(key).decode() if store.check([key]) else None
