@@ -101,28 +101,30 @@ def _load_expect_error(rank, world_size, directory):
 def _example(*args, timeout=180, launcher=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_JOIN_TIMEOUT": "30", "TROUPE_TIMEOUT": "60"}
     launcher = launcher or [sys.executable, "-m", "troupe.cli", "run", "-n", "2"]
+    # 1280 samples, batch 64 on each of 2 ranks: 10 steps an epoch, a checkpoint every 5 (steps 5, 10, 15)
     cmd = [*launcher, *args[0], "examples/mnist_cnn.py",
-           "--epochs", "2", "--train-size", "3200", "--test-size", "1000", "--checkpoint-every", "10", "--quiet",
+           "--epochs", "2", "--train-size", "1280", "--test-size", "1000", "--checkpoint-every", "5", "--quiet",
            *args[1]]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 @pytest.mark.slow
 def test_restart_after_a_crash_matches_an_uninterrupted_run(tmp_path):
+    # Rank 1 dies at step 17, in epoch 1 (steps 10 to 19), after the checkpoint of step 15.
     # The three runs are independent: they run side by side (each mostly waits on its own two ranks).
     torchrun_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                     "--max-restarts", "1"]
     with ThreadPoolExecutor(3) as pool:
         runs = [pool.submit(_example, ["--checkpoint-dir", str(tmp_path / "a")], []),
                 pool.submit(_example, ["--checkpoint-dir", str(tmp_path / "b"), "--max-restarts", "1"],
-                            ["--crash-at-step", "35"]),
-                pool.submit(_example, [], ["--checkpoint-dir", str(tmp_path / "c"), "--crash-at-step", "35"],
+                            ["--crash-at-step", "17"]),
+                pool.submit(_example, [], ["--checkpoint-dir", str(tmp_path / "c"), "--crash-at-step", "17"],
                             launcher=torchrun_cmd)]
         clean, crashed, torchrun = (run.result() for run in runs)
     assert clean.returncode == 0, clean.stderr
     assert crashed.returncode == 0, crashed.stderr
     assert "rank 1 exited with code 17" in crashed.stderr and "restart 1 of 1" in crashed.stderr
-    assert "Resumed from" in crashed.stdout and "step-00000030" in crashed.stdout
+    assert "Resumed from" in crashed.stdout and "step-00000015" in crashed.stdout
 
     def epoch_lines(out):
         return re.findall(r"(Training loss = .*, training accuracy = .*)\n(Evaluation accuracy = [0-9.]+)", out)
@@ -133,7 +135,7 @@ def test_restart_after_a_crash_matches_an_uninterrupted_run(tmp_path):
     # torchrun --max-restarts: the restarted attempt resumes by itself and reproduces the epoch too
     # (torch reuses its agent's store across attempts; troupe prefixes each attempt's keys).
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
-    assert "Resumed from" in torchrun.stdout and "step-00000030" in torchrun.stdout
+    assert "Resumed from" in torchrun.stdout and "step-00000015" in torchrun.stdout
     assert epoch_lines(torchrun.stdout)[-1] == epoch_lines(clean.stdout)[-1]
 
     # An explicit --resume continues the finished job's last checkpoint: nothing left but the final epoch.

@@ -27,26 +27,27 @@ def numbers(pattern: str, text: str) -> list[float]:
 
 @pytest.mark.slow
 def test_cifar10_resnet_memorises_a_small_synthetic_set(tmp_path):
-    # 64 fixed images, 2 steps an epoch of 2 x 16 images: 16 steps in all, through --accum (no_sync),
+    # 64 fixed images, 2 steps an epoch of 2 x 16 images: 12 steps in all, through --accum (no_sync),
     # --clip, OneCycle, BatchNorm buffers averaged before evaluation, and a checkpoint per epoch.
     proc = troupe_run("cifar10_resnet.py", "--width", "16", "--train-size", "64", "--test-size", "64",
-                      "--batch-size", "16", "--epochs", "8", "--no-augment", "--accum", "2", "--clip", "5",
+                      "--batch-size", "16", "--epochs", "6", "--no-augment", "--accum", "2", "--clip", "5",
                       "--checkpoint-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "No --data: training on 64 synthetic images" in proc.stdout
     losses = numbers(r"Training loss = ([\d.eainf]+)", proc.stdout)
-    assert len(losses) == 8 and all(0 <= v < 10 for v in losses), proc.stdout
-    # measured: 2.35 -> 0.09 in these 16 steps (random labels: only memorisation lowers it; chance is ln 10 = 2.30)
+    assert len(losses) == 6 and all(0 <= v < 10 for v in losses), proc.stdout
+    # measured: 2.35 -> 0.22 in these 12 steps, 0.09 in 16 (random labels: only memorisation lowers it; chance
+    # is ln 10 = 2.30)
     assert losses[-1] < 0.5 and losses[-1] < losses[0] / 3, proc.stdout
     accs = numbers(r"Evaluation accuracy = ([\d.]+)", proc.stdout)
-    assert len(accs) == 8 and all(0 <= a <= 1 for a in accs)
+    assert len(accs) == 6 and all(0 <= a <= 1 for a in accs)
     assert any(tmp_path.iterdir()), "no checkpoint written"
 
     resumed = troupe_run("cifar10_resnet.py", "--width", "16", "--train-size", "64", "--test-size", "64",
-                         "--batch-size", "16", "--epochs", "9", "--no-augment", "--checkpoint-dir", str(tmp_path),
+                         "--batch-size", "16", "--epochs", "7", "--no-augment", "--checkpoint-dir", str(tmp_path),
                          "--resume")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "(epoch 8)" in resumed.stdout and resumed.stdout.count("Training loss") == 1
+    assert "(epoch 6)" in resumed.stdout and resumed.stdout.count("Training loss") == 1
     assert numbers(r"Training loss = ([\d.]+)", resumed.stdout)[0] < 0.5, resumed.stdout  # the memorised model
 
 

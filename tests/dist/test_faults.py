@@ -22,13 +22,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TROUPE_JOIN_TIMEOUT": "30", "TROUP
        "TROUPE_STALL_SECONDS": "3", "TROUPE_PEER_TIMEOUT": "8", "TROUPE_HEARTBEAT": "0.5"}
 
 
-def fault(mode: str, *launcher: str, timeout: float = 90) -> tuple[int, str, float]:
+def fault(mode: str, *launcher: str, timeout: float = 90, **env: str) -> tuple[int, str, float]:
+    """Run fault_train.py MODE; `env` overrides ENV's variables for this run."""
     start = time.monotonic()
     if launcher == ("troupe",):
         cmd = [sys.executable, "-m", "troupe.cli", "run", "-n", "2", FAULT, mode]
     else:
         cmd = [sys.executable, FAULT, mode, "--ticket", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**ENV, **env}, cwd=ROOT)
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 
@@ -53,7 +54,8 @@ def test_raising_rank_is_named_with_its_error():
 
 @pytest.mark.slow
 def test_silent_peer_is_declared_dead_after_peer_timeout():
-    code, out, took = fault("stop", "ticket")
+    # 12 missed heartbeats (0.5 s each) name the stopped rank; ENV's 8 s waited 2 s more for the same line
+    code, out, took = fault("stop", "ticket", TROUPE_PEER_TIMEOUT="6")
     assert code != 0
     assert "troupe stall: rank 0 has waited" in out and "ranks not there yet: rank 1" in out
     assert "rank 0 stopping at step 5: rank(s) [1] sent no heartbeat" in out
@@ -62,7 +64,8 @@ def test_silent_peer_is_declared_dead_after_peer_timeout():
 
 @pytest.mark.slow
 def test_hung_peer_gets_stall_reports_then_a_named_timeout():
-    code, out, took = fault("hang", "ticket")
+    # the stall reports come at 3 s and 6 s, the timeout at 7 s (ENV's 10 s gave a third report, no other line)
+    code, out, took = fault("hang", "ticket", TROUPE_TIMEOUT="7")
     assert code != 0
     assert "troupe stall: rank 0 has waited" in out
     assert "failed at step 5: rank(s) [1] never arrived" in out

@@ -105,13 +105,14 @@ def test_single_process(tmp_path):
 
 @pytest.mark.slow
 def test_mnist_example_reaches_accuracy():
-    """Real MNIST, 2 ranks, one short epoch on 20k images: a real bar, not a smoke test (SINGA's
-    train_one_batch). The example's PyTorch loop (`--loop torch`: accumulation, clipping, a scheduler)
+    """Real MNIST, 2 ranks, one short epoch on 16k images (125 steps; measured 0.966 on the full test set,
+    0.969 on 20k images, 0.955 on 12.8k): a real bar, not a smoke test (SINGA's train_one_batch). The
+    example's PyTorch loop (`--loop torch`: accumulation, clipping, a scheduler)
     reached 0.971 on the same run; its shape is held to one process within 1e-5 by the conformance
     sample (tests/dist/test_conformance_matrix.py), so the suite does not train it a second time."""
     proc = run(
         [sys.executable, "-m", "troupe.cli", "run", "-n", "2", "--threads", "1", "examples/mnist_cnn.py",
-         "--epochs", "1", "--train-size", "20000", "--quiet"],
+         "--epochs", "1", "--train-size", "16000", "--quiet"],
         timeout=240,
     )
     acc = [float(a) for a in re.findall(r"Evaluation accuracy = ([0-9.]+)", proc.stdout)]

@@ -24,7 +24,7 @@ def test_example_hybrid_partition_trains_what_data_parallelism_trains():
     Same initial model (rank 0's), same batches, same averaged update: the losses agree to
     rounding (the linear layers multiply a gathered batch, so sums run in another order)."""
     common = [sys.executable, "-m", "troupe.cli", "run", "-n", "2", "--threads", "1", "examples/mnist_cnn.py",
-              "--epochs", "1", "--train-size", "3840", "--test-size", "2000", "--max-steps", "30", "--quiet",
+              "--epochs", "1", "--train-size", "1920", "--test-size", "2000", "--max-steps", "15", "--quiet",
               "--loop", "torch", "--clip", "2"]
     data = _numbers(run(common, timeout=180).stdout)
     hybrid = _numbers(run([*common, "--partition", "hybrid", "--workers-per-group", "2"], timeout=180).stdout)
@@ -40,8 +40,8 @@ def test_example_partitioned_by_the_cluster_block_under_sandblaster(tmp_path):
     plain, split = tmp_path / "plain.conf", tmp_path / "split.conf"
     plain.write_text(block.format(""))
     split.write_text(block.format("  partition_dim: 1\n"))
-    common = ["--threads", "1", "examples/mnist_cnn.py", "--epochs", "1", "--train-size", "3840", "--test-size", "2000",
-              "--max-steps", "30", "--quiet", "--loop", "torch"]
+    common = ["--threads", "1", "examples/mnist_cnn.py", "--epochs", "1", "--train-size", "1920", "--test-size", "2000",
+              "--max-steps", "15", "--quiet", "--loop", "torch"]
     cli = [sys.executable, "-m", "troupe.cli", "run", "--cluster"]
     data = _numbers(run([*cli, str(plain), *common], timeout=180).stdout)
     proc = run([*cli, str(split), *common], timeout=180)
