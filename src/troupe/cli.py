@@ -180,8 +180,10 @@ def _add_plan_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from troupe.runtime import envrdv
     from troupe.runtime.zygote import RunRank
 
+    envrdv.withdraw()  # `troupe run` under srun or mpiexec: its ranks get their own RANK, not this process's
     if argv is None and sys.argv[1:2] == ["run"]:
         from troupe.runtime.forkserver import launch
 
