@@ -15,6 +15,7 @@ from troupe import graphstep
 from troupe.cluster import regimes as _cluster_regimes  # noqa: F401  (registers the cluster's worker regimes)
 from troupe.runtime import settings as settings_mod
 from troupe.cluster.configuration.sources import from_env as cluster_from_env
+from troupe.partition import torch_clip
 from troupe.reliability.nonfinite import NAN_POLICIES, NanPolicy, all_finite, nonfinite
 from troupe.runtime import world as world_mod
 from troupe.runtime.comm import Handle
@@ -137,6 +138,9 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
                                cluster=cluster, groups=groups, args={"spars": spars, **self._option_args})
         # A cluster's regime takes this rank's role here: a server rank serves and never returns.
         self._choice: OptionSwitch | Fixed = regime.choose(setup)
+        # torch's clip_grad_norm_ clips a sharded or partitioned model as troupe.clip_grad_norm_ does (it saw no
+        # p.grad, or one worker's slices), and refuses where a worker's gradient is not its group's
+        torch_clip.watch(self._model_params, getattr(self._choice, "current", None), self.world)
         self.info = self._choice.info or self.world.info
         self.communicator = self.world.comm
         # rank 0's values (troupe.track gives an elastic joiner the quorum's; troupe.shard broadcast before sharding)
