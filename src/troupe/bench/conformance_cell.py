@@ -195,7 +195,9 @@ def train(out: str, shape: str, regime: str, ticket=None, local_rank=None, world
         troupe.init(ticket, local_rank, world_size)
     model = prepare(build(shape), regime, shape)
     if shape == "compiled":
-        model = torch.compile(model)
+        # TROUPE_CELL_COMPILE_BACKEND=aot_eager: dynamo's graphs and AOT autograd's backward, without inductor's
+        # code generation (the suite's covering sample: 2-3 times cheaper; the matrix compiles with inductor)
+        model = torch.compile(model, backend=os.environ.get("TROUPE_CELL_COMPILE_BACKEND", "inductor"))
     opt = dist_opt(optimizer(model, shape), regime, joins)
     batches = my_batches(shape, opt.global_rank, opt.world_size)
     if shape == "singa":
