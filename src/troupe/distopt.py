@@ -140,7 +140,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         self._choice: OptionSwitch | Fixed = regime.choose(setup)
         # torch's clip_grad_norm_ clips a sharded or partitioned model as troupe.clip_grad_norm_ does (it saw no
         # p.grad, or one worker's slices), and refuses where a worker's gradient is not its group's
-        torch_clip.watch(self._model_params, getattr(self._choice, "current", None), self.world)
+        torch_clip.watch(self._model_params, getattr(self._choice, "current", None), cluster)
         self.info = self._choice.info or self.world.info
         self.communicator = self.world.comm
         # rank 0's values (troupe.track gives an elastic joiner the quorum's; troupe.shard broadcast before sharding)

@@ -8,9 +8,9 @@ gradient elsewhere, torch's alone would clip silently wrong:
 - a partitioned model (`troupe.partition`): torch's sees this worker's slices only, so each worker clips
   by a different norm and the replicas drift apart.
 
-For those parameters (`HOLDERS` or `SHARD_OF` on one of them) torch's function is `troupe.clip_grad_norm_`
-(the whole model's norm, agreed over the ranks; every rank calls it, as every rank calls torch's in a data-
-parallel loop). Where no exchange can give the norm the loop means, clipping is refused in one line
+For those parameters (`SHARD_OF` on one of them, or `HOLDERS` outside a cluster: `CLUSTER`) torch's function is
+`troupe.clip_grad_norm_` (the whole model's norm, agreed over the ranks; every rank calls it, as every rank calls
+torch's in a data-parallel loop). Where no exchange can give the norm the loop means, clipping is refused in one line
 (`CLIP_REFUSED`): under ``troupe run --elastic`` a worker of a parameter-server group of several holds its
 own gradient, not the group's mean (a restarted worker rejoins alone, so backward does not average inside
 the group), and clipping it clips each worker's own.
@@ -39,17 +39,25 @@ _TORCH = torch.nn.utils.clip_grad.clip_grad_norm_
 """torch's own function (before `install`)."""
 
 
-def watch(params: Iterable[Tensor], strategy: Any, world: Any) -> None:
-    """Mark a DistOpt's parameters where clipping them is refused (`refusal`), and let torch's clip_grad_norm_
-    clip troupe's parameters (`install`)."""
-    why = refusal(strategy, world)
-    if why is not None:
-        for p in params:
+CLUSTER = "_troupe_clip_cluster"
+"""The attribute `watch` sets on the parameters of a DistOpt under a cluster (``--framework``): there torch's function
+stays torch's on a partitioned model, as docs/partition.md says (each worker's own gradient, keeping Hogwild's groups
+independent; troupe.clip_grad_norm_ is the collective)."""
+
+
+def watch(params: Iterable[Tensor], strategy: Any, cluster: Any) -> None:
+    """Mark a DistOpt's parameters where clipping them is refused (`refusal`) or stays torch's own (`CLUSTER`), and
+    let torch's clip_grad_norm_ clip troupe's other parameters (`install`)."""
+    why = refusal(strategy)
+    for p in params:
+        if why is not None:
             setattr(p, CLIP_REFUSED, why)
+        if cluster is not None:
+            setattr(p, CLUSTER, True)
     install()
 
 
-def refusal(strategy: Any, world: Any) -> str | None:
+def refusal(strategy: Any) -> str | None:
     """Why clipping a worker's gradient under `strategy` clips something other than the loop means, or None."""
     from troupe.cluster.workers.ps_client import PSClient
 
@@ -100,7 +108,7 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float, norm
     (and refuses where clipping a worker's gradient is not clipping the job's: see the module docstring)."""
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     check(params)
-    if not any(hasattr(p, SHARD_OF) or hasattr(p, HOLDERS) for p in params):
+    if not any(hasattr(p, SHARD_OF) or hasattr(p, HOLDERS) and not hasattr(p, CLUSTER) for p in params):
         return _TORCH(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
     from troupe.partition.clip import clip_grad_norm_ as troupes
 
