@@ -78,7 +78,16 @@ def __getattr__(name: str):
         parent = importlib.import_module(module)
         value = getattr(parent, name) if hasattr(parent, name) else importlib.import_module(f"{module}.{name}")
     globals()[name] = value
+    if name in _CLIPS:
+        from troupe.partition import torch_clip
+
+        torch_clip.install()
     return value
+
+
+_CLIPS = frozenset({"DistOpt", "Model", "clip_grad_norm_", "partition", "shard"})
+"""Loading one of these makes torch.nn.utils.clip_grad_norm_ clip troupe's partitioned or sharded parameters as
+troupe.clip_grad_norm_ does (troupe/partition/torch_clip.py)."""
 
 
 def __dir__() -> list[str]:

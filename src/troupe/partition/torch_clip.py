@@ -8,70 +8,32 @@ gradient elsewhere, torch's alone would clip silently wrong:
 - a partitioned model (`troupe.partition`): torch's sees this worker's slices only, so each worker clips
   by a different norm and the replicas drift apart.
 
-For those parameters (`SHARD_OF` on one of them, or `HOLDERS` outside a cluster: `CLUSTER`) torch's function is
+For those parameters (`SHARD_OF` on one of them, or `HOLDERS` outside a cluster: `CLIP_CLUSTER`) torch's function is
 `troupe.clip_grad_norm_` (the whole model's norm, agreed over the ranks; every rank calls it, as every rank calls
 torch's in a data-parallel loop). Where no exchange can give the norm the loop means, clipping is refused in one line
 (`CLIP_REFUSED`): under ``troupe run --elastic`` a worker of a parameter-server group of several holds its
 own gradient, not the group's mean (a restarted worker rejoins alone, so backward does not average inside
 the group), and clipping it clips each worker's own.
 
-`watch` (from DistOpt's construction) marks the parameters and replaces torch's function, once, in
-``torch.nn.utils`` and ``torch.nn.utils.clip_grad`` (a ``from torch.nn.utils import clip_grad_norm_`` made
-before the first DistOpt keeps torch's own). Any other parameters go to torch's own function unchanged.
+DistOpt marks its parameters (`CLIP_REFUSED`: its strategy's ``clip_refusal()``; `CLIP_CLUSTER`: under a cluster,
+where torch's stays torch's on a partitioned model, as docs/partition.md says); `install`, from the troupe facade as
+it loads DistOpt (or partition, shard, clip_grad_norm_), replaces torch's function, once, in ``torch.nn.utils`` and
+``torch.nn.utils.clip_grad`` (a ``from torch.nn.utils import clip_grad_norm_`` made before keeps torch's own). Any
+other parameters go to torch's own function unchanged.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from troupe.util import HOLDERS, SHARD_OF, Refusal
-
-CLIP_REFUSED = "_troupe_clip_refused"
-"""The attribute `watch` sets on a DistOpt's parameters where clipping their gradient cannot mean what the loop
-means: why, in one line."""
+from troupe.util import CLIP_CLUSTER, CLIP_REFUSED, HOLDERS, SHARD_OF, Refusal
 
 _TORCH = torch.nn.utils.clip_grad.clip_grad_norm_
 """torch's own function (before `install`)."""
-
-
-CLUSTER = "_troupe_clip_cluster"
-"""The attribute `watch` sets on the parameters of a DistOpt under a cluster (``--framework``): there torch's function
-stays torch's on a partitioned model, as docs/partition.md says (each worker's own gradient, keeping Hogwild's groups
-independent; troupe.clip_grad_norm_ is the collective)."""
-
-
-def watch(params: Iterable[Tensor], strategy: Any, cluster: Any) -> None:
-    """Mark a DistOpt's parameters where clipping them is refused (`refusal`) or stays torch's own (`CLUSTER`), and
-    let torch's clip_grad_norm_ clip troupe's other parameters (`install`)."""
-    why = refusal(strategy)
-    for p in params:
-        if why is not None:
-            setattr(p, CLIP_REFUSED, why)
-        if cluster is not None:
-            setattr(p, CLUSTER, True)
-    install()
-
-
-def refusal(strategy: Any) -> str | None:
-    """Why clipping a worker's gradient under `strategy` clips something other than the loop means, or None."""
-    from troupe.cluster.workers.ps_client import PSClient
-
-    if not isinstance(strategy, PSClient) or strategy.cluster.nworkers_per_group < 2:
-        return None
-    from troupe.runtime import settings
-
-    env = settings.current()  # troupe run --elastic: TROUPE_ELASTIC, or TROUPE_REJOIN for a parameter-server job
-    if not (env.elastic or env.rejoin) or strategy.average is not None:
-        return None
-    name = "Sandblaster" if strategy.cluster.nworker_groups == 1 else "a parameter-server job"
-    return (f"clip_grad_norm_ under troupe run --elastic: {name}'s workers of a group of "
-            f"{strategy.cluster.nworkers_per_group} each hold their own gradient (a restarted worker rejoins alone), "
-            "not the group's mean, so each would clip its own: run without --elastic, or with --nworkers-per-group 1")
 
 
 def check(parameters: list[Tensor]) -> None:
@@ -108,7 +70,7 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float, norm
     (and refuses where clipping a worker's gradient is not clipping the job's: see the module docstring)."""
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     check(params)
-    if not any(hasattr(p, SHARD_OF) or hasattr(p, HOLDERS) and not hasattr(p, CLUSTER) for p in params):
+    if not any(hasattr(p, SHARD_OF) or hasattr(p, HOLDERS) and not hasattr(p, CLIP_CLUSTER) for p in params):
         return _TORCH(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
     from troupe.partition.clip import clip_grad_norm_ as troupes
 
