@@ -13,7 +13,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from troupe.runtime import envrdv
 from troupe.runtime.ticket import Ticket  # torch-free: a parent makes one before starting ranks
+
+# Under mpiexec or in a Slurm step, the env:// variables torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK,
+# MASTER_ADDR, MASTER_PORT): a script that calls init_process_group() itself joins (runtime/envrdv.py).
+envrdv.provide()
 
 # Each other name is imported when first used (PEP 562): `troupe run`, `troupe plan` and the
 # other commands start without importing torch, and a rank pays only for what it uses.
@@ -73,7 +78,16 @@ def __getattr__(name: str):
         parent = importlib.import_module(module)
         value = getattr(parent, name) if hasattr(parent, name) else importlib.import_module(f"{module}.{name}")
     globals()[name] = value
+    if name in _CLIPS:
+        from troupe.partition import torch_clip
+
+        torch_clip.install()
     return value
+
+
+_CLIPS = frozenset({"DistOpt", "Model", "clip_grad_norm_", "partition", "shard"})
+"""Loading one of these makes torch.nn.utils.clip_grad_norm_ clip troupe's partitioned or sharded parameters as
+troupe.clip_grad_norm_ does (troupe/partition/torch_clip.py)."""
 
 
 def __dir__() -> list[str]:

@@ -180,8 +180,10 @@ def _add_plan_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from troupe.runtime import envrdv
     from troupe.runtime.zygote import RunRank
 
+    envrdv.withdraw()  # `troupe run` under srun or mpiexec: its ranks get their own RANK, not this process's
     if argv is None and sys.argv[1:2] == ["run"]:
         from troupe.runtime.forkserver import launch
 
@@ -199,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "conformance"]:  # the matrix's own options follow (argparse would take them as ours)
+        argv = ["bench", "conformance", "--", *argv[2:]]
     args = build_parser().parse_args(argv)
     if args.command == "info":
         from troupe.launcher.machine import describe_machine

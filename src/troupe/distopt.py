@@ -29,7 +29,7 @@ from troupe.strategies import sharded as _sharded  # noqa: F401  (registers the 
 from troupe.sync.bucket import DEFAULT_BUCKET_SIZE, FIRST_BUCKET_SIZE, plan_buckets
 from troupe.sync.compiled import SplitCompiledGraphs
 from troupe.sync.reducer import GradReducer
-from troupe.util import check_int
+from troupe.util import CLIP_CLUSTER, CLIP_REFUSED, check_int
 
 if TYPE_CHECKING:
     from troupe.reliability.pieces import ElementParts
@@ -137,6 +137,14 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
                                cluster=cluster, groups=groups, args={"spars": spars, **self._option_args})
         # A cluster's regime takes this rank's role here: a server rank serves and never returns.
         self._choice: OptionSwitch | Fixed = regime.choose(setup)
+        # what torch's clip_grad_norm_ does with these parameters (troupe.partition.torch_clip, installed by the
+        # troupe facade): refuse where a worker's gradient is not its group's; stay torch's under a cluster
+        refusal = getattr(getattr(self._choice, "current", None), "clip_refusal", lambda: None)()
+        for p in self._model_params:
+            if refusal is not None:
+                setattr(p, CLIP_REFUSED, refusal)
+            if cluster is not None:
+                setattr(p, CLIP_CLUSTER, True)
         self.info = self._choice.info or self.world.info
         self.communicator = self.world.comm
         # rank 0's values (troupe.track gives an elastic joiner the quorum's; troupe.shard broadcast before sharding)

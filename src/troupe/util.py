@@ -82,6 +82,12 @@ SHARD_OF = "_troupe_part"
 """The attribute ``DistOpt(shard=...)`` sets on every parameter it shards: this rank's part of it (a flat
 tensor whose ``grad`` is the mean gradient of that part), or None where this rank owns no part of it
 (`troupe.clip_grad_norm_` sums the parts over the ranks)."""
+CLIP_REFUSED = "_troupe_clip_refused"
+"""The attribute DistOpt sets on its parameters where clipping their gradient cannot mean what the loop means (the
+strategy's ``clip_refusal()``): why, in one line (`troupe.partition.torch_clip`)."""
+CLIP_CLUSTER = "_troupe_clip_cluster"
+"""The attribute DistOpt sets on its parameters under a cluster (``--framework``): there torch's clip_grad_norm_ stays
+torch's on a partitioned model, as docs/partition.md says (each worker's own gradient, Hogwild's groups independent)."""
 SHARD_COPIES = "_troupe_part_copies"
 """The attribute a sharded DistOpt sets on each part (`SHARD_OF`): how many ranks hold the same part (one
 in each worker group; 1 without groups), so that summed over the job each part counts once."""

@@ -99,3 +99,17 @@ def test_time_to_accuracy_runs_the_word_lm_for_plain_and_diloco_and_tables_them(
     assert {r["workload"] for r in recs} == {"word_lm"}
     assert sum(r["metric"] == "perplexity" for r in recs) == 6
     assert {r["contestant"] for r in recs} == {"plain all-reduce", "DiLoCo H = 20, fp32"}
+
+
+def test_troupe_bench_conformance_is_the_matrix_with_its_own_options(tmp_path):
+    """`troupe bench conformance ...` (issue 47's spelling) is `troupe bench run conformance --args ...`."""
+    cells = tmp_path / "cells.jsonl"
+    cells.write_text(json.dumps({"regime": "plain", "shape": "ddp", "launcher": "mpiexec", "outcome": "matched",
+                                 "detail": "max |diff| 0.0e+00 (tolerance 1e-05)", "seconds": 7.0}) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "troupe.cli", "bench", "conformance", "--render", str(cells)],
+                          capture_output=True, text=True, timeout=60, env=ENV, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "| ddp |  |  | matched |  |  |  |" in proc.stdout and "1 cells: matched 1." in proc.stdout, proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "troupe.cli", "bench", "conformance", "--regimes", "nope"],
+                          capture_output=True, text=True, timeout=60, env=ENV, cwd=ROOT)
+    assert proc.returncode == 2 and "troupe bench: unknown regime(s) ['nope']" in proc.stderr, proc.stderr

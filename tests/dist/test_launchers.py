@@ -118,3 +118,31 @@ def test_mnist_example_reaches_accuracy():
     acc = [float(a) for a in re.findall(r"Evaluation accuracy = ([0-9.]+)", proc.stdout)]
     assert "Starting Epoch 0:" in proc.stdout and "training accuracy" in proc.stdout
     assert acc and acc[-1] >= 0.95, proc.stdout
+
+
+DDP_TROUPE = str(Path(__file__).parent / "scripts" / "ddp_imports_troupe.py")
+
+
+def test_a_ddp_script_joins_in_a_slurm_step(tmp_path):
+    """`import troupe` gives a script that calls init_process_group() itself the env:// variables srun does not
+    set (it died with torch's "environment variable RANK expected, but not set")."""
+    procs = []
+    for rank in range(3):
+        env = {**ENV, "SLURM_PROCID": str(rank), "SLURM_NTASKS": "3", "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
+               "SLURM_JOB_ID": str(5151 + os.getpid()), "SLURM_JOB_NODELIST": "localhost",
+               "SLURM_TASKS_PER_NODE": "3"}
+        procs.append(subprocess.Popen([sys.executable, DDP_TROUPE], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    assert [out.strip() for out, _ in outs] == [f"ddp rank {r} of 3 ok" for r in range(3)]
+
+
+@pytest.mark.mpi
+def test_a_ddp_script_joins_under_mpiexec():
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("mpiexec not installed (pip install 'torch-troupe[mpi]'); the README's test setup installs it")
+    env = {**ENV, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+    proc = run([mpiexec, "-n", "2", "--oversubscribe", sys.executable, DDP_TROUPE], env=env)
+    assert sorted(re.findall(r"ddp rank (\d) of 2 ok", proc.stdout)) == ["0", "1"], proc.stdout

@@ -54,6 +54,10 @@ def add_bench_parser(sub, positive: Callable[[str], int]) -> None:
     run.add_argument("--timeout", type=float, default=None, help="seconds before the run's ranks are killed")
     run.add_argument("--args", dest="script_args", nargs=argparse.REMAINDER, default=[],
                      help="everything after --args goes to a job suite (throughput, ps, ...): its own options")
+    conformance = bsub.add_parser("conformance", add_help=False,
+                                  help="every regime with every script and launcher (docs/conformance.md): "
+                                       "`troupe bench run conformance --args ...`, its options after it")
+    conformance.add_argument("matrix_args", nargs=argparse.REMAINDER)
     faults = bsub.add_parser("faults", help="network faults injected into jobs on simulated hosts (root)")
     faults.add_argument("--regimes", nargs="+", default=["plain-2", "plain-4", "topk-4", "downpour-4", "hogwild-4"])
     faults.add_argument("--faults", nargs="+", default=None, help="default: every fault")

@@ -119,6 +119,9 @@ def main(args: argparse.Namespace) -> int:
             return 0
         if args.bench_command == "run":
             return run(args.name, options_from(args), args.out, args.script_args)
+        if args.bench_command == "conformance":  # `troupe bench run conformance --args ...`, as issue 47 spells it
+            rest = args.matrix_args[1:] if args.matrix_args[:1] == ["--"] else args.matrix_args
+            return run("conformance", Options(), None, rest)
         if args.bench_command == "faults":
             from troupe.bench import network_faults
 

@@ -124,10 +124,8 @@ def dist_opt(opt: torch.optim.Optimizer, regime: str, joins: dict) -> troupe.Dis
 
 
 def torch_loop(model, opt, batches, shape, regime: str, accum: int = 2) -> None:
-    """Micro-batches under no_sync, synchronize, GradScaler, clipping, StepLR (a partitioned model and a sharded
-    DistOpt clip with troupe.clip_grad_norm_, as the docs say: torch's sees this worker's slices, or no p.grad)."""
-    own = regime == "partition" or regime.startswith("shard-")
-    clip = troupe.clip_grad_norm_ if own else torch.nn.utils.clip_grad_norm_
+    """Micro-batches under no_sync, synchronize, GradScaler, torch's clip_grad_norm_, StepLR (under every regime:
+    on a partitioned model or a sharded DistOpt's parameters torch's is troupe.clip_grad_norm_)."""
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     scaler = torch.amp.GradScaler("cpu")
     for x, y in batches:
@@ -136,7 +134,7 @@ def torch_loop(model, opt, batches, shape, regime: str, accum: int = 2) -> None:
                 scaler.scale(loss_of(shape, model(xs), ys) / accum).backward()
         opt.synchronize()
         scaler.unscale_(opt)
-        clip(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
@@ -197,7 +195,9 @@ def train(out: str, shape: str, regime: str, ticket=None, local_rank=None, world
         troupe.init(ticket, local_rank, world_size)
     model = prepare(build(shape), regime, shape)
     if shape == "compiled":
-        model = torch.compile(model)
+        # TROUPE_CELL_COMPILE_BACKEND=aot_eager: dynamo's graphs and AOT autograd's backward, without inductor's
+        # code generation (the suite's covering sample: 2-3 times cheaper; the matrix compiles with inductor)
+        model = torch.compile(model, backend=os.environ.get("TROUPE_CELL_COMPILE_BACKEND", "inductor"))
     opt = dist_opt(optimizer(model, shape), regime, joins)
     batches = my_batches(shape, opt.global_rank, opt.world_size)
     if shape == "singa":

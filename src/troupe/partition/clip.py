@@ -20,6 +20,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from troupe.partition import torch_clip
 from troupe.partition.partitioner import HOLDERS, _job_comm
 from troupe.runtime import world
 from troupe.runtime.comm import Communicator
@@ -38,6 +39,7 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float, norm
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     parameters = list(parameters)
+    torch_clip.check(parameters)  # where a worker's gradient is not the job's (torch_clip.refusal): one line
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not (norm_type == math.inf or norm_type > 0):
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")

@@ -32,7 +32,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from troupe.runtime import netif
+from troupe.runtime import envrdv, netif
 from troupe.runtime.quorum import refusal_key
 from troupe.runtime.settings import Settings
 from troupe.runtime.ticket import LOOPBACK, Ticket, first_host, free_port, slurm_ticket  # noqa: F401  (re-exported)
@@ -320,7 +320,9 @@ def _detect(env: Settings, ticket: Ticket | str | None, local_rank: int | None, 
         local_world = world_size if rank is None else _env_int("LOCAL_WORLD_SIZE") or world_size
         ticket = Ticket.decode(ticket) if isinstance(ticket, str) else ticket
         return _Launch("ticket", ticket, local_rank if rank is None else rank, local_rank, world_size, local_world)
-    if "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= os.environ.keys():
+    # (Under mpiexec or Slurm, `import troupe` set these variables too: envrdv.MARK says so.)
+    if "TORCHELASTIC_RUN_ID" in os.environ or (
+            {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= os.environ.keys() and envrdv.MARK not in os.environ):
         # torchrun sets all five variables; a Kubernetes operator (PyTorchJob) sets MASTER_ADDR/PORT,
         # RANK and WORLD_SIZE only, one process per pod: local rank 0 of a local world of one (so a
         # one-GPU pod still picks NCCL).

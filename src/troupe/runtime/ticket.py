@@ -88,13 +88,15 @@ def first_host(nodelist: str) -> str:
     return prefix if ranges is None else prefix + ranges.split(",")[0].split("-")[0]
 
 
-def slurm_ticket(master_addr: str | None = None, master_port: int | None = None, token: str | None = None) -> Ticket:
+def slurm_ticket(master_addr: str | None = None, master_port: int | None = None, token: str | None = None,
+                 env=None) -> Ticket:
     """The ticket every task of a Slurm job step computes alike, without talking to the others: the
     address is the first node of the step's node list, the port and token are derived from the job
     id unless given (TROUPE_MASTER_ADDR / TROUPE_MASTER_PORT / TROUPE_TOKEN; set the token to a
-    secret where other users share the nodes)."""
-    job = os.environ.get("SLURM_JOB_ID", "0")
-    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or "localhost"
+    secret where other users share the nodes). `env`: where the SLURM_* variables are (os.environ)."""
+    env = os.environ if env is None else env
+    job = env.get("SLURM_JOB_ID", "0")
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "localhost"
     port = master_port or 20000 + int(hashlib.sha256(job.encode()).hexdigest(), 16) % 20000
     token = token or hashlib.sha256(f"troupe-slurm:{job}".encode()).hexdigest()[:32]
     return Ticket(addr=master_addr or first_host(nodes), port=port, token=token)

@@ -205,6 +205,21 @@ class PSClient(BaseStrategy):
 
     # --- the UpdateStrategy surface ------------------------------------------------------
 
+    def clip_refusal(self) -> str | None:
+        """Why clipping this worker's gradient (between synchronize() and step()) is not clipping its group's, or
+        None: under `troupe run --elastic` a group of several workers does not average (a restarted worker
+        rejoins alone), so each would clip its own gradient, and the servers average what each clipped."""
+        from troupe.runtime import settings
+
+        env = settings.current()  # troupe run --elastic: TROUPE_REJOIN for a parameter-server job
+        if self.cluster.nworkers_per_group < 2 or not (env.elastic or env.rejoin) or self.average is not None:
+            return None
+        name = "Sandblaster" if self.cluster.nworker_groups == 1 else "a parameter-server job"
+        return (f"clip_grad_norm_ under troupe run --elastic: {name}'s workers of a group of "
+                f"{self.cluster.nworkers_per_group} each hold their own gradient (a restarted worker rejoins alone), "
+                "not the group's mean, so each would clip its own: run without --elastic, or with "
+                "--nworkers-per-group 1")
+
     def describe(self) -> str:
         return self.name
 
