@@ -90,10 +90,13 @@ REGIMES = {r.name: r for r in (
 )}
 ELASTIC = ("plain", "fp16", "bf16", "sparseTopK", "sparseThreshold", "powerSGD", "partialUpdate", "sandblaster",
            "downpour", "hogwild", "diloco", "streaming-diloco", "partition", "shard-optimizer", "shard-parameters")
+SHARDED_GROUPS = ("shard-optimizer", "shard-parameters")
+"""Under --elastic these shard inside each worker group: 2 groups of 2 processes (groups of one are refused)."""
 for _name in ELASTIC:
     _r = REGIMES[_name]
-    REGIMES[f"{_name} --elastic"] = Regime(f"{_name} --elastic", _r.nprocs, (*_r.flags, "--elastic"), _r.env,
-                                           _r.script, _r.tol, elastic=True)
+    _groups = ("--nworker-groups", "2") if _name in SHARDED_GROUPS else ()
+    REGIMES[f"{_name} --elastic"] = Regime(f"{_name} --elastic", 4 if _groups else _r.nprocs,
+                                           (*_r.flags, "--elastic", *_groups), _r.env, _r.script, _r.tol, elastic=True)
 
 
 def cells(regimes, shapes, launchers) -> list[tuple[str, str, str]]:
