@@ -139,7 +139,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
         self._choice: OptionSwitch | Fixed = regime.choose(setup)
         # what torch's clip_grad_norm_ does with these parameters (troupe.partition.torch_clip, installed by the
         # troupe facade): refuse where a worker's gradient is not its group's; stay torch's under a cluster
-        refusal = getattr(getattr(self._choice, "current", None), "clip_refusal", lambda: None)()
+        refusal = self._choice.current.clip_refusal()
         for p in self._model_params:
             if refusal is not None:
                 setattr(p, CLIP_REFUSED, refusal)

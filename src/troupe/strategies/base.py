@@ -97,6 +97,10 @@ class UpdateStrategy(Protocol):
     def holds_work(self) -> bool:
         """Whether a collective may still run on the quorum's group beyond the step (``Elastic.holds_work``)."""
 
+    def clip_refusal(self) -> str | None:
+        """Why clipping this worker's gradient between synchronize() and step() would not clip what the loop means
+        (one line), or None (`troupe.partition.torch_clip`)."""
+
 
 class BaseStrategy:
     """The no-op defaults of `UpdateStrategy`'s optional parts: nothing to start, save or close, no state that
@@ -132,6 +136,9 @@ class BaseStrategy:
 
     def holds_work(self) -> bool:
         return False
+
+    def clip_refusal(self) -> str | None:
+        return None
 
 
 def reduced_buckets_finite(reducer: GradReducer | None, params: Sequence[Tensor]) -> bool:
