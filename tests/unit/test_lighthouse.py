@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from troupe.runtime.lighthouse import Lighthouse
-from troupe.runtime.quorum import ASKED, Decision, ElasticOptions, Quorum, Ready, round_key
+from troupe.runtime.quorum import ASKED, ASKED_COUNT, Decision, ElasticOptions, Quorum, Ready, round_key
 from troupe.runtime.ticket import Ticket
 
 
@@ -31,6 +31,7 @@ def ask(client, rank, token, step=-1):
     """What a worker's `Elastic.join` does: its request, then its rank in the log the lighthouse reads."""
     client.set(f"ready/{rank}", Ready(token, step).encode())
     client.append(ASKED, f"{rank} ")
+    client.add(ASKED_COUNT, 1)
 
 
 def latest(client) -> Quorum:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from troupe.runtime import handoff
-from troupe.runtime.quorum import ASKED, REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready, round_key
+from troupe.runtime.quorum import ASKED, ASKED_COUNT, REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready, round_key
 from troupe.util import LostLauncher
 
 log = logging.getLogger("troupe.elastic")
@@ -241,7 +241,8 @@ class Elastic:
             self.requests += 1
             ready = Ready(f"{self.incarnation}.{self.requests}", self.step_count())
             self.store.set(f"ready/{self.rank}", ready.encode())
-            self.store.append(ASKED, f"{self.rank} ")  # the lighthouse reads only the requests logged here
+            self.store.append(ASKED, f"{self.rank} ")  # the lighthouse reads only the requests logged here,
+            self.store.add(ASKED_COUNT, 1)  # and the log only when this count moved
             quorum = self._wait_for_admission(ready.token)
             try:
                 self._enter(quorum, "r0")

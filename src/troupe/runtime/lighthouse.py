@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from troupe.runtime.quorum import ASKED, Decision, ElasticOptions, Quorum, Ready, read_refusal, round_key
+from troupe.runtime.quorum import ASKED, ASKED_COUNT, Decision, ElasticOptions, Quorum, Ready, read_refusal, round_key
 from troupe.runtime.ticket import Ticket
 
 TICK_SECONDS = 0.02
@@ -74,6 +74,8 @@ class Lighthouse:
         self.store.set(ASKED, "")
         self.asked_seen = 0
         """Characters of the log of ranks asking (`ASKED`) read so far."""
+        self.asked_count = 0
+        """Requests the workers had counted (`ASKED_COUNT`) when the log was last read."""
         self.requests: dict[int, Ready] = {}
         """Per rank, its latest request to be admitted (`ready/<rank>`)."""
         self.beats_read_at = float("-inf")
@@ -235,11 +237,13 @@ class Lighthouse:
                 beat.count, beat.changed = int(count), now
 
     def _read_requests(self) -> None:
-        """The requests of the ranks that logged one since the last look (one read a tick; a worker writes its
-        `ready/<rank>` first, then appends its rank to the log)."""
-        log = self.store.get(ASKED).decode()
-        if len(log) == self.asked_seen:
+        """The requests of the ranks that logged one since the last look (one counter read a tick; a worker writes
+        its `ready/<rank>` first, then appends its rank to the log, then counts it)."""
+        count = self.store.add(ASKED_COUNT, 0)
+        if count == self.asked_count:
             return
+        self.asked_count = count
+        log = self.store.get(ASKED).decode()
         ranks = sorted({int(r) for r in log[self.asked_seen:].split()})
         self.asked_seen = len(log)
         for rank, blob in zip(ranks, self.store.multi_get([f"ready/{r}" for r in ranks])):

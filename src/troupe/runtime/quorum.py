@@ -40,6 +40,9 @@ BATCH_MODES = {
 """`troupe run --elastic-batch`: what a missing worker group does to the global batch."""
 ASKED = "asked"
 """The log of ranks that asked to be admitted since the job started (``"<rank> "`` each, appended after the request)."""
+ASKED_COUNT = "asked/n"
+"""How many entries the workers have appended to `ASKED` (added to after each append: the lighthouse reads the log
+only when it moved)."""
 REJOIN_EXIT = 75
 """The exit code of a worker that was left out of the quorum and asks its launcher to start it again."""
 ENV_VAR = "TROUPE_ELASTIC"
