@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from troupe.strategies.base import BaseStrategy, StepStats
 from troupe.strategies.choice import Fixed, params_of
 from troupe.strategies.registry import Capabilities, Regime, Setup, register
+from troupe.util import pack, unpack_into
 
 if TYPE_CHECKING:
     from troupe.runtime.comm import Communicator
@@ -187,27 +188,19 @@ class ElasticShardedStep(ShardedStep):
         group gets zeros; one without in every group keeps None); under a constant global batch each group's
         counts for the batches it took."""
         with torch.no_grad():
-            grads = [_local(p.grad) if p.grad is not None else None for p in self.params]
-            sizes = [_local(p).numel() for p in self.params]
-            flat = torch.zeros(sum(sizes) + len(sizes), dtype=torch.float32)
-            at = 0
-            for i, (g, n) in enumerate(zip(grads, sizes)):
-                if g is not None:
-                    flat[at : at + n].copy_(g.reshape(-1))
-                    flat[sum(sizes) + i] = 1.0
-                at += n
+            grads = [None if p.grad is None else _local(p.grad) for p in self.params]
+            shards = [torch.zeros_like(_local(p)) if g is None else g for p, g in zip(self.params, grads)]
+            n = sum(t.numel() for t in shards)
+            flat = torch.cat([pack(shards).float(), torch.tensor([float(g is not None) for g in grads])])
             if self.membership.constant_batch:
-                flat[: sum(sizes)].mul_(self.membership.grad_weight())
+                flat[:n].mul_(self.membership.grad_weight())
             self.across.all_reduce(flat, "sum")
-            flat[: sum(sizes)].div_(self.across.world_size)
-            at = 0
-            for i, (p, g, n) in enumerate(zip(self.params, grads, sizes)):
-                if flat[sum(sizes) + i] > 0:
-                    if g is None:
-                        p.grad = torch.zeros_like(p)
-                        g = _local(p.grad)
-                    g.view(-1).copy_(flat[at : at + n])
-                at += n
+            flat[:n].div_(self.across.world_size)
+            unpack_into(flat[:n], shards)  # in place into each gradient's local shard
+            for p, g, shard, had in zip(self.params, grads, shards, flat[n:].tolist()):
+                if g is None and had > 0:
+                    p.grad = torch.zeros_like(p)
+                    _local(p.grad).copy_(shard)
 
 
 @register
