@@ -29,7 +29,7 @@ from troupe.strategies import sharded as _sharded  # noqa: F401  (registers the 
 from troupe.sync.bucket import DEFAULT_BUCKET_SIZE, FIRST_BUCKET_SIZE, plan_buckets
 from troupe.sync.compiled import SplitCompiledGraphs
 from troupe.sync.reducer import GradReducer
-from troupe.util import CLIP_CLUSTER, CLIP_REFUSED, check_int
+from troupe.util import CLIP_CLUSTER, CLIP_REFUSED, REPLACED, Refusal, check_int
 
 if TYPE_CHECKING:
     from troupe.reliability.pieces import ElementParts
@@ -101,6 +101,7 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
             raise TypeError(f"compression must be a troupe.CompressionConfig, got {type(compression).__name__}")
         if ticket is not None and nccl_id is not None:
             raise ValueError("give ticket= or its SINGA alias nccl_id=, not both")
+        _check_not_replaced(optimizer)
         # Options given here that SINGA's per-call methods use when the call does not give them.
         self._option_args = {k: v for k, v in {"powersgd_rank": powersgd_rank, "powersgd_start": powersgd_start}.items()
                              if v is not None}
@@ -406,3 +407,12 @@ class DistOpt(SingaMethods, torch.optim.Optimizer):
 
     def _params(self) -> list[Tensor]:
         return self._model_params
+
+
+def _check_not_replaced(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer made before `troupe.partition`: it holds the whole layers the partition replaced, which
+    the model no longer uses (it would step tensors no gradient reaches while the slices are never reduced)."""
+    names = sorted({getattr(p, REPLACED) for p in params_of(optimizer) if hasattr(p, REPLACED)})
+    if names:
+        raise Refusal(f"the optimizer holds the parameters of {', '.join(names)}, which troupe.partition replaced by "
+                      "slices: create the optimizer after troupe.partition(model, ...) (from model.parameters())")

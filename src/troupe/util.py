@@ -78,6 +78,11 @@ Here, in the leaf module, so the layers that send parameters (strategies, cluste
 it without importing the partitioner."""
 
 
+REPLACED = "_troupe_replaced"
+"""The attribute `troupe.partition` sets on the parameters of a layer it replaced by a partitioned one: the
+layer's name. An optimizer made before the partition holds these (no longer the model's), and `DistOpt` refuses it."""
+
+
 SHARD_OF = "_troupe_part"
 """The attribute ``DistOpt(shard=...)`` sets on every parameter it shards: this rank's part of it (a flat
 tensor whose ``grad`` is the mean gradient of that part), or None where this rank owns no part of it

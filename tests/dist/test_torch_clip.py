@@ -28,9 +28,15 @@ STEPS, BATCH, MAX_NORM = 3, 8, 0.05
 CELL = str(Path(__file__).resolve().parents[2] / "src" / "troupe" / "bench" / "conformance_cell.py")
 
 
-def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+def make(partition: int | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model and its optimizer; `partition`: the last layer's output features over that many workers first
+    (the optimizer is made after troupe.partition, over the slices)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    if partition is not None:
+        import troupe
+
+        troupe.partition(model, {"2": 1}, partition)
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
@@ -43,10 +49,7 @@ def world(rank: int, world_size: int, how: str, clip: str = "torch") -> dict:
     import troupe
 
     torch.set_num_threads(1)
-    model, opt = make()
-    if how == "partition":
-        troupe.init()
-        troupe.partition(model, {"2": 1}, world_size)  # the last layer's output features over the 2 workers
+    model, opt = make(world_size if how == "partition" else None)
     sgd = troupe.DistOpt(opt, shard=None if how == "partition" else how)
     x, y = data()
     per = BATCH // sgd.world_size  # data-parallel replicas (a partitioned model's 2 workers compute one)
@@ -87,13 +90,37 @@ def test_torchs_clip_grad_norm_clips_a_sharded_distopts_whole_gradient(how):
 
 
 def test_torchs_clip_grad_norm_on_a_partitioned_model_is_troupes():
-    """The whole model's norm, the same on both workers (torch's own saw each worker's slices: two norms)."""
+    """The whole model's norm, the same on both workers (torch's own saw each worker's slices: two norms), and the
+    one-process loop's parameters; troupe's own clip_grad_norm_ gives the same bits."""
+    ref = reference()
     torchs, troupes = (run_world(world, 2, "partition", clip, timeout=120) for clip in ("torch", "troupe"))
-    assert min(troupes[0]["norms"]) > 4 * MAX_NORM
     for rank in range(2):
         assert torchs[rank]["norms"] == troupes[rank]["norms"] == troupes[0]["norms"], (torchs, troupes)
+        assert torchs[rank]["norms"] == pytest.approx(ref["norms"], rel=1e-5), (rank, torchs[rank]["norms"])
         for name, value in troupes[rank]["state"].items():
             assert torch.equal(torchs[rank]["state"][name], value), (rank, name)
+            assert torch.allclose(value, ref["state"][name], atol=1e-6), (rank, name)
+
+
+def _partition_after_the_optimizer(rank: int, world_size: int) -> str:
+    import troupe
+
+    torch.set_num_threads(1)
+    model, opt = make()
+    troupe.partition(model, {"2": 1}, world_size)
+    try:
+        troupe.DistOpt(opt)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_an_optimizer_made_before_the_partition_is_refused_in_one_line():
+    """It holds the whole layer the partition replaced: it would step a tensor the model no longer uses, while
+    the slices' gradients were never reduced (no error, a wrong model)."""
+    for said in run_world(_partition_after_the_optimizer, 2, timeout=120):
+        assert said.startswith("the optimizer holds the parameters of 2, which troupe.partition replaced"), said
+        assert "create the optimizer after troupe.partition" in said and "\n" not in said
 
 
 def test_clipping_under_elastic_sandblaster_is_refused_in_one_line(tmp_path):

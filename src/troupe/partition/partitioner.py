@@ -21,7 +21,7 @@ from troupe.partition.layers import FeatureSplit, OnOneWorker, PartitionedLayer
 from troupe.partition.plan import Plan, check_world, resolve_plan
 from troupe.util import Refusal
 from troupe.runtime import world
-from troupe.util import HOLDERS
+from troupe.util import HOLDERS, REPLACED
 
 if TYPE_CHECKING:
     from troupe.partition.planner.link import Link
@@ -234,10 +234,15 @@ def _slice(model: nn.Module, dims: dict[str, int], group: WorkerGroup) -> nn.Mod
         setattr(p, HOLDERS, everyone)
     for name in (name for name, dim in dims.items() if dim != 0):
         layer = model.get_submodule(name)
+        old = list(layer.parameters())  # before the partitioned layer takes the module apart
         new = FeatureSplit(layer, group) if dims[name] == 1 else OnOneWorker(layer, group)
         holders = group.holders(group.index) if dims[name] == 1 else group.holders(0)
         for p in new.parameters():
             setattr(p, HOLDERS, holders)
+        kept = {id(p) for p in new.parameters()}
+        for p in old:
+            if id(p) not in kept:
+                setattr(p, REPLACED, name)
         _replace(model, layer, new)
     return model
 
