@@ -266,3 +266,53 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def fork_server() -> ForkServer | None:
     """This pytest process's fork server (None: launchers start afresh here)."""
     return _SERVER[0] if _SERVER else None
+
+
+CPU_LOG = "TROUPE_TEST_CPU"
+"""TROUPE_TEST_CPU=FILE: each test's CPU seconds (all of its processes, however started) and wall seconds, a line
+per test appended to FILE (``cpu<TAB>wall<TAB>nodeid``). The CPU of a test is robust to the machine's load where its
+wall time is not: the suite's budget on 2 cores is 2 x its wall-time goal."""
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _descendants_cpu() -> float:
+    """CPU seconds of this process and of every live process below it, each with its reaped children's: what a
+    test's processes used lands here whichever way they were started (fork servers, launchers, namespaces, mpiexec),
+    as each reaps its children."""
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])
+        ticks[int(entry)] = sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
+    mine, total, frontier = {os.getpid()}, 0, [os.getpid()]
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    while frontier:
+        pid = frontier.pop()
+        total += ticks.get(pid, 0)
+        for child in children.get(pid, []):
+            if child not in mine:
+                mine.add(child)
+                frontier.append(child)
+    return total / _TICK
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    path = os.environ.get(CPU_LOG)
+    if not path or not sys.platform.startswith("linux"):
+        yield
+        return
+    cpu, wall = _descendants_cpu(), time.monotonic()
+    yield
+    cpu, wall = _descendants_cpu() - cpu, time.monotonic() - wall
+    with open(path, "a") as out:
+        out.write(f"{cpu:.2f}\t{wall:.2f}\t{item.nodeid}\n")
