@@ -188,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
 
     envrdv.withdraw()  # `troupe run` under srun or mpiexec: its ranks get their own RANK, not this process's
     if argv is None and sys.argv[1:2] == ["run"]:
-        from troupe.runtime.forkserver import launch
+        from troupe.runtime.forkserver import run_served
 
-        served = launch(sys.argv[1:])  # a launcher forked by a `troupe fork-server` (runtime/forkserver.py)
+        served = run_served(sys.argv[1:])  # a launcher forked by a `troupe fork-server` (runtime/forkserver.py)
         if served is not None:
             return served
     try:

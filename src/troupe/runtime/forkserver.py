@@ -42,7 +42,15 @@ import struct
 import sys
 from typing import TYPE_CHECKING, Any
 
-from troupe.runtime.forking import STATUS, ForkedChild, become_launcher, own_fd, read_exactly, recv_request, send_request
+from troupe.runtime.forking import (
+    STATUS,
+    ForkedChild,
+    become_launcher,
+    own_fd,
+    read_exactly,
+    recv_request,
+    send_request,
+)
 
 if TYPE_CHECKING:
     from troupe.runtime.zygote import ZygoteSlot
@@ -63,7 +71,7 @@ _HANDLED = ("PYTHONPATH", "PYTHONUNBUFFERED")
 # --- the client's side (`troupe run` with TROUPE_FORK_SERVER set) --------------------------------------------
 
 
-def launch(argv: list[str]) -> int | None:
+def run_served(argv: list[str]) -> int | None:
     """Run ``troupe ARGV`` as a launcher forked by the server; its exit status. None: no server answered, or it
     refused (the caller starts the launcher itself)."""
     from troupe.runtime.settings import Settings
