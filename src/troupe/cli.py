@@ -7,9 +7,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from troupe.runtime import settings
+
+if TYPE_CHECKING:
+    from troupe.runtime.zygote import ZygoteSlot
 
 
 def _master(text: str) -> tuple[str, int]:
@@ -181,18 +184,18 @@ def _add_plan_parser(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from troupe.runtime import envrdv
-    from troupe.runtime.zygote import RunRank
+    from troupe.runtime.forking import ForkedChild
 
     envrdv.withdraw()  # `troupe run` under srun or mpiexec: its ranks get their own RANK, not this process's
     if argv is None and sys.argv[1:2] == ["run"]:
-        from troupe.runtime.forkserver import launch
+        from troupe.runtime.forkserver import run_served
 
-        served = launch(sys.argv[1:])  # a launcher forked by a `troupe fork-server` (runtime/forkserver.py)
+        served = run_served(sys.argv[1:])  # a launcher forked by a `troupe fork-server` (runtime/forkserver.py)
         if served is not None:
             return served
     try:
         return _main(argv)
-    except RunRank as rank:  # a rank forked from the zygote this launcher forked from itself (`_load_torch`)
+    except ForkedChild as rank:  # a rank forked from the zygote this launcher forked from itself (`ZygoteSlot.fork`)
         request = rank.request
     from troupe.runtime.zygote import run_rank
 
@@ -200,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, zygotes: ZygoteSlot | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "conformance"]:  # the matrix's own options follow (argparse would take them as ours)
         argv = ["bench", "conformance", "--", *argv[2:]]
@@ -213,8 +216,8 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "fork-server":
         from troupe.runtime.forkserver import serve
 
-        request = serve(args.socket)  # returns only in a launcher it forked, which runs here
-        return _main(request["argv"])
+        request, zygotes = serve(args.socket)  # returns only in a launcher it forked, which runs here
+        return _main(request["argv"], zygotes)
     if args.command == "bench":
         from troupe.bench.command import main as bench_main
 
@@ -226,7 +229,7 @@ def _main(argv: list[str] | None) -> int:
     from troupe.launcher.job import run
 
     try:
-        return run(args)
+        return run(args, zygotes)
     except (ValueError, ImportError) as e:  # bad arguments; a missing optional package (tensorboard)
         print(f"troupe run: {e}", file=sys.stderr)
         return 2

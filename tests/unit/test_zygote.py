@@ -141,8 +141,7 @@ def test_closing_the_zygote_leaves_its_ranks_running(tmp_path):
 def test_troupe_fork_0_starts_ranks_afresh(monkeypatch):
     monkeypatch.setenv(zygote.ENV_VAR, "0")
     assert not zygote.available()
-    monkeypatch.setattr(zygote, "_shared", {})
-    assert zygote.shared(dict(os.environ)) is None
+    assert zygote.ZygoteSlot().shared(dict(os.environ)) is None
 
 
 def test_a_job_under_troupe_run_forks_its_ranks_and_says_the_same_as_afresh(tmp_path):

@@ -49,6 +49,22 @@ PLANS = {"hybrid": {"conv*": 0, "linear*": 1}, "model": {"*": 1}}
 """`--partition`: the CNN's partition plans inside a worker group (examples/mnist_cnn.py's)."""
 
 
+def _record_heal(out: Path, t: float, rank: int, model: Any, sgd: Any) -> None:
+    """What this restarted process received from its peer, beside what it holds (its shard of a DTensor)."""
+    import torch
+
+    def size(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    held = sum(size(v) for g in sgd.param_groups for p in g["params"]
+               for v in sgd.state[p].values() if torch.is_tensor(v) and v.dim())
+    with open(out / "heals.jsonl", "a") as heals:
+        heals.write(json.dumps({"t": t, "rank": rank, "received": sgd.world.membership.heal_bytes,
+                                "params_bytes": sum(size(p) for p in model.parameters()),
+                                "optimizer_bytes": held}) + "\n")
+
+
 def job(out: Path, batch_size: int, lr: float, seed: int, dist_option: str = "plain", spars: float | None = None,
         partition: str | None = None, shard_model: bool = False, pad_mb: float = 0.0) -> None:
     """One process: train until the stop step, then evaluate and hash the parameters. Each process of a
@@ -70,25 +86,15 @@ def job(out: Path, batch_size: int, lr: float, seed: int, dist_option: str = "pl
         model = troupe.shard(model)  # FSDP2 inside each worker group
     sgd = troupe.DistOpt(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), dist_option=dist_option,
                          spars=spars)
-    options = getattr(sgd.world.membership, "options", None)  # Downpour's rejoining workers: groups of one
-    rank, k = sgd.global_rank, 1 if options is None else options.group_size
+    membership = sgd.world.membership  # Downpour's rejoining workers (not elastic): groups of one
+    rank, k = sgd.global_rank, membership.options.group_size if membership.elastic else 1
     group, place = divmod(rank, k)
     x, y, test_x, test_y = troupe.data.load_mnist()
     shard = Shard(x, y, rank, sgd.world_size, batch_size, seed)
     troupe.track(model=model, optimizer=sgd)  # a restarted group copies a live one's state here
     (out / "pids" / str(rank)).write_text(str(os.getpid()))
-    membership = sgd.world.membership
-    if int(os.environ.get("TROUPE_INCARNATION", "0")):  # what this restarted process received from its peer
-        def size(t: torch.Tensor) -> int:  # this process's shard of a DTensor
-            t = t.to_local() if hasattr(t, "to_local") else t
-            return t.numel() * t.element_size()
-
-        held = sum(size(v) for g in sgd.param_groups for p in g["params"]
-                   for v in sgd.state[p].values() if torch.is_tensor(v) and v.dim())
-        with open(out / "heals.jsonl", "a") as heals:
-            heals.write(json.dumps({"t": time.time() - t0, "rank": rank, "received": getattr(membership, "heal_bytes", 0),
-                                    "params_bytes": sum(size(p) for p in model.parameters()),
-                                    "optimizer_bytes": held}) + "\n")
+    if int(os.environ.get("TROUPE_INCARNATION", "0")):
+        _record_heal(out, time.time() - t0, rank, model, sgd)
     with open(out / "events.jsonl", "a") as events:
         while True:
             stop = stop_step(out)

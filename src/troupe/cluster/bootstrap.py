@@ -3,13 +3,24 @@
 A server needs nothing from the training script: worker 0 describes the trainable
 parameters (sizes, dtype, param groups) and the optimizer (class path and
 hyper-parameters) as JSON (`troupe.cluster.configuration.spec`), and the bootstrap hands that to every
-rank while the job's groups are made. So a server rank can run without the script:
+rank while the job's groups are made. A server rank's life is one step, `serve_rank`, taken in one
+of two places:
 
-* under `troupe run`, server-only ranks run ``python -m troupe.cluster.bootstrap`` instead
-  of the script (they never load data or build a model);
+* under `troupe run` the launcher knows the server-only ranks and starts them as
+  ``python -m troupe.cluster.bootstrap`` (`main`) instead of the script: they never load data or
+  build a model, and `main` returns the server's exit code;
 * under torchrun, mpiexec or spawned test ranks every rank runs the script, and a server
-  rank's first `DistOpt` hands the process over: `worker_strategy` serves there and ends
-  the process (``SystemExit(0)``), it never returns to the script.
+  rank's first `DistOpt` is where it becomes a server (SINGA's spelling): `worker_strategy`
+  takes the step there and ends the process (``SystemExit(0)``); it never returns to the script.
+
+Why the second place cannot go: troupe does not choose what an external launcher's rank runs, so
+the earliest troupe code a server rank meets is the script's ``import troupe`` or `troupe.init()`.
+Serving from there would break scripts that work today: a server joins the job's groups in the order
+the workers make them and waits for worker 0's description, which exists only once worker 0 has
+built its optimizer; any collective a script runs over the whole job before its `DistOpt` (a
+broadcast of its data, a barrier, a metric) would wait forever for the rank that went serving; and
+the cluster is often known only from the DistOpt's own argument (``DistOpt(..., cluster=...)``, a
+SINGA job file), not from the environment.
 
 A worker gets back its view of the job (rank and world size among the workers) and its
 `UpdateStrategy`, built by the cluster's worker regime (`troupe.cluster.regimes`:
@@ -140,8 +151,8 @@ class WorkerContext:
 def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, world: World, bucket_size: int,
                     nan_policy: str = "raise", step_count: Callable[[], int] = lambda: 0
                     ) -> tuple[DistInfo, UpdateStrategy]:
-    """Take this rank's role. A server rank serves and ends the process here; a worker gets
-    (its view of the job: rank and world size among the workers, its strategy), and the
+    """Take this rank's role. A server rank (under an external launcher) serves and ends the process here; a
+    worker gets (its view of the job: rank and world size among the workers, its strategy), and the
     World's data-parallel communicator becomes the workers'."""
     info = world.info
     job = joined(cluster, world)
@@ -155,8 +166,8 @@ def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, wo
             problem = str(e)
     describe = (lambda: _describe(optimizer, params, param_group_of, arranged, problem)) if info.global_rank == 0 else None
     spec = exchange(job, describe) if not job.rejoined else _spec_from_store(job)
-    if job.role.worker is None:
-        hand_over(job, spec)
+    if job.role.worker is None:  # a server rank that ran the script up to its DistOpt (see the module's docstring)
+        _serve_instead_of_the_script(job, spec)
     if job.links is not None:
         _dial(job)
     world.use_for_data_parallel(job.workers_comm)
@@ -392,8 +403,8 @@ def _broadcast_text(world: Communicator, text: str) -> str:
     return bytes(data.tolist()).decode()
 
 
-def hand_over(job: Job, spec: TrainingSpec) -> NoReturn:
-    """The rest of a server rank's life: serve until every worker has finished, then end the process."""
+def serve_rank(job: Job, spec: TrainingSpec) -> None:
+    """A server rank's life: serve until every worker has finished, report, and leave the job."""
     stats = serve(job, spec)
     print(f"troupe server rank {job.role.rank}: {stats}", file=sys.stderr, flush=True)
     # What this server sent, by operation ([payload bytes, wire bytes]): a server started without the
@@ -406,7 +417,13 @@ def hand_over(job: Job, spec: TrainingSpec) -> NoReturn:
     # without an active exception", seen once in ~20 Downpour runs): the work is done, so
     # leave without finalizing (first of the exit handlers, after stdio is flushed).
     atexit.register(_leave)
-    sys.exit(0)  # a server never returns to the training script
+
+
+def _serve_instead_of_the_script(job: Job, spec: TrainingSpec) -> NoReturn:
+    """SINGA's spelling under an external launcher: this server rank's DistOpt serves, then the process ends
+    (the script's code after its DistOpt is a worker's)."""
+    serve_rank(job, spec)
+    sys.exit(0)
 
 
 def _make_shard(job: Job, spec: TrainingSpec) -> ParamShard:
@@ -548,7 +565,8 @@ def main() -> int:
         print(f"troupe server rank {job.role.rank}: the job stopped before it began "
               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", file=sys.stderr, flush=True)
         return 1
-    hand_over(job, spec)
+    serve_rank(job, spec)
+    return 0
 
 
 if __name__ == "__main__":

@@ -15,15 +15,16 @@ from troupe.launcher.processes import kill_now, stop_all
 from troupe.launcher.plan import LaunchPlan
 from troupe.launcher.policies import RestartPolicy
 from troupe.launcher.starter import Starter
+from troupe.runtime.zygote import ZygoteSlot
 
 
-def afresh_unless_quiet() -> None:
+def afresh_unless_quiet(zygotes: ZygoteSlot) -> None:
     """Another node's elastic launcher loads torch with c10's C++ logging at FATAL (`load_torch`). One forked
     by a `troupe fork-server` has torch loaded with the server's level, which cannot change now: it starts
     itself afresh, the same process (its pid, descriptors and parent), before it has said anything."""
-    from troupe.runtime import forkserver, zygote
+    from troupe.runtime import forkserver
 
-    loaded = zygote.imported_with()
+    loaded = zygotes.loaded
     if loaded is None or loaded["TORCH_CPP_LOG_LEVEL"] == os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL"):
         return
     sys.stdout.flush()
@@ -36,7 +37,7 @@ def load_torch(plan: LaunchPlan, start: Starter, say: Callable[[str], None]) -> 
     """An elastic launcher keeps (node 0) or reaches the job's store, so it imports torch itself.
 
     Node 0's does so with what the ranks share as its environment and forks its zygote from itself
-    (`zygote.fork_shared`), before any thread of its own starts, instead of starting a second interpreter
+    (`ZygoteSlot.fork_shared`), before any thread of its own starts, instead of starting a second interpreter
     that imports torch again (1 CPU-s less at every such job's start here); its C++ logging is then the
     ranks' (ERROR unless set), which hides c10d's warnings as FATAL does. Another node's launcher loads
     torch with c10's C++ logging at FATAL: c10d warns on every connection where the hostname does not
@@ -44,9 +45,7 @@ def load_torch(plan: LaunchPlan, start: Starter, say: Callable[[str], None]) -> 
     answer (one line says so here); its ranks get the environment as it was."""
     node_rank = plan.place.node_rank
     if node_rank == 0 or "torch" in sys.modules:  # (another node's, forked by a `troupe fork-server`)
-        from troupe.runtime import zygote
-
-        zygote.fork_shared(start.env(None), say=say if node_rank == 0 else None)
+        start.zygotes.fork_shared(start.env(None), say=say if node_rank == 0 else None)
     quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ and "torch" not in sys.modules
     if quiet:
         os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"

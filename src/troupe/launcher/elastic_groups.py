@@ -18,9 +18,10 @@ from troupe.launcher.ports import Ports
 from troupe.launcher.starter import Starter
 from troupe.runtime import settings
 from troupe.runtime.rankio import RankOutput
+from troupe.runtime.zygote import ZygoteSlot
 
 
-def run_elastic_groups(plan: LaunchPlan, output: RankOutput | None, ports: Ports) -> int:
+def run_elastic_groups(plan: LaunchPlan, output: RankOutput | None, ports: Ports, zygotes: ZygoteSlot) -> int:
     """Start the ranks of an elastic job, keep its quorum here, and restart a dead rank alone."""
     from troupe.runtime.lighthouse import Lighthouse, Reporter
 
@@ -28,7 +29,7 @@ def run_elastic_groups(plan: LaunchPlan, output: RankOutput | None, ports: Ports
     ticket = ports.ticket(plan.place)
     options, place = plan.elastic.quorum, plan.place
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    start = Starter(plan, ticket, ports, output)
+    start = Starter(plan, ticket, ports, output, zygotes=zygotes)
     load_torch(plan, start, say)
     from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT
 

@@ -18,13 +18,14 @@ from troupe.launcher.ports import Ports
 from troupe.launcher.starter import Starter
 from troupe.runtime import settings
 from troupe.runtime.rankio import RankOutput
+from troupe.runtime.zygote import ZygoteSlot
 
 NODE_SILENCE_SECONDS = 30.0
 """Elastic parameter servers on several nodes: node 0 keeps the job's store up after its own ranks are done
 until every other node's launcher has ended, or said nothing for this long (it died)."""
 
 
-def run_elastic_servers(plan: LaunchPlan, output: RankOutput | None, ports: Ports) -> int:
+def run_elastic_servers(plan: LaunchPlan, output: RankOutput | None, ports: Ports, zygotes: ZygoteSlot) -> int:
     """--elastic over a parameter-server job (Downpour, Sandblaster, Hogwild): node 0's launcher hosts the job's
     store; a dead worker restarts alone, on its node, and rejoins through the servers (runtime/rejoin.py) or,
     under Hogwild, by copying a live group (cluster/serving/groupsync.py); a dead separate server ends the
@@ -35,7 +36,7 @@ def run_elastic_servers(plan: LaunchPlan, output: RankOutput | None, ports: Port
     assert plan.elastic is not None
     ticket = ports.ticket(plan.place)
     nodes, node_rank, servers = plan.place.nnodes, plan.place.node_rank, plan.servers
-    start = Starter(plan, ticket, ports, output)
+    start = Starter(plan, ticket, ports, output, zygotes=zygotes)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     load_torch(plan, start, say)
     from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT

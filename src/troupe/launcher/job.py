@@ -15,30 +15,34 @@ from troupe.launcher.ports import Ports
 from troupe.launcher.processes import run_once
 from troupe.launcher.resolve import plan_from, prepared
 from troupe.runtime.rankio import RankOutput, parse_ranks
+from troupe.runtime.zygote import ZygoteSlot
 
 
-def run(args: argparse.Namespace) -> int:
-    """`troupe run`'s parsed arguments: the plan resolved once, then the job started on this node."""
+def run(args: argparse.Namespace, zygotes: ZygoteSlot | None = None) -> int:
+    """`troupe run`'s parsed arguments: the plan resolved once, then the job started on this node (`zygotes`: a
+    launcher forked by a fork server gets the server's, which knows how torch was loaded)."""
+    zygotes = ZygoteSlot() if zygotes is None else zygotes
     flags = prepared(Flags.from_args(args))
     if flags.elastic.on and flags.place.node_rank != 0:
-        afresh_unless_quiet()  # before anything is said or made: it may start this launcher again
-    return run_plan(plan_from(flags))
+        afresh_unless_quiet(zygotes)  # before anything is said or made: it may start this launcher again
+    return run_plan(plan_from(flags), zygotes)
 
 
-def run_plan(plan: LaunchPlan) -> int:
-    """Start the job; after a failure restart it from its last checkpoint, up to --max-restarts times."""
+def run_plan(plan: LaunchPlan, zygotes: ZygoteSlot) -> int:
+    """Start the job; after a failure restart it from its last checkpoint, up to --max-restarts times (every
+    attempt forks its ranks from the same zygote)."""
     for path in (plan.outputs.stats, plan.outputs.timeline):
         if path and os.path.exists(path):
             os.remove(path)  # stats are appended to: start each job afresh
     output, ports = rank_output(plan), Ports()
     if plan.mode == "rejoin":
-        return run_elastic_servers(plan, output, ports)
+        return run_elastic_servers(plan, output, ports, zygotes)
     if plan.mode == "quorum":
-        return run_elastic_groups(plan, output, ports)
+        return run_elastic_groups(plan, output, ports, zygotes)
     recovery = plan.recovery
     resume = "yes" if recovery.resume else "no"
     for attempt in range(recovery.max_restarts + 1):
-        code = run_once(plan, output, ports, {"TROUPE_RESUME": resume})
+        code = run_once(plan, output, ports, {"TROUPE_RESUME": resume}, zygotes)
         if code == 0 or code == 130 or attempt == recovery.max_restarts:
             report(plan)
             return code

@@ -12,6 +12,7 @@ from troupe.launcher.plan import LaunchPlan
 from troupe.launcher.ports import Ports
 from troupe.launcher.starter import Starter
 from troupe.runtime.rankio import RankOutput
+from troupe.runtime.zygote import ZygoteSlot
 
 GRACE_SECONDS = 5.0
 """How long a rank gets to exit after SIGTERM before SIGKILL."""
@@ -22,10 +23,11 @@ is gone", code 1) can be collected first, since a killed process's sockets close
 exit status can be collected."""
 
 
-def run_once(plan: LaunchPlan, output: RankOutput | None, ports: Ports, extra_env: dict[str, str]) -> int:
+def run_once(plan: LaunchPlan, output: RankOutput | None, ports: Ports, extra_env: dict[str, str],
+             zygotes: ZygoteSlot | None = None) -> int:
     """Start this node's ranks, watch them, and stop them all as soon as one fails."""
     ticket = ports.ticket(plan.place)  # a fresh port and token for every attempt
-    start = Starter(plan, ticket, ports, output, extra_env)
+    start = Starter(plan, ticket, ports, output, extra_env, ZygoteSlot() if zygotes is None else zygotes)
     start.zygote()  # first: a rank forked from a zygote this launcher forks leaves through no `finally` below
     procs: list[subprocess.Popen] = []
     # SIGTERM while the ranks start stops those started (`supervise_all` handles it from then on)

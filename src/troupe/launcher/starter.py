@@ -24,6 +24,7 @@ from troupe.launcher.plan import LaunchPlan
 from troupe.launcher.ports import Ports
 from troupe.runtime.rankio import RankOutput
 from troupe.runtime.ticket import Ticket
+from troupe.runtime.zygote import Zygote, ZygoteSlot
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,24 +97,22 @@ class Fresh:
 class Forked:
     """A fork of the zygote this launcher shares with its ranks: torch is imported already."""
 
-    def __init__(self, output: RankOutput | None, shared_env: Callable[[], dict[str, str]], fork_self: bool):
-        self.output, self.shared_env, self.fork_self = output, shared_env, fork_self
+    def __init__(self, output: RankOutput | None, zygotes: ZygoteSlot, shared_env: Callable[[], dict[str, str]],
+                 fork_self: bool):
+        self.output, self.zygotes, self.shared_env, self.fork_self = output, zygotes, shared_env, fork_self
 
-    def zygote(self):
+    def zygote(self) -> Zygote | None:
         """The launcher's zygote (made at the first call), or None where ranks start afresh."""
-        from troupe.runtime import zygote
-
         env = self.shared_env()
         if "torch" in sys.modules and self.fork_self:
             # A launcher forked by a `troupe fork-server` (runtime/forkserver.py) has torch: its zygote is forked
             # from it (one started afresh where it cannot be). Only here, at its first rank, where no `finally`
-            # of the launcher's lies between this frame and `main` (a rank leaves through them: `RunRank`); an
+            # of the launcher's lies between this frame and `main` (a rank leaves through them: `ForkedChild`); an
             # elastic launcher forks in `load_torch`, before its own.
-            zygote.fork_shared(env)
-        return zygote.shared(env, say=lambda line: print(line, file=sys.stderr, flush=True))
+            self.zygotes.fork_shared(env)
+        return self.zygotes.shared(env, say=lambda line: print(line, file=sys.stderr, flush=True))
 
     def start(self, command: RankCommand) -> subprocess.Popen | None:
-        from troupe.runtime import zygote
         from troupe.runtime.spare import WARM_VAR
 
         house = self.zygote()
@@ -126,7 +125,7 @@ class Forked:
                                stderr=pipes and pipes[1][1])
         except OSError as e:
             print(f"troupe run: ranks start afresh from now on (the zygote failed: {e})", file=sys.stderr, flush=True)
-            zygote.forget(house)
+            self.zygotes.forget(house)
             for r, _ in pipes or ():
                 os.close(r)
             return None
@@ -162,12 +161,14 @@ class Starter:
     """Starts this node's ranks with the job's environment (and, under --elastic, warm spares)."""
 
     def __init__(self, plan: LaunchPlan, ticket: Ticket, ports: Ports, output: RankOutput | None,
-                 extra_env: Mapping[str, str] | None = None):
+                 extra_env: Mapping[str, str] | None = None, zygotes: ZygoteSlot | None = None):
         self.plan, self.output = plan, output
+        self.zygotes = ZygoteSlot() if zygotes is None else zygotes
+        """The launcher's zygote (one for every attempt of its job)."""
         self.env = RankEnv(plan, ticket, ports.torch_port(ticket, plan.place), extra_env or {},
                            unbuffered=output is not None and sys.stdout.isatty())
         self.fresh = Fresh(output)
-        self.forked = Forked(output, lambda: self.env(None), fork_self=plan.mode == "fixed")
+        self.forked = Forked(output, self.zygotes, lambda: self.env(None), fork_self=plan.mode == "fixed")
         self.warm: Warm | None = None
         self.started: set[int] = set()
         """The pids of every process this launcher started (ranks, spares): the orphans it inherits are the rest."""
@@ -193,9 +194,7 @@ class Starter:
     @property
     def forks(self) -> bool:
         """Whether this launcher's ranks were forked from a zygote (then restarts need no warm spares)."""
-        from troupe.runtime import zygote
-
-        return zygote.current() is not None
+        return self.zygotes.current() is not None
 
     def keep_spares(self, count: int) -> None:
         """From now on a restart runs in one of `count` warm spares (started now)."""
@@ -211,14 +210,14 @@ class Starter:
 
     def reap_orphans(self) -> None:
         """At most every 2 s: reap the exited orphans the launcher inherits as its forked ranks' subreaper."""
-        from troupe.runtime import zygote
+        from troupe.runtime.zygote import reap_orphans
 
         now = time.monotonic()
-        house = zygote.current()
+        house = self.zygotes.current()
         if house is None or now - self._reaped_at < 2.0:
             return
         self._reaped_at = now
-        zygote.reap_orphans(self.started | {house.proc.pid})
+        reap_orphans(self.started | {house.proc.pid})
 
     def stop(self) -> None:
         """End the warm spares nobody needed."""

@@ -20,11 +20,10 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from troupe.partition import torch_clip
 from troupe.partition.partitioner import HOLDERS, _job_comm
 from troupe.runtime import world
 from troupe.runtime.comm import Communicator
-from troupe.util import SHARD_COPIES, SHARD_OF
+from troupe.util import CLIP_REFUSED, SHARD_COPIES, SHARD_OF, Refusal
 
 
 @torch.no_grad()
@@ -39,7 +38,7 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float, norm
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     parameters = list(parameters)
-    torch_clip.check(parameters)  # where a worker's gradient is not the job's (torch_clip.refusal): one line
+    check(parameters)  # where a worker's gradient is not the job's (troupe.partition.torch_clip): one line
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not (norm_type == math.inf or norm_type > 0):
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
@@ -63,6 +62,26 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float, norm
         parts.append(part)
         holders.append(copies or shares(p))
     return _clip(parts, holders, max_norm, norm_type, job if everyone > 1 else None, [p.grad for p in params])
+
+
+def check(parameters: list[Tensor]) -> None:
+    """Raise the one-line refusal marked on any of `parameters` (telling `troupe run --elastic`'s launcher)."""
+    why = next((getattr(p, CLIP_REFUSED) for p in parameters if hasattr(p, CLIP_REFUSED)), None)
+    if why is None:
+        return
+    from troupe.runtime import settings
+    from troupe.runtime.launch import _refuse
+
+    env = settings.current()
+    if env.ticket:
+        _refuse(env, _rank(), why)  # the launcher stops the job rather than restart a rank refused again
+    raise Refusal(why)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else -1
 
 
 def _clip_parts(parameters: list[Tensor], max_norm: float, norm_type: float, comm: Communicator | None) -> Tensor:

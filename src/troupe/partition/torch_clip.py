@@ -30,30 +30,11 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from troupe.util import CLIP_CLUSTER, CLIP_REFUSED, HOLDERS, SHARD_OF, Refusal
+from troupe.partition import clip
+from troupe.util import CLIP_CLUSTER, HOLDERS, SHARD_OF
 
 _TORCH = torch.nn.utils.clip_grad.clip_grad_norm_
 """torch's own function (before `install`)."""
-
-
-def check(parameters: list[Tensor]) -> None:
-    """Raise the one-line refusal marked on any of `parameters` (telling `troupe run --elastic`'s launcher)."""
-    why = next((getattr(p, CLIP_REFUSED) for p in parameters if hasattr(p, CLIP_REFUSED)), None)
-    if why is None:
-        return
-    from troupe.runtime import settings
-    from troupe.runtime.launch import _refuse
-
-    env = settings.current()
-    if env.ticket:
-        _refuse(env, _rank(), why)  # the launcher stops the job rather than restart a rank refused again
-    raise Refusal(why)
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else -1
 
 
 def install() -> None:
@@ -69,12 +50,10 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float, norm
     """torch's clip_grad_norm_, which for troupe's partitioned or sharded parameters is troupe.clip_grad_norm_
     (and refuses where clipping a worker's gradient is not clipping the job's: see the module docstring)."""
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    check(params)
+    clip.check(params)
     if not any(hasattr(p, SHARD_OF) or hasattr(p, HOLDERS) and not hasattr(p, CLIP_CLUSTER) for p in params):
         return _TORCH(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
-    from troupe.partition.clip import clip_grad_norm_ as troupes
-
-    total = troupes(params, max_norm, norm_type)
+    total = clip.clip_grad_norm_(params, max_norm, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):  # troupe's leaves a non-finite norm's gradients as they are
         raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                            "non-finite, so it cannot be clipped. To disable this error and scale the gradients "

@@ -16,7 +16,8 @@ is in a quorum or out of it as a whole:
   store, live, and steps on; a joiner loads it before its first step (place by place: the joining
   group's process j loads what the source group's process j posted).
 
-`Fixed` is the same interface for a job whose processes never change (every other launcher).
+`Fixed` is the same interface (`runtime/membership.py`) for a job whose processes never change (every
+other launcher).
 """
 
 from __future__ import annotations
@@ -37,44 +38,19 @@ import torch.distributed as dist
 from troupe.runtime import handoff
 from troupe.runtime.quorum import ASKED, ASKED_COUNT, REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready, round_key
 from troupe.util import LostLauncher
+from troupe.runtime.membership import Membership
 
 log = logging.getLogger("troupe.elastic")
 PARTNER_GRACE = 2.0
 """Seconds a process whose group lost a partner waits to be stopped by its launcher before it leaves."""
 
 
+class Fixed(Membership):
+    """The membership of a job whose processes never change: every step commits, nothing moves (the
+    `Membership` defaults)."""
 
 
-class Fixed:
-    """The membership of a job whose processes never change: every step commits, nothing moves."""
-
-    elastic = False
-    builds_together = True
-    """Every rank makes its DistOpt at the same time, so making it may use collectives."""
-    lost: tuple[type[BaseException], ...] = ()
-    """Exceptions a step survives (none: a lost peer ends a fixed job)."""
-    constant_batch = False
-    """The global batch is what the present processes draw (only an elastic job may keep it constant)."""
-    data_place: tuple[int, int] | None = None
-    """(index, count) of this process's data shard when it is not its rank in the world (a rejoining worker's)."""
-
-    def vote(self, ok: bool, error: BaseException | None = None) -> bool:
-        return ok
-
-    def advance(self) -> None:
-        pass
-
-    def track(self, objects: dict[str, Any]) -> int | None:
-        return None
-
-    def track_by_default(self, params: list[torch.Tensor], optimizer: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Elastic:
+class Elastic(Membership):
     """This worker's place in an elastic job: its worker group (`options.group_size` processes) is a
     member of the quorum or not, as a whole."""
 

@@ -1,10 +1,12 @@
 """What the zygote (runtime/zygote.py: forks ranks) and the fork server (runtime/forkserver.py: forks
 launchers) share: one request over a Unix socket, carrying the descriptors the forked process takes as
-its stdin, stdout and stderr, and how a forked process adopts them.
+its stdin, stdout and stderr; how a forked process becomes what a fresh interpreter would have been; and
+how it leaves its parent's frames.
 
     send_request(sock, {"argv": [...], ...}, [own_fd(0), own_fd(1), own_fd(2)])
     request, fds = recv_request(sock)          # in the server; None when the client closed the socket
-    ... os.fork() ...; own_group(fds)          # in the forked rank (own_session(fds): a forked launcher)
+    ... os.fork() ...; become_rank(request, fds)  # in the forked rank (become_launcher: a forked launcher)
+    raise ForkedChild(request)                 # where the parent's loop must not go on in the child
 
 A request is a 4-byte length, then that many bytes of JSON; a reply is one 4-byte integer (`STATUS`).
 """
@@ -13,8 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import struct
+import sys
 from typing import Any
 
 LENGTH = struct.Struct("!I")
@@ -59,20 +63,73 @@ def recv_request(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None
     return json.loads(read_exactly(sock, length)), fds
 
 
-def own_session(fds: list[int]) -> None:
-    """In a forked launcher (the fork server's): a session of its own, and `fds` as its stdin, stdout and
-    stderr."""
+class ForkedChild(BaseException):
+    """Raised in a process just forked from a serving loop to leave its parent's frames: a launcher forked by
+    the fork server (caught by `forkserver.serve`), a rank forked by a zygote that was itself forked from its
+    launcher (caught by `troupe.cli.main`, which runs the rank's program at its own level). A BaseException,
+    so that no ``except Exception`` on the way takes it."""
+
+    def __init__(self, request: dict[str, Any]):
+        super().__init__("a forked child leaving its parent's frames")
+        self.request = request
+        """What the child becomes (its argv, environment, working directory)."""
+
+
+def become_launcher(request: dict[str, Any], fds: list[int]) -> None:
+    """In a launcher forked by the fork server: what ``python -m troupe.cli ARGV`` started by the client would
+    be (a session of its own, the client's descriptors, environment, directory, umask, argv, path and stream
+    buffering; signals at Python's defaults)."""
     os.setsid()
     adopt(fds)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    server_pythonpath = _pythonpath()
+    _take_over(request)
+    if "umask" in request:
+        os.umask(request["umask"])
+    sys.argv = [request["argv0"], *request["argv"]]
+    rest = [p for p in sys.path[1:] if p not in server_pythonpath]
+    sys.path[:] = [request["cwd"], *_pythonpath(), *rest]
+    unbuffered = request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
+    for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+        stream.reconfigure(line_buffering=unbuffered or os.isatty(fd) or fd == 2,  # type: ignore[union-attr]
+                           write_through=unbuffered or fd == 2)
 
 
-def own_group(fds: list[int]) -> None:
-    """In a forked rank: what ``subprocess.Popen(..., **rank_leader(stdin))`` gives a rank started afresh."""
+def become_rank(request: dict[str, Any], fds: list[int]) -> None:
+    """In a rank forked by a zygote: what ``subprocess.Popen(..., **rank_leader(stdin))`` gives a rank started
+    afresh (its process group, descriptors, environment, directory, SIGINT and stdout buffering as Python sets
+    them, its OMP_NUM_THREADS); argv and path are set as it runs (`zygote.run_rank`)."""
     if "start_new_session" in rank_leader(os.isatty(fds[0])):
         os.setsid()
     else:
         os.setpgid(0, 0)
     adopt(fds)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python starts (SIGPIPE stays ignored)
+    _take_over(request)
+    line_buffered = os.isatty(1) or bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdout.reconfigure(line_buffering=line_buffered)  # type: ignore[union-attr]
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+def _take_over(request: dict[str, Any]) -> None:
+    """The requester's environment and working directory; numpy's global generator seeded anew (a fresh
+    process would have drawn its own seed)."""
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def _pythonpath() -> list[str]:
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 def rank_leader(terminal_stdin: bool) -> dict[str, Any]:

@@ -26,7 +26,7 @@ the path) and ``PYTHONUNBUFFERED`` (the streams are made unbuffered); the client
 is the launcher's. Torch read ``TORCH_CPP_LOG_LEVEL`` and ``OMP_NUM_THREADS`` as it loaded in
 the server: start the server with the level `troupe run` gives its ranks (``ERROR``) and without
 ``OMP_NUM_THREADS`` (each rank sets its threads as it starts); a job whose ranks want another
-level gets a zygote started afresh (`zygote.Zygote.fork`), and another node's elastic launcher,
+level gets a zygote started afresh (`zygote.ZygoteSlot.fork`), and another node's elastic launcher,
 which loads torch at ``FATAL``, executes itself afresh before it says anything. A server that
 is not listening, or has gone, is the same as no server.
 """
@@ -40,9 +40,20 @@ import signal
 import socket
 import struct
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from troupe.runtime.forking import STATUS, own_fd, own_session, read_exactly, recv_request, send_request
+from troupe.runtime.forking import (
+    STATUS,
+    ForkedChild,
+    become_launcher,
+    own_fd,
+    read_exactly,
+    recv_request,
+    send_request,
+)
+
+if TYPE_CHECKING:
+    from troupe.runtime.zygote import ZygoteSlot
 
 ENV_VAR = "TROUPE_FORK_SERVER"
 """The path of the fork server's socket (`Settings.fork_server`; unset: every `troupe run` starts its own launcher)."""
@@ -60,7 +71,7 @@ _HANDLED = ("PYTHONPATH", "PYTHONUNBUFFERED")
 # --- the client's side (`troupe run` with TROUPE_FORK_SERVER set) --------------------------------------------
 
 
-def launch(argv: list[str]) -> int | None:
+def run_served(argv: list[str]) -> int | None:
     """Run ``troupe ARGV`` as a launcher forked by the server; its exit status. None: no server answered, or it
     refused (the caller starts the launcher itself)."""
     from troupe.runtime.settings import Settings
@@ -112,14 +123,6 @@ def _forward(pid: int, signum: int) -> None:
 # --- the server's side -----------------------------------------------------------------------------------------
 
 
-class ForkedLauncher(BaseException):
-    """Raised in a forked launcher to leave the server's loop (`serve`)."""
-
-    def __init__(self, request: dict[str, Any]):
-        super().__init__("a forked launcher")
-        self.request = request
-
-
 def namespaces() -> dict[str, str]:
     """This process's Linux namespaces (a client on a simulated host runs in a network namespace of its own,
     where its launcher must run too)."""
@@ -166,77 +169,99 @@ def refusal(request: dict[str, Any], environ: dict[str, str] | None = None) -> s
     return None
 
 
-def serve(path: str) -> dict[str, Any]:
-    """Listen at `path` and fork a launcher per request; returns only in a forked launcher, with its request
-    (the server's frames gone: `troupe.cli` then runs the launcher at its own level, so that its exit is an
-    interpreter's: threads joined, atexit handlers, the exit status of its exception)."""
+def serve(path: str) -> tuple[dict[str, Any], ZygoteSlot]:
+    """Listen at `path` and fork a launcher per request; returns only in a forked launcher, with its request and
+    its zygote slot, which knows how the server loaded torch (the server's frames gone: `troupe.cli` then runs
+    the launcher at its own level, so that its exit is an interpreter's: threads joined, atexit handlers, the
+    exit status of its exception)."""
+    from troupe.runtime.zygote import ZygoteSlot  # here, not where the client imports this module
+
+    server = ForkServer(path)
     try:
-        _serve(path)
-    except ForkedLauncher as launched:
-        return launched.request
+        server.run()
+    except ForkedChild as launched:
+        return launched.request, ZygoteSlot(loaded=server.loaded)
     raise AssertionError("the fork server's loop returned")  # pragma: no cover
 
 
-def _serve(path: str) -> None:
-    from troupe.runtime import zygote
+class ForkServer:
+    """The server's loop and what it holds: the listening socket, the clients, the launchers they wait for."""
 
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(64)  # clients that come during the imports wait in the backlog
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the jobs; SIGTERM ends the server
-    zygote.preload()
-    gc.freeze()  # as the zygote: the imports are shared pages, never walked by a collection
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ, "accept")
-    selector.register(wake_r, selectors.EVENT_READ, "children")
-    launchers: dict[int, socket.socket | None] = {}
-    """pid -> the client waiting for its status (None once the client has gone)."""
-    clients: dict[socket.socket, int] = {}
-    while True:
-        for key, _ in selector.select():
-            if key.data == "accept":
-                conn, _ = listener.accept()
-                selector.register(conn, selectors.EVENT_READ, "request")
-            elif key.data == "request":
-                conn = key.fileobj
-                selector.unregister(conn)
-                pid = _take(conn, selector, wake_r, wake_w)
-                if pid is None:
-                    continue
-                launchers[pid] = conn
-                clients[conn] = pid
-                selector.register(conn, selectors.EVENT_READ, "client")
-            elif key.data == "client":  # the client went away (it sends nothing else): its launcher goes too
-                conn = key.fileobj
-                selector.unregister(conn)
-                pid = clients.pop(conn)
-                if launchers.get(pid) is conn:
-                    launchers[pid] = None
-                    _forward(pid, signal.SIGKILL)
-                conn.close()
-            else:
-                _reap(wake_r, launchers, clients, selector)
+    def __init__(self, path: str):
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(64)  # clients that come during the imports wait in the backlog
+        self.loaded: dict[str, str | None] | None = None
+        """How torch loaded here (`zygote.preload`): a forked launcher's zygote must load it the same way."""
+        self.selector = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = os.pipe()
+        self.launchers: dict[int, socket.socket | None] = {}
+        """pid -> the client waiting for its status (None once the client has gone)."""
+        self.clients: dict[socket.socket, int] = {}
 
+    def run(self) -> None:
+        """Import, then serve until killed (SIGTERM); a forked launcher leaves by raising `ForkedChild`."""
+        from troupe.runtime.zygote import preload
 
-def _take(conn: socket.socket, selector, wake_r: int, wake_w: int) -> int | None:
-    """Read one request and fork its launcher (which raises `ForkedLauncher`); its pid in the server, None when
-    refused or unreadable."""
-    try:
-        received = recv_request(conn)
-    except (OSError, ValueError, struct.error):
-        received = None
-    if received is None:
-        conn.close()
-        return None
-    request, fds = received
-    why = refusal(request)
-    if why is not None:
-        print(f"troupe fork server: refused {request['argv'][:4]}: {why}", flush=True)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the jobs; SIGTERM ends the server
+        self.loaded = preload()
+        gc.freeze()  # as the zygote: the imports are shared pages, never walked by a collection
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(self.wake_r, selectors.EVENT_READ, "children")
+        while True:
+            for key, _ in self.selector.select():
+                if key.data == "accept":
+                    conn, _ = self.listener.accept()
+                    self.selector.register(conn, selectors.EVENT_READ, "request")
+                elif key.data == "request":
+                    self.selector.unregister(key.fileobj)
+                    self._take(key.fileobj)
+                elif key.data == "client":  # the client went away (it sends nothing else): its launcher goes too
+                    self._client_gone(key.fileobj)
+                else:
+                    self._reap()
+
+    def _take(self, conn: socket.socket) -> None:
+        """Read one request and fork its launcher (which raises `ForkedChild`); the server then waits for its
+        exit on the client's behalf. A request refused or unreadable closes the connection."""
+        try:
+            received = recv_request(conn)
+        except (OSError, ValueError, struct.error):
+            received = None
+        if received is None:
+            conn.close()
+            return
+        request, fds = received
+        why = refusal(request)
+        if why is not None:
+            print(f"troupe fork server: refused {request['argv'][:4]}: {why}", flush=True)
+            self._refuse(conn, fds)
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the launcher: drop the server's sockets and handlers, become the client's process
+            self._drop()
+            become_launcher(request, fds)
+            conn.close()
+            raise ForkedChild(request)
+        for fd in fds:
+            os.close(fd)
+        print(f"troupe fork server: launcher {pid} for {request['argv'][:4]}", flush=True)
+        try:
+            conn.sendall(STATUS.pack(pid))
+        except OSError:
+            _forward(pid, signal.SIGKILL)  # nobody waits for it
+        self.launchers[pid] = conn
+        self.clients[conn] = pid
+        self.selector.register(conn, selectors.EVENT_READ, "client")
+
+    @staticmethod
+    def _refuse(conn: socket.socket, fds: list[int]) -> None:
         for fd in fds:
             os.close(fd)
         try:
@@ -244,75 +269,46 @@ def _take(conn: socket.socket, selector, wake_r: int, wake_w: int) -> int | None
         except OSError:
             pass
         conn.close()
-        return None
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the launcher: drop the server's sockets and handlers, become the client's process
+
+    def _drop(self) -> None:
+        """In a forked launcher: none of the server's sockets, pipes and signal wake-ups."""
         signal.set_wakeup_fd(-1)
-        for key in list(selector.get_map().values()):
+        for key in list(self.selector.get_map().values()):
             if isinstance(key.fileobj, socket.socket):
                 key.fileobj.close()
-        selector.close()
-        for fd in (wake_r, wake_w):
+        self.selector.close()
+        for fd in (self.wake_r, self.wake_w):
             os.close(fd)
-        _become(request, fds)
-        conn.close()
-        raise ForkedLauncher(request)
-    for fd in fds:
-        os.close(fd)
-    print(f"troupe fork server: launcher {pid} for {request['argv'][:4]}", flush=True)
-    try:
-        conn.sendall(STATUS.pack(pid))
-    except OSError:
-        _forward(pid, signal.SIGKILL)  # nobody waits for it
-    return pid
 
-
-def _reap(wake_r: int, launchers: dict, clients: dict, selector) -> None:
-    """Send each exited launcher's status to its client."""
-    try:
-        while os.read(wake_r, 512):
-            pass
-    except BlockingIOError:
-        pass
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        conn = launchers.pop(pid, None)
-        if conn is None:
-            continue
-        clients.pop(conn, None)
-        selector.unregister(conn)
-        try:
-            conn.sendall(STATUS.pack(os.waitstatus_to_exitcode(status)))
-        except OSError:
-            pass
+    def _client_gone(self, conn: socket.socket) -> None:
+        self.selector.unregister(conn)
+        pid = self.clients.pop(conn)
+        if self.launchers.get(pid) is conn:
+            self.launchers[pid] = None
+            _forward(pid, signal.SIGKILL)
         conn.close()
 
-
-def _become(request: dict[str, Any], fds: list[int]) -> None:
-    """In the forked launcher: what ``python -m troupe.cli ARGV`` started by the client would be."""
-    own_session(fds)
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    server_pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.chdir(request["cwd"])
-    os.umask(request.get("umask", _umask()))
-    sys.argv = [request["argv0"], *request["argv"]]
-    rest = [p for p in sys.path[1:] if p not in server_pythonpath]
-    sys.path[:] = [request["cwd"], *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p), *rest]
-    unbuffered = request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
-    for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
-        stream.reconfigure(line_buffering=unbuffered or os.isatty(fd) or fd == 2,  # type: ignore[union-attr]
-                           write_through=unbuffered or fd == 2)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()  # a fresh process would have drawn its own seed
+    def _reap(self) -> None:
+        """Send each exited launcher's status to its client."""
+        try:
+            while os.read(self.wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.launchers.pop(pid, None)
+            if conn is None:
+                continue
+            self.clients.pop(conn, None)
+            self.selector.unregister(conn)
+            try:
+                conn.sendall(STATUS.pack(os.waitstatus_to_exitcode(status)))
+            except OSError:
+                pass
+            conn.close()

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from troupe.runtime import envrdv, netif
+from troupe.runtime.membership import Membership
 from troupe.runtime.quorum import refusal_key
 from troupe.runtime.settings import Settings
 from troupe.runtime.ticket import LOOPBACK, Ticket, first_host, free_port, slurm_ticket  # noqa: F401  (re-exported)
@@ -109,8 +110,9 @@ class Joined:
     """The watchdog's own connection to the job's store (None: no store to beat through)."""
     keep: list = field(default_factory=list)
     """Rank 0's TCP store: the job's rendezvous lives as long as it does."""
-    membership: object | None = None
-    """An elastic job's `troupe.runtime.elastic.Elastic` (None: the processes never change)."""
+    membership: Membership | None = None
+    """Under `troupe run --elastic`: an `Elastic` quorum member or a `Rejoining` parameter-server worker
+    (None: the processes never change, the World's `Fixed`)."""
 
 
 def _env_int(*names: str) -> int | None:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from troupe.runtime import handoff
+from troupe.runtime.membership import Membership
 
 log = logging.getLogger("troupe.elastic")
 
@@ -78,14 +79,20 @@ BEAT_SECONDS = 0.5
 slow one's do not: its servers tell frozen from slow by it)."""
 
 
-class Rejoining:
-    """This process in a parameter-server job whose workers restart alone (`troupe run --elastic`)."""
+class Rejoining(Membership):
+    """This process in a parameter-server job whose workers restart alone (`troupe run --elastic`).
+
+    `elastic` is False although it exists only under `--elastic`: the flag says the processes that step
+    *together* change (a quorum whose groups reduce, vote and heal), and a parameter-server worker steps
+    with no other worker: it pushes to and pulls from its servers alone, whoever else is running. So every
+    check of `elastic` (reduce over the quorum's groups, vote, draw the quorum's share of the data, join at
+    the first forward) must not apply to it; what it does instead is here (a record after every step, a
+    beat its servers and launcher watch) and in the cluster's bootstrap (`isinstance(..., Rejoining)`)."""
 
     elastic = False
     """No quorum and no vote: each worker steps against the servers on its own."""
     builds_together = True
     """Nothing is broadcast among the workers anyway (the servers hand out the first values)."""
-    lost: tuple[type[BaseException], ...] = ()
     constant_batch = False
     """Each worker draws its own batch, whoever else is running."""
 
@@ -135,9 +142,6 @@ class Rejoining:
     def rejoined(self) -> bool:
         """This process restarts a worker that died: it joins a running job alone."""
         return self.incarnation > 0
-
-    def vote(self, ok: bool, error: BaseException | None = None) -> bool:
-        return ok
 
     def advance(self) -> None:
         """After a step: write this worker's record (what a restart of it resumes from; 250 us a step

@@ -30,6 +30,7 @@ from troupe.runtime import watchdog as watchdog_mod
 from troupe.runtime.comm import Communicator, Traffic
 from troupe.util import one_line_refusals
 from troupe.runtime.elastic import Fixed
+from troupe.runtime.membership import Membership
 from troupe.runtime.launch import DistInfo, Joined, Ticket, join
 from troupe.runtime.settings import Settings
 
@@ -62,8 +63,9 @@ class World:
         """`finish` ran: troupe's last work is done (at `close`, or when the script destroyed the default group)."""
         self.exit_failure: str | None = None
         """What failed in `finish` when the script's ``destroy_process_group()`` ran it (the exit code says so)."""
-        self.membership = joined.membership or Fixed()
-        """Which processes step together: `Fixed` (never changes) or an elastic job's quorum."""
+        self.membership: Membership = joined.membership or Fixed()
+        """Which processes step together (runtime/membership.py): `Fixed` (never changes), an elastic job's
+        quorum (`Elastic`) or a parameter-server worker that restarts alone (`Rejoining`)."""
         self.partitioned = False
         """`troupe.partition` sliced this rank's model (an elastic DistOpt reduces the slices by place)."""
         self.replica_group: Communicator | None = None

@@ -7,6 +7,7 @@ environment every rank shares, which does that once and then forks each rank, fi
 restarts alike, in milliseconds:
 
     zygote = Zygote.start(env)                           # python -m troupe.runtime.zygote
+    # (a launcher keeps its own in a ZygoteSlot: made at its first rank, used by every attempt)
     proc = zygote.spawn(["script.py", "--epochs", "3"], rank_env, stdout=w1, stderr=w2)
     proc.poll(); proc.wait(5); os.killpg(proc.pid, signal.SIGTERM)      # as a subprocess.Popen
 
@@ -23,9 +24,9 @@ in every rank.
 
 Node 0's launcher of an elastic job imports torch itself (it keeps the job's store), so there the zygote
 is not a second interpreter: the launcher imports what a zygote preloads, with the ranks' shared
-environment, and forks the zygote from itself before it starts any thread (`Zygote.fork`): the job's
+environment, and forks the zygote from itself before it starts any thread (`ZygoteSlot.fork`): the job's
 start costs one import of torch, not two. A rank forked from
-it leaves the launcher's frames by raising `RunRank`, which `troupe.cli.main` catches to run the
+it leaves the launcher's frames by raising `forking.ForkedChild`, which `troupe.cli.main` catches to run the
 program at its own level, so the program's exceptions, exit code and traceback are its own.
 
 ``TROUPE_FORK=0`` (or a platform without fork and subreapers) starts every rank afresh, as before.
@@ -43,15 +44,20 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import IO, Any
 
-from troupe.runtime.forking import LENGTH, own_fd, own_group, read_exactly, recv_request, send_request
+from troupe.runtime.forking import LENGTH, ForkedChild, become_rank, own_fd, read_exactly, recv_request, send_request
 
 ENV_VAR = "TROUPE_FORK"
 """TROUPE_FORK=0: start every rank as a fresh interpreter instead of forking it from the zygote."""
 
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "troupe")
 """What the zygote imports before the first rank (torch.optim's optimizers import torch._dynamo)."""
+
+IMPORT_ENV = ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL")
+"""What torch reads from the environment as it loads: a zygote forked from a process that imported it
+(`ZygoteSlot.fork`) must have imported it with the ranks' values."""
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -70,7 +76,7 @@ def become_subreaper() -> bool:
         return False
 
 
-class Forked:
+class ForkedRank:
     """A rank forked by the zygote, with the part of `subprocess.Popen`'s interface the launcher uses."""
 
     def __init__(self, pid: int, args: list[str], stdin: IO[bytes] | None = None, stdout: IO[bytes] | None = None,
@@ -113,7 +119,7 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
     def __repr__(self) -> str:
-        return f"<Forked pid {self.pid} returncode {self.returncode}>"
+        return f"<ForkedRank pid {self.pid} returncode {self.returncode}>"
 
 
 class Zygote:
@@ -136,46 +142,11 @@ class Zygote:
             theirs.close()
         return cls(proc, ours)
 
-    @classmethod
-    def fork(cls, env: dict[str, str]) -> Zygote:
-        """A zygote forked from this process, which first imports what a zygote preloads, with `env` as the
-        environment while torch loads (what a zygote started afresh would load it with). For a launcher that
-        needs torch itself (an elastic job's keeps the job's store): the job's start then costs one import
-        of torch, not two. Only before this process starts a thread (OSError otherwise)."""
-        if threading.active_count() > 1:
-            raise OSError("the launcher already runs threads: a fork would copy their locks")
-        if not become_subreaper():
-            raise OSError("cannot become the child subreaper (prctl)")
-        if "torch" in sys.modules and not _imported_as(env):
-            raise OSError(f"torch was imported here with {_imported_with}, not with the ranks' "
-                          f"{ {name: env.get(name) for name in IMPORT_ENV} }")
-        saved = dict(os.environ)
-        os.environ.clear()
-        os.environ.update(env)
-        try:
-            preload()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        if sys.modules["torch"].cuda.is_initialized():
-            raise OSError("CUDA was initialized while importing")
-        if threading.active_count() > 1:
-            raise OSError("importing torch started a thread: a fork would copy its locks")
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            ours.close()
-            _forked_zygote(theirs)  # returns only in a rank, by raising RunRank
-        theirs.close()
-        return cls(Forked(pid, ["troupe zygote (forked from the launcher)"]), ours)  # type: ignore[arg-type]
-
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def spawn(self, argv: list[str], env: dict[str, str], *, module: bool = False, stdin: int | None = None,
-              stdout: int | None = None, stderr: int | None = None) -> Forked:
+              stdout: int | None = None, stderr: int | None = None) -> ForkedRank:
         """Fork a rank running ``python SCRIPT ARGS`` (``python -m MODULE ARGS`` with `module`); the three
         descriptors default to this process's own (the child gets copies). Raises OSError when the zygote
         is gone (the caller then starts the rank afresh)."""
@@ -188,7 +159,7 @@ class Zygote:
         (pid,) = LENGTH.unpack(reply)
         if pid == 0:
             raise OSError("the zygote could not fork")
-        return Forked(pid, argv)
+        return ForkedRank(pid, argv)
 
     def close(self) -> None:
         """End the zygote (its end of the socket closes: it exits); forked ranks are not touched."""
@@ -202,61 +173,98 @@ class Zygote:
                 self.proc.wait()
 
 
-_shared: dict[str, Zygote | None] = {}
+class ZygoteSlot:
+    """A launcher's zygote, made at its first use (started afresh, or forked from the launcher) and used by every
+    attempt of its job; None where ranks start afresh. It also knows how torch was loaded in this process."""
 
+    def __init__(self, loaded: dict[str, str | None] | None = None):
+        self.loaded = loaded
+        """IMPORT_ENV's values (None: unset) when `preload` imported torch in this process (a fork server's, for
+        the launchers it forks); None if it did not (not yet, or torch was imported otherwise)."""
+        self.zygote: Zygote | None = None
+        self._made = False
 
-def shared(env: dict[str, str], say=None) -> Zygote | None:
-    """This process's zygote, started on first use with `env` (the ranks' shared environment); None where
-    ranks are not forked (TROUPE_FORK=0, not Linux) or the zygote could not start or has died (`say` is told
-    once, and every later rank starts afresh)."""
-    if "zygote" not in _shared:
-        zygote = None
-        if available():
+    def current(self) -> Zygote | None:
+        """The zygote if one was made and is still used (without making it)."""
+        return self.zygote
+
+    def shared(self, env: dict[str, str], say: Callable[[str], None] | None = None) -> Zygote | None:
+        """The zygote, started on first use with `env` (the ranks' shared environment); None where ranks are not
+        forked (TROUPE_FORK=0, not Linux) or the zygote could not start or has died (`say` is told once, and every
+        later rank starts afresh)."""
+        if not self._made:
+            self._made = True
+            if available():
+                try:
+                    self.zygote = Zygote.start(env)
+                except OSError as e:
+                    if say is not None:
+                        say(f"troupe run: ranks start afresh (no zygote: {e})")
+        zygote = self.zygote
+        if zygote is not None and not zygote.alive():
+            if say is not None:
+                say(f"troupe run: the zygote exited with code {zygote.proc.returncode}; ranks start afresh from now on")
+            self.zygote = zygote = None
+        return zygote
+
+    def fork_shared(self, env: dict[str, str], say: Callable[[str], None] | None = None) -> Zygote | None:
+        """The zygote, forked from this process now (`fork`) where ranks are forked at all; where that cannot be,
+        `shared` starts one afresh on first use as before (`say` is told why)."""
+        if not self._made and available():
             try:
-                zygote = Zygote.start(env)
+                self.zygote, self._made = self.fork(env), True
             except OSError as e:
                 if say is not None:
-                    say(f"troupe run: ranks start afresh (no zygote: {e})")
-        _shared["zygote"] = zygote
-    zygote = _shared["zygote"]
-    if zygote is not None and not zygote.alive():
-        if say is not None:
-            say(f"troupe run: the zygote exited with code {zygote.proc.returncode}; ranks start afresh from now on")
-        _shared["zygote"] = zygote = None
-    return zygote
+                    say(f"troupe run: the zygote starts afresh (it cannot be forked from the launcher: {e})")
+        return self.shared(env, say)
 
+    def forget(self, zygote: Zygote) -> None:
+        """Stop using `zygote` (a request failed): later ranks start afresh."""
+        if self.zygote is zygote:
+            self.zygote = None
 
-def fork_shared(env: dict[str, str], say=None) -> Zygote | None:
-    """This process's zygote, forked from it now (`Zygote.fork`) where ranks are forked at all; where that
-    cannot be, `shared` starts one afresh on first use as before (`say` is told why)."""
-    if "zygote" not in _shared and available():
+    def fork(self, env: dict[str, str]) -> Zygote:
+        """A zygote forked from this process, which first imports what a zygote preloads, with `env` as the
+        environment while torch loads (what a zygote started afresh would load it with). For a launcher that
+        needs torch itself (an elastic job's keeps the job's store): the job's start then costs one import
+        of torch, not two. Only before this process starts a thread (OSError otherwise)."""
+        if threading.active_count() > 1:
+            raise OSError("the launcher already runs threads: a fork would copy their locks")
+        if not become_subreaper():
+            raise OSError("cannot become the child subreaper (prctl)")
+        if "torch" in sys.modules and not self._imported_as(env):
+            raise OSError(f"torch was imported here with {self.loaded}, not with the ranks' "
+                          f"{ {name: env.get(name) for name in IMPORT_ENV} }")
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(env)
         try:
-            _shared["zygote"] = Zygote.fork(env)
-        except OSError as e:
-            if say is not None:
-                say(f"troupe run: the zygote starts afresh (it cannot be forked from the launcher: {e})")
-    return shared(env, say)
+            self.loaded = preload() or self.loaded
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        if sys.modules["torch"].cuda.is_initialized():
+            raise OSError("CUDA was initialized while importing")
+        if threading.active_count() > 1:
+            raise OSError("importing torch started a thread: a fork would copy its locks")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            _forked_zygote(theirs)  # returns only in a rank, by raising ForkedChild
+        theirs.close()
+        return Zygote(ForkedRank(pid, ["troupe zygote (forked from the launcher)"]), ours)  # type: ignore[arg-type]
 
-
-class RunRank(BaseException):
-    """Raised in a rank forked from a zygote that was itself forked from the launcher: it unwinds the
-    launcher's frames up to `troupe.cli.main`, which runs the rank's program there (`run_rank`), as the
-    zygote's own `main` does. A BaseException, so that no ``except Exception`` on the way takes it."""
-
-    def __init__(self, request: dict[str, Any]):
-        super().__init__("a forked rank")
-        self.request = request
-
-
-def current() -> Zygote | None:
-    """This process's zygote if it has started one (without starting it)."""
-    return _shared.get("zygote")
-
-
-def forget(zygote: Zygote) -> None:
-    """Stop using `zygote` (a request failed): later ranks start afresh."""
-    if _shared.get("zygote") is zygote:
-        _shared["zygote"] = None
+    def _imported_as(self, env: dict[str, str]) -> bool:
+        """Whether torch, imported here by `preload`, loaded as it would with `env` (unknown: assumed so). Imported
+        without OMP_NUM_THREADS it has torch's default threads, a fresh rank's; a rank given the variable sets its
+        threads as it starts (`forking.become_rank`)."""
+        if self.loaded is None:
+            return True
+        return all(env.get(name) == had or (name == "OMP_NUM_THREADS" and had is None)
+                   for name, had in self.loaded.items())
 
 
 def reap_orphans(known: set[int]) -> list[int]:
@@ -288,7 +296,7 @@ def reap_orphans(known: set[int]) -> list[int]:
 # --- the zygote's side -------------------------------------------------------------------------------------
 
 
-def _serve(sock: socket.socket) -> dict[str, Any] | None:
+def _fork_ranks(sock: socket.socket) -> dict[str, Any] | None:
     """Fork a rank per request until the launcher closes the socket. Returns the request in the forked rank
     (which then runs it at top level, see `main`), None in the zygote when it is done."""
     while True:
@@ -309,7 +317,7 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
             if rank == 0:
                 os.close(writable)
                 sock.close()
-                _become(request, fds)
+                become_rank(request, fds)
                 return request
             os.write(writable, LENGTH.pack(rank))
             os._exit(0)
@@ -322,28 +330,9 @@ def _serve(sock: socket.socket) -> dict[str, Any] | None:
         sock.sendall(got if len(got) == LENGTH.size else LENGTH.pack(0))
 
 
-def _become(request: dict[str, Any], fds: list[int]) -> None:
-    """In the forked rank: its process group, descriptors, signals, environment, argv and path, as Python sets them."""
-    own_group(fds)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python starts (SIGPIPE stays ignored)
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.chdir(request["cwd"])
-    line_buffered = os.isatty(1) or bool(os.environ.get("PYTHONUNBUFFERED"))
-    sys.stdout.reconfigure(line_buffering=line_buffered)  # type: ignore[union-attr]
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()  # a fresh process would have drawn its own seed
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads and threads.isdigit() and int(threads) > 0:
-        import torch
-
-        torch.set_num_threads(int(threads))
-
-
 def run_rank(request: dict[str, Any]) -> None:
     """Run the rank's program as ``python`` would, in this (top-level) frame's interpreter (the zygote's
-    `main`, or `troupe.cli.main` for a rank of a zygote forked from the launcher: see `RunRank`)."""
+    `main`, or `troupe.cli.main` for a rank of a zygote forked from the launcher: see `forking.ForkedChild`)."""
     import runpy
 
     argv = request["argv"]
@@ -351,7 +340,7 @@ def run_rank(request: dict[str, Any]) -> None:
         sys.argv = [argv[0], *argv[1:]]
         sys.path[0] = os.getcwd()
         with warnings.catch_warnings():
-            # A zygote forked from its launcher (`Zygote.fork`) may have imported the module already (a server
+            # A zygote forked from its launcher (`ZygoteSlot.fork`) may have imported the module already (a server
             # rank's troupe.cluster.bootstrap): it runs again as __main__, as `python -m` would, without
             # runpy's warning on every such rank's stderr.
             warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
@@ -363,42 +352,20 @@ def run_rank(request: dict[str, Any]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-IMPORT_ENV = ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL")
-"""What torch reads from the environment as it loads: a zygote forked from a process that imported it
-(`Zygote.fork`) must have imported it with the ranks' values."""
-_imported_with: dict[str, str | None] | None = None
-"""IMPORT_ENV's values when `preload` imported torch (None: it did not, or not yet)."""
-
-
-def imported_with() -> dict[str, str | None] | None:
-    """IMPORT_ENV's values (None: unset) when `preload` imported torch in this process; None if it did not."""
-    return None if _imported_with is None else dict(_imported_with)
-
-
-def _imported_as(env: dict[str, str]) -> bool:
-    """Whether torch, imported here by `preload`, loaded as it would with `env` (unknown: assumed so). Imported
-    without OMP_NUM_THREADS it has torch's default threads, a fresh rank's; a rank given the variable sets its
-    threads as it starts (`_become`)."""
-    if _imported_with is None:
-        return True
-    return all(env.get(name) == had or (name == "OMP_NUM_THREADS" and had is None)
-               for name, had in _imported_with.items())
-
-
-def preload() -> None:
-    """Import what every rank imports (PRELOAD), noting the environment torch loaded with."""
+def preload() -> dict[str, str | None] | None:
+    """Import what every rank imports (PRELOAD); the IMPORT_ENV values torch loaded with (None: it was imported
+    before)."""
     import importlib
 
-    global _imported_with
-    if "torch" not in sys.modules:
-        _imported_with = {name: os.environ.get(name) for name in IMPORT_ENV}
+    loaded = None if "torch" in sys.modules else {name: os.environ.get(name) for name in IMPORT_ENV}
     for module in PRELOAD:
         importlib.import_module(module)
+    return loaded
 
 
 def _forked_zygote(sock: socket.socket) -> None:
-    """The zygote's life in a process forked from the launcher (`Zygote.fork`): what `main` does after its
-    imports. A rank leaves by raising `RunRank`; the zygote itself only ever exits."""
+    """The zygote's life in a process forked from the launcher (`ZygoteSlot.fork`): what `main` does after its
+    imports. A rank leaves by raising `ForkedChild`; the zygote itself only ever exits."""
     try:
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):  # a launcher's handlers are not a rank's
             signal.signal(sig, signal.SIG_DFL)
@@ -409,7 +376,7 @@ def _forked_zygote(sock: socket.socket) -> None:
 
         traceback.print_exc()
         os._exit(1)
-    raise RunRank(request)
+    raise ForkedChild(request)
 
 
 def _live(sock: socket.socket) -> dict[str, Any]:
@@ -420,7 +387,7 @@ def _live(sock: socket.socket) -> dict[str, Any]:
     # each collection nor torn down object by object at each rank's exit (most of a rank's exit time),
     # and forked pages stay shared.
     gc.freeze()
-    request = _serve(sock)
+    request = _fork_ranks(sock)
     if request is None:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -168,7 +168,7 @@ def main(out: Path, mode: str, dist_option: str = "plain") -> None:
     torch.save({"params": params, "healed": healed}, out / f"rank{rank}.pt")
     (out / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "incarnation": incarnation, "heals": membership.heals, "steps": opt.step_count,
-        "heal_bytes": getattr(membership, "heal_bytes", 0),
+        "heal_bytes": membership.heal_bytes,
         "resumed_at": steps, "log": log, "sha256": digest, "warm": os.environ.get("TROUPE_WARM_START") == "1",
         "plan": None if plan is None else [r.partition_dim for r in troupe.partition.describe(model)]}))
 
