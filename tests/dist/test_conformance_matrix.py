@@ -22,7 +22,7 @@ from troupe.bench.suites import conformance as matrix
 pytestmark = [pytest.mark.mpi, pytest.mark.benchmark, pytest.mark.slow]
 
 CELL_TIMEOUT = 120.0
-"""A cell still running then is HUNG: twice what the slowest cell (a fresh interpreter per rank) took under load 18."""
+"""A cell still running then is HUNG (at 60 s the Ticket cell, a fresh interpreter per rank, was killed once under load 18)."""
 SAMPLE = [  # (regime, shape, launcher, how it ends): the slow cells first
     ("sparseThreshold", "compiled", "troupe", "reached"),
     ("fp16", "torch", "mpiexec", "matched"),
