@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING
 
 from troupe.runtime import envrdv
@@ -19,6 +20,10 @@ from troupe.runtime.ticket import Ticket  # torch-free: a parent makes one befor
 # Under mpiexec or in a Slurm step, the env:// variables torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK,
 # MASTER_ADDR, MASTER_PORT): a script that calls init_process_group() itself joins (runtime/envrdv.py).
 envrdv.provide()
+if "torch" in sys.modules:  # a cluster's DistributedSampler defaults (free once torch is loaded; else at DistOpt)
+    from troupe.cluster import sampler as _sampler
+
+    _sampler.install()
 
 # Each other name is imported when first used (PEP 562): `troupe run`, `troupe plan` and the
 # other commands start without importing torch, and a rank pays only for what it uses.
@@ -79,15 +84,18 @@ def __getattr__(name: str):
         value = getattr(parent, name) if hasattr(parent, name) else importlib.import_module(f"{module}.{name}")
     globals()[name] = value
     if name in _CLIPS:
+        from troupe.cluster import sampler
         from troupe.partition import torch_clip
 
         torch_clip.install()
+        sampler.install()
     return value
 
 
 _CLIPS = frozenset({"DistOpt", "Model", "clip_grad_norm_", "partition", "shard"})
 """Loading one of these makes torch.nn.utils.clip_grad_norm_ clip troupe's partitioned or sharded parameters as
-troupe.clip_grad_norm_ does (troupe/partition/torch_clip.py)."""
+troupe.clip_grad_norm_ does (troupe/partition/torch_clip.py), and a DistributedSampler made with its defaults count a
+cluster's workers only (troupe/cluster/sampler.py)."""
 
 
 def __dir__() -> list[str]:

@@ -32,6 +32,7 @@ SAMPLE = [  # (regime, shape, launcher, how it ends): the slow cells first
     ("sparseTopK", "eval", "ticket", "reached"),
     ("powerSGD", "torch", "troupe", "reached"),
     ("sandblaster", "torch", "troupe", "matched"),  # clipping clips the group's mean (it clipped each worker's)
+    ("sandblaster", "ddp", "troupe", "matched"),  # DistributedSampler's defaults count the workers (the server too before)
     ("allreduce", "singa", "troupe", "matched"),
     ("downpour", "ddp", "troupe", "reached"),  # the script's own process group, sampler and destroy
     ("hogwild", "ddp", "troupe", "reached"),

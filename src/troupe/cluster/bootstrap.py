@@ -174,10 +174,12 @@ def worker_strategy(cluster: ClusterConfig, optimizer: torch.optim.Optimizer, wo
     view = dataclasses.replace(info, global_rank=job.workers.index(job.role.rank), world_size=len(job.workers))
     if info.launcher == "external" and len(job.workers) < info.world_size and job.role.rank == 0:
         # The script's own group holds the servers too: what reads its size shards the data among them.
+        # A DistributedSampler made with its defaults counts the workers only (troupe/cluster/sampler.py).
         log.warning("troupe: the script's process group has %d ranks, %d of them servers, which train on no data: "
-                    "give DistributedSampler num_replicas=%d and rank=the worker's index (DistOpt.world_size and "
-                    ".global_rank), or the workers train on %d/%d of the data", info.world_size,
-                    info.world_size - len(job.workers), len(job.workers), len(job.workers), info.world_size)
+                    "a DistributedSampler made with its defaults counts the %d workers only; anything else that "
+                    "shards by dist.get_world_size() should use DistOpt.world_size and .global_rank, or the workers "
+                    "train on %d/%d of the data", info.world_size, info.world_size - len(job.workers),
+                    len(job.workers), len(job.workers), info.world_size)
     context = WorkerContext(cluster, job, params, optimizer, bucket_size, nan_policy, arranged, step_count)
     strategy = registry.lookup(cluster.worker_regime, "cluster").build(context)
     world.on_shutdown(strategy.close)  # tell the servers (or peers) this worker is done, at exit too
