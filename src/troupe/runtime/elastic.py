@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from troupe.runtime import handoff
+from troupe.runtime import handoff, vote
 from troupe.runtime.quorum import ASKED, ASKED_COUNT, REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready, round_key
 from troupe.util import LostLauncher
 
@@ -120,6 +120,7 @@ class Elastic:
         self._kept_saved: dict[str, Any] | None = None
         self._pending_heal: tuple[Quorum, str] | None = None
         self._failed_step = False
+        self._proposals = vote.Proposals()
         self._graveyard: list[tuple[float, Any]] = []
         """Groups of failed steps, kept unshut until their operation in flight has timed out."""
         self._posted: str | None = None
@@ -329,22 +330,26 @@ class Elastic:
                                "troupe's gradient reducer (which weighs them for the constant global batch)")
         self._weighed = False
         self.round += 1
-        key = lambda what: round_key(q.id, self.round, what)  # noqa: E731
         try:
-            if not ok:
-                self.store.add(key("bad"), 1)
-            if self.store.add(key("n"), 1) == q.size:
-                bad = self.store.add(key("bad"), 0)
-                self.store.compare_set(key("d"), "", Decision(bad == 0, self._proposal() or q).encode())
-            self.decision = Decision.decode(self.store.get(key("d")))
+            decision, clean = self._cast(ok)
         except RuntimeError as e:
             raise LostLauncher(f"rank {self.rank}: lost the elastic job's store (the launcher): "
                                f"{str(e).splitlines()[0][:160]}") from None
-        self.stepped_with = q.members if self.decision.commit else None
-        self._failed_step = not self.decision.commit
-        if not ok and self.decision.by == "vote" and error is not None and self.decision.next == q:
+        self.decision = decision
+        self.stepped_with = q.members if decision.commit else None
+        self._failed_step = not decision.commit or not clean  # a vote collective may be in flight on the group
+        if not ok and decision.by == "vote" and error is not None and decision.next == q:
             raise error  # nobody was lost: the failure is this rank's own
-        return self.decision.commit
+        return decision.commit
+
+    def _cast(self, ok: bool) -> tuple[Decision, bool]:
+        """This round's decision (runtime/vote.py) and whether every vote collective finished here: over the
+        quorum's group; through the store when a collective fails or is given up (then as a failed vote: this
+        member's group may be out of step) or when the leader asks for it."""
+        q, k = self.quorum, self.round
+        return vote.cast(self.store, q, k, q.index(self.rank), ok,
+                         vote.GroupExchange(lambda: vote.decided_without_us(self.store, q, k)),
+                         lambda: self._proposals.pending(self.store, q), self._proposal)
 
     def interrupted(self) -> str | None:
         """Why a reduction in flight should give up: the lighthouse decided this step without our

@@ -1,0 +1,236 @@
+"""An elastic step's vote: one decision per round, the same on every member, the store touched O(1) times.
+
+Every member of a quorum votes once per step (`Elastic.vote`), after the step's reduction: did it succeed on this
+member? The round's `Decision` (commit or not, and the next quorum) lives in one key of the launcher's store,
+``q<id>/r<k>/d`` (runtime/quorum.py), written once by compare-and-set, and is what every member applies; the
+lighthouse (runtime/lighthouse.py) follows the rounds through those keys and writes one itself when a member is
+lost (that member will never vote).
+
+**The fast path** (`fast`), over the quorum's process group (the default group; Gloo):
+
+1. every member adds its ballot to one all-reduce of three integers: failed (0 or 1), 1, and the round;
+2. the quorum's leader (its process at index 0) checks the sums (as many voters as members, all in this round:
+   else the group is out of step and it asks everyone to vote through the store), reads whether the lighthouse
+   proposed a new quorum (one counter a step, `PROPOSALS`; the proposal itself only when the counter moved) and
+   compare-and-sets the round's decision into the store;
+3. the leader broadcasts one integer: `SAME` (what it stored is "commit, same quorum, by vote": every member
+   makes that decision itself), `STORED` (something else is stored, a new quorum or the lighthouse's decision:
+   every member reads it from the store) or `USE_STORE` (nothing was decided: everyone votes through the store).
+
+So a round with nothing lost and nobody joining costs the store two operations, the leader's, whatever the
+quorum's size; a round that changes the quorum costs one read per member more (rare: joins, losses).
+
+**The store path** (`through_store`, what every round did before): every member counts itself in ``n`` (and its
+failure in ``bad``) and reads the decision, waiting for it; the member that makes ``n`` reach the quorum's
+size writes it. A member takes it when the leader says `USE_STORE`, and when one of its vote collectives fails
+or is given up; then it counts as a failed vote whatever its step did (its group may be out of step: a
+round voted that way never commits, and a failed round rebuilds the group, `Elastic.advance`).
+
+Why every member applies one and the same decision (the races):
+
+* *The one record.* The decision is whatever the first compare-and-set of ``d`` stored; the leader writes ``d``
+  before it broadcasts, and broadcasts what ``d`` holds, not what it wrote. A member that received the broadcast
+  holds ``d``'s value; one that did not reads ``d`` (waiting for it). Who writes ``d`` when the leader never gets
+  that far: the lighthouse, when a member (the leader included) is lost; otherwise the store path's last voter,
+  since every member then reaches the store path (one that got no broadcast counts itself in ``n``, and one that
+  got it knows ``d`` is written).
+* *A wait in a vote collective* is given up (`decided_without_us`, polled every `ESCAPE_SLICE` of waiting, so
+  never on a fast round) once the lighthouse decided this round, or decided the next one, or a member counted
+  itself in the store path's ``n``: a lost member's ring neighbours see their sockets close, the others would
+  wait for the group's whole timeout, and a member that fell back to the store never joins the collective.
+* *The lighthouse decides the round without the leader's vote* (a member lost after the all-reduce, or before it
+  so that the all-reduce never completes): the leader's compare-and-set returns the lighthouse's decision and it
+  broadcasts `STORED`; a member still waiting gives up and reads ``d``. That decision never commits, so the
+  group, with an operation perhaps still in flight, is set aside and rebuilt.
+* *A member dies between the all-reduce and the broadcast*: the leader had every ballot and stores "commit",
+  which stands (the dead member's gradient is in the step, as in a step where it died just after voting); the
+  broadcast reaches the others or fails, and a member whose broadcast failed reads ``d``. The lighthouse then
+  decides the next round without the dead member. *The leader dies after storing and before broadcasting*: the
+  members read ``d`` once their broadcast fails or the lighthouse decides the next round.
+* *A member's own failure, nobody lost*: its failed ballot is in the all-reduce and the leader stores "not
+  committed, same quorum" (`STORED`); if its group broke with the failure, its collective fails at once, it votes
+  failed through the store, and the others give up their wait and follow. Either way the decision is the vote's,
+  with the same quorum, and that member raises its error as before.
+* *A joiner adopting a new quorum at a step boundary*: the leader, like the last voter before, puts the
+  lighthouse's proposal into the decision; every member reads it from the store (`STORED`) and moves to it in
+  `advance`, and the joiners, which were never in the old group, wait for it in ``latest`` as before. A proposal the
+  leader has not seen yet is adopted at a later round; one for an older quorum is ignored (its ``base``).
+* *`interrupted()`*, which a step's reduction polls while it waits, asks whether round k+1 is decided while the
+  members are still reducing for it: only the lighthouse (or a store-path round's last voter, which needs every
+  member's vote) can decide it then; the leader decides round k+1 only after the all-reduce of every member's
+  ballot, after every reduction of the step.
+* *Left out of step*: a vote collective that fails on one member while the leader stored "commit" (it timed out
+  with nobody lost: a host stalled for the group's whole timeout) leaves that member's group in use; its next
+  collectives may fail, and, as with a step's reduction that times out with nobody lost, such a failure is the
+  rank's own. The ballot's round and voter count make a mismatched all-reduce a fallback, never a decision.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from troupe.runtime.comm import _wait_or_escape
+from troupe.runtime.quorum import PROPOSALS, Decision, Quorum, round_key
+
+log = logging.getLogger("troupe.elastic")
+SAME, STORED, USE_STORE = 0, 1, 2
+"""What the leader broadcasts: the decision is "commit, same quorum, by vote"; another decision is stored (read
+it); nothing was decided (vote through the store)."""
+LEADER = 0
+"""The index in the quorum's process group of the process that decides a round on the fast path."""
+
+
+class Unfinished(Exception):
+    """A vote collective failed or was given up: this member votes through the store."""
+
+
+class Exchange(Protocol):
+    """The vote's two collectives over the quorum's process group."""
+
+    def all_reduce(self, values: list[int]) -> list[int]:
+        """The elementwise sum of every member's `values`; raises `Unfinished`."""
+
+    def broadcast(self, value: int) -> int:
+        """The leader's `value` on every member; raises `Unfinished`."""
+
+
+class Proposals:
+    """The lighthouse's proposal as a quorum's leader reads it: one counter a round, the proposal only when the
+    counter moved."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.last: Quorum | None = None
+
+    def pending(self, store, quorum: Quorum) -> Quorum | None:  # noqa: ANN001  (a Store)
+        """The proposal that replaces `quorum`, if the lighthouse wrote one."""
+        count = store.add(PROPOSALS, 0)
+        if count != self.seen:
+            self.seen, self.last = count, Quorum.decode(store.get("proposal"))
+        return self.last if self.last is not None and self.last.base == quorum.id else None
+
+
+def ballot(ok: bool, k: int) -> list[int]:
+    """What a member adds to round `k`'s all-reduce: failed, one voter, the round."""
+    return [0 if ok else 1, 1, k]
+
+
+def tally(summed: list[int], quorum: Quorum, k: int) -> int | None:
+    """The failed ballots of round `k`, or None when the sums are not one ballot of round `k` per member (some
+    member's collectives are out of step with the others')."""
+    bad, voters, rounds = summed
+    if voters != quorum.size or rounds != k * quorum.size or not 0 <= bad <= quorum.size:
+        return None
+    return bad
+
+
+def code_of(stored: Decision, quorum: Quorum) -> int:
+    """What the leader broadcasts for the decision the store holds."""
+    return SAME if stored == Decision(True, quorum) else STORED
+
+
+def decision_of(code: int, quorum: Quorum) -> Decision | None:
+    """The decision a member makes itself from the leader's `code` (None: read it from the store)."""
+    if code == SAME:
+        return Decision(True, quorum)
+    if code in (STORED, USE_STORE):
+        return None
+    raise ValueError(f"the leader broadcast {code}, which is not a vote code ({SAME}, {STORED}, {USE_STORE})")
+
+
+def fast(store, quorum: Quorum, k: int, index: int, ok: bool, exchange: Exchange,  # noqa: ANN001  (a Store)
+         proposal: Callable[[], Quorum | None]) -> tuple[Decision | None, bool]:
+    """Round `k` on the fast path, as the quorum's process `index`: (the decision, or None when the leader
+    asks for the store path; whether every collective of the vote finished on this member). Raises `Unfinished`
+    when one failed or was given up before this member knew the decision."""
+    summed = exchange.all_reduce(ballot(ok, k))
+    d = round_key(quorum.id, k, "d")
+    if index != LEADER:
+        code = exchange.broadcast(USE_STORE)
+        if code not in (SAME, STORED, USE_STORE):  # not the leader's code: this member is out of step
+            raise Unfinished(f"the leader's broadcast carried {code}, not a vote code")
+        if code == USE_STORE:
+            return None, True
+        return decision_of(code, quorum) or Decision.decode(store.get(d)), True
+    bad = tally(summed, quorum, k)
+    if bad is None:
+        exchange.broadcast(USE_STORE)
+        return None, True
+    stored = Decision.decode(store.compare_set(d, "", Decision(bad == 0, proposal() or quorum).encode()))
+    try:
+        exchange.broadcast(code_of(stored, quorum))
+    except Unfinished:
+        return stored, False  # decided all the same: the others read it from the store
+    return stored, True
+
+
+def cast(store, quorum: Quorum, k: int, index: int, ok: bool, exchange: Exchange,  # noqa: ANN001  (a Store)
+         proposal: Callable[[], Quorum | None], stored_proposal: Callable[[], Quorum | None]) -> tuple[Decision, bool]:
+    """Round `k`'s decision as the quorum's process `index` sees it, and whether every vote collective finished
+    here: the fast path; the store path when the leader asks for it, or (as a failed vote) when a collective
+    failed or was given up. `proposal`: the leader's read of the lighthouse's proposal (`Proposals`);
+    `stored_proposal`: the store path's last voter's."""
+    try:
+        decision, clean = fast(store, quorum, k, index, ok, exchange, proposal)
+    except Unfinished as e:
+        log.info("troupe: quorum %d's round %d is voted through the store by its process %d (%s)", quorum.id, k,
+                 index, e)
+        return through_store(store, quorum, k, False, stored_proposal), False
+    if decision is None:
+        return through_store(store, quorum, k, ok, stored_proposal), True
+    return decision, clean
+
+
+def through_store(store, quorum: Quorum, k: int, ok: bool,  # noqa: ANN001  (a Store)
+                  proposal: Callable[[], Quorum | None]) -> Decision:
+    """Round `k` through the store alone: count this member (and its failure); the last to count writes the
+    decision; everyone reads what was written first (waiting for it)."""
+    key = lambda what: round_key(quorum.id, k, what)  # noqa: E731
+    if not ok:
+        store.add(key("bad"), 1)
+    if store.add(key("n"), 1) == quorum.size:
+        bad = store.add(key("bad"), 0)
+        store.compare_set(key("d"), "", Decision(bad == 0, proposal() or quorum).encode())
+    return Decision.decode(store.get(key("d")))
+
+
+def decided_without_us(store, quorum: Quorum, k: int) -> str | None:  # noqa: ANN001  (a Store)
+    """Why a member waiting in round `k`'s collectives should give them up: the lighthouse decided round `k`
+    (a member was lost) or round k+1 (the leader was lost after storing round `k`), or a member votes round `k`
+    through the store. None: keep waiting."""
+    if store.check([round_key(quorum.id, k + 1, "d")]):
+        return f"quorum {quorum.id}'s round {k + 1} was decided by the lighthouse (a member was lost)"
+    if store.check([round_key(quorum.id, k, "n")]):
+        return f"a member of quorum {quorum.id} votes round {k} through the store"
+    d = round_key(quorum.id, k, "d")
+    if store.check([d]) and Decision.decode(store.get(d)).by == "lighthouse":
+        return f"quorum {quorum.id}'s round {k} was decided by the lighthouse (a member was lost)"
+    return None
+
+
+class GroupExchange:
+    """`Exchange` over the default process group (the quorum's), a wait that gives up once `escape` says why."""
+
+    def __init__(self, escape: Callable[[], str | None]):
+        self.escape = escape
+
+    def all_reduce(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64)
+        self._finish(lambda: dist.all_reduce(t, async_op=True))
+        return [int(v) for v in t.tolist()]
+
+    def broadcast(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        self._finish(lambda: dist.broadcast(t, LEADER, async_op=True))
+        return int(t.item())
+
+    def _finish(self, start: Callable[[], dist.Work]) -> None:
+        try:
+            _wait_or_escape(start(), self.escape)
+        except RuntimeError as e:  # a peer's socket closed, the group's timeout, or given up (escape)
+            raise Unfinished(str(e).splitlines()[0][:160] if str(e) else type(e).__name__) from None
