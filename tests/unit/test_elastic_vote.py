@@ -46,11 +46,11 @@ class Threads:
         threads = self
 
         class Member:
-            def all_reduce(self, values):
-                threads._meet("all_reduce", die_before)
+            def reduce(self, values):
+                threads._meet("reduce", die_before)
                 threads.sums[index] = values
-                threads._meet("all_reduce", None)
-                return [sum(col) for col in zip(*threads.sums)]
+                threads._meet("reduce", None)
+                return [sum(col) for col in zip(*threads.sums)] if index == vote.LEADER else None
 
             def broadcast(self, value):
                 if index == vote.LEADER:
@@ -90,7 +90,7 @@ def run_round(shared, q, k, oks, threads, *, die=None, proposal=None):
 
         def pending():
             if (die or {}).get(i) == "deciding":
-                raise SystemExit  # the leader is lost after the all-reduce, before it stores a decision
+                raise SystemExit  # the leader is lost after the ballots rose, before it stores a decision
             return proposals.pending(mine, q)
 
         try:
@@ -145,6 +145,21 @@ def test_the_leader_reads_the_proposal_only_when_the_lighthouse_counted_a_new_on
     assert p.pending(s, Quorum(5, (0, 1, 2, 3, 4))) is None  # a proposal for another quorum is not this one's
 
 
+def test_the_ballots_tree_reaches_every_process_once_in_log2_hops():
+    for size in (1, 2, 3, 7, 64, 100, 4096):
+        seen, depth = {0}, {0: 0}
+        for i in range(size):
+            parent, children = vote.tree(i, size)
+            assert (parent is None) == (i == 0)
+            for c in children:
+                assert vote.tree(c, size)[0] == i and c not in seen
+                seen.add(c)
+        for i in range(1, size):
+            depth[i] = depth[vote.tree(i, size)[0]] + 1
+        assert seen == set(range(size))
+        assert max(depth.values()) == max(bin(i).count("1") for i in range(size)) <= (size - 1).bit_length()
+
+
 # --- whole rounds ---------------------------------------------------------------------------------------
 
 
@@ -183,7 +198,7 @@ def test_a_round_the_lighthouse_decided_first_is_the_lighthouse_s_on_every_membe
     assert set(results.values()) == {(theirs, True)}
 
 
-def test_a_member_lost_between_the_all_reduce_and_the_broadcast_leaves_the_leader_s_commit_everywhere():
+def test_a_member_lost_between_its_ballot_and_the_broadcast_leaves_the_leader_s_commit_everywhere():
     shared = store()
     results, _ = run_round(shared, Q, 1, [True] * 4, Threads(4, timeout=0.5), die={2: "broadcast"})
     assert results[2] is None
@@ -219,8 +234,8 @@ def test_the_leader_lost_after_storing_leaves_its_commit_everywhere():
 
 def test_a_member_whose_group_broke_and_the_others_it_left_waiting_end_in_one_failed_round_by_vote():
     shared = store()
-    # member 1's failed step broke its group: its all-reduce fails at once and it votes through the store; the
-    # others' all-reduce never completes, they give up and follow it there
+    # member 1's failed step broke its group: its ballot fails at once and it votes through the store; the
+    # others' sums never complete, they give up and follow it there
     results, _ = run_round(shared, Q, 1, [True, False, True, True], Threads(4, timeout=0.3), die={1: "broken"})
     assert set(results.values()) == {(Decision(False, Q), False)}
     assert shared.add(round_key(Q.id, 1, "n"), 0) == 4

@@ -346,9 +346,9 @@ class Elastic:
         """This round's decision (runtime/vote.py) and whether every vote collective finished here: over the
         quorum's group; through the store when a collective fails or is given up (then as a failed vote: this
         member's group may be out of step) or when the leader asks for it."""
-        q, k = self.quorum, self.round
-        return vote.cast(self.store, q, k, q.index(self.rank), ok,
-                         vote.GroupExchange(lambda: vote.decided_without_us(self.store, q, k)),
+        q, k, index = self.quorum, self.round, self.quorum.index(self.rank)
+        return vote.cast(self.store, q, k, index, ok,
+                         vote.GroupExchange(index, q.size, k, lambda: vote.decided_without_us(self.store, q, k)),
                          lambda: self._proposals.pending(self.store, q), self._proposal)
 
     def interrupted(self) -> str | None:

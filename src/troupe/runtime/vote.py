@@ -8,12 +8,14 @@ lost (that member will never vote).
 
 **The fast path** (`fast`), over the quorum's process group (the default group; Gloo):
 
-1. every member adds its ballot to one all-reduce of three integers: failed (0 or 1), 1, and the round;
-2. the quorum's leader (its process at index 0) checks the sums (as many voters as members, all in this round:
+1. every member's ballot, three integers (failed: 0 or 1; 1; the round), is summed on the way to the quorum's
+   leader (its process at index 0) through a binomial tree of point-to-point messages (`tree`: log2 of the
+   quorum's size hops, where Gloo's all-reduce, a ring, takes twice the size);
+2. the leader checks the sums (as many voters as members, all in this round:
    else the group is out of step and it asks everyone to vote through the store), reads whether the lighthouse
    proposed a new quorum (one counter a step, `PROPOSALS`; the proposal itself only when the counter moved) and
    compare-and-sets the round's decision into the store;
-3. the leader broadcasts one integer: `SAME` (what it stored is "commit, same quorum, by vote": every member
+3. the leader broadcasts one integer (Gloo's broadcast: a binomial tree too): `SAME` (what it stored is "commit, same quorum, by vote": every member
    makes that decision itself), `STORED` (something else is stored, a new quorum or the lighthouse's decision:
    every member reads it from the store) or `USE_STORE` (nothing was decided: everyone votes through the store).
 
@@ -38,43 +40,52 @@ Why every member applies one and the same decision (the races):
   never on a fast round) once the lighthouse decided this round, or decided the next one, or a member counted
   itself in the store path's ``n``: a lost member's ring neighbours see their sockets close, the others would
   wait for the group's whole timeout, and a member that fell back to the store never joins the collective.
-* *The lighthouse decides the round without the leader's vote* (a member lost after the all-reduce, or before it
-  so that the all-reduce never completes): the leader's compare-and-set returns the lighthouse's decision and it
+* *The lighthouse decides the round without the leader's vote* (a member lost after its ballot rose, or before
+  it so that the ballots never all arrive): the leader's compare-and-set returns the lighthouse's decision and it
   broadcasts `STORED`; a member still waiting gives up and reads ``d``. That decision never commits, so the
   group, with an operation perhaps still in flight, is set aside and rebuilt.
-* *A member dies between the all-reduce and the broadcast*: the leader had every ballot and stores "commit",
+* *A member dies between its ballot and the broadcast*: the leader had every ballot and stores "commit",
   which stands (the dead member's gradient is in the step, as in a step where it died just after voting); the
   broadcast reaches the others or fails, and a member whose broadcast failed reads ``d``. The lighthouse then
   decides the next round without the dead member. *The leader dies after storing and before broadcasting*: the
   members read ``d`` once their broadcast fails or the lighthouse decides the next round.
-* *A member's own failure, nobody lost*: its failed ballot is in the all-reduce and the leader stores "not
+* *A member's own failure, nobody lost*: its failed ballot is in the sums and the leader stores "not
   committed, same quorum" (`STORED`); if its group broke with the failure, its collective fails at once, it votes
   failed through the store, and the others give up their wait and follow. Either way the decision is the vote's,
   with the same quorum, and that member raises its error as before.
+* *A member lost or frozen inside the tree*: its parent's receive fails at once when it died (its socket closes),
+  or waits when it is frozen. A member that missed a child's sums sends what it has (the leader sees too few
+  voters and says `USE_STORE`) and votes failed through the store; a wait is given up as above once the
+  lighthouse, having heard of the loss or evicted the silent member, decides the round. A point-to-point wait
+  cannot be given up in Gloo (its timed wait closes the connection), so the tree's messages wait in a thread of
+  their own, which a member that gave up leaves behind with the group: the round does not commit and the group is
+  set aside until its timeout, never reused.
 * *A joiner adopting a new quorum at a step boundary*: the leader, like the last voter before, puts the
   lighthouse's proposal into the decision; every member reads it from the store (`STORED`) and moves to it in
   `advance`, and the joiners, which were never in the old group, wait for it in ``latest`` as before. A proposal the
   leader has not seen yet is adopted at a later round; one for an older quorum is ignored (its ``base``).
 * *`interrupted()`*, which a step's reduction polls while it waits, asks whether round k+1 is decided while the
   members are still reducing for it: only the lighthouse (or a store-path round's last voter, which needs every
-  member's vote) can decide it then; the leader decides round k+1 only after the all-reduce of every member's
-  ballot, after every reduction of the step.
+  member's vote) can decide it then; the leader decides round k+1 only once every member's ballot reached it,
+  after every reduction of the step.
 * *Left out of step*: a vote collective that fails on one member while the leader stored "commit" (it timed out
   with nobody lost: a host stalled for the group's whole timeout) leaves that member's group in use; its next
   collectives may fail, and, as with a step's reduction that times out with nobody lost, such a failure is the
-  rank's own. The ballot's round and voter count make a mismatched all-reduce a fallback, never a decision.
+  rank's own. The tree's messages are tagged with the round, and the ballot's round and voter count make sums
+  that are not this round's a fallback, never a decision.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from troupe.runtime.comm import _wait_or_escape
+from troupe.runtime.comm import ESCAPE_SLICE, _wait_or_escape
 from troupe.runtime.quorum import PROPOSALS, Decision, Quorum, round_key
 
 log = logging.getLogger("troupe.elastic")
@@ -90,13 +101,30 @@ class Unfinished(Exception):
 
 
 class Exchange(Protocol):
-    """The vote's two collectives over the quorum's process group."""
+    """The vote's two exchanges over the quorum's process group."""
 
-    def all_reduce(self, values: list[int]) -> list[int]:
-        """The elementwise sum of every member's `values`; raises `Unfinished`."""
+    def reduce(self, values: list[int]) -> list[int] | None:
+        """At the leader, the elementwise sum of every member's `values` (None elsewhere); raises `Unfinished`."""
 
     def broadcast(self, value: int) -> int:
         """The leader's `value` on every member; raises `Unfinished`."""
+
+
+def tree(index: int, size: int) -> tuple[int | None, list[int]]:
+    """The parent (None at the root, index 0) and the children of process `index` in a binomial tree over `size`
+    processes: ballots rise through it in ceil(log2(size)) hops (Gloo's all-reduce is a ring: 2(size - 1) hops).
+
+    >>> tree(0, 8), tree(4, 8), tree(6, 8)
+    ((None, [1, 2, 4]), (0, [5, 6]), (4, [7]))
+    """
+    children, mask = [], 1
+    while mask < size:
+        if index & mask:
+            return index - mask, children
+        if index + mask < size:
+            children.append(index + mask)
+        mask <<= 1
+    return None, children
 
 
 class Proposals:
@@ -148,7 +176,7 @@ def fast(store, quorum: Quorum, k: int, index: int, ok: bool, exchange: Exchange
     """Round `k` on the fast path, as the quorum's process `index`: (the decision, or None when the leader
     asks for the store path; whether every collective of the vote finished on this member). Raises `Unfinished`
     when one failed or was given up before this member knew the decision."""
-    summed = exchange.all_reduce(ballot(ok, k))
+    summed = exchange.reduce(ballot(ok, k))
     d = round_key(quorum.id, k, "d")
     if index != LEADER:
         code = exchange.broadcast(USE_STORE)
@@ -214,23 +242,57 @@ def decided_without_us(store, quorum: Quorum, k: int) -> str | None:  # noqa: AN
 
 
 class GroupExchange:
-    """`Exchange` over the default process group (the quorum's), a wait that gives up once `escape` says why."""
+    """`Exchange` over the default process group (the quorum's): the tree of ballots, then Gloo's broadcast. Each
+    wait gives up once `escape` says why (a point-to-point wait cannot be given up in Gloo, whose timed wait closes
+    the connection: the tree's messages wait in a thread of their own, left behind with the group, which a member
+    that gave up never reuses)."""
 
-    def __init__(self, escape: Callable[[], str | None]):
-        self.escape = escape
+    def __init__(self, index: int, size: int, tag: int, escape: Callable[[], str | None]):
+        self.index, self.size, self.tag, self.escape = index, size, tag, escape
 
-    def all_reduce(self, values: list[int]) -> list[int]:
-        t = torch.tensor(values, dtype=torch.int64)
-        self._finish(lambda: dist.all_reduce(t, async_op=True))
-        return [int(v) for v in t.tolist()]
+    def reduce(self, values: list[int]) -> list[int] | None:
+        done: list[Any] = []
+        worker = threading.Thread(target=self._rise, args=(values, done), name="troupe-vote", daemon=True)
+        worker.start()
+        while True:
+            worker.join(ESCAPE_SLICE.total_seconds())
+            if not worker.is_alive():
+                break
+            reason = self.escape()
+            if reason is not None:
+                raise Unfinished(reason)
+        summed, error = done[0]
+        if error is not None:
+            raise Unfinished(error)
+        return summed
+
+    def _rise(self, values: list[int], done: list[Any]) -> None:
+        """Sum the children's partial sums into ours, send it to the parent (in the helper thread). A child lost
+        leaves its subtree's ballots out (the leader sees too few voters) and makes this member's vote unfinished."""
+        parent, children = tree(self.index, self.size)
+        total, error = torch.tensor(values, dtype=torch.int64), None
+        for child in children:
+            part = torch.zeros_like(total)
+            try:
+                dist.recv(part, child, tag=self.tag)
+                total += part
+            except RuntimeError as e:
+                error = f"no ballots from process {child} of the quorum ({_first_line(e)})"
+        if parent is not None:
+            try:
+                dist.send(total, parent, tag=self.tag)
+            except RuntimeError as e:
+                error = f"its ballots did not reach process {parent} of the quorum ({_first_line(e)})"
+        done.append((None if parent is not None else [int(v) for v in total.tolist()], error))
 
     def broadcast(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
-        self._finish(lambda: dist.broadcast(t, LEADER, async_op=True))
+        try:
+            _wait_or_escape(dist.broadcast(t, LEADER, async_op=True), self.escape)
+        except RuntimeError as e:  # a peer's socket closed, the group's timeout, or given up (escape)
+            raise Unfinished(_first_line(e)) from None
         return int(t.item())
 
-    def _finish(self, start: Callable[[], dist.Work]) -> None:
-        try:
-            _wait_or_escape(start(), self.escape)
-        except RuntimeError as e:  # a peer's socket closed, the group's timeout, or given up (escape)
-            raise Unfinished(str(e).splitlines()[0][:160] if str(e) else type(e).__name__) from None
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:160] if str(e) else type(e).__name__
