@@ -10,7 +10,8 @@ is in a quorum or out of it as a whole:
   and through them every regime, reduces over exactly the groups present);
 * **vote**, once per step, after the gradients were reduced: every member says whether its
   reduction succeeded; the round's one `Decision` (commit or not, and the next quorum) is
-  the same on every member, so a group lost mid-step is left out of that step everywhere;
+  the same on every member, so a group lost mid-step is left out of that step everywhere
+  (runtime/vote.py: over the quorum's group, the store touched by its leader alone);
 * **advance**, after the step: move to the decided quorum; a member named its `source` hands
   its state (model, optimizer, strategy, sampler, RNG) to the joiners through the launcher's
   store, live, and steps on; a joiner loads it before its first step (place by place: the joining

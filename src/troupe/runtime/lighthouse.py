@@ -3,7 +3,7 @@
 `troupe run --elastic` runs one `Lighthouse` beside the workers it supervises (not in a worker:
 no worker is a single point of failure). It hosts the job's TCP store and, every `tick`:
 
-1. follows the running quorum's rounds (the workers decide them; see runtime/elastic.py);
+1. follows the running quorum's rounds (the workers decide them; see runtime/vote.py);
 2. reads each worker's heartbeat counter and the supervisor's word on dead processes;
 3. a member lost (dead, or silent for `evict_after`): decides the current round itself
    (not committed) with the next quorum without it, so no survivor waits for a vote that
