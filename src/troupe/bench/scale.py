@@ -349,9 +349,14 @@ def control_plane_limits(costs: dict[str, Any], n_max: int = 10_000) -> dict[str
         return lo[1] + (hi[1] - lo[1]) * (n - lo[0]) / (hi[0] - lo[0])
 
     def largest(ok: Any) -> int:
+        """The largest n <= n_max with ok(n) (ok falls once, as n grows): by jumps of n / 64, then one by one
+        back from a jump that went past it."""
         n = 2
         while n < n_max and ok(n + 1):
-            n = min(n_max, n + max(1, n // 64))
+            jump = min(n_max, n + max(1, n // 64))
+            if not ok(jump):
+                return next(m for m in range(jump - 1, n, -1) if ok(m))
+            n = jump
         return n
 
     found = {}
