@@ -100,7 +100,8 @@ def member(rank: int, ticket: str, out: str) -> None:
         votes[0] += 1
         commit = e.vote(ok)
         log.append({"quorum": q.id, "members": list(q.members), "round": e.round, "leader": q.index(rank) == 0,
-                    "ok": ok, "commit": commit, "decision": e.decision.encode(), "ops": counted.ops - before - polled[0]})
+                    "ok": ok, "commit": commit, "decision": e.decision.encode(),
+                    "ops": counted.ops - before - polled[0]})
         e.advance()
     Path(out, f"rank{rank}.json").write_text(json.dumps(log))
     e.close()

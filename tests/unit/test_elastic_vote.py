@@ -160,6 +160,14 @@ def test_the_ballots_tree_reaches_every_process_once_in_log2_hops():
         assert max(depth.values()) == max(bin(i).count("1") for i in range(size)) <= (size - 1).bit_length()
 
 
+def test_waiting_members_ask_the_store_every_slice_in_a_small_quorum_and_within_a_budget_in_a_large_one():
+    from troupe.runtime.quorum import POLL_READS_PER_S, poll_interval
+
+    assert poll_interval(4) == poll_interval(200) == 0.1
+    for size in (1000, 4096, 10_000):
+        assert size / poll_interval(size) == pytest.approx(POLL_READS_PER_S)  # the quorum's reads a second
+
+
 # --- whole rounds ---------------------------------------------------------------------------------------
 
 

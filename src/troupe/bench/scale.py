@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from troupe.runtime.quorum import POLL_READS_PER_S
+
 START_TIMEOUT_S = 300.0
 """A job of N processes must end within this (plus 2 s per process)."""
 STEP_BUDGET = 0.05
@@ -336,7 +338,8 @@ def control_plane_limits(costs: dict[str, Any], n_max: int = 10_000) -> dict[str
     the launcher with the store's server), before and after the fix; what gives out first. The lighthouse's cost
     at n processes is interpolated linearly between the measured sizes (extrapolated beyond the largest). With
     a measured Gloo hop (`hop_us`), the same for the vote through the quorum's group ("tree vote", "store
-    capacity now", "first now"): 2 store operations and 2 ceil(log2 n) hops a step within 5 % of it."""
+    capacity now", "first now"): 2 store operations and 2 ceil(log2 n) hops a step within 5 % of it; the store
+    serving 2 operations a step, the heartbeats and the waiting members' reads (`POLL_READS_PER_S`)."""
     sizes = sorted(int(n) for n in costs["sizes"])
     ops = costs["store_ops_per_s"]
 
@@ -378,10 +381,10 @@ def control_plane_limits(costs: dict[str, Any], n_max: int = 10_000) -> dict[str
         if "hop_us" in costs:
             # the vote through the quorum's group (runtime/vote.py): the leader's 2 store operations, the ballots up
             # a binomial tree and the decision down Gloo's (ceil(log2 n) hops each way); the store then carries the
-            # heartbeats and 2 operations a step
+            # heartbeats, 2 operations a step and at most POLL_READS_PER_S of waiting members' reads
             hop = costs["hop_us"] / 1e6
             tree = largest(lambda n: 2 / ops + 2 * (n - 1).bit_length() * hop <= STEP_BUDGET * step_s)
-            capacity_now = largest(lambda n: 2 / step_s + 2 * n <= ops)
+            capacity_now = largest(lambda n: 2 / step_s + 2 * n + POLL_READS_PER_S <= ops)
             now.update({"tree vote": tree, "store capacity now": capacity_now,
                         "first now": min(("vote", tree), ("lighthouse", after), ("store capacity", capacity_now),
                                          key=lambda x: x[1])[0]})

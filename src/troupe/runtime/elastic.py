@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from troupe.runtime import handoff, vote
-from troupe.runtime.quorum import ASKED, ASKED_COUNT, REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready, round_key
+from troupe.runtime.quorum import (ASKED, ASKED_COUNT, REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready,
+                                  poll_interval, round_key)
 from troupe.util import LostLauncher
 
 log = logging.getLogger("troupe.elastic")
@@ -122,6 +123,8 @@ class Elastic:
         self._pending_heal: tuple[Quorum, str] | None = None
         self._failed_step = False
         self._proposals = vote.Proposals()
+        self._polled = float("-inf")
+        """When a wait last asked the store whether the step was decided without this process (`_poll_due`)."""
         self._graveyard: list[tuple[float, Any]] = []
         """Groups of failed steps, kept unshut until their operation in flight has timed out."""
         self._posted: str | None = None
@@ -349,16 +352,26 @@ class Elastic:
         member's group may be out of step) or when the leader asks for it."""
         q, k, index = self.quorum, self.round, self.quorum.index(self.rank)
         return vote.cast(self.store, q, k, index, ok,
-                         vote.GroupExchange(index, q.size, k, lambda: vote.decided_without_us(self.store, q, k)),
+                         vote.GroupExchange(index, q.size, k, lambda: vote.decided_without_us(self.store, q, k)
+                                            if self._poll_due() else None),
                          lambda: self._proposals.pending(self.store, q), self._proposal)
 
     def interrupted(self) -> str | None:
         """Why a reduction in flight should give up: the lighthouse decided this step without our
-        vote (a member was lost). None: keep waiting."""
+        vote (a member was lost). None: keep waiting (or not time to ask the store again yet)."""
         q = self.quorum
-        if q is not None and self.store.check([round_key(q.id, self.round + 1, "d")]):
+        if q is not None and self._poll_due() and self.store.check([round_key(q.id, self.round + 1, "d")]):
             return f"rank {self.rank}: quorum {q.id}'s step was decided without this rank's vote (a member was lost)"
         return None
+
+    def _poll_due(self) -> bool:
+        """Whether a wait may ask the store now: every member of a large quorum asking every 0.1 s would cost the
+        store more than the vote does (`poll_interval`)."""
+        now = time.monotonic()
+        if now - self._polled < poll_interval(self.quorum.size):
+            return False
+        self._polled = now
+        return True
 
     def _set_aside(self, group: Any) -> None:
         self._graveyard.append((time.monotonic() + self.options.timeout + 1.0, group))

@@ -49,6 +49,10 @@ only when it moved)."""
 PROPOSALS = "proposals"
 """A counter the lighthouse adds to after each ``proposal`` it writes: a quorum's leader reads one counter a step and
 the proposal only when it moved."""
+POLL_READS_PER_S = 2000.0
+"""What a quorum's members may cost the launcher's store together, in reads a second, asking while they wait (a step's
+reduction, the vote) whether the step was decided without them: a member asks every 0.1 s up to 200 processes, then
+every size / POLL_READS_PER_S seconds (`poll_interval`)."""
 REJOIN_EXIT = 75
 """The exit code of a worker that was left out of the quorum and asks its launcher to start it again."""
 ENV_VAR = "TROUPE_ELASTIC"
@@ -226,6 +230,11 @@ class Ready:
     def decode(cls, text: str | bytes) -> Ready:
         d = json.loads(text)
         return cls(d["token"], d["step"], d.get("extra", {}))
+
+
+def poll_interval(size: int) -> float:
+    """Seconds between a waiting member's reads of the store in a quorum of `size` processes (`POLL_READS_PER_S`)."""
+    return max(0.1, size / POLL_READS_PER_S)
 
 
 def round_key(quorum_id: int, k: int, what: str) -> str:

@@ -11,13 +11,14 @@ lost (that member will never vote).
 1. every member's ballot, three integers (failed: 0 or 1; 1; the round), is summed on the way to the quorum's
    leader (its process at index 0) through a binomial tree of point-to-point messages (`tree`: log2 of the
    quorum's size hops, where Gloo's all-reduce, a ring, takes twice the size);
-2. the leader checks the sums (as many voters as members, all in this round:
-   else the group is out of step and it asks everyone to vote through the store), reads whether the lighthouse
-   proposed a new quorum (one counter a step, `PROPOSALS`; the proposal itself only when the counter moved) and
-   compare-and-sets the round's decision into the store;
-3. the leader broadcasts one integer (Gloo's broadcast: a binomial tree too): `SAME` (what it stored is "commit, same quorum, by vote": every member
-   makes that decision itself), `STORED` (something else is stored, a new quorum or the lighthouse's decision:
-   every member reads it from the store) or `USE_STORE` (nothing was decided: everyone votes through the store).
+2. the leader checks the sums (as many voters as members, all in this round: else the group is out of step
+   and it asks everyone to vote through the store), reads whether the lighthouse proposed a new quorum (one
+   counter a step, `PROPOSALS`; the proposal itself only when the counter moved) and compare-and-sets the
+   round's decision into the store;
+3. the leader broadcasts one integer (Gloo's broadcast: a binomial tree too): `SAME` (what it stored is
+   "commit, same quorum, by vote": every member makes that decision itself), `STORED` (something else is
+   stored, a new quorum or the lighthouse's decision: every member reads it from the store) or `USE_STORE`
+   (nothing was decided: everyone votes through the store).
 
 So a round with nothing lost and nobody joining costs the store two operations, the leader's, whatever the
 quorum's size; a round that changes the quorum costs one read per member more (rare: joins, losses).
@@ -36,10 +37,11 @@ Why every member applies one and the same decision (the races):
   that far: the lighthouse, when a member (the leader included) is lost; otherwise the store path's last voter,
   since every member then reaches the store path (one that got no broadcast counts itself in ``n``, and one that
   got it knows ``d`` is written).
-* *A wait in a vote collective* is given up (`decided_without_us`, polled every `ESCAPE_SLICE` of waiting, so
-  never on a fast round) once the lighthouse decided this round, or decided the next one, or a member counted
-  itself in the store path's ``n``: a lost member's ring neighbours see their sockets close, the others would
-  wait for the group's whole timeout, and a member that fell back to the store never joins the collective.
+* *A wait in a vote collective* is given up (`decided_without_us`, polled every `ESCAPE_SLICE` of waiting, or
+  less often in a large quorum, `quorum.poll_interval`; never on a fast round) once the lighthouse decided this
+  round, or decided the next one, or a member counted itself in the store path's ``n``: a lost member's
+  neighbours in the tree see their sockets close, the others would wait for the group's whole timeout, and a
+  member that fell back to the store never sends its ballot.
 * *The lighthouse decides the round without the leader's vote* (a member lost after its ballot rose, or before
   it so that the ballots never all arrive): the leader's compare-and-set returns the lighthouse's decision and it
   broadcasts `STORED`; a member still waiting gives up and reads ``d``. That decision never commits, so the
