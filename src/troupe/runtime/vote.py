@@ -146,7 +146,7 @@ class Proposals:
 
 
 def ballot(ok: bool, k: int) -> list[int]:
-    """What a member adds to round `k`'s all-reduce: failed, one voter, the round."""
+    """What a member adds to round `k`'s sums: failed, one voter, the round."""
     return [0 if ok else 1, 1, k]
 
 
