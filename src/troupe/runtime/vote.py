@@ -82,7 +82,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -246,14 +246,18 @@ def decided_without_us(store, quorum: Quorum, k: int) -> str | None:  # noqa: AN
 class GroupExchange:
     """`Exchange` over the default process group (the quorum's): the tree of ballots, then Gloo's broadcast. Each
     wait gives up once `escape` says why (a point-to-point wait cannot be given up in Gloo, whose timed wait closes
-    the connection: the tree's messages wait in a thread of their own, left behind with the group, which a member
-    that gave up never reuses)."""
+    the connection: the tree's messages wait in a thread of their own, on the group it was made with, left behind
+    with that group, which a member that gave up never reuses)."""
 
     def __init__(self, index: int, size: int, tag: int, escape: Callable[[], str | None]):
+        from torch.distributed import distributed_c10d as c10d
+
         self.index, self.size, self.tag, self.escape = index, size, tag, escape
+        self.group = c10d._get_default_group()
+        """The quorum's group, held: the thread of the tree may outlive its time as the default group."""
 
     def reduce(self, values: list[int]) -> list[int] | None:
-        done: list[Any] = []
+        done: list[tuple[list[int] | None, str | None]] = []
         worker = threading.Thread(target=self._rise, args=(values, done), name="troupe-vote", daemon=True)
         worker.start()
         while True:
@@ -268,29 +272,34 @@ class GroupExchange:
             raise Unfinished(error)
         return summed
 
-    def _rise(self, values: list[int], done: list[Any]) -> None:
-        """Sum the children's partial sums into ours, send it to the parent (in the helper thread). A child lost
-        leaves its subtree's ballots out (the leader sees too few voters) and makes this member's vote unfinished."""
+    def _rise(self, values: list[int], done: list[tuple[list[int] | None, str | None]]) -> None:
+        """Sum the children's partial sums into ours, send it to the parent (in the helper thread, on the group's
+        own ranks). A child lost leaves its subtree's ballots out (the leader sees too few voters) and makes this
+        member's vote unfinished."""
         parent, children = tree(self.index, self.size)
         total, error = torch.tensor(values, dtype=torch.int64), None
-        for child in children:
-            part = torch.zeros_like(total)
-            try:
-                dist.recv(part, child, tag=self.tag)
-                total += part
-            except RuntimeError as e:
-                error = f"no ballots from process {child} of the quorum ({_first_line(e)})"
-        if parent is not None:
-            try:
-                dist.send(total, parent, tag=self.tag)
-            except RuntimeError as e:
-                error = f"its ballots did not reach process {parent} of the quorum ({_first_line(e)})"
-        done.append((None if parent is not None else [int(v) for v in total.tolist()], error))
+        try:
+            for child in children:
+                part = torch.zeros_like(total)
+                try:
+                    self.group.recv([part], child, self.tag).wait()
+                    total += part
+                except RuntimeError as e:
+                    error = f"no ballots from process {child} of the quorum ({_first_line(e)})"
+            if parent is not None:
+                try:
+                    self.group.send([total], parent, self.tag).wait()
+                except RuntimeError as e:
+                    error = f"its ballots did not reach process {parent} of the quorum ({_first_line(e)})"
+        except Exception as e:  # noqa: BLE001  (anything else: the member votes through the store, never hangs)
+            error = f"{type(e).__name__}: {_first_line(e)}"
+        finally:
+            done.append((None if parent is not None else [int(v) for v in total.tolist()], error))
 
     def broadcast(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)
         try:
-            _wait_or_escape(dist.broadcast(t, LEADER, async_op=True), self.escape)
+            _wait_or_escape(dist.broadcast(t, LEADER, group=self.group, async_op=True), self.escape)
         except RuntimeError as e:  # a peer's socket closed, the group's timeout, or given up (escape)
             raise Unfinished(_first_line(e)) from None
         return int(t.item())
