@@ -4,7 +4,8 @@ The members vote step after step (`Elastic.vote` and `advance`, each step also a
 reduction), counting their operations on the launcher's store. Then a member dies between sending its ballot
 and the vote's broadcast, and later the quorum's leader dies after the ballots reached it, before it decides:
 every survivor applies one and the same decision in every round, and the fast rounds cost the store two
-operations each (the leader's), whatever the members did.
+operations each (the leader's), whatever the members did. Apart: 3 members, one frozen (SIGSTOP) before its
+ballot, which the leader's tree waits for until the lighthouse evicts it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -172,3 +174,73 @@ def test_a_fast_vote_touches_the_store_twice_a_round_and_a_loss_mid_vote_ends_in
     # rank 0, the leader, died after the ballots reached it and before deciding: the lighthouse decided that round
     led = [d for q, _, d in decisions if q == second and not d.commit]
     assert len(led) == 1 and led[0].by == "lighthouse" and led[0].next.members == (1, 3)
+
+
+FROZEN = ElasticOptions(groups=3, min_groups=2, timeout=4.0, evict_after=2.0, heartbeat=0.5)
+FREEZE_AT = 6
+"""Rank 1 stops itself (SIGSTOP) in its 6th vote, before its ballot: the leader's tree waits for it."""
+
+
+def frozen_member(rank: int, ticket: str, out: str, steps: int) -> None:
+    torch.set_num_threads(1)
+    t = Ticket.decode(ticket)
+    failures: list[str] = []
+    threading.excepthook = lambda a: failures.append(f"{a.thread.name}: {a.exc_type.__name__}: {a.exc_value}")
+
+    def connect(timeout: float) -> dist.Store:
+        base = dist.TCPStore(t.addr, t.port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+        return dist.PrefixStore(f"troupe/{t.token}/", base)
+
+    e = Elastic(FROZEN, rank, 0, "gloo", connect)
+    e.stand_by()
+    e.join()
+    votes = [0]
+    if rank == 1:
+        rise = vote.GroupExchange._rise
+
+        def freezing(self, *args):
+            if votes[0] == FREEZE_AT:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return rise(self, *args)
+
+        vote.GroupExchange._rise = freezing
+    log = []
+    for _ in range(steps):
+        votes[0] += 1
+        q = e.quorum
+        commit = e.vote(True)
+        log.append({"quorum": q.id, "members": list(q.members), "round": e.round, "commit": commit,
+                    "decision": e.decision.encode()})
+        e.advance()
+    time.sleep(FROZEN.timeout + 1.0)  # the leader's tree thread left behind on the old group times out meanwhile
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"log": log, "thread_failures": failures}))
+    e.close()
+
+
+def test_a_member_frozen_before_its_ballot_is_left_out_and_the_leader_s_tree_left_waiting_ends_quietly(tmp_path):
+    ticket = Ticket()
+    lh = Lighthouse(ticket, FROZEN).start()
+    ctx = _context()
+    steps = 16
+    procs = [ctx.Process(target=frozen_member, args=(r, ticket.encode(), str(tmp_path), steps)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        for r in (0, 2):
+            procs[r].join(max(1.0, deadline - time.monotonic()))
+        assert procs[0].exitcode == procs[2].exitcode == 0, "the survivors did not finish in time"
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        lh.stop()
+    logs = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 2)}
+    assert logs[0]["thread_failures"] == logs[2]["thread_failures"] == []
+    assert logs[0]["log"] == logs[2]["log"]
+    decisions = [Decision.decode(s["decision"]) for s in logs[0]["log"]]
+    left = decisions[FREEZE_AT - 1]
+    assert not left.commit and left.by == "lighthouse" and left.next.members == (0, 2)
+    assert all(d.commit for d in decisions[:FREEZE_AT - 1] + decisions[FREEZE_AT:])
+    assert logs[0]["log"][-1]["members"] == [0, 2]
