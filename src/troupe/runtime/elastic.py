@@ -351,6 +351,8 @@ class Elastic:
         quorum's group; through the store when a collective fails or is given up (then as a failed vote: this
         member's group may be out of step) or when the leader asks for it."""
         q, k, index = self.quorum, self.round, self.quorum.index(self.rank)
+        if self.backend != "gloo":  # a group whose collectives take no CPU tensors (NCCL): the store, as the heals
+            return vote.through_store(self.store, q, k, ok, self._proposal), True
         return vote.cast(self.store, q, k, index, ok,
                          vote.GroupExchange(index, q.size, k, lambda: vote.decided_without_us(self.store, q, k)
                                             if self._poll_due() else None),

@@ -23,7 +23,8 @@ lost (that member will never vote).
 So a round with nothing lost and nobody joining costs the store two operations, the leader's, whatever the
 quorum's size; a round that changes the quorum costs one read per member more (rare: joins, losses).
 
-**The store path** (`through_store`, what every round did before): every member counts itself in ``n`` (and its
+**The store path** (`through_store`, what every round did before, and still does under a backend other than
+Gloo, whose groups carry no CPU tensors): every member counts itself in ``n`` (and its
 failure in ``bad``) and reads the decision, waiting for it; the member that makes ``n`` reach the quorum's
 size writes it. A member takes it when the leader says `USE_STORE`, and when one of its vote collectives fails
 or is given up; then it counts as a failed vote whatever its step did (its group may be out of step: a
