@@ -86,3 +86,19 @@ def test_control_plane_limits_from_measured_costs():
     assert lim["0.1 s"]["vote"] < one["vote"] / 9
     text = scale.store_report(costs)
     assert "| 1024 | 102.40 | 11.24 |" in text and "| 1 s | " in text
+
+
+def test_the_vote_through_the_quorum_s_group_is_bounded_by_its_hops_not_the_store():
+    """Store: 10,000 ops/s; a Gloo hop 100 us: a step's vote is 2 / 10,000 s and 2 ceil(log2 n) hops."""
+    costs = {"store_ops_per_s": 10_000.0, "clients": 4, "hop_us": 100.0,
+             "sizes": {n: {"tick_before_ms": 0.1 * n, "tick_after_ms": 1.0 + 0.01 * n} for n in (64, 1024, 4096)}}
+    one, tenth = scale.control_plane_limits(costs)["1 s"], scale.control_plane_limits(costs)["0.1 s"]
+    assert one["tree vote"] == 10_000  # 0.2 ms + 28 hops of 0.1 ms at 10,000: far within 50 ms
+    # 0.1 s: 0.2 ms + 2 ceil(log2 n) x 0.1 ms <= 5 ms: ceil(log2 n) <= 24: every n looked at
+    assert tenth["tree vote"] == 10_000
+    # 2 a step + 2n heartbeats + 2,000 reads of waiting members a second <= 10,000
+    assert one["store capacity now"] == 3999
+    assert one["first now"] == "store capacity" and one["vote"] < 250
+    slow = scale.control_plane_limits({**costs, "hop_us": 400.0})["0.1 s"]
+    assert 64 <= slow["tree vote"] <= 128  # 0.2 + 0.8 ceil(log2 n) <= 5 ms: ceil(log2 n) <= 6
+    assert "through the store / the group" in scale.store_report(costs)

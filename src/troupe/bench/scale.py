@@ -8,9 +8,9 @@ measures, per N:
 * **start_s**: from `troupe run`'s start until every process has committed its first step (the launcher
   forks the ranks, each joins the first quorum, the first quorum heals everyone from its source);
 * **vote_ms**: per step, from the moment the last process starts its vote until the last process has the
-  round's decision: the cost of the vote itself (every member adds to two counters on the launcher's store
-  and reads the decision; the last one writes it), without the members' skew in reaching it. The median
-  over the measured steps;
+  round's decision: the cost of the vote itself (runtime/vote.py: the ballots rise to the quorum's leader through a
+  tree of messages, the leader writes the decision into the launcher's store and broadcasts it), without the
+  members' skew in reaching it. The median over the measured steps;
 * **step_ms**: the median step, as the slowest process sees it (a 36-parameter all-reduce over N processes
   on loopback, plus the vote);
 * **launcher_cpu**: the launcher's CPU time (its store server, the lighthouse reading N heartbeat counters
@@ -24,7 +24,9 @@ What grows with the job wherever it runs is what passes through node 0's launche
 heartbeat) and its lighthouse (every rank's liveness and requests). `store_costs` measures those directly at
 up to 10,000 ranks' keys (no process started: the operations themselves, on a real TCPStore), and
 `control_plane_limits` gives from them, per step time, the largest job each part carries: the vote within 5 %
-of the step (2 store operations per process and step), the store's capacity (votes and heartbeats), the
+of the step (through the store: 2 operations per process and step; through the quorum's group: the leader's 2
+operations and log2(N) Gloo hops each way, a hop measured by `gloo_hop_us`), the store's capacity (votes and
+heartbeats), the
 lighthouse's tick (before the fix: two round trips per rank each tick; now: every heartbeat counter in one
 message 4 times a second and a log of requests), and which gives out first.
 
@@ -47,6 +49,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from troupe.runtime.quorum import POLL_READS_PER_S
 
 START_TIMEOUT_S = 300.0
 """A job of N processes must end within this (plus 2 s per process)."""
@@ -279,7 +283,47 @@ def store_costs(sizes: list[int], reps: int = 5, clients: int = 4) -> dict[str, 
         th.join()
     out["store_ops_per_s"] = clients * per_client / (time.perf_counter() - t)
     out["clients"] = clients
+    out["hop_us"] = gloo_hop_us(server.port)
     return out
+
+
+def gloo_hop_us(port: int, reps: int = 300) -> float:
+    """One hop of the vote's messages: half a round trip of a 3-integer message between two Gloo process groups
+    (one per thread of this process) on loopback, the median of `reps` round trips, in microseconds."""
+    import datetime
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    groups: list[Any] = [None, None]
+
+    def make(rank: int) -> None:
+        store = dist.PrefixStore("hop/", dist.TCPStore("127.0.0.1", port, 1, False,
+                                                       timeout=datetime.timedelta(seconds=60)))
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=60))
+
+    rtts: list[float] = []
+
+    def ping(rank: int) -> None:
+        t = torch.zeros(3, dtype=torch.int64)
+        for i in range(reps):
+            start = time.perf_counter()
+            if rank == 0:
+                groups[0].send([t], 1, i).wait()
+                groups[0].recv([t], 1, i).wait()
+                rtts.append(time.perf_counter() - start)
+            else:
+                groups[1].recv([t], 0, i).wait()
+                groups[1].send([t], 0, i).wait()
+
+    for target in (make, ping):
+        threads = [threading.Thread(target=target, args=(r,)) for r in (0, 1)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    return statistics.median(rtts) / 2 * 1e6
 
 
 TICKS_PER_S = 50
@@ -292,7 +336,10 @@ def control_plane_limits(costs: dict[str, Any], n_max: int = 10_000) -> dict[str
     """From the measured costs: per step time, the largest elastic job (groups of one process, up to `n_max`)
     whose vote costs the store at most 5 % of the step, and whose lighthouse needs at most half a core (it shares
     the launcher with the store's server), before and after the fix; what gives out first. The lighthouse's cost
-    at n processes is interpolated linearly between the measured sizes (extrapolated beyond the largest)."""
+    at n processes is interpolated linearly between the measured sizes (extrapolated beyond the largest). With
+    a measured Gloo hop (`hop_us`), the same for the vote through the quorum's group ("tree vote", "store
+    capacity now", "first now"): 2 store operations and 2 ceil(log2 n) hops a step within 5 % of it; the store
+    serving 2 operations a step, the heartbeats and the waiting members' reads (`POLL_READS_PER_S`)."""
     sizes = sorted(int(n) for n in costs["sizes"])
     ops = costs["store_ops_per_s"]
 
@@ -305,9 +352,14 @@ def control_plane_limits(costs: dict[str, Any], n_max: int = 10_000) -> dict[str
         return lo[1] + (hi[1] - lo[1]) * (n - lo[0]) / (hi[0] - lo[0])
 
     def largest(ok: Any) -> int:
+        """The largest n <= n_max with ok(n) (ok falls once, as n grows): by jumps of n / 64, then one by one
+        back from a jump that went past it."""
         n = 2
         while n < n_max and ok(n + 1):
-            n = min(n_max, n + max(1, n // 64))
+            jump = min(n_max, n + max(1, n // 64))
+            if not ok(jump):
+                return next(m for m in range(jump - 1, n, -1) if ok(m))
+            n = jump
         return n
 
     found = {}
@@ -320,12 +372,22 @@ def control_plane_limits(costs: dict[str, Any], n_max: int = 10_000) -> dict[str
         after = largest(lambda n: (BEAT_READS_PER_S * tick_ms(n, "tick_after_ms")
                                    + TICKS_PER_S * tick_ms(0, "tick_after_ms")) / 1e3 <= 0.5)
         capacity = largest(lambda n: (2 * n + 2) / step_s + 2 * n <= ops)
-        found[f"{step_s:g} s"] = {"vote": vote, "lighthouse before": before, "lighthouse after": after,
+        found[f"{step_s:g} s"] = now = {"vote": vote, "lighthouse before": before, "lighthouse after": after,
                                   "store capacity": capacity,
                                   "first before": min(("vote", vote), ("lighthouse", before),
                                                       ("store capacity", capacity), key=lambda x: x[1])[0],
                                   "first after": min(("vote", vote), ("lighthouse", after),
                                                      ("store capacity", capacity), key=lambda x: x[1])[0]}
+        if "hop_us" in costs:
+            # the vote through the quorum's group (runtime/vote.py): the leader's 2 store operations, the ballots up
+            # a binomial tree and the decision down Gloo's (ceil(log2 n) hops each way); the store then carries the
+            # heartbeats, 2 operations a step and at most POLL_READS_PER_S of waiting members' reads
+            hop = costs["hop_us"] / 1e6
+            tree = largest(lambda n: 2 / ops + 2 * (n - 1).bit_length() * hop <= STEP_BUDGET * step_s)
+            capacity_now = largest(lambda n: 2 / step_s + 2 * n + POLL_READS_PER_S <= ops)
+            now.update({"tree vote": tree, "store capacity now": capacity_now,
+                        "first now": min(("vote", tree), ("lighthouse", after), ("store capacity", capacity_now),
+                                         key=lambda x: x[1])[0]})
     return found
 
 
@@ -336,9 +398,18 @@ def store_report(costs: dict[str, Any]) -> str:
     lines += ["", f"The store: {costs['store_ops_per_s']:.0f} small adds/s from {costs['clients']} connections.", "",
               "| step | vote within 5 % (store) | lighthouse within half a core: before / after | store capacity "
               "(votes + heartbeats) | first to give out: before / after |", "|---|---|---|---|---|"]
-    for step, lim in control_plane_limits(costs).items():
+    limits = control_plane_limits(costs)
+    for step, lim in limits.items():
         lines.append(f"| {step} | {lim['vote']} | {lim['lighthouse before']} / {lim['lighthouse after']} | "
                      f"{lim['store capacity']} | {lim['first before']} / {lim['first after']} |")
+    if "hop_us" in costs:
+        lines += ["", f"The vote through the quorum's group (a Gloo hop: {costs['hop_us']:.0f} us): the store touched "
+                  "twice a step, the ballots and the decision log2(n) hops each way.", "",
+                  "| step | vote within 5 %: through the store / the group | store capacity (heartbeats + 2 a step) "
+                  "| first to give out |", "|---|---|---|---|"]
+        for step, lim in limits.items():
+            lines.append(f"| {step} | {lim['vote']} / {lim['tree vote']} | {lim['store capacity now']} | "
+                         f"{lim['first now']} |")
     return "\n".join(lines)
 
 

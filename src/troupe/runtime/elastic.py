@@ -10,7 +10,8 @@ is in a quorum or out of it as a whole:
   and through them every regime, reduces over exactly the groups present);
 * **vote**, once per step, after the gradients were reduced: every member says whether its
   reduction succeeded; the round's one `Decision` (commit or not, and the next quorum) is
-  the same on every member, so a group lost mid-step is left out of that step everywhere;
+  the same on every member, so a group lost mid-step is left out of that step everywhere
+  (runtime/vote.py: over the quorum's group, the store touched by its leader alone);
 * **advance**, after the step: move to the decided quorum; a member named its `source` hands
   its state (model, optimizer, strategy, sampler, RNG) to the joiners through the launcher's
   store, live, and steps on; a joiner loads it before its first step (place by place: the joining
@@ -35,8 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from troupe.runtime import handoff
-from troupe.runtime.quorum import ASKED, ASKED_COUNT, REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready, round_key
+from troupe.runtime import handoff, vote
+from troupe.runtime.quorum import (ASKED, ASKED_COUNT, REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready,
+                                  poll_interval, round_key)
 from troupe.util import LostLauncher
 from troupe.runtime.membership import Membership
 
@@ -96,6 +98,9 @@ class Elastic(Membership):
         self._kept_saved: dict[str, Any] | None = None
         self._pending_heal: tuple[Quorum, str] | None = None
         self._failed_step = False
+        self._proposals = vote.Proposals()
+        self._polled = float("-inf")
+        """When a wait last asked the store whether the step was decided without this process (`_poll_due`)."""
         self._graveyard: list[tuple[float, Any]] = []
         """Groups of failed steps, kept unshut until their operation in flight has timed out."""
         self._posted: str | None = None
@@ -305,30 +310,46 @@ class Elastic(Membership):
                                "troupe's gradient reducer (which weighs them for the constant global batch)")
         self._weighed = False
         self.round += 1
-        key = lambda what: round_key(q.id, self.round, what)  # noqa: E731
         try:
-            if not ok:
-                self.store.add(key("bad"), 1)
-            if self.store.add(key("n"), 1) == q.size:
-                bad = self.store.add(key("bad"), 0)
-                self.store.compare_set(key("d"), "", Decision(bad == 0, self._proposal() or q).encode())
-            self.decision = Decision.decode(self.store.get(key("d")))
+            decision, clean = self._cast(ok)
         except RuntimeError as e:
             raise LostLauncher(f"rank {self.rank}: lost the elastic job's store (the launcher): "
                                f"{str(e).splitlines()[0][:160]}") from None
-        self.stepped_with = q.members if self.decision.commit else None
-        self._failed_step = not self.decision.commit
-        if not ok and self.decision.by == "vote" and error is not None and self.decision.next == q:
+        self.decision = decision
+        self.stepped_with = q.members if decision.commit else None
+        self._failed_step = not decision.commit or not clean  # a vote collective may be in flight on the group
+        if not ok and decision.by == "vote" and error is not None and decision.next == q:
             raise error  # nobody was lost: the failure is this rank's own
-        return self.decision.commit
+        return decision.commit
+
+    def _cast(self, ok: bool) -> tuple[Decision, bool]:
+        """This round's decision (runtime/vote.py) and whether every vote collective finished here: over the
+        quorum's group; through the store when a collective fails or is given up (then as a failed vote: this
+        member's group may be out of step) or when the leader asks for it."""
+        q, k, index = self.quorum, self.round, self.quorum.index(self.rank)
+        if self.backend != "gloo":  # a group whose collectives take no CPU tensors (NCCL): the store, as the heals
+            return vote.through_store(self.store, q, k, ok, self._proposal), True
+        return vote.cast(self.store, q, k, index, ok,
+                         vote.GroupExchange(index, q.size, k, lambda: vote.decided_without_us(self.store, q, k)
+                                            if self._poll_due() else None),
+                         lambda: self._proposals.pending(self.store, q), self._proposal)
 
     def interrupted(self) -> str | None:
         """Why a reduction in flight should give up: the lighthouse decided this step without our
-        vote (a member was lost). None: keep waiting."""
+        vote (a member was lost). None: keep waiting (or not time to ask the store again yet)."""
         q = self.quorum
-        if q is not None and self.store.check([round_key(q.id, self.round + 1, "d")]):
+        if q is not None and self._poll_due() and self.store.check([round_key(q.id, self.round + 1, "d")]):
             return f"rank {self.rank}: quorum {q.id}'s step was decided without this rank's vote (a member was lost)"
         return None
+
+    def _poll_due(self) -> bool:
+        """Whether a wait may ask the store now: every member of a large quorum asking every 0.1 s would cost the
+        store more than the vote does (`poll_interval`)."""
+        now = time.monotonic()
+        if now - self._polled < poll_interval(self.quorum.size):
+            return False
+        self._polled = now
+        return True
 
     def _set_aside(self, group: Any) -> None:
         self._graveyard.append((time.monotonic() + self.options.timeout + 1.0, group))

@@ -3,13 +3,13 @@
 `troupe run --elastic` runs one `Lighthouse` beside the workers it supervises (not in a worker:
 no worker is a single point of failure). It hosts the job's TCP store and, every `tick`:
 
-1. follows the running quorum's rounds (the workers decide them; see runtime/elastic.py);
+1. follows the running quorum's rounds (the workers decide them; see runtime/vote.py);
 2. reads each worker's heartbeat counter and the supervisor's word on dead processes;
 3. a member lost (dead, or silent for `evict_after`): decides the current round itself
    (not committed) with the next quorum without it, so no survivor waits for a vote that
    will never come;
 4. a worker asking to join (a restart, or one that lost its quorum): proposes the running
-   quorum plus it; the next round's last voter adopts the proposal at a step boundary;
+   quorum plus it; the next round's decision (by the quorum's leader) adopts it at a step boundary;
 5. no running quorum (the start, or too few left): forms one from the workers ready, when
    there are `min_groups` (at the start: all groups, or `min_groups` after `form_within`).
 
@@ -30,7 +30,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from troupe.runtime.quorum import ASKED, ASKED_COUNT, Decision, ElasticOptions, Quorum, Ready, read_refusal, round_key
+from troupe.runtime.quorum import (ASKED, ASKED_COUNT, PROPOSALS, Decision, ElasticOptions, Quorum, Ready, read_refusal,
+                                  round_key)
 from troupe.runtime.ticket import Ticket
 
 TICK_SECONDS = 0.02
@@ -336,6 +337,7 @@ class Lighthouse:
             return  # (no joiners: the quorum is full, the groups asking stand by)
         self.proposed = proposal
         self.store.set("proposal", proposal.encode())
+        self.store.add(PROPOSALS, 1)  # after the proposal: a leader that sees the count moved reads this one
         self._note("proposed", id=proposal.id, joiners=list(proposal.joiners))
 
     def _abort(self, lost: set[int], asking: dict[int, Ready], *, collapse: bool = False) -> None:
@@ -349,7 +351,7 @@ class Lighthouse:
             stored = Decision.decode(self.store.compare_set(key, "", decision.encode()))
             if stored == decision or stored.next is None or stored.next.id != self.active.id:
                 break
-            self.cursor += 1  # the last voter committed that round before we knew: decide the next one
+            self.cursor += 1  # the round's leader committed it before we knew: decide the next one
         self._note("lost", groups=sorted(lost), round=self.cursor, quorum=self.active.id, collapse=collapse)
         if collapse:
             self.say(f"troupe run: quorum {self.active.id} did not form; forming a new one from the workers asking")

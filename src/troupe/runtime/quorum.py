@@ -12,11 +12,14 @@ Keys (under the job's ``troupe/<token>/`` prefix):
                      rank's group when its counter stands still for ``evict_after`` seconds: SIGSTOP, a hang);
 * ``ready/<rank>``   a worker asks to be (re)admitted: a `Ready` record; then it appends ``"<rank> "`` to
                     ``asked`` (`ASKED`), the log the lighthouse reads instead of every rank's key;
-* ``proposal``       the lighthouse's next quorum, not yet adopted;
+* ``proposal``       the lighthouse's next quorum, not yet adopted; ``proposals`` (`PROPOSALS`) counts those
+                     written (a quorum's leader reads the proposal only when the count moved);
 * ``latest``         the newest adopted quorum (what a joining worker waits for);
-* ``q<id>/r<k>/n``, ``/bad``, ``/d``   round k of quorum id: votes, failed votes, the decision
-                     (written once, by compare-and-set: by the last voter, or by the lighthouse
-                     when a member is lost and will never vote);
+* ``q<id>/r<k>/d``   round k of quorum id's decision (written once, by compare-and-set: by the
+                     quorum's leader after an all-reduce of every member's vote, or by the lighthouse
+                     when a member is lost and will never vote; runtime/vote.py);
+* ``q<id>/r<k>/n``, ``/bad``   the votes and failed votes of a round voted through the store (a vote
+                     collective failed): its last voter writes the decision;
 * ``heal/<id>/<tag>/<place>``  the state the source group's process at `place` hands to the
                      joiners' processes at the same place, for quorum id;
 * ``bye/<rank>``, ``byes``   a worker leaving (its exit hooks): "done" or "error", and a counter the
@@ -43,6 +46,13 @@ ASKED = "asked"
 ASKED_COUNT = "asked/n"
 """How many entries the workers have appended to `ASKED` (added to after each append: the lighthouse reads the log
 only when it moved)."""
+PROPOSALS = "proposals"
+"""A counter the lighthouse adds to after each ``proposal`` it writes: a quorum's leader reads one counter a step and
+the proposal only when it moved."""
+POLL_READS_PER_S = 2000.0
+"""What a quorum's members may cost the launcher's store together, in reads a second, asking while they wait (a step's
+reduction, the vote) whether the step was decided without them: a member asks every 0.1 s up to 200 processes, then
+every size / POLL_READS_PER_S seconds (`poll_interval`)."""
 REJOIN_EXIT = 75
 """The exit code of a worker that was left out of the quorum and asks its launcher to start it again."""
 ENV_VAR = "TROUPE_ELASTIC"
@@ -220,6 +230,11 @@ class Ready:
     def decode(cls, text: str | bytes) -> Ready:
         d = json.loads(text)
         return cls(d["token"], d["step"], d.get("extra", {}))
+
+
+def poll_interval(size: int) -> float:
+    """Seconds between a waiting member's reads of the store in a quorum of `size` processes (`POLL_READS_PER_S`)."""
+    return max(0.1, size / POLL_READS_PER_S)
 
 
 def round_key(quorum_id: int, k: int, what: str) -> str:
