@@ -64,6 +64,7 @@ def member(rank: int, ticket: str, out: str) -> None:
         return dist.PrefixStore(f"troupe/{t.token}/", base)
 
     e = Elastic(OPTIONS, rank, 0, "gloo", connect)
+    e.group_vote_min = 1  # the vote over the group at any size (by default only quorums of 32 or more)
     e.stand_by()
     e.join()
     counted = e.store = Counting(e.store)
@@ -192,6 +193,7 @@ def frozen_member(rank: int, ticket: str, out: str, steps: int) -> None:
         return dist.PrefixStore(f"troupe/{t.token}/", base)
 
     e = Elastic(FROZEN, rank, 0, "gloo", connect)
+    e.group_vote_min = 1  # the vote over the group at any size (by default only quorums of 32 or more)
     e.stand_by()
     e.join()
     votes = [0]

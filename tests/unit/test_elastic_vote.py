@@ -96,6 +96,8 @@ def run_round(shared, q, k, oks, threads, *, die=None, proposal=None):
         try:
             results[i] = vote.cast(mine, q, k, i, oks[i], threads.member(i, (die or {}).get(i)), pending,
                                    lambda: proposal)
+        except SystemExit:
+            pass  # this member is lost (its result stays None)
         finally:
             counts[i] = mine.ops
 

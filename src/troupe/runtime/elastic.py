@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from troupe.runtime import handoff, vote
+from troupe.runtime import handoff, settings, vote
 from troupe.runtime.quorum import (ASKED, ASKED_COUNT, REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready,
                                   poll_interval, round_key)
 from troupe.util import LostLauncher
@@ -68,6 +68,8 @@ class Elastic(Membership):
     def __init__(self, options: ElasticOptions, rank: int, incarnation: int, backend: str,
                  connect: Callable[[float], dist.Store]):
         self.options, self.rank, self.backend = options, rank, backend
+        self.group_vote_min = settings.current().group_vote_min
+        """A quorum this large votes over its process group; a smaller one through the store (TROUPE_GROUP_VOTE_MIN)."""
         self.group, self.place = divmod(rank, options.group_size)
         self.incarnation = incarnation
         # Three connections: votes and heals wait long; a forming group gives up after `timeout`
@@ -327,7 +329,7 @@ class Elastic(Membership):
         quorum's group; through the store when a collective fails or is given up (then as a failed vote: this
         member's group may be out of step) or when the leader asks for it."""
         q, k, index = self.quorum, self.round, self.quorum.index(self.rank)
-        if self.backend != "gloo":  # a group whose collectives take no CPU tensors (NCCL): the store, as the heals
+        if self.backend != "gloo" or q.size < self.group_vote_min:  # NCCL: no CPU tensors; a small quorum
             return vote.through_store(self.store, q, k, ok, self._proposal), True
         return vote.cast(self.store, q, k, index, ok,
                          vote.GroupExchange(index, q.size, k, lambda: vote.decided_without_us(self.store, q, k)

@@ -65,6 +65,10 @@ class Settings:
     """TROUPE_EVICT_AFTER (`troupe run --elastic --evict-after` under Sandblaster): seconds a server waits
     for a worker whose group mates have sent their update and whose beat has stopped (it is frozen)
     before the group goes on without it; after SIGCONT it restarts and rejoins."""
+    group_vote_min: int = 32
+    """TROUPE_GROUP_VOTE_MIN: an elastic quorum of at least this many processes votes over its own process group
+    (runtime/vote.py: two store operations a step, 2 log2(N) messages); a smaller one votes through the launcher's
+    store (two operations per process, which a small quorum's store serves sooner: docs/scale.md)."""
     shard: str | None = None
     """TROUPE_SHARD: "optimizer" or "gradients", set by `troupe run --shard`: what a DistOpt made without
     ``shard=`` cuts over the ranks (strategies/sharded.py)."""
@@ -107,6 +111,8 @@ class Settings:
             raise ValueError(f"TROUPE_SHARD must be 'optimizer' or 'gradients', got {self.shard!r}")
         if self.groups is not None and self.groups < 1:
             raise ValueError(f"TROUPE_GROUPS must be >= 1 (worker groups), got {self.groups}")
+        if self.group_vote_min < 1:
+            raise ValueError(f"TROUPE_GROUP_VOTE_MIN must be >= 1 (processes), got {self.group_vote_min}")
         if self.master_port < 0:
             raise ValueError(f"TROUPE_MASTER_PORT must be >= 0, got {self.master_port}")
 
