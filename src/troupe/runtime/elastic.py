@@ -26,7 +26,6 @@ import datetime
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from troupe.runtime import handoff
+from troupe.runtime import handoff, liveness
 from troupe.runtime.quorum import ASKED, ASKED_COUNT, REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready, round_key
 from troupe.util import LostLauncher
 from troupe.runtime.membership import Membership
@@ -69,11 +68,10 @@ class Elastic(Membership):
         self.group, self.place = divmod(rank, options.group_size)
         self.incarnation = incarnation
         # Three connections: votes and heals wait long; a forming group gives up after `timeout`
-        # (a member died meanwhile); the heartbeat thread has its own socket.
+        # (a member died meanwhile); the heartbeat thread has its own socket (`liveness.Beat`).
         self.store = connect(max(options.form_within, 4 * (options.timeout + options.evict_after)))
         self._pg_store = connect(options.timeout)
         self._connect = connect
-        self._beat_store = connect(options.evict_after)
         self.quorum: Quorum | None = None
         self.round = 0
         self.decision: Decision | None = None
@@ -102,12 +100,10 @@ class Elastic(Membership):
         self._drawn: tuple[int, int, int] | None = None
         """Under a constant global batch: (quorum id, round, batches) of the batch the loader drew last."""
         self._weighed = False
-        # The first beat before anything else: the lighthouse gives a restarted rank `evict_after` from
-        # its start to be heard, and this process may ask to join before its thread's first beat.
-        self._beat_store.add(f"hb/{rank}", 1)
-        self._stop = threading.Event()
-        self._beat = threading.Thread(target=self._heartbeat, name="troupe-elastic-heartbeat", daemon=True)
-        self._beat.start()
+        # The first beat (`Beat.start`) before anything else: the lighthouse gives a restarted rank `evict_after`
+        # from its start to be heard, and this process may ask to join before its thread's first beat.
+        self._beat = liveness.Beat(rank, lambda: connect(options.evict_after), options.heartbeat,
+                                   name="troupe-elastic-heartbeat").start()
 
     # --- joining -------------------------------------------------------------------------
 
@@ -452,27 +448,12 @@ class Elastic(Membership):
         time.sleep(PARTNER_GRACE)
         os._exit(REJOIN_EXIT)
 
-    # --- liveness ------------------------------------------------------------------------
-
-    def _heartbeat(self) -> None:
-        """Beat until closed. A beat that fails (a slow store on a loaded host) is retried on a fresh
-        connection at the next one: a heartbeat thread that gave up would get its worker evicted."""
-        while not self._stop.wait(self.options.heartbeat):
-            try:
-                self._beat_store.add(f"hb/{self.rank}", 1)
-            except (RuntimeError, ConnectionError, OSError) as e:
-                log.debug("troupe: rank %d: heartbeat failed (%s); reconnecting", self.rank, e)
-                try:
-                    self._beat_store = self._connect(self.options.evict_after)
-                except (RuntimeError, ConnectionError, OSError):
-                    pass  # the launcher is gone or busy: the main thread finds out on its next vote
-
     def close(self) -> None:
         """Stop beating and say goodbye: the lighthouse leaves this rank out of the next step at once,
         instead of after `evict_after` of silence or when the process is gone (an interpreter that
         tears torch down takes seconds on a loaded host). "error" when an uncaught exception ends
         the script (Python sets `sys.last_value` before the exit hooks run), else "done"."""
-        self._stop.set()
+        self._beat.stop()
         why = "error" if getattr(sys, "last_value", None) is not None else "done"
         try:
             self.store.set(f"bye/{self.rank}", why)
