@@ -176,7 +176,8 @@ class Elastic(Membership):
     def _leave(self, set_aside: Callable[[Any], None] | None = None) -> None:
         """`_leave_group`, keeping the worker group's own process group (`group_process_group`) alive: its entries in
         torch's tables of groups are taken out first (leaving the default group shuts down and forgets every group
-        in them) and put back by `_restore_kept` once the next default group exists."""
+        in them: no public call destroys the default group alone, see the comment on `_leave_group`) and put back by
+        `_restore_kept` once the next default group exists."""
         if self._kept is not None:
             from torch.distributed import distributed_c10d as c10d
 
@@ -488,10 +489,23 @@ def _init_group(backend: str, **kwargs: Any) -> None:
         sys.excepthook = hook
 
 
+# Why c10d's private tables (`_world`), here and in `Elastic._leave`/`_restore_kept`: torch 2.13's public API has
+# no call for three things a quorum change does. (1) Destroy the default group alone: destroy_process_group(group)
+# destroys that group only, and destroy_process_group() (or group.WORLD) destroys the default group with every
+# other group, the worker group's own one (`group_process_group`, a mesh's) with it; nor can a kept group be
+# re-mapped onto the next default group's ranks (pg_group_ranks). (2) Drop a group without shutting it down: every
+# destroy calls shutdown(), which for Gloo waits out an operation in flight (the group's timeout after a lost
+# peer); the abort that would not is private and NCCL-only (_abort_process_group). (3) Name the next default
+# group: init_process_group ignores group_name (deprecated) and names it by _world.group_count, which only a
+# completed destroy resets. Groups built outside the tables (ProcessGroupGloo(store, rank, size)) do not help:
+# torch.distributed's collectives (get_group_rank), DeviceMesh and FSDP look every group up in them. What would
+# is torchft's way, one registered group whose backend is swapped at each quorum (a backend registered through
+# dist.Backend.register_backend that forwards every collective): a redesign of the elastic wing, not done here.
 def _leave_group(set_aside: Callable[[Any], None] | None = None) -> None:
     """Stop using the default group: destroy it, or (`set_aside` given: a step failed and a reduction
     may still be in flight on it) hand it over unshut. Shutting down a Gloo group waits for its
-    operation in flight, i.e. for the group's whole timeout after a lost peer (`Elastic._bury`)."""
+    operation in flight, i.e. for the group's whole timeout after a lost peer (`Elastic._bury`).
+    The tables it edits, and why no public call does it: the comment above."""
     from torch.distributed import distributed_c10d as c10d
 
     if dist.is_initialized():
