@@ -18,7 +18,7 @@ from troupe.cluster.serving.lives import Lives, life_key
 from troupe.cluster.serving.mastercopies import MasterCopies
 from troupe.cluster.serving.shard import ParamShard, plan_slices
 from troupe.cluster.wire.links import Links
-from troupe.runtime.rejoin import beat_key
+from troupe.runtime import liveness
 
 NUMELS = [7, 4]
 W0 = torch.arange(11.0)
@@ -67,7 +67,7 @@ def test_a_new_life_takes_a_live_groups_replica_and_its_freshest_part_then_the_o
     def beat() -> None:  # each live process's beat thread
         while not stop.is_set():
             for r in list(beating):
-                store.add(beat_key(r), 1)
+                store.add(liveness.key(r), 1)
             stop.wait(0.1)
 
     threading.Thread(target=beat, daemon=True).start()
@@ -145,7 +145,7 @@ def test_a_new_life_takes_a_live_groups_replica_and_its_freshest_part_then_the_o
 def test_a_new_life_with_no_live_group_says_so_or_leaves_when_every_group_had_finished():
     store = dist.HashStore()
     for r in range(2):
-        store.add(beat_key(r), 1)
+        store.add(liveness.key(r), 1)
     store.set(life_key(0), "0")
     store.set("hogwild/done/0", "1")  # group 0 finished its training and is gone
     life = group(store, 1, 1, rejoining=True, ngroups=2)

@@ -7,6 +7,7 @@ import datetime
 import pytest
 import torch.distributed as dist
 
+from troupe.runtime import liveness
 from troupe.runtime.lighthouse import Lighthouse
 from troupe.runtime.quorum import ASKED, ASKED_COUNT, Decision, ElasticOptions, Quorum, Ready, round_key
 from troupe.runtime.ticket import Ticket
@@ -24,7 +25,7 @@ def house():
 
 def beat(client, *ranks):
     for r in ranks:
-        client.add(f"hb/{r}", 1)
+        client.add(liveness.key(r), 1)
 
 
 def ask(client, rank, token, step=-1):
@@ -42,8 +43,8 @@ def tick_for_6s(lh, client, monkeypatch, beating) -> None:
     """Three ticks 2 s apart on a frozen clock, only the ranks in `beating` beating (past evict_after 5)."""
     clock = [1000.0]
     monkeypatch.setattr("troupe.runtime.lighthouse.time.monotonic", lambda: clock[0])
-    for b in lh.beats.values():
-        b.changed = clock[0]
+    for r, (count, _) in lh.beats.seen.items():
+        lh.beats.seen[r] = (count, clock[0])
     lh.beats_read_at = clock[0] - 1.0  # the last read of the counters, on the frozen clock too
     for _ in range(3):
         clock[0] += 2.0
@@ -397,7 +398,7 @@ def test_a_keeper_finds_a_server_frozen_once_its_beat_stood_still_past_evict_aft
         monkeypatch):
     from troupe.runtime import lighthouse
     from troupe.runtime.keeper import Keeper
-    from troupe.runtime.rejoin import beat_key, closing_key
+    from troupe.runtime.rejoin import closing_key
 
     keeper = Keeper(Ticket(), 4, host=True)
     clock = [0.0]
@@ -407,15 +408,15 @@ def test_a_keeper_finds_a_server_frozen_once_its_beat_stood_still_past_evict_aft
         clock[0] += dt
         return keeper.frozen([1, 2, 3], evict_after=2.0)
 
-    keeper.store.add(beat_key(2), 1)
-    keeper.store.add(beat_key(3), 1)
+    keeper.store.add(liveness.key(2), 1)
+    keeper.store.add(liveness.key(3), 1)
     assert look(0.0) == {}
     assert look(0.125) == {}  # looked at most every BEAT_SECONDS: nothing read
-    keeper.store.add(beat_key(2), 1)  # rank 2 beats on; rank 3 stops; rank 1 never started beating
+    keeper.store.add(liveness.key(2), 1)  # rank 2 beats on; rank 3 stops; rank 1 never started beating
     assert look(1.0) == {}
     keeper.store.set(closing_key(3), "1")
     assert look(1.5) == {}  # rank 3 stood still 2.625 s, but it said it is leaving
-    keeper.store.add(beat_key(3), 1)  # (a process that said so and beats again: the mark stays, it is let be)
+    keeper.store.add(liveness.key(3), 1)  # (a process that said so and beats again: the mark stays, it is let be)
     assert look(0.5) == {2: 2.0}  # rank 2 stood still since its beat seen at 1.125 s: frozen
     keeper.store.delete_key(closing_key(3))
     assert look(2.0) == {2: 4.0, 3: 2.0}  # rank 1: still starting (no beat yet), never frozen

@@ -60,7 +60,7 @@ from troupe.cluster.workers.layout import Layout, trainable
 from troupe.compress.fp16 import half_dtype
 from troupe.cluster.wire.links import LINK_FORM_SECONDS, Links
 from troupe.runtime.comm import Communicator, Outside
-from troupe.runtime.rejoin import Rejoining, beat_key, gone_key
+from troupe.runtime.rejoin import Rejoining, gone_key
 from troupe.runtime.launch import DistInfo, meet_where_rank0_listens
 from troupe.runtime.settings import Settings
 from troupe.runtime.world import World, init, shutdown
@@ -485,8 +485,7 @@ def _eviction(job: Job) -> dict:
     if job.links is None or not isinstance(membership, Rejoining):
         return {}
     store = membership.connect(LINK_FORM_SECONDS)  # the server's own connection (its loop and links have theirs)
-    return {"evict_after": job.runtime.settings.evict_after,
-            "beats": lambda rank: store.add(beat_key(rank), 0)}
+    return {"evict_after": job.runtime.settings.evict_after, "beats": store}
 
 
 def _server_sync(job: Job, shard: ParamShard) -> ServerSync | None:

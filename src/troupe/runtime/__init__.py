@@ -9,6 +9,7 @@ the output of the ranks `troupe run` starts on, whole lines at a time; `ticket` 
 the Ticket (address, port, token), torch-free for the command line; `comm`
 holds the Communicator, the only caller of torch.distributed collectives, with its byte
 counters; `watchdog` the heartbeats and the stall/failure reports every collective waits
-under; `settings` every TROUPE_* variable. Nothing here knows about optimizers, buckets,
+under; `liveness` the beat counters a launcher or a server watches to tell a frozen process
+from a slow one; `settings` every TROUPE_* variable. Nothing here knows about optimizers, buckets,
 partitions or parameter servers.
 """

@@ -27,7 +27,6 @@ import datetime
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from troupe.runtime import handoff, settings, vote
+from troupe.runtime import handoff, liveness, settings, vote
 from troupe.runtime.quorum import (ASKED, ASKED_COUNT, REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready,
                                   poll_interval, round_key)
 from troupe.util import LostLauncher
@@ -73,11 +72,10 @@ class Elastic(Membership):
         self.group, self.place = divmod(rank, options.group_size)
         self.incarnation = incarnation
         # Three connections: votes and heals wait long; a forming group gives up after `timeout`
-        # (a member died meanwhile); the heartbeat thread has its own socket.
+        # (a member died meanwhile); the heartbeat thread has its own socket (`liveness.Beat`).
         self.store = connect(max(options.form_within, 4 * (options.timeout + options.evict_after)))
         self._pg_store = connect(options.timeout)
         self._connect = connect
-        self._beat_store = connect(options.evict_after)
         self.quorum: Quorum | None = None
         self.round = 0
         self.decision: Decision | None = None
@@ -109,12 +107,10 @@ class Elastic(Membership):
         self._drawn: tuple[int, int, int] | None = None
         """Under a constant global batch: (quorum id, round, batches) of the batch the loader drew last."""
         self._weighed = False
-        # The first beat before anything else: the lighthouse gives a restarted rank `evict_after` from
-        # its start to be heard, and this process may ask to join before its thread's first beat.
-        self._beat_store.add(f"hb/{rank}", 1)
-        self._stop = threading.Event()
-        self._beat = threading.Thread(target=self._heartbeat, name="troupe-elastic-heartbeat", daemon=True)
-        self._beat.start()
+        # The first beat (`Beat.start`) before anything else: the lighthouse gives a restarted rank `evict_after`
+        # from its start to be heard, and this process may ask to join before its thread's first beat.
+        self._beat = liveness.Beat(rank, lambda: connect(options.evict_after), options.heartbeat,
+                                   name="troupe-elastic-heartbeat").start()
 
     # --- joining -------------------------------------------------------------------------
 
@@ -187,7 +183,8 @@ class Elastic(Membership):
     def _leave(self, set_aside: Callable[[Any], None] | None = None) -> None:
         """`_leave_group`, keeping the worker group's own process group (`group_process_group`) alive: its entries in
         torch's tables of groups are taken out first (leaving the default group shuts down and forgets every group
-        in them) and put back by `_restore_kept` once the next default group exists."""
+        in them: no public call destroys the default group alone, see the comment on `_leave_group`) and put back by
+        `_restore_kept` once the next default group exists."""
         if self._kept is not None:
             from torch.distributed import distributed_c10d as c10d
 
@@ -475,27 +472,12 @@ class Elastic(Membership):
         time.sleep(PARTNER_GRACE)
         os._exit(REJOIN_EXIT)
 
-    # --- liveness ------------------------------------------------------------------------
-
-    def _heartbeat(self) -> None:
-        """Beat until closed. A beat that fails (a slow store on a loaded host) is retried on a fresh
-        connection at the next one: a heartbeat thread that gave up would get its worker evicted."""
-        while not self._stop.wait(self.options.heartbeat):
-            try:
-                self._beat_store.add(f"hb/{self.rank}", 1)
-            except (RuntimeError, ConnectionError, OSError) as e:
-                log.debug("troupe: rank %d: heartbeat failed (%s); reconnecting", self.rank, e)
-                try:
-                    self._beat_store = self._connect(self.options.evict_after)
-                except (RuntimeError, ConnectionError, OSError):
-                    pass  # the launcher is gone or busy: the main thread finds out on its next vote
-
     def close(self) -> None:
         """Stop beating and say goodbye: the lighthouse leaves this rank out of the next step at once,
         instead of after `evict_after` of silence or when the process is gone (an interpreter that
         tears torch down takes seconds on a loaded host). "error" when an uncaught exception ends
         the script (Python sets `sys.last_value` before the exit hooks run), else "done"."""
-        self._stop.set()
+        self._beat.stop()
         why = "error" if getattr(sys, "last_value", None) is not None else "done"
         try:
             self.store.set(f"bye/{self.rank}", why)
@@ -530,10 +512,23 @@ def _init_group(backend: str, **kwargs: Any) -> None:
         sys.excepthook = hook
 
 
+# Why c10d's private tables (`_world`), here and in `Elastic._leave`/`_restore_kept`: torch 2.13's public API has
+# no call for three things a quorum change does. (1) Destroy the default group alone: destroy_process_group(group)
+# destroys that group only, and destroy_process_group() (or group.WORLD) destroys the default group with every
+# other group, the worker group's own one (`group_process_group`, a mesh's) with it; nor can a kept group be
+# re-mapped onto the next default group's ranks (pg_group_ranks). (2) Drop a group without shutting it down: every
+# destroy calls shutdown(), which for Gloo waits out an operation in flight (the group's timeout after a lost
+# peer); the abort that would not is private and NCCL-only (_abort_process_group). (3) Name the next default
+# group: init_process_group ignores group_name (deprecated) and names it by _world.group_count, which only a
+# completed destroy resets. Groups built outside the tables (ProcessGroupGloo(store, rank, size)) do not help:
+# torch.distributed's collectives (get_group_rank), DeviceMesh and FSDP look every group up in them. What would
+# is torchft's way, one registered group whose backend is swapped at each quorum (a backend registered through
+# dist.Backend.register_backend that forwards every collective): a redesign of the elastic wing, not done here.
 def _leave_group(set_aside: Callable[[Any], None] | None = None) -> None:
     """Stop using the default group: destroy it, or (`set_aside` given: a step failed and a reduction
     may still be in flight on it) hand it over unshut. Shutting down a Gloo group waits for its
-    operation in flight, i.e. for the group's whole timeout after a lost peer (`Elastic._bury`)."""
+    operation in flight, i.e. for the group's whole timeout after a lost peer (`Elastic._bury`).
+    The tables it edits, and why no public call does it: the comment above."""
     from torch.distributed import distributed_c10d as c10d
 
     if dist.is_initialized():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
+from troupe.runtime import liveness
 from troupe.runtime.quorum import read_refusal
 from troupe.runtime.ticket import Ticket
 
@@ -31,7 +32,7 @@ class Keeper:
         self.ranks = ranks
         self._formed = False
         self._beaten = self._looked = float("-inf")
-        self._beats = None  # a BeatWatch over the separate servers' beats, from the first look (`frozen`)
+        self._beats: liveness.Silence | None = None  # the separate servers' beats, from the first look
 
     def refusal(self, rank: int) -> str | None:
         """`Lighthouse.refusal`: why `rank` refused the job, or None."""
@@ -71,33 +72,32 @@ class Keeper:
 
     def frozen(self, ranks: list[int], evict_after: float) -> dict[int, float]:
         """Of these processes (separate servers whose workers fail over), those whose beat has stood still
-        for `evict_after` seconds: {rank: seconds}. Looked at every BEAT_SECONDS at most. A process not yet
-        beating (still starting) or leaving (`closing_key`) is never frozen."""
-        from troupe.runtime.rejoin import BEAT_SECONDS, BeatWatch, beat_key, closing_key
+        for `evict_after` seconds: {rank: seconds}. Looked at every BEAT_SECONDS at most (their counters in one
+        read). A process not yet beating (still starting) or leaving (`closing_key`) is never frozen."""
+        from troupe.runtime.rejoin import closing_key
 
         now = time.monotonic()
-        if now - self._looked < BEAT_SECONDS:
+        if now - self._looked < liveness.BEAT_SECONDS:
             return {}
         self._looked = now
         if self._beats is None:
-            self._beats = BeatWatch(lambda rank: self.store.add(beat_key(rank), 0))
-        out = {}
+            self._beats = liveness.Silence(self.store)
         try:
-            for rank in ranks:
-                still = self._beats.still_for(rank)
-                if still >= evict_after and self._beats.started(rank) and not self.store.check([closing_key(rank)]):
-                    out[rank] = still
+            silent = self._beats.look(ranks)
+            return {rank: still for rank, still in silent.items() if still >= evict_after
+                    and self._beats.started(rank) and not self.store.check([closing_key(rank)])}
         except (RuntimeError, ConnectionError, OSError):  # node 0's store is gone: the job is over
             return {}
-        return out
 
     def beat(self, node: int) -> None:
-        """This node's launcher is alive (at most once a second; node 0 reads it in `wait_for_nodes`)."""
+        """This node's launcher is alive (at most once a second; node 0 reads it in `wait_for_nodes`). Its
+        counter is `liveness.key`'s, beaten from the launcher's loop, not by a `liveness.Beat` thread: a launcher
+        whose loop is stuck is not looking after its ranks, and node 0 should count it gone."""
         now = time.monotonic()
         if now - self._beaten >= 1.0:
             self._beaten = now
             try:
-                self.store.add(f"node/{node}/beats", 1)
+                self.store.add(liveness.key(f"node/{node}"), 1)
             except (RuntimeError, ConnectionError, OSError):
                 pass
 
@@ -120,19 +120,16 @@ class Keeper:
     def wait_for_nodes(self, nodes: int, silence: float, say: Callable[[str], None]) -> None:
         """Node 0: keep the store up until every other node's launcher has ended (its ranks may still train,
         or dial their servers again) or has not beaten for `silence` seconds (it is gone)."""
-        waiting = {n: (-1, time.monotonic()) for n in range(1, nodes)}  # node -> (beats seen, since when)
+        waiting, beats = [f"node/{n}" for n in range(1, nodes)], liveness.Silence(self.store)
         while waiting:
-            for n, (seen, since) in list(waiting.items()):
+            for who, still in beats.look(waiting).items():
+                n = int(who.split("/")[1])
                 if self.store.check([f"node/{n}/ended"]):
-                    del waiting[n]
-                    continue
-                beats = self.store.add(f"node/{n}/beats", 0)
-                if beats != seen:
-                    waiting[n] = (beats, time.monotonic())
-                elif time.monotonic() - since > silence:
+                    waiting.remove(who)
+                elif still > silence:
                     say(f"troupe run: node {n}'s launcher has said nothing for {silence:.0f} s; the job's store "
                         "(this node's) closes")
-                    del waiting[n]
+                    waiting.remove(who)
             time.sleep(0.1)
 
     def stop(self) -> None:

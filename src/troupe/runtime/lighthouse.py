@@ -28,19 +28,13 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 
+from troupe.runtime import liveness
 from troupe.runtime.quorum import (ASKED, ASKED_COUNT, PROPOSALS, Decision, ElasticOptions, Quorum, Ready, read_refusal,
                                   round_key)
 from troupe.runtime.ticket import Ticket
 
 TICK_SECONDS = 0.02
-
-
-@dataclass
-class _Beat:
-    count: int = -1
-    changed: float = field(default_factory=time.monotonic)
 
 
 class Lighthouse:
@@ -67,11 +61,9 @@ class Lighthouse:
         self.byes = 0
         self.reports = 0
         """Other nodes' reports read so far (`Reporter`)."""
-        self.beats = {r: _Beat() for r in range(options.processes)}
+        self.beats = liveness.Silence(self.store, range(options.processes))
         # Every rank's heartbeat counter exists from the start and the log of ranks asking is empty: a tick reads
         # all counters in one message (`_read_beats`) and only the requests logged since its last look.
-        for r in range(options.processes):
-            self.store.add(f"hb/{r}", 0)
         self.store.set(ASKED, "")
         self.asked_seen = 0
         """Characters of the log of ranks asking (`ASKED`) read so far."""
@@ -130,7 +122,7 @@ class Lighthouse:
         self.said_bye.discard(rank)
         self.leaving.discard(rank)
         self.store.delete_key(f"bye/{rank}")  # its last process's goodbye, said before it died
-        self.beats[rank] = _Beat()
+        self.beats.expect(rank)
 
     def _lost(self, rank: int, *, finished: bool) -> None:
         self.dead.add(rank)
@@ -166,8 +158,8 @@ class Lighthouse:
         now = time.monotonic()
         self._read_beats(now)
         self._read_requests()
-        beating = {r for r, beat in self.beats.items()
-                   if r not in self.dead and now - beat.changed < self.options.evict_after}
+        beating = {r for r in self.beats.seen
+                   if r not in self.dead and self.beats.silent_for(r, now) < self.options.evict_after}
         alive = self._whole(beating)
         asking_ranks = self._asking_ranks(beating)
         asking = self._asking(asking_ranks, alive)
@@ -184,7 +176,7 @@ class Lighthouse:
         lost = (members - alive) | (departed & members)
         silent = {r for g in sorted(members - departed - dead) for r in self.options.ranks(g)} - beating
         if silent:
-            ages = ", ".join(f"rank {r}: {now - self.beats[r].changed:.1f}s" for r in sorted(silent))
+            ages = ", ".join(f"rank {r}: {self.beats.silent_for(r, now):.1f}s" for r in sorted(silent))
             self.say(f"troupe run: no heartbeat within {self.options.evict_after:.0f}s ({ages})")
         # A member's process asking again could not make the quorum's group: it never formed, for anyone.
         failed_to_form = bool(self._groups(set(asking_ranks)) & members)
@@ -209,8 +201,8 @@ class Lighthouse:
         `evict_after`): node 0's launcher may take the store down."""
         with self._lock:
             now = time.monotonic()
-            return all(r in self.finished or r in self.dead or now - b.changed >= self.options.evict_after
-                       for r, b in self.beats.items())
+            return all(r in self.finished or r in self.dead
+                       or self.beats.silent_for(r, now) >= self.options.evict_after for r in self.beats.seen)
 
     def _read_byes(self) -> None:
         """Ranks that said goodbye since the last look leave the quorum now (one counter read a tick)."""
@@ -218,7 +210,7 @@ class Lighthouse:
         if byes == self.byes:
             return
         self.byes = byes
-        for rank in set(self.beats) - self.dead - self.said_bye:
+        for rank in set(self.beats.seen) - self.dead - self.said_bye:
             if self.store.check([f"bye/{rank}"]):
                 self.said_bye.add(rank)
                 self.departed.add(rank)
@@ -231,11 +223,7 @@ class Lighthouse:
         if now - self.beats_read_at < self.options.heartbeat / 2:
             return
         self.beats_read_at = now
-        ranks = [r for r in self.beats if r not in self.dead]
-        for rank, count in zip(ranks, self.store.multi_get([f"hb/{r}" for r in ranks]) if ranks else []):
-            beat = self.beats[rank]
-            if int(count) != beat.count:
-                beat.count, beat.changed = int(count), now
+        self.beats.read([r for r in self.beats.seen if r not in self.dead], now)
 
     def _read_requests(self) -> None:
         """The requests of the ranks that logged one since the last look (one counter read a tick; a worker writes

@@ -8,8 +8,8 @@ named here, and nothing else: no torch import, so `troupe run` stays light.
 
 Keys (under the job's ``troupe/<token>/`` prefix):
 
-* ``hb/<rank>``      a counter each worker's heartbeat thread adds to (the lighthouse evicts a
-                     rank's group when its counter stands still for ``evict_after`` seconds: SIGSTOP, a hang);
+* ``beat/<rank>``    a counter each worker's heartbeat thread adds to (runtime/liveness.py: the lighthouse evicts
+                     a rank's group when its counter stands still for ``evict_after`` seconds: SIGSTOP, a hang);
 * ``ready/<rank>``   a worker asks to be (re)admitted: a `Ready` record; then it appends ``"<rank> "`` to
                     ``asked`` (`ASKED`), the log the lighthouse reads instead of every rank's key;
 * ``proposal``       the lighthouse's next quorum, not yet adopted; ``proposals`` (`PROPOSALS`) counts those

@@ -17,15 +17,13 @@ the servers applied it and before the record was written is taken again from the
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from troupe.runtime import handoff
+from troupe.runtime import handoff, liveness
 from troupe.runtime.membership import Membership
 
 log = logging.getLogger("troupe.elastic")
@@ -33,10 +31,6 @@ log = logging.getLogger("troupe.elastic")
 
 def place_key(rank: int) -> str:
     return f"ps/place/{rank}"
-
-
-def beat_key(rank: int) -> str:
-    return f"ps/beat/{rank}"
 
 
 def closing_key(rank: int) -> str:
@@ -48,35 +42,6 @@ def gone_key(rank: int) -> str:
     """Set by a launcher when separate server `rank` died (never restarted): a worker that starts later
     sends its slices to the next server group's instead, and does not dial it."""
     return f"ps/gone/{rank}"
-
-
-class BeatWatch:
-    """How long each rank's beat (its counter under `beat_key`, read by `read(rank)`) has stood still: a
-    frozen process's beat thread stops with it, a slow one's does not."""
-
-    def __init__(self, read: Callable[[int], int]):
-        self.read = read
-        self._seen: dict[int, tuple[int, float]] = {}
-        """Per rank: its beat when it last moved, and when (monotonic)."""
-
-    def still_for(self, rank: int) -> float:
-        """Seconds since `rank`'s beat last moved (0 the first time it is asked, or when it just moved)."""
-        beat, now = self.read(rank), time.monotonic()
-        if self._seen.get(rank, (None, 0.0))[0] != beat:
-            self._seen[rank] = (beat, now)
-        return now - self._seen[rank][1]
-
-    def started(self, rank: int) -> bool:
-        """Whether `rank` had beaten at least once when last looked at (a process still starting has not)."""
-        return self._seen.get(rank, (0, 0.0))[0] > 0
-
-    def forget(self, rank: int) -> None:
-        self._seen.pop(rank, None)
-
-
-BEAT_SECONDS = 0.5
-"""How often a worker's beat thread counts up `ps/beat/<rank>` (a frozen process's threads stop with it; a
-slow one's do not: its servers tell frozen from slow by it)."""
 
 
 class Rejoining(Membership):
@@ -107,23 +72,14 @@ class Rejoining(Membership):
         self.objects: dict[str, Any] = {}
         self.records = 0
         self._warned = False
-        self._stop = threading.Event()
-        self._beating: threading.Thread | None = None
+        self._beating: liveness.Beat | None = None
 
     def start_beating(self) -> None:
-        """Count up this worker's beat in the store every BEAT_SECONDS, in a thread, on a connection of its own."""
-        store = self.connect(BEAT_SECONDS * 20)
-
-        def beat() -> None:
-            while not self._stop.is_set():
-                try:
-                    store.add(beat_key(self.rank), 1)
-                except (RuntimeError, ConnectionError, OSError):  # the launcher's store is gone: the job is over
-                    return
-                self._stop.wait(BEAT_SECONDS)
-
-        self._beating = threading.Thread(target=beat, name="troupe-ps-beat", daemon=True)
-        self._beating.start()
+        """Count up this process's beat in the store every BEAT_SECONDS, in a thread, on a connection of its own
+        (a frozen process's threads stop with it; a slow one's do not: its servers and launcher tell frozen from
+        slow by it). A beat that fails ends the thread: the launcher's store is gone, the job is over."""
+        self._beating = liveness.Beat(self.rank, lambda: self.connect(liveness.BEAT_SECONDS * 20),
+                                      liveness.BEAT_SECONDS, reconnect=False, name="troupe-ps-beat").start()
 
     def close(self) -> None:
         """Stop beating, and wait for the beat thread (one inside a store call when the interpreter ends
@@ -134,9 +90,7 @@ class Rejoining(Membership):
                 self.store.set(closing_key(self.rank), "1")
             except (RuntimeError, ConnectionError, OSError):
                 pass  # the launcher's store is gone: the job is over
-        self._stop.set()
-        if self._beating is not None:
-            self._beating.join(BEAT_SECONDS * 4)
+            self._beating.stop(wait=liveness.BEAT_SECONDS * 4)
 
     @property
     def rejoined(self) -> bool:

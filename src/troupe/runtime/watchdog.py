@@ -11,6 +11,11 @@ job's store once per `interval`. With that:
   names the rank(s) that died or raised, and the step.
 
 A rank that dies of a Python exception first records it under ``failed/<rank>``.
+
+This heartbeat is not the liveness of runtime/liveness.py (a counter a launcher or a server watches to tell
+a frozen process from a slow one, and evicts or restarts it): it is text the ranks of one job read from
+each other, for what it carries (the step, the collective waited on) as much as for its being fresh, and it
+ends the job rather than leave a rank out.
 """
 
 from __future__ import annotations

@@ -307,6 +307,8 @@ class _FinishFirst:
 def _finish_before_destroy(world: World) -> None:
     if world.membership.elastic:  # its quorum's groups come and go under troupe's own destroys: it finishes at exit
         return
+    # c10d's private list of communicators destroy_process_group() finalizes first: torch has no public hook that
+    # runs before the user's destroy, and troupe's last work must finish while the groups still exist.
     comms = getattr(c10d._world, "comms", None)  # torch 2.13; without it troupe finishes at exit instead
     if isinstance(comms, list):
         comms.append(_FinishFirst(world))

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from troupe.cluster.wire.links import Links
 from troupe.cluster.wire.messages import empty_header
 from troupe.runtime.quorum import REJOIN_EXIT
-from troupe.runtime.rejoin import BeatWatch, beat_key
+from troupe.runtime import liveness
 
 FORM_SECONDS = 5.0
 """How long a link to a peer's life may take to form (milliseconds when both ends live; a life that died
@@ -102,7 +102,7 @@ class Lives:
         self.lives: dict[int, int] = {}
         """Each peer's life this process last dialled."""
         self.peers: list[int] = []
-        self.beats: BeatWatch | None = None
+        self.beats: liveness.Silence | None = None
         """How long each peer's beat has stood still (the watch thread's store)."""
         self.attempts: dict[tuple[int, int], int] = {}
         """Per (peer, its life): the last attempt at a link to it."""
@@ -122,9 +122,9 @@ class Lives:
         self.serving.listen(peers, empty_header, self.incarnation)
         self.store.set(life_key(self.rank), str(self.incarnation))
         self.peers = peers
-        self.beats = BeatWatch(lambda peer: self.store.add(beat_key(peer), 0))
+        self.beats = liveness.Silence(self.store)
+        self.beats.read(peers)  # counted from now
         for peer in peers:
-            self.beats.still_for(peer)  # from now
             life = self._life(peer)
             if life is not None:
                 self._dial(peer, life)
@@ -147,7 +147,7 @@ class Lives:
 
     def lost(self, peer: int) -> str | None:
         """Why `peer`'s life counts as gone (its beat stalled), or None."""
-        still = self.beats.still_for(peer)
+        still = self.beats.look([peer])[peer]
         if still > self.evict_after:
             return f"its beat stopped {still:.1f} s ago (frozen, or its host is gone)"
         return None

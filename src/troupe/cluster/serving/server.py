@@ -32,7 +32,7 @@ from troupe.cluster.wire.messages import (HEADER_TAG, PAYLOAD_TAG, SPARSE, WITH_
 from troupe.cluster.serving.serversync import ServerSync
 from troupe.cluster.serving.shard import ParamShard
 from troupe.cluster.wire.links import Links, reason
-from troupe.runtime.rejoin import BeatWatch
+from troupe.runtime import liveness
 from troupe.compress.topk import topk_count
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class Server:
         on_exit: Callable[[], None] | None = None,
         links: Links | None = None,
         evict_after: float | None = None,
-        beats: Callable[[int], int] | None = None,
+        beats: torch.distributed.Store | None = None,
         take_over: TakeOver | None = None,
     ):
         self.comm = links if links is not None else comm
@@ -162,8 +162,8 @@ class Server:
         self.returning: set[int] = set()
         """With links: workers that died and will be back (their launcher restarts them)."""
         self.evict_after, self.beats = evict_after, beats
-        """With links: a worker its group waits for whose beat (`beats(rank)`, a counter its process keeps
-        counting up) has not moved for `evict_after` seconds is frozen: it is evicted (`_evict_frozen`)."""
+        """With links: the store the workers beat in (runtime/liveness.py); a worker its group waits for whose beat
+        has not moved for `evict_after` seconds is frozen: it is evicted (`_evict_frozen`)."""
         self._notices: list = []
         """Evicted headers sent to frozen workers (delivered when they wake; never waited for)."""
         self.returns = 0
@@ -509,7 +509,7 @@ class Server:
         whose beat has not moved for `evict_after` seconds: frozen (SIGSTOP), not slow. The group goes on
         without it at once; an Evicted header waits in its link, the first thing it reads when it wakes: it
         exits, and its launcher restarts it, to rejoin as a dead worker does."""
-        watch, watched = BeatWatch(self.beats), set()  # the late workers' beats
+        watch, watched = liveness.Silence(self.beats), set()  # the late workers' beats
         while True:
             time.sleep(WATCH_INTERVAL)
             with self._lock:
@@ -519,11 +519,11 @@ class Server:
                 for worker in watched - late:
                     watch.forget(worker)
                 watched = set(late)
-                for worker in sorted(late):
-                    try:
-                        still = watch.still_for(worker)
-                    except (RuntimeError, ConnectionError, OSError):  # the launcher's store is gone: the job ends
-                        return
+                try:
+                    silent = watch.look(sorted(late))
+                except (RuntimeError, ConnectionError, OSError):  # the launcher's store is gone: the job ends
+                    return
+                for worker, still in silent.items():
                     if still > self.evict_after:
                         watch.forget(worker)
                         watched.discard(worker)
