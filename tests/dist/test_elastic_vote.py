@@ -142,7 +142,12 @@ def test_a_fast_vote_touches_the_store_twice_a_round_and_a_loss_mid_vote_ends_in
                 p.kill()
                 p.join()
         lh.stop()
-    assert [p.exitcode for p in procs] == [3, 0, 3, 0]
+    codes = [p.exitcode for p in procs]
+    # multiprocessing's fork server reports 255 when it cannot read a child's exit status ("perhaps the
+    # forkserver process itself got killed", popen_forkserver.py; seen once under the suite's load): a survivor
+    # whose status was lost so counts as finished when it wrote its whole log, which it does after its last step
+    finished = [c == 0 or c == 255 and (tmp_path / f"rank{r}.json").exists() for r, c in enumerate(codes)]
+    assert (codes[0], codes[2], finished[1], finished[3]) == (3, 3, True, True), codes
     logs = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (1, 3)}
     assert len(logs[1]) == len(logs[3]) == STEPS
 
@@ -231,7 +236,8 @@ def test_a_member_frozen_before_its_ballot_is_left_out_and_the_leader_s_tree_lef
         deadline = time.monotonic() + TIMEOUT
         for r in (0, 2):
             procs[r].join(max(1.0, deadline - time.monotonic()))
-        assert procs[0].exitcode == procs[2].exitcode == 0, "the survivors did not finish in time"
+        assert all(procs[r].exitcode == 0 or procs[r].exitcode == 255 and (tmp_path / f"rank{r}.json").exists()
+                   for r in (0, 2)), f"the survivors did not finish in time: {[p.exitcode for p in procs]}"
     finally:
         for p in procs:
             if p.exitcode is None:
@@ -242,7 +248,8 @@ def test_a_member_frozen_before_its_ballot_is_left_out_and_the_leader_s_tree_lef
     assert logs[0]["thread_failures"] == logs[2]["thread_failures"] == []
     assert logs[0]["log"] == logs[2]["log"]
     decisions = [Decision.decode(s["decision"]) for s in logs[0]["log"]]
-    left = decisions[FREEZE_AT - 1]
-    assert not left.commit and left.by == "lighthouse" and left.next.members == (0, 2)
-    assert all(d.commit for d in decisions[:FREEZE_AT - 1] + decisions[FREEZE_AT:])
+    # the round rank 1 froze in (its FREEZE_AT-th vote; which of rank 0's rounds that is depends on whether the
+    # three joined the first quorum together) is the one round not committed: the lighthouse left rank 1 out
+    left = [d for d in decisions if not d.commit]
+    assert len(left) == 1 and left[0].by == "lighthouse" and left[0].next.members == (0, 2), decisions
     assert logs[0]["log"][-1]["members"] == [0, 2]
