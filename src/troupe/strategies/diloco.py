@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -59,19 +59,17 @@ from torch import Tensor
 from troupe.runtime.comm import Communicator
 from troupe.strategies.allreduce import AllReduce
 from troupe.strategies.base import BaseStrategy, StepStats
-from troupe.strategies.diloco_shard import GroupCut, ShardedOuterStep, state_bytes
+from troupe.strategies.diloco_shard import GroupCut, OuterConfig, ShardedOuterStep, state_bytes
 from troupe.strategies.partitioned import HolderGroups, Partitioned, split_by_holders
 from troupe.strategies.pseudograd import PendingMean, start_mean
 from troupe.sync.reducer import GradReducer
 
-if TYPE_CHECKING:  # the cluster's fields are read, never its module imported (the cluster layer builds DiLoCo)
-    from troupe.cluster.configuration.config import ClusterConfig
 
 DILOCO_STATE = "DiLoCo worker (between outer steps each worker group's parameters and inner optimizer state are its own)"
 """Why a DiLoCo worker's checkpoint cannot move to another number of ranks (`per_rank_state`)."""
 
 
-def outer_optimizer(cluster: ClusterConfig, params: Sequence[Tensor]) -> torch.optim.Optimizer:
+def outer_optimizer(cluster: OuterConfig, params: Sequence[Tensor]) -> torch.optim.Optimizer:
     """The cluster's outer optimizer over `params`: SGD with Nesterov momentum by default, or the named torch.optim one."""
     return cluster.make_outer_optimizer(params)
 
@@ -103,7 +101,7 @@ def sync_offset(fragment: int, k: int, h: int) -> int:
 class OuterStep:
     """The outer parameters and their optimizer, pure state: pseudo-gradients in, parameters to adopt out."""
 
-    def __init__(self, cluster: ClusterConfig, params: Sequence[Tensor]):
+    def __init__(self, cluster: OuterConfig, params: Sequence[Tensor]):
         # Their own tensors, shaped as the parameters, so that an outer optimizer that looks at
         # shapes sees the model's.
         self.outer = [p.detach().clone() for p in params]
@@ -196,7 +194,7 @@ class DiLoCo(BaseStrategy):
 
     name = "diloco"
 
-    def __init__(self, cluster: ClusterConfig, inner: AllReduce, place: Communicator, params: Sequence[Tensor],
+    def __init__(self, cluster: OuterConfig, inner: AllReduce, place: Communicator, params: Sequence[Tensor],
                  step_count: Callable[[], int], shard: GroupCut | None = None):
         self.cluster, self.inner, self.place = cluster, inner, place
         self.reducer = inner.reducer

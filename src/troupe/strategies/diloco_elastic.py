@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -15,11 +15,9 @@ from troupe.runtime.comm import Communicator
 from troupe.strategies.allreduce import AllReduce
 from troupe.strategies.base import StepStats, StepUndo
 from troupe.strategies.diloco import DiLoCo
-from troupe.strategies.diloco_shard import GroupCut
+from troupe.strategies.diloco_shard import GroupCut, OuterConfig
 from troupe.strategies.pseudograd import PendingMean, start_mean
 
-if TYPE_CHECKING:
-    from troupe.cluster.configuration.config import ClusterConfig
 
 
 @dataclass
@@ -64,7 +62,7 @@ class ElasticDiLoCo(DiLoCo):
     waiting in its exchange); "raise" ends the group, which restarts.
     """
 
-    def __init__(self, cluster: ClusterConfig, inner: AllReduce, place: Communicator, params: Sequence[Tensor],
+    def __init__(self, cluster: OuterConfig, inner: AllReduce, place: Communicator, params: Sequence[Tensor],
                  step_count: Callable[[], int], shard: GroupCut | None = None):
         super().__init__(cluster, inner, place, params, step_count, shard)
         self.flights: list[Flight] = []

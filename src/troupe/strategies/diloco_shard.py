@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -37,8 +37,19 @@ from torch import Tensor
 from troupe.runtime.comm import Communicator
 from troupe.strategies.sharded_step import chunk_range
 
-if TYPE_CHECKING:
-    from troupe.cluster.configuration.config import ClusterConfig
+
+
+class OuterConfig(Protocol):
+    """What DiLoCo reads of its configuration: the cluster's `ClusterConfig` is one (the cluster layer builds
+    DiLoCo; the strategies never import it)."""
+
+    sync_freq: int
+    fragments: int
+    delay: int
+    merge_alpha: float
+    pseudo_grad_dtype: str
+
+    def make_outer_optimizer(self, params: Sequence[Any]) -> Any: ...
 
 @dataclass(frozen=True)
 class GroupCut:
@@ -60,7 +71,7 @@ class ShardedOuterStep:
     """One fragment's outer parameters and optimizer state, this process's chunk of them: the same
     interface as `OuterStep` (pseudo-gradients in, parameters to adopt out), plus the group's all-gather."""
 
-    def __init__(self, cluster: ClusterConfig, params: Sequence[Tensor], cut: GroupCut):
+    def __init__(self, cluster: OuterConfig, params: Sequence[Tensor], cut: GroupCut):
         self.group = cut.comm
         self.numel = sum(p.numel() for p in params)
         self.k, self.rank = cut.k, cut.rank
