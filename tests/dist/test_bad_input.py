@@ -168,6 +168,19 @@ def test_troupe_run_rejects_bad_arguments(tmp_path):
     assert "must be >= 1" in cli("run", "-n", "0", str(script)).stderr
 
 
+def _held_after_a_free_port() -> socket.socket:
+    """A listening socket on a port p + 1 whose port p is free now (any port the OS hands out may have its
+    predecessor taken by another test's server: then the launcher said that one was in use instead)."""
+    for _ in range(100):
+        held = socket.create_server(("127.0.0.1", 0))
+        try:
+            socket.create_server(("127.0.0.1", held.getsockname()[1] - 1)).close()
+            return held
+        except OSError:
+            held.close()
+    raise RuntimeError("no port p + 1 with p free in 100 tries")
+
+
 def test_troupe_run_refuses_bad_paths_ports_and_job_files_in_one_line(tmp_path):
     """Every case at once (the launcher checks them before any rank starts: no torch, no rank)."""
     script = tmp_path / "x.py"
@@ -175,7 +188,7 @@ def test_troupe_run_refuses_bad_paths_ports_and_job_files_in_one_line(tmp_path):
     (tmp_path / "adir").mkdir()
     (tmp_path / "unknown.conf").write_text('cluster {\n  framework: "nope"\n  nworker_groups: 2\n}\n')
     (tmp_path / "broken.conf").write_text("cluster {\n  nworker_groups: 2\n")
-    listening = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    listening = [socket.create_server(("127.0.0.1", 0)), _held_after_a_free_port()]
     taken, next_taken = (s.getsockname()[1] for s in listening)
     cases = {
         ("-n", "4", "--cluster", "/nonexistent.conf", str(script)): "cannot read the cluster file /nonexistent.conf",
