@@ -15,6 +15,7 @@ from troupe.launcher.elastic import (
 from troupe.launcher.plan import LaunchPlan
 from troupe.launcher.policies import QuorumPolicy
 from troupe.launcher.ports import Ports
+from troupe.launcher.standby import Standby, groups_without_node_0
 from troupe.launcher.starter import Starter
 from troupe.runtime import settings
 from troupe.runtime.rankio import RankOutput
@@ -33,15 +34,23 @@ def run_elastic_groups(plan: LaunchPlan, output: RankOutput | None, ports: Ports
     load_torch(plan, start, say)
     from troupe.runtime.launch import DEFAULT_JOIN_TIMEOUT
 
-    # The quorum lives in node 0's launcher; another node's tells it what it sees of its own ranks.
-    lighthouse = Lighthouse(ticket, options, say=say).start() if place.node_rank == 0 \
-        else Reporter(ticket, settings.current().join_timeout or DEFAULT_JOIN_TIMEOUT)
-    watch = StoreWatch(ticket, say) if place.node_rank != 0 else None
+    # The quorum lives in node 0's launcher; another node's tells it what it sees of its own ranks. Node 1's keeps a
+    # standby of it when the other nodes can go on without node 0 (launcher/standby.py).
+    join_timeout = settings.current().join_timeout or DEFAULT_JOIN_TIMEOUT
+    lighthouse: Lighthouse | Reporter | Standby
+    watch: StoreWatch | Standby | None = None
+    if place.node_rank == 0:
+        lighthouse = Lighthouse(ticket, options, say=say).start()
+    elif place.node_rank == 1 and len(groups_without_node_0(options, plan.nproc, place.nnodes)) >= options.min_groups:
+        lighthouse = watch = Standby(ticket, options, plan.nproc, say, join_timeout,
+                                     on_take_over=lambda standby: setattr(start.env, "ticket", standby))
+    else:
+        lighthouse, watch = Reporter(ticket, join_timeout), StoreWatch(ticket, say)
     try:
         processes = ElasticProcesses(start, lighthouse, plan.elastic.spares, watch)
         code = supervise_restarting(plan, processes, lighthouse, QuorumPolicy(lighthouse, output), say,
                                     group_size=options.group_size)
-        if code == 0 and place.nnodes > 1 and place.node_rank == 0:
+        if code == 0 and place.nnodes > 1 and (place.node_rank == 0 or getattr(lighthouse, "took_over", False)):
             keep_store_until_done(lighthouse, options)
         return code
     except EndedElsewhere as e:  # node 0's launcher is gone (`StoreWatch`)

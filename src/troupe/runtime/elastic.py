@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from troupe.runtime import handoff, liveness, settings, vote
+from troupe.runtime.failover import FailedOver
 from troupe.runtime.quorum import (ASKED, ASKED_COUNT, REJOIN_EXIT, Decision, ElasticOptions, Quorum, Ready,
                                   poll_interval, round_key)
 from troupe.util import LostLauncher
@@ -76,6 +77,11 @@ class Elastic(Membership):
         self.store = connect(max(options.form_within, 4 * (options.timeout + options.evict_after)))
         self._pg_store = connect(options.timeout)
         self._connect = connect
+        self._failover = getattr(self.store, "failover", None)
+        """Where the job's store is (node 0's launcher's, or the standby's after a failover: runtime/failover.py);
+        None when `connect` gives plain torch stores."""
+        self._quorum_gen = 0
+        """The failover's generation when this process entered its quorum."""
         self.quorum: Quorum | None = None
         self.round = 0
         self.decision: Decision | None = None
@@ -134,7 +140,7 @@ class Elastic(Membership):
         try:
             # the first processes reach it as each finishes its start-up: as long to meet as a first quorum has
             wait = max(self.options.form_within, self.options.timeout)
-            _init_group(self.backend, store=dist.PrefixStore(f"{name}/", self.store), rank=self.rank,
+            _init_group(self.backend, store=dist.PrefixStore(f"{name}/", _torch_store(self.store)), rank=self.rank,
                         world_size=size, timeout=datetime.timedelta(seconds=wait))
             yield
         except BaseException:
@@ -160,7 +166,8 @@ class Elastic(Membership):
         try:
             # Meanwhile the default group is the worker group, each process at its place: a mesh made over the kept
             # group now finds each process at its place.
-            _init_group(self.backend, store=dist.PrefixStore(f"group/{self.group}/{self.incarnation}/", self.store),
+            _init_group(self.backend, store=dist.PrefixStore(f"group/{self.group}/{self.incarnation}/",
+                                                             _torch_store(self.store)),
                         rank=self.place, world_size=k, timeout=datetime.timedelta(seconds=wait))
             self._kept = dist.new_group(list(range(k)), timeout=datetime.timedelta(seconds=self.options.timeout),
                                         use_local_synchronization=True)
@@ -219,11 +226,20 @@ class Elastic(Membership):
         """Ask to be admitted and wait until a quorum names this rank; make its process group."""
         while True:
             self.requests += 1
-            ready = Ready(f"{self.incarnation}.{self.requests}", self.step_count())
-            self.store.set(f"ready/{self.rank}", ready.encode())
-            self.store.append(ASKED, f"{self.rank} ")  # the lighthouse reads only the requests logged here,
-            self.store.add(ASKED_COUNT, 1)  # and the log only when this count moved
-            quorum = self._wait_for_admission(ready.token)
+            # The last quorum's id: a standby's lighthouse numbers its quorums after it (runtime/failover.py).
+            ready = Ready(f"{self.incarnation}.{self.requests}", self.step_count(),
+                          {"quorum": self.quorum.id} if self.quorum is not None else {})
+            try:
+                self.store.set(f"ready/{self.rank}", ready.encode())
+                self.store.append(ASKED, f"{self.rank} ")  # the lighthouse reads only the requests logged here,
+                self.store.add(ASKED_COUNT, 1)  # and the log only when this count moved
+                quorum = self._wait_for_admission(ready.token)
+                if self._failover is not None:
+                    self._failover.learn(self.store)
+            except FailedOver as e:  # node 0's launcher is gone: ask the standby's lighthouse
+                log.warning("troupe: rank %d asks to be admitted again (%s)", self.rank, e)
+                continue
+            self._proposals = vote.Proposals()  # (its count is the store's: the standby's starts again)
             try:
                 self._enter(quorum, "r0")
                 return quorum
@@ -249,7 +265,8 @@ class Elastic(Membership):
         self._bury()
         busy = self._failed_step or any(holds() for holds in self.holds_work)
         self._leave(self._set_aside if busy else None)
-        store = dist.PrefixStore(f"pg/{quorum.id}/{tag}/", self._pg_store)
+        store = dist.PrefixStore(f"pg/{quorum.id}/{tag}/", _torch_store(self._pg_store))
+        self._quorum_gen = self._generation()
         _init_group(self.backend, store=store, rank=quorum.index(self.rank), world_size=quorum.size,
                     timeout=datetime.timedelta(seconds=self.options.timeout))
         k = self.options.group_size
@@ -310,7 +327,12 @@ class Elastic(Membership):
         self._weighed = False
         self.round += 1
         try:
-            decision, clean = self._cast(ok)
+            try:
+                if self._generation() != self._quorum_gen:
+                    raise FailedOver("the quorum was made on the store before the failover")
+                decision, clean = self._cast(ok)
+            except FailedOver:
+                decision, clean = self._failover_round(q, self.round), False
         except RuntimeError as e:
             raise LostLauncher(f"rank {self.rank}: lost the elastic job's store (the launcher): "
                                f"{str(e).splitlines()[0][:160]}") from None
@@ -333,12 +355,31 @@ class Elastic(Membership):
                                             if self._poll_due() else None),
                          lambda: self._proposals.pending(self.store, q), self._proposal)
 
+    def _failover_round(self, q: Quorum, k: int) -> Decision:
+        """Round `k` of a quorum made before the failover, decided at the standby: a decision a member applied
+        stands (it was mirrored there first); else the first compare-and-set of "not committed, no quorum", after
+        which every member asks the standby's lighthouse to be admitted (runtime/failover.py)."""
+        self.store.current()  # (another of this process's stores may have seen the failover first)
+        failover = Decision(False, None, by="failover").encode()
+        return Decision.decode(self.store.compare_set(round_key(q.id, k, "d"), "", failover))
+
+    def _generation(self) -> int:
+        return 0 if self._failover is None else self._failover.generation
+
     def interrupted(self) -> str | None:
         """Why a reduction in flight should give up: the lighthouse decided this step without our
-        vote (a member was lost). None: keep waiting (or not time to ask the store again yet)."""
+        vote (a member was lost), or the job's store failed over. None: keep waiting (or not time to ask the
+        store again yet)."""
         q = self.quorum
-        if q is not None and self._poll_due() and self.store.check([round_key(q.id, self.round + 1, "d")]):
-            return f"rank {self.rank}: quorum {q.id}'s step was decided without this rank's vote (a member was lost)"
+        if q is None:
+            return None
+        if self._generation() != self._quorum_gen:
+            return f"rank {self.rank}: the job's store failed over to the standby (node 0's launcher is gone)"
+        try:
+            if self._poll_due() and self.store.check([round_key(q.id, self.round + 1, "d")]):
+                return f"rank {self.rank}: quorum {q.id}'s step was decided without this rank's vote (a member was lost)"
+        except FailedOver as e:
+            return f"rank {self.rank}: {e}"
         return None
 
     def _poll_due(self) -> bool:
@@ -479,11 +520,15 @@ class Elastic(Membership):
         the script (Python sets `sys.last_value` before the exit hooks run), else "done"."""
         self._beat.stop()
         why = "error" if getattr(sys, "last_value", None) is not None else "done"
-        try:
-            self.store.set(f"bye/{self.rank}", why)
-            self.store.add("byes", 1)
-        except (RuntimeError, ConnectionError, OSError):
-            pass  # the launcher is gone: nobody to tell
+        for _ in range(2):  # (a second time at the standby, when the store failed over)
+            try:
+                self.store.set(f"bye/{self.rank}", why)
+                self.store.add("byes", 1)
+                return
+            except FailedOver:
+                continue
+            except (RuntimeError, ConnectionError, OSError):
+                return  # the launcher is gone: nobody to tell
 
 
 class _Tensors:
@@ -499,6 +544,11 @@ class _Tensors:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for i, p in enumerate(self.params):
             (p.to_local() if handoff.is_dtensor(p) else p).copy_(state[str(i)])
+
+
+def _torch_store(store: Any) -> dist.Store:
+    """The torch Store behind the job's store (a `FailoverStore`'s current one), for a process group's rendezvous."""
+    return store.current() if hasattr(store, "current") else store
 
 
 def _init_group(backend: str, **kwargs: Any) -> None:

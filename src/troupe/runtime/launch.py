@@ -37,7 +37,7 @@ from troupe.runtime.membership import Membership
 from troupe.runtime.quorum import refusal_key
 from troupe.runtime.settings import Settings
 from troupe.runtime.ticket import LOOPBACK, Ticket, first_host, free_port, slurm_ticket  # noqa: F401  (re-exported)
-from troupe.util import Refusal, one_line_refusals
+from troupe.util import LostLauncher, Refusal, one_line_refusals
 
 log = logging.getLogger("troupe")
 
@@ -196,12 +196,18 @@ def _join_elastic(env: Settings, how: _Launch, backend: str, join_timeout: float
     if how.launcher != "troupe":
         raise ValueError(f"TROUPE_ELASTIC is set but this process was started by {how.launcher}: "
                          "elastic worker groups need `troupe run --elastic` (its launcher restarts a dead worker)")
+    from troupe.runtime.failover import Failover
+
     ticket, options = how.ticket, ElasticOptions.decode(env.elastic)
 
-    def connect(timeout: float) -> dist.Store:
-        base = open_store(ticket, False, timeout)
+    def open_at(host: str, port: int, timeout: float) -> dist.Store:
+        base = open_store(Ticket(addr=host, port=port, token=ticket.token), False, timeout)
         return dist.PrefixStore(f"troupe/{ticket.token}/", base)
 
+    # node 0's launcher's store, or the standby's once node 0's launcher is gone (runtime/failover.py)
+    failover = Failover((ticket.addr, ticket.port), open_at, lost=lambda why: LostLauncher(
+        f"rank {how.rank}: lost the elastic job's store (the launcher): {why}"), who=f"rank {how.rank}")
+    connect = failover.connect
     check_token(open_store(ticket, False, join_timeout), ticket, how.rank)
     _gloo_interface(ticket, backend)
     membership = Elastic(options, how.rank, env.incarnation, backend, connect)

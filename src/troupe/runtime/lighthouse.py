@@ -130,6 +130,23 @@ class Lighthouse:
         if finished:
             self.finished.add(rank)
 
+    def take_over(self, gone: set[int]) -> None:
+        """A standby's lighthouse (launcher/standby.py): node 0's launcher is gone, with its store and `gone`, its
+        ranks; keep the job from here. No quorum runs here yet: the workers that fail over decide their rounds in
+        flight themselves (runtime/failover.py) and ask to be admitted, and a quorum forms from them as after a
+        collapse (every live group within `timeout`, then `min_groups`)."""
+        from troupe.runtime.failover import TAKEOVER_KEY
+
+        with self._lock:
+            now = time.monotonic()
+            self.dead |= set(gone)
+            self.active, self.formed_once, self.collapsed_at = None, True, now
+            for rank in set(range(self.options.processes)) - set(gone):
+                self.beats.expect(rank, now)
+            self._note("took over", gone=sorted(gone))
+            self.store.set(TAKEOVER_KEY, "1")
+        self.start()
+
     # --- the loop -------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -236,7 +253,9 @@ class Lighthouse:
         ranks = sorted({int(r) for r in log[self.asked_seen:].split()})
         self.asked_seen = len(log)
         for rank, blob in zip(ranks, self.store.multi_get([f"ready/{r}" for r in ranks])):
-            self.requests[rank] = Ready.decode(blob)
+            ready = self.requests[rank] = Ready.decode(blob)
+            # a quorum numbered after the one it left (it may come from node 0's lighthouse: runtime/failover.py)
+            self.next_id = max(self.next_id, ready.extra.get("quorum", 0) + 1)
 
     def _asking_ranks(self, beating: set[int]) -> dict[int, Ready]:
         """The live processes with a request not admitted yet."""

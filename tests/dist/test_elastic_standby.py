@@ -1,0 +1,139 @@
+"""No single point of failure in an elastic job: node 0's launcher (the job's store and quorum) dies, node 1's
+launcher takes over from its standby, and node 1's worker groups train on (launcher/standby.py,
+runtime/failover.py).
+
+The chaos cell: tests/dist/scripts/elastic_train.py on 2 nodes of 2 processes on loopback, node 0's `troupe run`
+SIGKILLed mid-run. The survivors' logs name the groups of every committed step; one process replays them (each
+rank's batches from its own sampler of the job's 4) and the survivors' parameters equal the replay's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist.test_elastic import ENV, ROOT, SCRIPT, job, replay
+from troupe.runtime.failover import Failover, FailedOver, FailoverStore, reachable
+
+pytestmark = [pytest.mark.dist, pytest.mark.process]
+
+
+@pytest.mark.timeout(200)
+def test_node_0_s_launcher_killed_mid_run_node_1_takes_over_and_the_job_goes_on(tmp_path):
+    from troupe.runtime.ticket import free_port
+
+    where = ["--nnodes", "2", "--master", f"127.0.0.1:{free_port('127.0.0.1')}", "--token", "standby"]
+    errs = [open(tmp_path / f"node{node}.txt", "w") for node in (0, 1)]  # noqa: SIM115  (closed below)
+    procs = [subprocess.Popen([sys.executable, "-m", "troupe.cli", "run", "-n", "2", *where, "--node-rank", str(node),
+                               "--elastic", "--min-groups", "2", str(SCRIPT), str(tmp_path), "node0-dies"],
+                              cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=errs[node]) for node in (0, 1)]
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "node0").exists():
+            assert time.monotonic() < deadline and procs[1].poll() is None, "rank 0 never reached its step 6"
+            time.sleep(0.05)
+        procs[0].kill()  # node 0's troupe run: the job's store, its quorum, and (with their launcher) ranks 0 and 1
+        killed = time.monotonic()
+        code = procs[1].wait(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for f in errs:
+            f.close()
+    said = (tmp_path / "node1.txt").read_text()
+    assert code == 0, said[-3000:]
+    assert "troupe run: node 0's launcher (the job's store at 127.0.0.1:" in said and "this node's launcher keeps " \
+           "the job" in said and "node 0's ranks [0, 1] are lost" in said, said[-3000:]
+    assert "Traceback" not in said, said[-3000:]
+    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (2, 3)]
+    assert [r["incarnation"] for r in runs] == [0, 0], "a survivor was restarted"
+    assert runs[0]["sha256"] == runs[1]["sha256"], "the survivors ended with different parameters"
+    log = runs[0]["log"]
+    assert log == runs[1]["log"], "the survivors disagree on which steps committed with whom"
+    members = [m for _, _, m in log]
+    first_alone = members.index([2, 3])
+    assert [0, 1, 2, 3] in members[:first_alone], "the job never stepped whole before the kill"
+    assert None in members[:first_alone], "the round in flight at the kill was not left out"
+    assert all(m == [2, 3] for m in members[first_alone:]) and len(members) - first_alone >= job.FULL_STREAK
+    params = torch.load(tmp_path / "rank2.pt")["params"]
+    for got, want in zip(params, replay([[], [], log, runs[1]["log"]]), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert took < 90, took
+
+
+def test_without_a_standby_a_lost_store_is_the_one_line_error(tmp_path):
+    """No standby known: the first failed operation on a store that refuses connections raises `lost` (the one
+    line a rank dies with), not torch's error; a store that answers gives the operation's own error back."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from troupe.runtime.ticket import free_port
+
+    port = free_port("127.0.0.1")
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5),
+                           wait_for_workers=False)
+    opened = lambda host, p, timeout: dist.TCPStore(host, p, is_master=False,  # noqa: E731
+                                                    timeout=datetime.timedelta(seconds=timeout))
+    failover = Failover(("127.0.0.1", port), opened, lost=lambda why: ConnectionAbortedError(f"lost: {why}"))
+    store = failover.connect(1.0)
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    with pytest.raises(RuntimeError):  # a key that never comes: the store answers, the error is the get's own
+        store.get("missing")
+    assert reachable("127.0.0.1", port, 1.0)
+    del server
+    with pytest.raises(ConnectionAbortedError, match="lost: "):
+        for _ in range(50):  # (the server's socket closes as its object goes)
+            store.set("k", "w")
+            time.sleep(0.05)
+    assert not reachable("127.0.0.1", port, 1.0)
+
+
+def test_a_store_that_moved_raises_failed_over_once_then_reaches_the_standby(tmp_path):
+    """Two stores of one process: when one saw the failover, the other's next operation raises `FailedOver`
+    (the caller decides what it meant) and the one after reaches the standby; a decision read before the
+    failover is copied to the standby first, and the standby's value wins when it holds another."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from troupe.runtime.failover import STANDBY_KEY, TAKEOVER_KEY
+    from troupe.runtime.ticket import free_port
+
+    td = datetime.timedelta(seconds=5)
+    ports = [free_port("127.0.0.1") for _ in range(2)]
+    servers = [dist.TCPStore("127.0.0.1", p, is_master=True, timeout=td, wait_for_workers=False) for p in ports]
+    opened = lambda host, p, timeout: dist.TCPStore(host, p, is_master=False,  # noqa: E731
+                                                    timeout=datetime.timedelta(seconds=timeout))
+    failover = Failover(("127.0.0.1", ports[0]), opened)
+    a, b = failover.connect(2.0), failover.connect(2.0)
+    servers[0].set(STANDBY_KEY, f"127.0.0.1:{ports[1]}")
+    failover.learn(a)
+    assert failover.standby == ("127.0.0.1", ports[1])
+    servers[0].set("q1/r1/d", "commit")
+    assert a.get("q1/r1/d") == b"commit" and servers[1].get("q1/r1/d") == b"commit"  # mirrored before it is used
+    servers[1].set("q1/r2/d", "the standby's")
+    servers[0].set("q1/r2/d", "node 0's")
+    assert a.get("q1/r2/d") == b"the standby's"
+    servers[1].set(TAKEOVER_KEY, "1")
+    standby = servers.pop()
+    del servers  # node 0's store closes
+    with pytest.raises(FailedOver):
+        for _ in range(50):
+            a.set("x", "1")
+            time.sleep(0.05)
+    assert failover.generation == 1
+    with pytest.raises(FailedOver):
+        b.add("n", 1)  # its first operation since the failover: not done (only the caller knows if it may be)
+    assert b.add("n", 1) == 1 and a.add("n", 1) == 2 and standby.add("n", 0) == 2
+    assert isinstance(b, FailoverStore) and b.current() is b.inner
