@@ -10,6 +10,7 @@ rank's batches from its own sampler of the job's 4) and the survivors' parameter
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -24,24 +25,25 @@ from troupe.runtime.failover import Failover, FailedOver, FailoverStore, reachab
 pytestmark = [pytest.mark.dist, pytest.mark.process]
 
 
-@pytest.mark.timeout(200)
-def test_node_0_s_launcher_killed_mid_run_node_1_takes_over_and_the_job_goes_on(tmp_path):
+def two_nodes(out: Path, signal_node_0: int) -> tuple[list[int], float]:
+    """elastic_train.py's node0-dies job on 2 nodes of 2 (loopback); once rank 0 reached its step 6, node 0's
+    `troupe run` gets `signal_node_0`. Returns both launchers' exit codes and node 1's seconds from the signal."""
     from troupe.runtime.ticket import free_port
 
     where = ["--nnodes", "2", "--master", f"127.0.0.1:{free_port('127.0.0.1')}", "--token", "standby"]
-    errs = [open(tmp_path / f"node{node}.txt", "w") for node in (0, 1)]  # noqa: SIM115  (closed below)
+    errs = [open(out / f"node{node}.txt", "w") for node in (0, 1)]  # noqa: SIM115  (closed below)
     procs = [subprocess.Popen([sys.executable, "-m", "troupe.cli", "run", "-n", "2", *where, "--node-rank", str(node),
-                               "--elastic", "--min-groups", "2", str(SCRIPT), str(tmp_path), "node0-dies"],
+                               "--elastic", "--min-groups", "2", str(SCRIPT), str(out), "node0-dies"],
                               cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=errs[node]) for node in (0, 1)]
     try:
         deadline = time.monotonic() + 90
-        while not (tmp_path / "node0").exists():
+        while not (out / "node0").exists():
             assert time.monotonic() < deadline and procs[1].poll() is None, "rank 0 never reached its step 6"
             time.sleep(0.05)
-        procs[0].kill()  # node 0's troupe run: the job's store, its quorum, and (with their launcher) ranks 0 and 1
-        killed = time.monotonic()
-        code = procs[1].wait(timeout=120)
-        took = time.monotonic() - killed
+        procs[0].send_signal(signal_node_0)
+        sent = time.monotonic()
+        codes = [procs[1].wait(timeout=120), procs[0].wait(timeout=30)][::-1]
+        return codes, time.monotonic() - sent
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -49,6 +51,12 @@ def test_node_0_s_launcher_killed_mid_run_node_1_takes_over_and_the_job_goes_on(
                 proc.wait()
         for f in errs:
             f.close()
+
+
+@pytest.mark.timeout(200)
+def test_node_0_s_launcher_killed_mid_run_node_1_takes_over_and_the_job_goes_on(tmp_path):
+    # SIGKILL: the job's store, its quorum, and (with their launcher) ranks 0 and 1
+    (_, code), took = two_nodes(tmp_path, signal.SIGKILL)
     said = (tmp_path / "node1.txt").read_text()
     assert code == 0, said[-3000:]
     assert "troupe run: node 0's launcher (the job's store at 127.0.0.1:" in said and "this node's launcher keeps " \
@@ -68,6 +76,18 @@ def test_node_0_s_launcher_killed_mid_run_node_1_takes_over_and_the_job_goes_on(
     for got, want in zip(params, replay([[], [], log, runs[1]["log"]]), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert took < 90, took
+
+
+@pytest.mark.timeout(200)
+def test_node_0_s_launcher_stopped_on_purpose_ends_the_job_without_a_takeover(tmp_path):
+    """SIGTERM to node 0's `troupe run` (a user stopping the job there) stops the job: it tells the standby, which
+    stops node 1's ranks at once instead of taking over."""
+    codes, took = two_nodes(tmp_path, signal.SIGTERM)
+    said = (tmp_path / "node1.txt").read_text()
+    assert codes == [130, 1], said[-3000:]
+    assert "troupe run: node 0's launcher ended the job (exit code 130); stopping this node's ranks" in said, said
+    assert "keeps the job" not in said and "Traceback" not in said, said[-3000:]
+    assert took < 30, took
 
 
 def test_without_a_standby_a_lost_store_is_the_one_line_error(tmp_path):

@@ -46,6 +46,7 @@ def run_elastic_groups(plan: LaunchPlan, output: RankOutput | None, ports: Ports
                                      on_take_over=lambda standby: setattr(start.env, "ticket", standby))
     else:
         lighthouse, watch = Reporter(ticket, join_timeout), StoreWatch(ticket, say)
+    code = 1
     try:
         processes = ElasticProcesses(start, lighthouse, plan.elastic.spares, watch)
         code = supervise_restarting(plan, processes, lighthouse, QuorumPolicy(lighthouse, output), say,
@@ -53,9 +54,12 @@ def run_elastic_groups(plan: LaunchPlan, output: RankOutput | None, ports: Ports
         if code == 0 and place.nnodes > 1 and (place.node_rank == 0 or getattr(lighthouse, "took_over", False)):
             keep_store_until_done(lighthouse, options)
         return code
-    except EndedElsewhere as e:  # node 0's launcher is gone (`StoreWatch`)
-        return e.code
+    except EndedElsewhere as e:  # node 0's launcher is gone (`StoreWatch`), or ended the job (`Standby`)
+        code = e.code
+        return code
     finally:
         if watch is not None:
             watch.stop()
+        if place.node_rank == 0 and place.nnodes > 1:
+            lighthouse.end(code)  # on purpose: node 1's standby must not take over
         lighthouse.stop()

@@ -9,7 +9,9 @@ two questions in a row fail and node 0's address refuses connections (its launch
 it has been silent for `STORE_SILENCE_SECONDS` (a host gone), this launcher takes over: its lighthouse counts node
 0's ranks as gone (their launcher cannot restart them), says so in the standby's store (the workers waiting for it
 reconnect there), forms the next quorum from the groups that ask, and from then on hears this node's ranks itself;
-a rank it restarts is given the standby's ticket.
+a rank it restarts is given the standby's ticket. Node 0's launcher leaving on purpose (the job failed or was stopped
+there: SIGTERM, Ctrl-C) says so in the standby's store first (`Lighthouse.end`): node 1's launcher then stops its
+ranks at once instead of taking over.
 
 What is left out: a job whose other nodes hold fewer than ``--min-groups`` groups has no standby (its other nodes
 end within 15 s, in one line, as before: `StoreWatch`); on three nodes or more, only node 1 keeps a standby and the
@@ -23,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from troupe.launcher.elastic import PING_SECONDS, STORE_SILENCE_SECONDS
+from troupe.launcher.elastic import PING_SECONDS, STORE_SILENCE_SECONDS, EndedElsewhere
 from troupe.runtime.quorum import ElasticOptions
 from troupe.runtime.ticket import Ticket
 
@@ -59,6 +61,8 @@ class Standby:
         self.failed = 0
         """Questions to node 0's store failed in a row."""
         self.refused = False
+        self.ended: int | None = None
+        """Node 0's launcher's exit code, when it left on purpose (it says so in the standby's store)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._ping, name="troupe-standby", daemon=True)
         self._thread.start()
@@ -95,8 +99,15 @@ class Standby:
         from troupe.runtime.failover import reachable
         from troupe.runtime.launch import open_store
 
+        from troupe.runtime.failover import ENDED_KEY
+
         store = None
         while not self._stop.wait(PING_SECONDS):
+            try:
+                if self.house.store.check([ENDED_KEY]):
+                    self.ended = int(self.house.store.get(ENDED_KEY))
+            except (RuntimeError, ConnectionError, OSError, ValueError):
+                pass
             try:
                 if store is None:
                     store = open_store(self.ticket, False, PING_SECONDS)
@@ -110,9 +121,18 @@ class Standby:
 
     def check(self) -> None:
         """From the supervisor's loop: take over once node 0's launcher is gone (see the module's docstring)."""
-        if self.took_over or self.closed:
+        if self.took_over:
             return
         silent = time.monotonic() - self.answered
+        if self.ended:
+            self.say(f"troupe run: node 0's launcher ended the job (exit code {self.ended}); stopping this node's ranks")
+            raise EndedElsewhere(1)
+        if self.closed or self.ended == 0:  # the job is over: a silence now is node 0's launcher leaving
+            if silent > STORE_SILENCE_SECONDS:
+                self.say(f"troupe run: node 0's launcher (the job's store at {self.ticket.addr}:{self.ticket.port}) "
+                         f"has not answered for {silent:.0f} s after the job ended; stopping this node's ranks")
+                raise EndedElsewhere(1)
+            return
         if not (self.refused or silent > STORE_SILENCE_SECONDS):
             return
         self.took_over = True

@@ -38,6 +38,8 @@ STANDBY_KEY = "standby"
 """In node 0's store: ``HOST:PORT`` of node 1's launcher's standby store (same token, same prefix)."""
 TAKEOVER_KEY = "takeover"
 """In the standby's store: set once its lighthouse keeps the job (node 0's launcher is gone)."""
+ENDED_KEY = "ended"
+"""In both stores: node 0's launcher left on purpose, with this exit code (the standby does not take over)."""
 TAKEOVER_WAIT = 30.0
 """Seconds a worker waits for the standby to take over once node 0's store takes no connections (the standby
 takes over after two refused connections a ping apart, or 15 s of silence: launcher/standby.py)."""

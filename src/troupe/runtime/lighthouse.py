@@ -95,6 +95,23 @@ class Lighthouse:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
+    def end(self, code: int) -> None:
+        """Node 0's launcher leaves on purpose with `code` (the job is over, failed, or was stopped): says so in its
+        store and in the standby's (launcher/standby.py), which then does not take over."""
+        import torch.distributed as dist
+
+        from troupe.runtime.failover import ENDED_KEY, STANDBY_KEY
+        from troupe.runtime.launch import open_store
+
+        try:
+            self.store.set(ENDED_KEY, str(code))
+            if self.store.check([STANDBY_KEY]):
+                host, port = self.store.get(STANDBY_KEY).decode().rsplit(":", 1)
+                standby = open_store(Ticket(addr=host, port=int(port), token=self.ticket.token), False, 2.0)
+                dist.PrefixStore(f"troupe/{self.ticket.token}/", standby).set(ENDED_KEY, str(code))
+        except (RuntimeError, ConnectionError, OSError) as e:
+            self.say(f"troupe run: could not tell the standby launcher that the job ended ({e})")
+
     # --- what the supervisor tells it -----------------------------------------------------
 
     def lost(self, rank: int, *, finished: bool = False) -> None:
