@@ -17,8 +17,9 @@ MODE (faults in first incarnations only, unless said otherwise):
   always-raise  rank 1 raises at step 6, and at its first step back every time
   group-kill    rank 3 (group 1's second process) SIGKILLs itself at step 6: its whole group restarts
   nodes-kill    on 2 nodes of 2: rank 3 (node 1) SIGKILLs itself at step 6; once it is back, rank 0 raises
-  node0-dies    on 2 nodes of 2: rank 0 writes OUT/node0 at step 6 (the test SIGKILLs node 0's launcher); the job
-                ends after FULL_STREAK steps of node 1's groups (2 and 3) alone
+  node0-dies    on 2 nodes of 2: rank 0 writes OUT/node0 at step 6 (the test SIGKILLs node 0's launcher); after 3
+                steps of node 1's groups alone rank 3 SIGKILLs itself (node 1's launcher, now keeping the job,
+                restarts it); the job ends after FULL_STREAK steps of groups 2 and 3
   group-stop    rank 3 (group 1's second process) SIGSTOPs itself at step 6 and writes OUT/stopped
   group-kill-in-step  rank 3 SIGKILLs itself in its optimizer's step of step 6 (after the step's vote committed it)
 ELASTIC_TEST_CHUNK: partialUpdate's chunk size. ELASTIC_TEST_PARTITION (a JSON troupe.partition plan, e.g. {"0": 1, "2": -1},
@@ -67,6 +68,8 @@ def fault(mode: str, rank: int, incarnation: int, step: int, log: list, out: Pat
         raise RuntimeError("boom")  # a second failure, of another kind, once the first is back: rank 0 is not special
     if mode == "node0-dies" and rank == 0 and step == FAULT_AT:
         (out / "node0").write_text(str(os.getpid()))
+    if mode == "node0-dies" and rank == 3 and incarnation == 0 and [m for _, _, m in log].count([2, 3]) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
     if mode == "two-down" and rank == 2 and incarnation == 0 and step == FAULT_AT:
         raise RuntimeError("boom")  # as rank 1 dies
     if mode == "always-raise" and rank == 1 and (incarnation > 0 or step == FAULT_AT):
