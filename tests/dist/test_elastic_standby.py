@@ -1,9 +1,9 @@
 """No single point of failure in an elastic job: node 0's launcher (the job's store and quorum) dies, node 1's
-launcher takes over from its standby, and node 1's worker groups train on (launcher/standby.py,
-runtime/failover.py); a rank node 1's launcher restarts after the takeover joins there and heals.
+launcher takes over from its standby, and the other nodes' worker groups train on (launcher/standby.py,
+runtime/failover.py); a rank restarted after the takeover joins there and heals.
 
-The chaos cell: tests/dist/scripts/elastic_train.py on 2 nodes of 2 processes on loopback, node 0's `troupe run`
-SIGKILLed mid-run. The survivors' logs name the groups of every committed step; one process replays them (each
+The chaos cell: tests/dist/scripts/elastic_train.py on 2 nodes of 2 processes (and on 3 nodes of 1) on loopback,
+node 0's `troupe run` SIGKILLed mid-run. The survivors' logs name the groups of every committed step; one process replays them (each
 rank's batches from its own sampler of the job's 4) and the survivors' parameters equal the replay's.
 """
 
@@ -25,16 +25,17 @@ from troupe.runtime.failover import Failover, FailedOver, FailoverStore, reachab
 pytestmark = [pytest.mark.dist, pytest.mark.process]
 
 
-def two_nodes(out: Path, signal_node_0: int) -> tuple[list[int], float]:
-    """elastic_train.py's node0-dies job on 2 nodes of 2 (loopback); once rank 0 reached its step 6, node 0's
-    `troupe run` gets `signal_node_0`. Returns both launchers' exit codes and node 1's seconds from the signal."""
+def nodes(out: Path, signal_node_0: int, nnodes: int = 2, nproc: int = 2) -> tuple[list[int], float]:
+    """elastic_train.py's node0-dies job on `nnodes` nodes of `nproc` (loopback); once rank 0 reached its step 6,
+    node 0's `troupe run` gets `signal_node_0`. Returns every launcher's exit code and the seconds from the signal
+    to the last one's end."""
     from troupe.runtime.ticket import free_port
 
-    where = ["--nnodes", "2", "--master", f"127.0.0.1:{free_port('127.0.0.1')}", "--token", "standby"]
-    errs = [open(out / f"node{node}.txt", "w") for node in (0, 1)]  # noqa: SIM115  (closed below)
-    procs = [subprocess.Popen([sys.executable, "-m", "troupe.cli", "run", "-n", "2", *where, "--node-rank", str(node),
-                               "--elastic", "--min-groups", "2", str(SCRIPT), str(out), "node0-dies"],
-                              cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=errs[node]) for node in (0, 1)]
+    where = ["--nnodes", str(nnodes), "--master", f"127.0.0.1:{free_port('127.0.0.1')}", "--token", "standby"]
+    errs = [open(out / f"node{node}.txt", "w") for node in range(nnodes)]  # noqa: SIM115  (closed below)
+    procs = [subprocess.Popen([sys.executable, "-m", "troupe.cli", "run", "-n", str(nproc), *where, "--node-rank",
+                               str(node), "--elastic", "--min-groups", "2", str(SCRIPT), str(out), "node0-dies"],
+                              cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=errs[node]) for node in range(nnodes)]
     try:
         deadline = time.monotonic() + 90
         while not (out / "node0").exists():
@@ -42,8 +43,8 @@ def two_nodes(out: Path, signal_node_0: int) -> tuple[list[int], float]:
             time.sleep(0.05)
         procs[0].send_signal(signal_node_0)
         sent = time.monotonic()
-        codes = [procs[1].wait(timeout=120), procs[0].wait(timeout=30)][::-1]
-        return codes, time.monotonic() - sent
+        codes = [proc.wait(timeout=120) for proc in procs[1:]]
+        return [procs[0].wait(timeout=30), *codes], time.monotonic() - sent
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -54,29 +55,37 @@ def two_nodes(out: Path, signal_node_0: int) -> tuple[list[int], float]:
 
 
 @pytest.mark.timeout(200)
-def test_node_0_s_launcher_killed_mid_run_node_1_takes_over_and_the_job_goes_on(tmp_path):
-    # SIGKILL: the job's store, its quorum, and (with their launcher) ranks 0 and 1
-    (_, code), took = two_nodes(tmp_path, signal.SIGKILL)
-    said = (tmp_path / "node1.txt").read_text()
-    assert code == 0, said[-3000:]
-    assert "troupe run: node 0's launcher (the job's store at 127.0.0.1:" in said and "this node's launcher keeps " \
-           "the job" in said and "node 0's ranks [0, 1] are lost" in said, said[-3000:]
-    assert "Traceback" not in said, said[-3000:]
-    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (2, 3)]
-    # rank 3 killed itself after the takeover: node 1's launcher restarted it with the standby's ticket, and it
-    # healed from rank 2
-    assert [r["incarnation"] for r in runs] == [0, 1] and runs[1]["heals"] == 1, "rank 3 did not restart and heal"
-    assert "rank 3 exited with signal 9 (SIGKILL); restarting it alone" in said, said[-3000:]
-    assert runs[0]["sha256"] == runs[1]["sha256"], "the survivors ended with different parameters"
-    members = [m for _, _, m in runs[0]["log"]]  # rank 2's: its one life, the whole job
-    first_alone = members.index([2, 3])
-    assert [0, 1, 2, 3] in members[:first_alone], "the job never stepped whole before the kill"
+@pytest.mark.parametrize("nnodes, nproc", [(2, 2), (3, 1)], ids=["2x2", "3x1"])
+def test_node_0_s_launcher_killed_mid_run_node_1_takes_over_and_the_job_goes_on(tmp_path, nnodes, nproc):
+    """2 nodes of 2: node 1's launcher keeps the job and restarts the last rank there; 3 nodes of 1: node 2's
+    launcher follows the standby and restarts the last rank there."""
+    total = nnodes * nproc
+    survivors, last = list(range(nproc, total)), total - 1
+    # SIGKILL: the job's store, its quorum, and (with their launcher) node 0's ranks
+    codes, took = nodes(tmp_path, signal.SIGKILL, nnodes, nproc)
+    said = [(tmp_path / f"node{i}.txt").read_text() for i in range(nnodes)]
+    assert codes[1:] == [0] * (nnodes - 1), said
+    assert "troupe run: node 0's launcher (the job's store at 127.0.0.1:" in said[1] and "this node's launcher keeps " \
+           f"the job" in said[1] and f"node 0's ranks {list(range(nproc))} are lost" in said[1], said[1][-3000:]
+    if nnodes > 2:
+        assert "troupe run: node 0's launcher is gone; this node follows the standby at 127.0.0.1:" in said[2], said[2]
+    assert not any("Traceback" in text for text in said), said
+    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in survivors]
+    # the last rank killed itself after the takeover: its launcher restarted it with the standby's ticket, and it
+    # healed from a survivor
+    assert [r["incarnation"] for r in runs] == [0] * (len(runs) - 1) + [1] and runs[-1]["heals"] == 1, \
+        "the last rank did not restart and heal"
+    assert f"rank {last} exited with signal 9 (SIGKILL); restarting it alone" in said[-1], said[-1][-3000:]
+    assert len({r["sha256"] for r in runs}) == 1, "the survivors ended with different parameters"
+    members = [m for _, _, m in runs[0]["log"]]  # the first survivor's: its one life, the whole job
+    first_alone = members.index(survivors)
+    assert list(range(total)) in members[:first_alone], "the job never stepped whole before the kill"
     assert None in members[:first_alone], "the round in flight at the kill was not left out"
-    assert all(m in ([2, 3], None) for m in members[first_alone:]), members
-    assert members[-job.FULL_STREAK:] == [[2, 3]] * job.FULL_STREAK, members
-    params = torch.load(tmp_path / "rank2.pt")["params"]
-    # (committed_steps checks that every step both logged committed with the same groups)
-    for got, want in zip(params, replay([[], [], runs[0]["log"], runs[1]["log"]]), strict=True):
+    assert all(m in (survivors, None) for m in members[first_alone:]), members
+    assert members[-job.FULL_STREAK:] == [survivors] * job.FULL_STREAK, members
+    params = torch.load(tmp_path / f"rank{survivors[0]}.pt")["params"]
+    # (committed_steps checks that every step two logs name committed has the same groups in both)
+    for got, want in zip(params, replay([[]] * nproc + [r["log"] for r in runs]), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert took < 90, took
 
@@ -85,7 +94,7 @@ def test_node_0_s_launcher_killed_mid_run_node_1_takes_over_and_the_job_goes_on(
 def test_node_0_s_launcher_stopped_on_purpose_ends_the_job_without_a_takeover(tmp_path):
     """SIGTERM to node 0's `troupe run` (a user stopping the job there) stops the job: it tells the standby, which
     stops node 1's ranks at once instead of taking over."""
-    codes, took = two_nodes(tmp_path, signal.SIGTERM)
+    codes, took = nodes(tmp_path, signal.SIGTERM)
     said = (tmp_path / "node1.txt").read_text()
     assert codes == [130, 1], said[-3000:]
     assert "troupe run: node 0's launcher ended the job (exit code 130); stopping this node's ranks" in said, said

@@ -15,7 +15,7 @@ from troupe.launcher.elastic import (
 from troupe.launcher.plan import LaunchPlan
 from troupe.launcher.policies import QuorumPolicy
 from troupe.launcher.ports import Ports
-from troupe.launcher.standby import Standby, groups_without_node_0
+from troupe.launcher.standby import Follower, Standby, groups_without_node_0
 from troupe.launcher.starter import Starter
 from troupe.runtime import settings
 from troupe.runtime.rankio import RankOutput
@@ -37,13 +37,17 @@ def run_elastic_groups(plan: LaunchPlan, output: RankOutput | None, ports: Ports
     # The quorum lives in node 0's launcher; another node's tells it what it sees of its own ranks. Node 1's keeps a
     # standby of it when the other nodes can go on without node 0 (launcher/standby.py).
     join_timeout = settings.current().join_timeout or DEFAULT_JOIN_TIMEOUT
-    lighthouse: Lighthouse | Reporter | Standby
-    watch: StoreWatch | Standby | None = None
+    lighthouse: Lighthouse | Reporter | Standby | Follower
+    watch: StoreWatch | Standby | Follower | None = None
     if place.node_rank == 0:
         lighthouse = Lighthouse(ticket, options, say=say).start()
-    elif place.node_rank == 1 and len(groups_without_node_0(options, plan.nproc, place.nnodes)) >= options.min_groups:
-        lighthouse = watch = Standby(ticket, options, plan.nproc, say, join_timeout,
-                                     on_take_over=lambda standby: setattr(start.env, "ticket", standby))
+    elif len(groups_without_node_0(options, plan.nproc, place.nnodes)) >= options.min_groups:
+        # A rank started once the standby is known is told where it is; once it took over, that is its store.
+        told = lambda addr: start.env.extra.__setitem__("TROUPE_STANDBY", addr)  # noqa: E731
+        follow = lambda standby: setattr(start.env, "ticket", standby)  # noqa: E731
+        lighthouse = watch = Standby(ticket, options, plan.nproc, say, join_timeout, on_take_over=follow,
+                                     on_standby=told) if place.node_rank == 1 \
+            else Follower(ticket, say, join_timeout, on_take_over=follow, on_standby=told)
     else:
         lighthouse, watch = Reporter(ticket, join_timeout), StoreWatch(ticket, say)
     code = 1

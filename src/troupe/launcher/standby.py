@@ -13,10 +13,13 @@ a rank it restarts is given the standby's ticket. Node 0's launcher leaving on p
 there: SIGTERM, Ctrl-C) says so in the standby's store first (`Lighthouse.end`): node 1's launcher then stops its
 ranks at once instead of taking over.
 
+The launchers of nodes 2 and up follow (`Follower`): they report to node 0's lighthouse, and once node 0's store
+stops answering and the standby says it took over, to the standby's; a rank they restart then is given the
+standby's ticket.
+
 What is left out: a job whose other nodes hold fewer than ``--min-groups`` groups has no standby (its other nodes
-end within 15 s, in one line, as before: `StoreWatch`); on three nodes or more, only node 1 keeps a standby and the
-launchers of nodes 2 and up still end their ranks when node 0's store is silent (their ranks would fail over).
-Node 0's launcher and node 1's both lost at once end the job.
+end within 15 s, in one line, as before: `StoreWatch`). Node 0's launcher and node 1's both lost at once end the
+job.
 """
 
 from __future__ import annotations
@@ -30,6 +33,15 @@ from troupe.runtime.quorum import ElasticOptions
 from troupe.runtime.ticket import Ticket
 
 
+def job_store(ticket: Ticket, timeout: float):
+    """A client of the job's store at `ticket`, under the job's prefix (as the lighthouse and the workers see it)."""
+    import torch.distributed as dist
+
+    from troupe.runtime.launch import open_store
+
+    return dist.PrefixStore(f"troupe/{ticket.token}/", open_store(ticket, False, timeout))
+
+
 def groups_without_node_0(options: ElasticOptions, nproc: int, nnodes: int) -> set[int]:
     """The worker groups none of whose processes run on node 0 (each node runs `nproc` ranks, node 0 the first)."""
     k = options.group_size
@@ -41,7 +53,8 @@ class Standby:
     then a lighthouse of its own (see the module's docstring)."""
 
     def __init__(self, ticket: Ticket, options: ElasticOptions, nproc: int, say: Callable[[str], None],
-                 join_timeout: float, on_take_over: Callable[[Ticket], None] = lambda ticket: None):
+                 join_timeout: float, on_take_over: Callable[[Ticket], None] = lambda ticket: None,
+                 on_standby: Callable[[str], None] = lambda addr: None):
         from troupe.runtime.failover import STANDBY_KEY
         from troupe.runtime.lighthouse import Lighthouse, Reporter
         from troupe.runtime.netif import source_address
@@ -53,6 +66,7 @@ class Standby:
         self.standby = Ticket(addr=source_address(ticket.addr), token=ticket.token)  # (a free port)
         self.house = Lighthouse(self.standby, options, say=say)  # hosts the standby store; idle until `take_over`
         self.reporter.store.set(STANDBY_KEY, f"{self.standby.addr}:{self.standby.port}")
+        on_standby(f"{self.standby.addr}:{self.standby.port}")
         self.active: Lighthouse | Reporter = self.reporter
         self.took_over = False
         self.closed = False
@@ -97,7 +111,6 @@ class Standby:
 
     def _ping(self) -> None:
         from troupe.runtime.failover import reachable
-        from troupe.runtime.launch import open_store
 
         from troupe.runtime.failover import ENDED_KEY
 
@@ -110,8 +123,8 @@ class Standby:
                 pass
             try:
                 if store is None:
-                    store = open_store(self.ticket, False, PING_SECONDS)
-                self.closed = store.check([f"troupe/{self.ticket.token}/closed"])
+                    store = job_store(self.ticket, PING_SECONDS)
+                self.closed = store.check(["closed"])
                 self.answered, self.failed, self.refused = time.monotonic(), 0, False
             except (RuntimeError, ConnectionError, OSError):
                 store = None
@@ -143,3 +156,76 @@ class Standby:
         self.on_take_over(self.standby)
         self.house.take_over(self.gone)
         self.active = self.house
+
+
+class Follower:
+    """The supervisor's house on node 2 and up, when node 1 keeps a standby: node 0's lighthouse through a `Reporter`,
+    then the standby's once node 0's store stops answering and the standby took over (see the module's docstring);
+    until then, and without a standby, node 0's store silent for 15 s ends this node's part (`StoreWatch`)."""
+
+    def __init__(self, ticket: Ticket, say: Callable[[str], None], join_timeout: float,
+                 on_take_over: Callable[[Ticket], None] = lambda ticket: None,
+                 on_standby: Callable[[str], None] = lambda addr: None):
+        from troupe.launcher.elastic import StoreWatch
+        from troupe.runtime.lighthouse import Reporter
+
+        self.ticket, self.say, self.join_timeout, self.on_take_over = ticket, say, join_timeout, on_take_over
+        self.on_standby = on_standby
+        self.reporter = Reporter(ticket, join_timeout)
+        self.watch = StoreWatch(ticket, say)
+        self.standby: Ticket | None = None
+        self.followed = False
+        self._looked = 0.0
+
+    def lost(self, rank: int, *, finished: bool = False) -> None:
+        self.reporter.lost(rank, finished=finished)
+
+    def restarted(self, rank: int) -> None:
+        self.reporter.restarted(rank)
+
+    def asked(self, rank: int, incarnation: int) -> bool:
+        return self.reporter.asked(rank, incarnation)
+
+    def refusal(self, rank: int) -> str | None:
+        return self.reporter.refusal(rank)
+
+    @property
+    def formed_once(self) -> bool:
+        return self.reporter.formed_once
+
+    def stop(self) -> None:
+        self.watch.stop()
+
+    def check(self) -> None:
+        """From the supervisor's loop, once a second: learn the standby's address while node 0's store answers; then
+        follow the standby as soon as it says it took over; else end as `StoreWatch` does."""
+        from troupe.runtime.failover import STANDBY_KEY, TAKEOVER_KEY
+
+        now = time.monotonic()
+        silent = now - self.watch.answered
+        if now - self._looked >= PING_SECONDS:
+            self._looked = now
+            try:
+                if self.standby is None and silent < PING_SECONDS and self.reporter.store.check([STANDBY_KEY]):
+                    host, port = self.reporter.store.get(STANDBY_KEY).decode().rsplit(":", 1)
+                    self.standby = Ticket(addr=host, port=int(port), token=self.ticket.token)
+                    self.on_standby(f"{host}:{port}")
+                elif self.standby is not None and not self.followed:
+                    self._follow(TAKEOVER_KEY)
+            except (RuntimeError, ConnectionError, OSError):
+                pass  # node 0's store, or the standby's, does not answer now: asked again a second later
+        self.watch.check()
+
+    def _follow(self, takeover_key: str) -> None:
+        from troupe.launcher.elastic import StoreWatch
+        from troupe.runtime.lighthouse import Reporter
+
+        if not job_store(self.standby, PING_SECONDS).check([takeover_key]):
+            return
+        self.followed = True
+        self.reporter = Reporter(self.standby, self.join_timeout)
+        self.watch.stop()
+        self.watch = StoreWatch(self.standby, self.say)
+        self.on_take_over(self.standby)
+        self.say(f"troupe run: node 0's launcher is gone; this node follows the standby at {self.standby.addr}:"
+                 f"{self.standby.port} (node 1's launcher)")

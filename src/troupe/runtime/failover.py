@@ -91,6 +91,23 @@ class Failover:
     def target(self) -> tuple[str, int]:
         return self.primary if self.generation == 0 else self.standby
 
+    def begin(self, standby: str | None) -> None:
+        """A fresh process told the standby's address (``HOST:PORT``, `troupe run` sets TROUPE_STANDBY for a rank it
+        starts once it knows it): when node 0's store takes no connections, wait for the standby to take over and
+        start there (a rank restarted just after node 0's launcher died)."""
+        if not standby:
+            return
+        host, port = standby.rsplit(":", 1)
+        if (host, int(port)) == self.primary:  # (started after the takeover: the standby is its job's store)
+            return
+        self.standby = (host, int(port))
+        if reachable(*self.primary, PROBE_SECONDS):
+            return
+        try:
+            self.fail_over(0, ConnectionError("node 0's store takes no connections"))
+        except FailedOver:
+            pass
+
     def connect(self, timeout: float) -> FailoverStore:
         return FailoverStore(self, timeout)
 
@@ -130,8 +147,6 @@ class Failover:
             first = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
             if self.standby is None:
                 raise self.lost(first)
-            if os.getppid() != self.launcher_pid:
-                raise self.lost(f"{first} (this node's launcher is gone too)")
             deadline = time.monotonic() + TAKEOVER_WAIT
             while time.monotonic() < deadline:
                 try:
@@ -144,6 +159,10 @@ class Failover:
             else:
                 raise self.lost(f"{first} (the standby at {self.standby[0]}:{self.standby[1]} did not take over "
                                 f"within {TAKEOVER_WAIT:.0f} s)")
+            # Asked once the standby took over (a second or more after node 0's store closed): a process is
+            # re-parented only as its dead parent's exit ends, after its sockets closed.
+            if os.getppid() != self.launcher_pid:
+                raise self.lost(f"{first} (this node's launcher is gone too)")
             self.generation = 1
             log.warning("troupe: %s reaches the job's store at the standby %s:%d (node 0's launcher is gone)",
                         self.who, *self.standby)

@@ -207,8 +207,9 @@ def _join_elastic(env: Settings, how: _Launch, backend: str, join_timeout: float
     # node 0's launcher's store, or the standby's once node 0's launcher is gone (runtime/failover.py)
     failover = Failover((ticket.addr, ticket.port), open_at, lost=lambda why: LostLauncher(
         f"rank {how.rank}: lost the elastic job's store (the launcher): {why}"), who=f"rank {how.rank}")
+    failover.begin(env.standby)
     connect = failover.connect
-    check_token(open_store(ticket, False, join_timeout), ticket, how.rank)
+    check_token(open_store(Ticket(*failover.target, token=ticket.token), False, join_timeout), ticket, how.rank)
     _gloo_interface(ticket, backend)
     membership = Elastic(options, how.rank, env.incarnation, backend, connect)
     membership.stand_by()  # it asks to join in troupe.track, when it is ready to step

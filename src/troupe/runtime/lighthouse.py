@@ -158,8 +158,10 @@ class Lighthouse:
             now = time.monotonic()
             self.dead |= set(gone)
             self.active, self.formed_once, self.collapsed_at = None, True, now
+            # Every other rank is heard afresh, with `timeout` more than `evict_after` to beat here: its heartbeat
+            # thread first waits out node 0's store, then reconnects to this one (seconds on a loaded host).
             for rank in set(range(self.options.processes)) - set(gone):
-                self.beats.expect(rank, now)
+                self.beats.expect(rank, now + self.options.timeout)
             self._note("took over", gone=sorted(gone))
             self.store.set(TAKEOVER_KEY, "1")
         self.start()

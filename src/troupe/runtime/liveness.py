@@ -120,8 +120,9 @@ class Silence:
                 self.store.add(key(who), 0)
                 self._made.add(who)
         for who, count in zip(whos, self.store.multi_get([key(w) for w in whos])):
-            if self.seen.get(who, (None, 0.0))[0] != int(count):
-                self.seen[who] = (int(count), now)
+            last = self.seen.get(who, (None, 0.0))
+            if last[0] != int(count):  # (a process `expect`-ed with time to come keeps it: `Lighthouse.take_over`)
+                self.seen[who] = (int(count), max(now, last[1]))
 
     def silent_for(self, who: Who, now: float | None = None) -> float:
         """Seconds since `who`'s counter last moved (as of the last `read`; 0 if it was never read)."""

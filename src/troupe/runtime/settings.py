@@ -57,6 +57,9 @@ class Settings:
     elastic: str | None = None
     """TROUPE_ELASTIC: JSON elastic options, set by `troupe run --elastic` (runtime/quorum.py)."""
     incarnation: int = 0
+    standby: str | None = None
+    """TROUPE_STANDBY: HOST:PORT of node 1's launcher's standby store, set by `troupe run --elastic` on several nodes
+    for a rank it starts once it knows it (runtime/failover.py)."""
     """TROUPE_INCARNATION: how many times `troupe run --elastic` has restarted this rank."""
     rejoin: bool = False
     """TROUPE_REJOIN: set by `troupe run --elastic` for a parameter-server framework: a dead worker

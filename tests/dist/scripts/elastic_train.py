@@ -17,9 +17,9 @@ MODE (faults in first incarnations only, unless said otherwise):
   always-raise  rank 1 raises at step 6, and at its first step back every time
   group-kill    rank 3 (group 1's second process) SIGKILLs itself at step 6: its whole group restarts
   nodes-kill    on 2 nodes of 2: rank 3 (node 1) SIGKILLs itself at step 6; once it is back, rank 0 raises
-  node0-dies    on 2 nodes of 2: rank 0 writes OUT/node0 at step 6 (the test SIGKILLs node 0's launcher); after 3
-                steps of node 1's groups alone rank 3 SIGKILLs itself (node 1's launcher, now keeping the job,
-                restarts it); the job ends after FULL_STREAK steps of groups 2 and 3
+  node0-dies    on several nodes: rank 0 writes OUT/node0 at step 6 (the test SIGKILLs node 0's launcher); after 3
+                steps of the other nodes' groups alone the last rank SIGKILLs itself (its launcher restarts it);
+                the job ends after FULL_STREAK steps of the other nodes' groups
   group-stop    rank 3 (group 1's second process) SIGSTOPs itself at step 6 and writes OUT/stopped
   group-kill-in-step  rank 3 SIGKILLs itself in its optimizer's step of step 6 (after the step's vote committed it)
 ELASTIC_TEST_CHUNK: partialUpdate's chunk size. ELASTIC_TEST_PARTITION (a JSON troupe.partition plan, e.g. {"0": 1, "2": -1},
@@ -68,12 +68,18 @@ def fault(mode: str, rank: int, incarnation: int, step: int, log: list, out: Pat
         raise RuntimeError("boom")  # a second failure, of another kind, once the first is back: rank 0 is not special
     if mode == "node0-dies" and rank == 0 and step == FAULT_AT:
         (out / "node0").write_text(str(os.getpid()))
-    if mode == "node0-dies" and rank == 3 and incarnation == 0 and [m for _, _, m in log].count([2, 3]) == 3:
+    if mode == "node0-dies" and rank == groups - 1 and incarnation == 0 and [m for _, _, m in log].count(
+            without_node_0(groups)) == 3:
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "two-down" and rank == 2 and incarnation == 0 and step == FAULT_AT:
         raise RuntimeError("boom")  # as rank 1 dies
     if mode == "always-raise" and rank == 1 and (incarnation > 0 or step == FAULT_AT):
         raise RuntimeError("boom, every time")
+
+
+def without_node_0(groups: int) -> list[int]:
+    """The groups (of one process) on every node but node 0, which runs the first LOCAL_WORLD_SIZE ranks."""
+    return list(range(int(os.environ["LOCAL_WORLD_SIZE"]), groups))
 
 
 def sync_freq() -> int | None:
@@ -160,7 +166,8 @@ def main(out: Path, mode: str, dist_option: str = "plain") -> None:
             opt.zero_grad()
             members = list(membership.stepped_with) if membership.stepped_with else None
             log.append([epoch, b, members])
-            full = [2, 3] if mode == "node0-dies" else list(range(membership.options.cap))  # (or max_groups of them)
+            full = without_node_0(membership.options.groups) if mode == "node0-dies" \
+                else list(range(membership.options.cap))  # (or max_groups of them)
             streak = streak + 1 if members and len(members) == len(full) and (mode != "node0-dies" or members == full) \
                 else 0
             if opt.step_count >= MIN_STEPS and streak >= FULL_STREAK and opt.step_count % (sync_freq() or 1) == 0:
