@@ -44,7 +44,8 @@ out, steps = sys.argv[1], int(sys.argv[2])
 log = []
 while opt.step_count < steps:
     opt.zero_grad()
-    model(torch.randn(16, 32)).sum().backward()
+    x = torch.randn(16, 32)
+    torch.nn.functional.mse_loss(model(x), x[:, :1]).backward()
     opt.step()
     log.append([time.time(), opt.step_count, list(membership.stepped_with or [])])
     if len(log) % 20 == 0 or opt.step_count >= steps:

@@ -243,7 +243,7 @@ class Elastic(Membership):
             try:
                 self._enter(quorum, "r0")
                 return quorum
-            except RuntimeError as e:  # a member died while the group formed: ask again
+            except (RuntimeError, FailedOver) as e:  # a member died while the group formed (or the store moved): again
                 log.warning("troupe: rank %d could not form quorum %d (%s); asking to be admitted again",
                             self.rank, quorum.id, str(e).splitlines()[0][:160])
 
@@ -425,7 +425,7 @@ class Elastic(Membership):
             return
         try:
             self._enter(nxt, f"r{self.round}" if nxt.id == self.quorum.id else "r0")
-        except RuntimeError:
+        except (RuntimeError, FailedOver):
             self.join()
 
     # --- heal ----------------------------------------------------------------------------
