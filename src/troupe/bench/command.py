@@ -19,7 +19,7 @@ from troupe.bench import records as records_mod
 from troupe.bench import registry, render
 from troupe.bench.options import Options
 from troupe.bench.records import Record
-from troupe.bench.workloads import checkout_root
+from troupe.bench.records import checkout_root
 from troupe.runtime.spawn import RankFailed, run_ranks
 
 

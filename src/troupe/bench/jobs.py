@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from troupe.bench.workloads import checkout_root
+from troupe.bench.records import checkout_root
 
 
 @dataclass(frozen=True)

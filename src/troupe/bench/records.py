@@ -102,6 +102,16 @@ class Stamp:
                                    date=self.date, run=self.run)
 
 
+def checkout_root() -> Path:
+    """The source checkout this troupe runs from (examples/ and benchmarks/ live there)."""
+    here = Path(__file__).resolve().parents[3]  # src/troupe/bench/records.py -> the checkout
+    for root in (here, Path.cwd()):
+        if (root / "benchmarks").is_dir() and (root / "examples").is_dir():
+            return root
+    raise RuntimeError(f"troupe bench needs a troupe source checkout (with examples/ and benchmarks/); none at "
+                       f"{here} or {Path.cwd()}: run it from one")
+
+
 def git_commit(root: Path) -> str:
     """Short HEAD commit of the checkout at `root`, "+dirty" if src/ differs from it; "" outside git."""
     try:

@@ -21,18 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import troupe.script.data
+from troupe.bench.records import checkout_root
 
 Batch = tuple[Tensor, Tensor]
-
-
-def checkout_root() -> Path:
-    """The source checkout this troupe runs from (examples/ and benchmarks/ live there)."""
-    here = Path(__file__).resolve().parents[3]  # src/troupe/bench/workloads.py -> the checkout
-    for root in (here, Path.cwd()):
-        if (root / "benchmarks").is_dir() and (root / "examples").is_dir():
-            return root
-    raise RuntimeError(f"troupe bench needs a troupe source checkout (with examples/ and benchmarks/); none at "
-                       f"{here} or {Path.cwd()}: run it from one")
 
 
 def _load(relative: str) -> ModuleType:

@@ -241,7 +241,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from troupe.bench.netns import available
-    from troupe.bench.workloads import checkout_root
+    from troupe.bench.records import checkout_root
 
     why_not = available()
     if args.net == "netns" and why_not:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 from troupe.bench.suites.generic import plot, table  # noqa: F401  (the registry renders records with them)
-from troupe.bench.workloads import checkout_root
+from troupe.bench.records import checkout_root
 
 SCRIPT = "tests/dist/scripts/fault_train.py"
 """The job (relative to the checkout): 2 ranks by the Ticket + multiprocessing pattern, a fault on rank 1."""

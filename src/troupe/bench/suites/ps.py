@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict]] = {n: [] for n in names}
     if args.out:
         from troupe.bench.records import save, stamp
-        from troupe.bench.workloads import checkout_root
+        from troupe.bench.records import checkout_root
 
         started = stamp(checkout_root())
     if args.table:  # runs saved earlier (several invocations may have appended to one file)

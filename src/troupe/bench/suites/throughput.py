@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from troupe.bench.netns import available
     from troupe.bench.records import stamp
-    from troupe.bench.workloads import checkout_root
+    from troupe.bench.records import checkout_root
 
     started = stamp(checkout_root())
     why_not = available()
