@@ -25,7 +25,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
 sys.path.insert(0, str(SCRIPT.parent))
 import elastic_train as job  # noqa: E402
 
-from tests.dist.world import run_nodes  # noqa: E402
+from tests.dist.world import master_port, run_nodes  # noqa: E402
 from troupe.script.sampling import DistributedSampler  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.process]
@@ -584,9 +584,7 @@ def test_on_two_nodes_each_launcher_restarts_its_own_ranks(tmp_path):
     whose launcher restarts it; once it is back rank 0 fails on node 0, whose launcher restarts it.
     Node 1's launcher is a Slurm task (`troupe run --slurm`: its place, master and token from srun's
     environment), node 0's is given them as flags."""
-    from troupe.runtime.ticket import free_port
-
-    port = free_port("127.0.0.1")
+    port = master_port()
     slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
              "SLURM_STEP_NODELIST": "127.0.0.1", "TROUPE_MASTER_PORT": str(port), "TROUPE_TOKEN": "elastic-nodes-test"}
     launches = []
@@ -677,11 +675,9 @@ def test_another_node_ends_in_one_line_when_node_0_s_launcher_is_killed(tmp_path
     and exits 1 within the bound (`StoreWatch`: 15 s of silence), saying so in one line; its ranks say one
     line each, not a traceback."""
     from troupe.launcher.elastic import STORE_SILENCE_SECONDS
-    from troupe.runtime.ticket import free_port
-
     script = tmp_path / "long.py"
     script.write_text(LONG_JOB)
-    where = ["--nnodes", "2", "--master", f"127.0.0.1:{free_port('127.0.0.1')}", "--token", "n0-dies"]
+    where = ["--nnodes", "2", "--master", f"127.0.0.1:{master_port()}", "--token", "n0-dies"]
     procs = [subprocess.Popen([sys.executable, "-m", "troupe.cli", "run", "-n", "1", *where, "--node-rank", str(node),
                                "--elastic", str(script), str(tmp_path)], cwd=tmp_path, env=ENV, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for node in (0, 1)]

@@ -28,7 +28,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
 sys.path.insert(0, str(SCRIPT.parent))
 import ps_rejoin_train as job  # noqa: E402
 
-from tests.dist.world import run_nodes  # noqa: E402
+from tests.dist.world import master_port, run_nodes  # noqa: E402
 from troupe.cluster.serving.mastercopies import parts  # noqa: E402
 from troupe.cluster.serving.shard import plan_slices  # noqa: E402
 from troupe.script.sampling import DistributedSampler  # noqa: E402
@@ -100,9 +100,7 @@ def on_two_nodes(out: Path, token: str, nproc: int, flags: list[str], env: dict[
     """The job in mode "kill" under two launchers on loopback (`nproc` processes each, node 0's hosting the job's
     store); the highest worker, rank 3 on node 1, is killed and restarted there. Both must end 0 with every
     worker's 24 steps, rank 3 in its second life from step 7. Returns each node's stderr."""
-    from troupe.runtime.ticket import free_port
-
-    port = free_port("127.0.0.1")
+    port = master_port()
     launches = [([sys.executable, "-m", "troupe.cli", "run", "-n", str(nproc), "--nnodes", "2", "--node-rank",
                   str(node), "--master", f"127.0.0.1:{port}", "--token", token, "--elastic", *flags, str(SCRIPT),
                   str(out), "kill"], env) for node in (0, 1)]

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.dist.test_elastic import ENV, ROOT, SCRIPT, job, replay
+from tests.dist.world import master_port
 from troupe.runtime.failover import Failover, FailedOver, FailoverStore, reachable
 
 pytestmark = [pytest.mark.dist, pytest.mark.process]
@@ -29,9 +30,7 @@ def nodes(out: Path, signal_node_0: int, nnodes: int = 2, nproc: int = 2) -> tup
     """elastic_train.py's node0-dies job on `nnodes` nodes of `nproc` (loopback); once rank 0 reached its step 6,
     node 0's `troupe run` gets `signal_node_0`. Returns every launcher's exit code and the seconds from the signal
     to the last one's end."""
-    from troupe.runtime.ticket import free_port
-
-    where = ["--nnodes", str(nnodes), "--master", f"127.0.0.1:{free_port('127.0.0.1')}", "--token", "standby"]
+    where = ["--nnodes", str(nnodes), "--master", f"127.0.0.1:{master_port()}", "--token", "standby"]
     errs = [open(out / f"node{node}.txt", "w") for node in range(nnodes)]  # noqa: SIM115  (closed below)
     procs = [subprocess.Popen([sys.executable, "-m", "troupe.cli", "run", "-n", str(nproc), *where, "--node-rank",
                                str(node), "--elastic", "--min-groups", "2", str(SCRIPT), str(out), "node0-dies"],

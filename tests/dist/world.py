@@ -18,6 +18,23 @@ from typing import Any
 
 from troupe.runtime.spawn import RankFailed, rank_entry, run_ranks
 
+
+def master_port() -> int:
+    """A port p for `troupe run --master 127.0.0.1:p` on several nodes: node 0's launcher listens on p and holds
+    p + 1 (a script's env:// rendezvous), and refuses the job in one line when either is taken, so both are free
+    now (a port the OS hands out alone may have its successor taken by another test's server)."""
+    import socket
+
+    for _ in range(100):
+        with socket.create_server(("127.0.0.1", 0)) as first:
+            port = first.getsockname()[1]
+            try:
+                socket.create_server(("127.0.0.1", port + 1)).close()
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port p with p + 1 free in 100 tries")
+
 __all__ = ["RankFailed", "run_nodes", "run_world"]
 
 _entry = rank_entry
