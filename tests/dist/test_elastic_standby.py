@@ -168,3 +168,11 @@ def test_a_store_that_moved_raises_failed_over_once_then_reaches_the_standby(tmp
         b.add("n", 1)  # its first operation since the failover: not done (only the caller knows if it may be)
     assert b.add("n", 1) == 1 and a.add("n", 1) == 2 and standby.add("n", 0) == 2
     assert isinstance(b, FailoverStore) and b.current() is b.inner
+    # Node 0's store still takes connections (a launcher stopped, or hung, whose host lives), but the standby took
+    # over: an operation that fails there fails over all the same (it used to end the rank)
+    hung = dist.TCPStore("127.0.0.1", free_port("127.0.0.1"), is_master=True, timeout=td, wait_for_workers=False)
+    other = Failover(("127.0.0.1", hung.port), opened)
+    other.standby = ("127.0.0.1", standby.port)
+    with pytest.raises(FailedOver):
+        other.connect(0.5).get("never")  # times out: the store answers, but the job is the standby's now
+    assert other.generation == 1

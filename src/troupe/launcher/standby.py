@@ -33,6 +33,12 @@ from troupe.runtime.quorum import ElasticOptions
 from troupe.runtime.ticket import Ticket
 
 
+UNREACHED_SECONDS = 60.0
+"""After a takeover, how long the standby waits for a rank to ask to be admitted before it ends this node's part: a
+node 0 launcher that stopped (SIGSTOP, a hang) while its host lives keeps accepting connections, and a worker's store
+call on it never returns (torch's TCPStore client sets no bound on a connected server that stops answering)."""
+
+
 def job_store(ticket: Ticket, timeout: float):
     """A client of the job's store at `ticket`, under the job's prefix (as the lighthouse and the workers see it)."""
     import torch.distributed as dist
@@ -69,6 +75,7 @@ class Standby:
         on_standby(f"{self.standby.addr}:{self.standby.port}")
         self.active: Lighthouse | Reporter = self.reporter
         self.took_over = False
+        self.took_over_at = 0.0
         self.closed = False
         """Node 0's lighthouse closed the job (its members finished): a silence then is the job's end."""
         self.answered = time.monotonic()
@@ -133,8 +140,15 @@ class Standby:
                     self.refused = not reachable(self.ticket.addr, self.ticket.port, PING_SECONDS)
 
     def check(self) -> None:
-        """From the supervisor's loop: take over once node 0's launcher is gone (see the module's docstring)."""
+        """From the supervisor's loop: take over once node 0's launcher is gone (see the module's docstring); end
+        this node's part when, after the takeover, no rank asks here within `UNREACHED_SECONDS`."""
         if self.took_over:
+            waited = time.monotonic() - self.took_over_at
+            if waited > UNREACHED_SECONDS and not self.house.requests:
+                self.say(f"troupe run: no rank reached the standby store within {waited:.0f} s of the takeover (node "
+                         f"0's launcher stopped answering but its address still takes connections, and torch's store "
+                         f"client waits on it without a bound); stopping this node's ranks")
+                raise EndedElsewhere(1)
             return
         silent = time.monotonic() - self.answered
         if self.ended:
@@ -148,7 +162,7 @@ class Standby:
             return
         if not (self.refused or silent > STORE_SILENCE_SECONDS):
             return
-        self.took_over = True
+        self.took_over, self.took_over_at = True, time.monotonic()
         self.say(f"troupe run: node 0's launcher (the job's store at {self.ticket.addr}:{self.ticket.port}) is gone "
                  f"({'it refuses connections' if self.refused else f'silent for {silent:.0f} s'}); this node's "
                  f"launcher keeps the job (standby store at {self.standby.addr}:{self.standby.port}); node 0's "

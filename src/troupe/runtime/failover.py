@@ -101,7 +101,7 @@ class Failover:
         if (host, int(port)) == self.primary:  # (started after the takeover: the standby is its job's store)
             return
         self.standby = (host, int(port))
-        if reachable(*self.primary, PROBE_SECONDS):
+        if reachable(*self.primary, PROBE_SECONDS) and not self._taken_over():
             return
         try:
             self.fail_over(0, ConnectionError("node 0's store takes no connections"))
@@ -135,6 +135,16 @@ class Failover:
             self.standby, self._mirror = None, None
             return value
 
+    def _taken_over(self) -> bool:
+        """Whether the standby says it took over: then node 0's launcher is gone for the job even where its address
+        still takes connections (a launcher stopped, or hung, whose host lives)."""
+        if self.standby is None:
+            return False
+        try:
+            return self.open_at(*self.standby, PROBE_SECONDS).check([TAKEOVER_KEY])
+        except _ERRORS:
+            return False
+
     def fail_over(self, seen: int, error: BaseException) -> None:
         """An operation of a store of generation `seen` failed with `error`: return when node 0's store still
         takes connections (the error was the operation's own: the caller raises it); move to the standby and raise
@@ -142,8 +152,8 @@ class Failover:
         with self._lock:
             if self.generation != seen:
                 raise FailedOver(f"the job's store moved to the standby at {self.standby[0]}:{self.standby[1]}")
-            if self.generation == 1 or reachable(*self.primary, PROBE_SECONDS):
-                return
+            if self.generation == 1 or (reachable(*self.primary, PROBE_SECONDS) and not self._taken_over()):
+                return  # (node 0's store still takes connections, and the standby has not taken over)
             first = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
             if self.standby is None:
                 raise self.lost(first)
