@@ -1,6 +1,6 @@
 # Two entry points on a fresh machine:
 #   make train   set up .venv, then train the MNIST CNN on 2 local processes
-#   make test    set up .venv, then run the test suite (13-15 minutes on 2 cores, by the load)
+#   make test    set up .venv, then run the test suite (12-15 minutes on 2 cores, by the load)
 #   make test-fast  the unit tests that start no process (under a minute)
 #   make docs    set up .venv, then build the documentation site into build/docs
 PYTHON ?= python3
