@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from troupe.launcher.elastic import PING_SECONDS, STORE_SILENCE_SECONDS, EndedElsewhere
 from troupe.runtime.quorum import ElasticOptions
@@ -54,7 +55,29 @@ def groups_without_node_0(options: ElasticOptions, nproc: int, nnodes: int) -> s
     return {r // k for r in range(nproc, nproc * nnodes)} - {r // k for r in range(nproc)}
 
 
-class Standby:
+class _House:
+    """The supervisor's house calls (`Lighthouse` / `Reporter`), passed to whichever keeps the job now (`active`)."""
+
+    active: Any
+
+    def lost(self, rank: int, *, finished: bool = False) -> None:
+        self.active.lost(rank, finished=finished)
+
+    def restarted(self, rank: int) -> None:
+        self.active.restarted(rank)
+
+    def asked(self, rank: int, incarnation: int) -> bool:
+        return self.active.asked(rank, incarnation)
+
+    def refusal(self, rank: int) -> str | None:
+        return self.active.refusal(rank)
+
+    @property
+    def formed_once(self) -> bool:
+        return self.active.formed_once
+
+
+class Standby(_House):
     """The supervisor's house on node 1: node 0's lighthouse through a `Reporter` until node 0's launcher is gone,
     then a lighthouse of its own (see the module's docstring)."""
 
@@ -87,24 +110,6 @@ class Standby:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._ping, name="troupe-standby", daemon=True)
         self._thread.start()
-
-    # --- the supervisor's house (`Lighthouse` / `Reporter`) --------------------------------------
-
-    def lost(self, rank: int, *, finished: bool = False) -> None:
-        self.active.lost(rank, finished=finished)
-
-    def restarted(self, rank: int) -> None:
-        self.active.restarted(rank)
-
-    def asked(self, rank: int, incarnation: int) -> bool:
-        return self.active.asked(rank, incarnation)
-
-    def refusal(self, rank: int) -> str | None:
-        return self.active.refusal(rank)
-
-    @property
-    def formed_once(self) -> bool:
-        return self.active.formed_once
 
     def done(self) -> bool:
         return self.house.done() if self.took_over else True
@@ -172,7 +177,7 @@ class Standby:
         self.active = self.house
 
 
-class Follower:
+class Follower(_House):
     """The supervisor's house on node 2 and up, when node 1 keeps a standby: node 0's lighthouse through a `Reporter`,
     then the standby's once node 0's store stops answering and the standby took over (see the module's docstring);
     until then, and without a standby, node 0's store silent for 15 s ends this node's part (`StoreWatch`)."""
@@ -191,21 +196,9 @@ class Follower:
         self.followed = False
         self._looked = 0.0
 
-    def lost(self, rank: int, *, finished: bool = False) -> None:
-        self.reporter.lost(rank, finished=finished)
-
-    def restarted(self, rank: int) -> None:
-        self.reporter.restarted(rank)
-
-    def asked(self, rank: int, incarnation: int) -> bool:
-        return self.reporter.asked(rank, incarnation)
-
-    def refusal(self, rank: int) -> str | None:
-        return self.reporter.refusal(rank)
-
     @property
-    def formed_once(self) -> bool:
-        return self.reporter.formed_once
+    def active(self):  # noqa: ANN201  (a Reporter: node 0's lighthouse's, then the standby's)
+        return self.reporter
 
     def stop(self) -> None:
         self.watch.stop()
