@@ -147,7 +147,7 @@ def test_a_store_that_moved_raises_failed_over_once_then_reaches_the_standby(tmp
     opened = lambda host, p, timeout: dist.TCPStore(host, p, is_master=False,  # noqa: E731
                                                     timeout=datetime.timedelta(seconds=timeout))
     failover = Failover(("127.0.0.1", ports[0]), opened)
-    a, b = failover.connect(2.0), failover.connect(2.0)
+    a, b = failover.connect(10.0), failover.connect(10.0)  # (a loaded host may take seconds to connect)
     servers[0].set(STANDBY_KEY, f"127.0.0.1:{ports[1]}")
     failover.learn(a)
     assert failover.standby == ("127.0.0.1", ports[1])
